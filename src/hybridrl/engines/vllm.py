@@ -1,0 +1,183 @@
+"""vLLM as an OpenAI-compatible server in its own Python environment (CPU build or GPU)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from hybridrl.engines.base import Completion, EngineError, Request
+from hybridrl.engines.server import ServerProcess, StreamingClient, free_port, post_json
+
+BASE_NAME = "base"
+_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.M)
+
+
+class _VLLMStream(StreamingClient):
+    url_path = "/v1/completions"
+
+    def body(self, req: Request) -> dict[str, Any]:
+        s = req.sampling
+        body = {
+            "model": req.adapter or BASE_NAME,
+            "prompt": req.prompt_ids,
+            "max_tokens": s.max_new_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "ignore_eos": s.ignore_eos,
+            "logprobs": 0,  # only the sampled token's logprob
+            "return_tokens_as_token_ids": True,
+            "stream": True,
+        }
+        if s.seed is not None:
+            body["seed"] = s.seed
+        return body
+
+    def parse(self, chunk: dict[str, Any]) -> tuple[list[int], list[float], str | None]:
+        choice = chunk["choices"][0]
+        lp = choice.get("logprobs") or {}
+        ids = [int(t.rsplit(":", 1)[1]) for t in lp.get("tokens") or []]
+        return ids, list(lp.get("token_logprobs") or []), choice.get("finish_reason")
+
+
+class VLLMServer:
+    """`vllm serve` with runtime LoRA updates; sleep mode when it runs on GPUs."""
+
+    name = "vllm"
+
+    def __init__(self, model: Path, run: dict[str, Any], env_spec: dict[str, Any], log_dir: Path) -> None:
+        self.model, self.run, self.log_dir = model, run, log_dir
+        self.python = env_spec.get("python", "python")
+        self.extra_env = dict(env_spec.get("env", {}))
+        self.supports_sleep = run["device"] == "cuda"
+        self.server: ServerProcess | None = None
+        self.stream: _VLLMStream | None = None
+        self._loaded: set[str] = set()
+
+    # -- process ---------------------------------------------------------------------------------
+    def command(self, port: int, adapter: tuple[str, Path] | None) -> list[str]:
+        run, lora = self.run, self.run["lora"]
+        cmd = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model), "--served-model-name", BASE_NAME,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--seed", str(run["seed"]),
+            "--max-model-len", str(self._max_len()),
+            "--enable-lora", "--max-lora-rank", str(_lora_rank_bucket(lora["rank"])), "--max-loras", "1",
+            "--max-num-seqs", str(run["max_concurrency"]),
+        ]
+        if run["device"] == "cuda":
+            cmd += ["--tensor-parallel-size", str(run["tp"]),
+                    "--gpu-memory-utilization", str(run["gpu_memory_utilization"]),
+                    "--enable-sleep-mode"]
+        if adapter:
+            cmd += ["--lora-modules", f"{adapter[0]}={adapter[1]}"]
+        return cmd + list(run["engine_args"])
+
+    def _max_len(self) -> int:
+        import json
+
+        cfg = json.loads((self.model / "config.json").read_text())
+        return min(int(cfg.get("max_position_embeddings", 4096)), 4096)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)  # the engine has its own environment; the controller's must not leak in
+        env.update({
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+            "VLLM_SERVER_DEV_MODE": "1",  # /sleep, /wake_up, /is_sleeping
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+        })
+        if self.run["device"] == "cpu":
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a large slice of RAM
+        env.update(self.extra_env)
+        return env
+
+    def start(self, adapter: tuple[str, Path] | None = None) -> float:
+        port = free_port()
+        self.server = ServerProcess(self.name, self.command(port, adapter), self.environment(),
+                                    self.log_dir / "engine.log", port)
+        self.server.start()
+        elapsed = self.server.wait_healthy(self.run["startup_timeout_s"])
+        self.stream = _VLLMStream(self.server, self.run["request_timeout_s"], self.run["max_concurrency"])
+        self._loaded = {adapter[0]} if adapter else set()
+        return elapsed
+
+    def stop(self) -> None:
+        if self.server:
+            self.server.stop()
+        self.server = None
+
+    def alive(self) -> bool:
+        return bool(self.server and self.server.alive())
+
+    # -- rollouts and adapters -------------------------------------------------------------------
+    def generate(self, requests: list[Request], progress: bool = False) -> list[Completion]:
+        if not self.stream:
+            raise EngineError("vllm: generate() before start()")
+        return self.stream.generate(requests, progress)
+
+    def load_adapter(self, name: str, path: Path) -> None:
+        payload: dict[str, Any] = {"lora_name": name, "lora_path": str(path)}
+        if name in self._loaded:
+            payload["load_inplace"] = True  # same name, new weights
+        post_json(self._url(), "/v1/load_lora_adapter", payload)
+        self._loaded.add(name)
+
+    # -- sleep mode (GPU) ------------------------------------------------------------------------
+    def sleep(self) -> None:
+        post_json(self._url(), f"/sleep?level={self.run['vllm_sleep_level']}")
+
+    def wake(self) -> None:
+        post_json(self._url(), "/wake_up")
+
+    def flush_cache(self) -> None:
+        post_json(self._url(), "/reset_prefix_cache")
+
+    def kv_capacity_tokens(self) -> int | None:
+        text = post_json(self._url(), "/metrics", method="GET", timeout_s=30).text
+        match = _CACHE_INFO.search(text)
+        if not match:
+            return None
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group("labels")))
+        blocks = labels.get("num_gpu_blocks") or labels.get("num_cpu_blocks")
+        if not blocks or blocks == "None":
+            return None
+        return int(blocks) * int(labels.get("block_size", 16))
+
+    def describe(self) -> dict[str, Any]:
+        port = self.server.port if self.server else 0
+        return {"engine": self.name, "python": self.python, "command": self.command(port, None),
+                "env": {k: v for k, v in self.environment().items() if k.startswith(("VLLM_", "CUDA_"))},
+                "version": _version(self.python, "vllm")}
+
+    def _url(self) -> str:
+        if not self.server:
+            raise EngineError("vllm: not started")
+        return self.server.base_url
+
+
+def _lora_rank_bucket(rank: int) -> int:
+    """vLLM accepts only some --max-lora-rank values; take the smallest that fits."""
+    for bucket in (8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= bucket:
+            return bucket
+    raise EngineError(f"vllm: LoRA rank {rank} is larger than vLLM supports (512)")
+
+
+def _version(python: str, package: str) -> str | None:
+    import subprocess
+
+    # the CPU build is distributed as vllm-cpu
+    code = ("import importlib.metadata as m\nfor p in ('%s', '%s-cpu'):\n  try: print(m.version(p)); break\n"
+            "  except m.PackageNotFoundError: pass" % (package, package))
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+

@@ -1,0 +1,118 @@
+"""Model preparation: download a Hugging Face checkpoint once, or build a random-init one offline."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hybridrl.data import prompt_text, read_jsonl
+
+ARCH_CONFIGS = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+_SHAPE_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "num_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "tie_word_embeddings",
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
+
+
+def model_dir(root: Path, name: str) -> Path:
+    return root / name
+
+
+def build_tokenizer(texts: list[str], vocab_size: int, out_dir: Path) -> None:
+    """Train a byte-level BPE on the study's own text and save it as a normal HF tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[1])
+    fast.save_pretrained(out_dir)
+
+
+def build_random(spec: dict[str, Any], corpus: Path, out_dir: Path) -> None:
+    """A random-init checkpoint of the given architecture, with a tokenizer trained on `corpus`."""
+    import torch
+    import transformers
+
+    config_cls, model_cls = (getattr(transformers, n) for n in ARCH_CONFIGS[spec["arch"]])
+    rows = read_jsonl(corpus)
+    texts = [prompt_text(r["question"]) + " " + r["answer"] for r in rows]
+    vocab = spec.get("vocab_size", 512)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as tmp:
+        tmp_dir = Path(tmp)
+        build_tokenizer(texts, vocab, tmp_dir)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_dir)
+        shape = {k: spec[k] for k in _SHAPE_KEYS if k in spec}
+        shape["vocab_size"] = len(tokenizer)  # BPE may stop short of the requested size
+        dtype = getattr(torch, spec.get("dtype", "bfloat16"))
+        config = config_cls(
+            **shape, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, torch_dtype=dtype,
+        )
+        torch.manual_seed(spec.get("seed", 0))
+        model = model_cls(config).to(dtype)
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.save_pretrained(tmp_dir)
+        (tmp_dir / "hybridrl-model.json").write_text(json.dumps({"init": "random", **spec}, indent=2))
+        _publish(tmp_dir, out_dir)
+
+
+def download(spec: dict[str, Any], out_dir: Path) -> None:
+    from huggingface_hub import snapshot_download
+
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as tmp:
+        try:
+            snapshot_download(spec["hf_id"], revision=spec.get("revision"), local_dir=tmp,
+                              allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.py"])
+        except Exception as exc:  # the hub raises many types; one message names the model
+            raise RuntimeError(f"model {spec['hf_id']}: download failed ({type(exc).__name__}: {exc})") from exc
+        _publish(Path(tmp), out_dir)
+
+
+def link_local(spec: dict[str, Any], out_dir: Path) -> None:
+    src = Path(spec["path"]).expanduser().resolve()
+    if not (src / "config.json").exists():
+        raise FileNotFoundError(f"model path {src} has no config.json: not a Hugging Face checkpoint")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if out_dir.is_symlink() or out_dir.exists():
+        out_dir.unlink() if out_dir.is_symlink() else shutil.rmtree(out_dir)
+    out_dir.symlink_to(src, target_is_directory=True)
+
+
+def _publish(tmp_dir: Path, out_dir: Path) -> None:
+    """Move a finished checkpoint into place, so a half-written one never carries the final name."""
+    staging = out_dir.parent / f".{out_dir.name}.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(tmp_dir, staging)
+    staging.chmod(0o755)  # mkdtemp makes 0700; others (containers, colleagues) must read it
+    if out_dir.is_symlink():
+        out_dir.unlink()
+    elif out_dir.exists():
+        shutil.rmtree(out_dir)
+    staging.rename(out_dir)
+
+
+def prepare(spec: dict[str, Any], corpus: Path, out_dir: Path) -> None:
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if "path" in spec:
+        link_local(spec, out_dir)
+    elif "hf_id" in spec:
+        download(spec, out_dir)
+    else:
+        build_random(spec, corpus, out_dir)

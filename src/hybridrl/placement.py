@@ -1,0 +1,71 @@
+"""Placements: what happens to the engine and the trainer around each training phase."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridrl.engines.base import Engine
+from hybridrl.telemetry import MemorySampler, Timings
+from hybridrl.trainers.base import Trainer
+
+ADAPTER_NAME = "policy"
+
+
+class Placement:
+    """split: the engine stays up on its own devices and hot-loads each new adapter."""
+
+    name = "split"
+
+    def __init__(self, engine: Engine, trainer: Trainer | None, sampler: MemorySampler) -> None:
+        self.engine, self.trainer, self.sampler = engine, trainer, sampler
+
+    def before_train(self, t: Timings) -> None:
+        pass
+
+    def after_train(self, t: Timings, adapter: Path | None) -> None:
+        if adapter is not None:
+            with t.phase("update_weights", self.sampler):
+                self.engine.load_adapter(ADAPTER_NAME, adapter)
+
+
+class Colocate(Placement):
+    """Engine and trainer share GPUs: the engine sleeps while the trainer runs, then wakes."""
+
+    name = "colocate"
+
+    def before_train(self, t: Timings) -> None:
+        with t.phase("sleep", self.sampler):
+            self.engine.sleep()
+        if self.trainer:
+            self.trainer.onload()
+
+    def after_train(self, t: Timings, adapter: Path | None) -> None:
+        if self.trainer:
+            self.trainer.offload()  # before wake, so the engine gets its memory back
+        with t.phase("wake", self.sampler):
+            self.engine.wake()
+        if adapter is not None:
+            with t.phase("update_weights", self.sampler):
+                self.engine.load_adapter(ADAPTER_NAME, adapter)
+                self.engine.flush_cache()  # cached prefixes were computed by the old adapter
+
+
+class Restart(Placement):
+    """Stop the engine before training and start it again with the new adapter (one public benchmark's way)."""
+
+    name = "restart"
+
+    def before_train(self, t: Timings) -> None:
+        with t.phase("restart", self.sampler):
+            self.engine.stop()
+
+    def after_train(self, t: Timings, adapter: Path | None) -> None:
+        with t.phase("restart", self.sampler):
+            self.engine.start((ADAPTER_NAME, adapter) if adapter is not None else None)
+
+
+PLACEMENTS = {p.name: p for p in (Placement, Colocate, Restart)}
+
+
+def make_placement(name: str, engine: Engine, trainer: Trainer | None, sampler: MemorySampler) -> Placement:
+    return PLACEMENTS[name](engine, trainer, sampler)

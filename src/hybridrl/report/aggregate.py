@@ -1,0 +1,177 @@
+"""Gather every run's steps.jsonl into one tidy table (one row per run and step)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+IDENTITY = ["run_id", "engine", "placement", "trainer", "model", "tp", "seed", "step"]
+TIMING = [
+    "timing_s/gen", "timing_s/reward", "timing_s/sleep", "timing_s/update_actor",
+    "timing_s/wake", "timing_s/update_weights", "timing_s/restart", "timing_s/step",
+]
+# The phases that make up a step, in the order they happen (timing_s/step is their total).
+PHASES = TIMING[:-1]
+ROLLOUT = [
+    "perf/gen_tokens", "perf/throughput", "perf/ttft_s_mean", "perf/ttft_s_p50", "perf/ttft_s_p99",
+    "perf/itl_ms_mean", "perf/itl_ms_p50", "perf/itl_ms_p99", "perf/latency_s_p50", "perf/latency_s_p99",
+    "errors/requests_failed",
+]
+TRAINING = ["perf/train_tokens", "perf/train_tok_s", "train/loss", "train/grad_norm", "train/kl", "train/clipfrac"]
+MEMORY = ["mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacity_tokens"]
+LEARNING = ["reward/mean", "reward/accuracy", "response_length/mean"]
+CHECKS = [
+    "check/rollout_logprob_abs_diff", "check/base_canary_ok", "check/adapter_applied",
+    "check/kv_capacity_ok", "errors/engine_restarts",
+]
+KNOWN = IDENTITY + TIMING + ROLLOUT + TRAINING + MEMORY + LEARNING + CHECKS + ["time_unix"]
+STRINGS = ["run_id", "engine", "placement", "trainer", "model"]
+BOOLS = ["check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok"]
+NUMBERS = [c for c in KNOWN if c not in STRINGS and c not in BOOLS]
+# Two rows compare as the same configuration when these match (run_id keeps seeds/repeats apart).
+CONFIG_KEY = ["engine", "placement", "trainer", "model", "tp", "run_id"]
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temp path next to `path`; rename it over `path` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def read_steps(path: Path) -> list[dict[str, Any]]:
+    """Records of one steps.jsonl; a torn last line (crash mid-append) is skipped with a warning."""
+    records = []
+    lines = Path(path).read_text().splitlines()
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            warnings.warn(f"{path}:{lineno}: skipping unreadable record ({exc})", stacklevel=2)
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+    return records
+
+
+def load_run(run_dir: Path) -> pd.DataFrame:
+    """One run's steps as a frame; run_id falls back to the directory name."""
+    run_dir = Path(run_dir)
+    steps = run_dir / "steps.jsonl"
+    if not steps.is_file():
+        raise FileNotFoundError(f"{steps}: no per-step record for run {run_dir.name}")
+    df = pd.DataFrame.from_records(read_steps(steps))
+    if "run_id" not in df.columns or df["run_id"].isna().all():
+        df["run_id"] = run_dir.name
+    return df
+
+
+def _missing(value: Any) -> bool:
+    return not isinstance(value, list | dict | tuple) and bool(pd.isna(value))
+
+
+def _to_bool(value: Any) -> Any:
+    if _missing(value):
+        return pd.NA
+    if isinstance(value, str):
+        low = value.strip().lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        return pd.NA
+    return bool(value)
+
+
+def _tidy_extra(col: pd.Series) -> pd.Series:
+    """Unknown keys: nested values become JSON text, mixed types become text, so parquet accepts them."""
+    if col.dtype != object:
+        return col
+    present = col.dropna()
+    if present.map(lambda v: isinstance(v, dict | list)).any():
+        return col.map(lambda v: json.dumps(v, sort_keys=True) if isinstance(v, dict | list) else v)
+    kinds = {type(v) for v in present}
+    if kinds and all(issubclass(k, int | float) and k is not bool for k in kinds):
+        return pd.to_numeric(col, errors="coerce")
+    if len(kinds) > 1:
+        return col.map(lambda v: None if _missing(v) else str(v))
+    return col
+
+
+def normalise(df: pd.DataFrame) -> pd.DataFrame:
+    """Every known column present with its dtype, known columns first, sorted by run and step."""
+    df = df.copy()
+    for col in KNOWN:
+        if col not in df.columns:
+            df[col] = np.nan
+    for col in STRINGS:
+        df[col] = df[col].map(lambda v: pd.NA if _missing(v) else str(v)).astype("string")
+    for col in NUMBERS:
+        df[col] = pd.to_numeric(df[col], errors="coerce")
+    for col in BOOLS:
+        df[col] = df[col].map(_to_bool).astype("boolean")
+    extras = sorted(c for c in df.columns if c not in KNOWN)
+    for col in extras:
+        df[col] = _tidy_extra(df[col])
+    df = df[KNOWN + extras]
+    return df.sort_values(["run_id", "step"], kind="stable").reset_index(drop=True)
+
+
+def gather(run_dirs: Iterable[Path]) -> pd.DataFrame:
+    """All runs in one table. A step recorded twice (resume) keeps its last record."""
+    frames = []
+    for run_dir in run_dirs:
+        frame = load_run(Path(run_dir))
+        if frame.empty:
+            warnings.warn(f"{run_dir}: steps.jsonl holds no steps; run left out", stacklevel=2)
+            continue
+        frames.append(frame)
+    if not frames:
+        raise ValueError("no steps found in any run directory; nothing to aggregate")
+    df = pd.concat(frames, ignore_index=True, sort=False)
+    before = len(df)
+    df = df.drop_duplicates(subset=["run_id", "step"], keep="last")
+    if len(df) < before:
+        warnings.warn(f"{before - len(df)} duplicate (run_id, step) records dropped", stacklevel=2)
+    return normalise(df)
+
+
+def write_table(df: pd.DataFrame, out_csv: Path | None, out_parquet: Path | None) -> None:
+    """Write the table as CSV and/or parquet, each atomically."""
+    if out_csv is not None:
+        with atomic_path(Path(out_csv)) as tmp:
+            df.to_csv(tmp, index=False)
+    if out_parquet is not None:
+        with atomic_path(Path(out_parquet)) as tmp:
+            df.to_parquet(tmp, index=False)
+
+
+def read_table(path: Path) -> pd.DataFrame:
+    """Read a table written by write_table (parquet or CSV) back with the same dtypes."""
+    path = Path(path)
+    if path.suffix == ".parquet":
+        df = pd.read_parquet(path)
+    elif path.suffix == ".csv":
+        df = pd.read_csv(path)
+    else:
+        raise ValueError(f"{path}: expected a .parquet or .csv table")
+    return normalise(df)

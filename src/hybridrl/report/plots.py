@@ -1,0 +1,204 @@
+"""PNG plots of the tidy step table: throughput, step-time breakdown, latency, reward, memory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: cluster nodes and CI have no display
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from hybridrl.report.aggregate import PHASES, atomic_path  # noqa: E402
+from hybridrl.report.stats import WARMUP_STEPS, steady_state  # noqa: E402
+
+LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp"]
+PHASE_COLORS = {
+    "timing_s/gen": "#4C72B0", "timing_s/reward": "#DD8452", "timing_s/sleep": "#937860",
+    "timing_s/update_actor": "#55A868", "timing_s/wake": "#DA8BC3", "timing_s/update_weights": "#C44E52",
+    "timing_s/restart": "#8172B3", "other": "#BBBBBB",
+}
+LATENCY = [
+    ("perf/ttft_s_p50", "TTFT p50 (s)"), ("perf/itl_ms_p50", "ITL p50 (ms)"),
+    ("perf/latency_s_p50", "Latency p50 (s)"), ("perf/ttft_s_p99", "TTFT p99 (s)"),
+    ("perf/itl_ms_p99", "ITL p99 (ms)"), ("perf/latency_s_p99", "Latency p99 (s)"),
+]
+MEMORY = [("mem/used_gb_gen", "during gen"), ("mem/used_gb_train", "during train"), ("mem/peak_gb", "peak")]
+
+
+def run_labels(df: pd.DataFrame) -> dict[str, str]:
+    """Short legend labels: the config fields that differ between runs, plus the id's hash if needed."""
+    runs = df.drop_duplicates("run_id").set_index("run_id")[LABEL_FIELDS].astype(str)
+    varying = [f for f in LABEL_FIELDS if runs[f].nunique() > 1] or ["engine", "placement"]
+    labels = {rid: " · ".join(runs.loc[rid, varying]) for rid in runs.index}
+    if len(set(labels.values())) < len(labels):  # same config, different seed or parameter
+        labels = {rid: f"{lab} ({str(rid).rsplit('-', 1)[-1]})" for rid, lab in labels.items()}
+    return labels
+
+
+def run_colors(df: pd.DataFrame) -> dict[str, tuple]:
+    cmap = plt.get_cmap("tab10" if df["run_id"].nunique() <= 10 else "tab20")
+    return {rid: cmap(i % cmap.N) for i, rid in enumerate(sorted(df["run_id"].unique()))}
+
+
+def _has(df: pd.DataFrame, cols: list[str]) -> bool:
+    return any(c in df.columns and pd.to_numeric(df[c], errors="coerce").notna().any() for c in cols)
+
+
+def _save(fig: Figure, out: Path) -> Path:
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
+    plt.close(fig)
+    return out
+
+
+def _mark_warmup(ax: plt.Axes) -> None:
+    ax.axvspan(0.5, WARMUP_STEPS + 0.5, color="#999999", alpha=0.15, lw=0, label="warm-up")
+
+
+def _per_step(df: pd.DataFrame, metrics: list[tuple[str, str]], title: str, out: Path) -> Path | None:
+    metrics = [(m, lab) for m, lab in metrics if _has(df, [m])]
+    if not metrics:
+        return None
+    labels, colors = run_labels(df), run_colors(df)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6.4 * len(metrics), 4), squeeze=False)
+    for ax, (metric, ylabel) in zip(axes[0], metrics, strict=True):
+        for rid, run in df.groupby("run_id", sort=True):
+            ax.plot(run["step"], pd.to_numeric(run[metric], errors="coerce"), marker="o", ms=3,
+                    color=colors[rid], label=labels[rid])
+        _mark_warmup(ax)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    axes[0][0].legend(fontsize=8, loc="best")
+    fig.suptitle(title)
+    return _save(fig, out)
+
+
+def plot_throughput(df: pd.DataFrame, out: Path) -> Path | None:
+    """Rollout output tokens/s (and trainer tokens/s when recorded) per step, one line per run."""
+    return _per_step(df, [("perf/throughput", "rollout throughput (tok/s)"),
+                          ("perf/train_tok_s", "training throughput (tok/s)")],
+                     "Throughput per step (shaded: warm-up, excluded from statistics)", out)
+
+
+def plot_reward(df: pd.DataFrame, out: Path) -> Path | None:
+    return _per_step(df, [("reward/mean", "reward mean"), ("reward/accuracy", "accuracy"),
+                          ("response_length/mean", "response length (tokens)")], "Learning per step", out)
+
+
+def step_breakdown(df: pd.DataFrame) -> pd.DataFrame:
+    """Median steady-state seconds per phase and run; 'other' is what the phases do not explain."""
+    steady = steady_state(df)
+    if steady.empty:
+        steady = df
+    rows = {}
+    for rid, run in steady.groupby("run_id", sort=True):
+        phases = {p: float(np.nan_to_num(pd.to_numeric(run[p], errors="coerce").median())) for p in PHASES}
+        total = float(pd.to_numeric(run["timing_s/step"], errors="coerce").median())
+        phases["other"] = max(0.0, total - sum(phases.values())) if np.isfinite(total) else 0.0
+        rows[rid] = phases
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def plot_step_breakdown(df: pd.DataFrame, out: Path) -> Path | None:
+    """Stacked bars: median seconds per phase of a steady-state step, one bar per run."""
+    if not _has(df, [*PHASES, "timing_s/step"]):
+        return None
+    table = step_breakdown(df)
+    labels = run_labels(df)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(table) + 3), 4.5))
+    x = np.arange(len(table))
+    bottom = np.zeros(len(table))
+    for phase in table.columns:
+        vals = table[phase].to_numpy()
+        if not vals.any():
+            continue
+        name = phase.split("/")[-1]
+        ax.bar(x, vals, bottom=bottom, color=PHASE_COLORS[phase], label=name, width=0.6)
+        bottom += vals
+    ax.set_xticks(x, [labels[r] for r in table.index], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("seconds (median over steady-state steps)")
+    ax.set_title("Step-time breakdown")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1), loc="upper left")
+    return _save(fig, out)
+
+
+def plot_latency(df: pd.DataFrame, out: Path) -> Path | None:
+    """Boxplots over steady-state steps of the per-step TTFT, ITL and latency percentiles."""
+    if not _has(df, [m for m, _ in LATENCY]):
+        return None
+    steady = steady_state(df)
+    if steady.empty:
+        steady = df
+    labels, colors = run_labels(df), run_colors(df)
+    runs = sorted(df["run_id"].unique())
+    fig, axes = plt.subplots(2, 3, figsize=(max(11.0, 1.6 * len(runs) * 3), 7), squeeze=False)
+    for ax, (metric, title) in zip(axes.flat, LATENCY, strict=True):
+        data = [pd.to_numeric(steady.loc[steady["run_id"] == r, metric], errors="coerce").dropna().to_numpy()
+                for r in runs]
+        if not any(len(d) for d in data):
+            ax.set_title(f"{title}: no data", fontsize=9)
+            ax.axis("off")
+            continue
+        box = ax.boxplot([d if len(d) else [np.nan] for d in data], patch_artist=True, widths=0.6)
+        for patch, rid in zip(box["boxes"], runs, strict=True):
+            patch.set_facecolor(colors[rid])
+            patch.set_alpha(0.6)
+        ax.set_xticks(range(1, len(runs) + 1), [labels[r] for r in runs], rotation=20, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("Request latency per step (steady-state steps)")
+    fig.tight_layout()
+    return _save(fig, out)
+
+
+def plot_memory(df: pd.DataFrame, out: Path) -> Path | None:
+    """Grouped bars of NVML GPU memory per phase (median over steps); skipped where not measured."""
+    metrics = [(m, lab) for m, lab in MEMORY if _has(df, [m])]
+    if not metrics:
+        return None
+    labels = run_labels(df)
+    runs = sorted(df["run_id"].unique())
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(runs) + 3), 4.5))
+    width = 0.8 / len(metrics)
+    x = np.arange(len(runs))
+    for i, (metric, name) in enumerate(metrics):
+        vals = [pd.to_numeric(df.loc[df["run_id"] == r, metric], errors="coerce").median() for r in runs]
+        ax.bar(x + (i - (len(metrics) - 1) / 2) * width, vals, width=width, label=name)
+    ax.set_xticks(x, [labels[r] for r in runs], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("GPU memory used (GB, NVML, max over GPUs)")
+    ax.set_title("GPU memory per phase")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+PLOTS: dict[str, tuple[str, Callable[[pd.DataFrame, Path], Path | None]]] = {
+    "throughput": ("Throughput per step", plot_throughput),
+    "step_breakdown": ("Step-time breakdown", plot_step_breakdown),
+    "latency": ("Latency distributions", plot_latency),
+    "reward": ("Reward per step", plot_reward),
+    "memory": ("GPU memory per phase", plot_memory),
+}
+
+
+def make_all(df: pd.DataFrame, plots_dir: Path) -> dict[str, Path]:
+    """Write every plot that has data to plots_dir/<name>.png; return name -> path of those written."""
+    plots_dir = Path(plots_dir)
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name, (_, fn) in PLOTS.items():
+        path = fn(df, plots_dir / f"{name}.png")
+        if path is not None:
+            written[name] = path
+        else:  # a plot from an earlier report with data this table lacks would mislead
+            (plots_dir / f"{name}.png").unlink(missing_ok=True)
+    return written

@@ -1,0 +1,294 @@
+"""report.md and report.html from the tidy step table, through the jinja2 templates in workflow/report."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import pandas as pd
+
+from hybridrl.report import stats
+from hybridrl.report.aggregate import CHECKS, CONFIG_KEY, LEARNING, MEMORY, ROLLOUT, TIMING, TRAINING, atomic_path
+from hybridrl.report.plots import PLOTS, run_labels
+
+TEMPLATES = Path(__file__).resolve().parents[3] / "workflow" / "report"
+
+# (column, heading, unit); the comparison table shows those with data, the detail table all of these.
+KEY_METRICS = [
+    ("perf/throughput", "Rollout throughput", "tok/s"),
+    ("timing_s/step", "Step time", "s"),
+    ("timing_s/gen", "Generation", "s"),
+    ("timing_s/update_actor", "Training", "s"),
+    ("timing_s/update_weights", "Weight sync", "s"),
+    ("timing_s/restart", "Engine restart", "s"),
+    ("perf/ttft_s_p50", "TTFT p50", "s"),
+    ("perf/itl_ms_p50", "ITL p50", "ms"),
+    ("reward/mean", "Reward mean", ""),
+]
+RATIO_METRICS = [("perf/throughput", "Rollout throughput"), ("timing_s/step", "Step time"),
+                 ("timing_s/gen", "Generation time")]
+WARMUP_METRICS = ["timing_s/step", "timing_s/gen", "timing_s/restart", "timing_s/update_weights",
+                  "perf/throughput", "perf/ttft_s_p50"]
+DETAIL_METRICS = [c for c in TIMING + ROLLOUT + TRAINING + MEMORY + LEARNING + CHECKS
+                  if not c.startswith("check/") or c == "check/rollout_logprob_abs_diff"]
+BOOL_CHECKS = [("check/base_canary_ok", "Base canary unchanged"), ("check/adapter_applied", "Adapter applied"),
+               ("check/kv_capacity_ok", "KV capacity recovered")]
+
+
+@dataclass
+class Cell:
+    text: str
+    cls: str = ""  # css class in html: ok / fail / na / num / key
+
+
+@dataclass
+class Table:
+    headers: list[str]
+    rows: list[list[Cell]] = field(default_factory=list)
+
+
+def fmt(x: Any) -> str:
+    """Numbers to a readable precision: 12,345 / 123.4 / 12.34 / 0.123."""
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return "–"
+    if not math.isfinite(x):
+        return "–"
+    ax = abs(x)
+    if ax == 0:
+        return "0"
+    if ax >= 1000:
+        return f"{x:,.0f}"
+    if ax >= 100:
+        return f"{x:.1f}"
+    if ax >= 1:
+        return f"{x:.2f}"
+    return f"{x:#.3g}"
+
+
+def fmt_est(est: stats.Estimate) -> str:
+    if est.n == 0:
+        return "–"
+    if not math.isfinite(est.lo):
+        return f"{fmt(est.value)} [n/a]"
+    return f"{fmt(est.value)} [{fmt(est.lo)}, {fmt(est.hi)}]"
+
+
+def _has(df: pd.DataFrame, col: str) -> bool:
+    return col in df.columns and pd.to_numeric(df[col], errors="coerce").notna().any()
+
+
+def _config_cells(config: tuple, labels: dict[str, str]) -> list[Cell]:
+    fields = dict(zip(CONFIG_KEY, config, strict=True))
+    return [Cell(labels[fields["run_id"]]), *(Cell(str(fields[k])) for k in CONFIG_KEY)]
+
+
+def _select(df: pd.DataFrame, run_id: str) -> pd.DataFrame:
+    return df[(df["run_id"] == run_id).fillna(False).to_numpy(dtype=bool)]
+
+
+def summary(df: pd.DataFrame, title: str) -> dict[str, Any]:
+    steps = df.groupby("run_id")["step"].count()
+    span = pd.to_numeric(df["time_unix"], errors="coerce").dropna()
+    steady_n = len(stats.steady_state(df))
+    excluded = int((df["step"] > stats.WARMUP_STEPS).sum()) - steady_n
+    return {
+        "title": title,
+        "n_runs": int(df["run_id"].nunique()),
+        "n_configs": len(stats.configs(df)),
+        "steps": f"{steps.min()}" if steps.min() == steps.max() else f"{steps.min()}–{steps.max()}",
+        "n_records": len(df),
+        **{f: ", ".join(sorted(df[f].dropna().astype(str).unique())) for f in
+           ("engine", "placement", "trainer", "model")},
+        "measured_s": fmt(pd.to_numeric(df["timing_s/step"], errors="coerce").sum()),
+        "span_s": fmt(span.max() - span.min()) if len(span) > 1 else "–",
+        "warmup_steps": stats.WARMUP_STEPS,
+        "n_boot": stats.N_BOOT,
+        "excluded_adapter": excluded,
+    }
+
+
+def comparison_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
+    """One column per configuration; its fields first, then median [95% CI] of each key metric."""
+    steady = stats.steady_state(df)
+    metrics = [m for m in KEY_METRICS if _has(steady, m[0])]
+    cfgs = stats.configs(df)
+    table = Table(["", *(labels[c[-1]] for c in cfgs)])
+    for i, key in enumerate(CONFIG_KEY):
+        table.rows.append([Cell(key.replace("_", " "), "key"), *(Cell(str(c[i])) for c in cfgs)])
+    runs = [_select(steady, c[-1]) for c in cfgs]
+    table.rows.append([Cell("n steps", "key"), *(Cell(str(len(r)), "num") for r in runs)])
+    for col, heading, unit in metrics:
+        cells = [Cell(heading + (f" ({unit})" if unit else ""), "key")]
+        for run in runs:
+            est = stats.bootstrap_median(run[col])
+            # a metric measured on fewer steps than the run has says so next to its interval
+            note = f" (n={est.n})" if 0 < est.n != len(run) else ""
+            cells.append(Cell(fmt_est(est) + note, "num"))
+        table.rows.append(cells)
+    return table
+
+
+def ratio_table(df: pd.DataFrame, labels: dict[str, str]) -> tuple[str, Table] | None:
+    """Each configuration against the first one, as a ratio of medians with its interval."""
+    configs = stats.configs(df)
+    metrics = [(m, h) for m, h in RATIO_METRICS if _has(stats.steady_state(df), m)]
+    if len(configs) < 2 or not metrics:
+        return None
+    base = configs[0]
+    table = Table(["run", "vs baseline"] + [f"{h} ratio [95% CI]" for _, h in metrics] + ["n (run / baseline)"])
+    steady = stats.steady_state(df)
+    for config in configs[1:]:
+        cells = [Cell(fmt_est(stats.compare(df, m, config, base)), "num") for m, _ in metrics]
+        n_pair = f"{len(_select(steady, config[-1]))} / {len(_select(steady, base[-1]))}"
+        table.rows.append([Cell(labels[config[-1]]), Cell(labels[base[-1]]), *cells, Cell(n_pair, "num")])
+    return labels[base[-1]], table
+
+
+def warmup_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
+    metrics = [m for m in WARMUP_METRICS if _has(df, m)]
+    table = Table(["run", "step"] + metrics)
+    for _, row in stats.warmup(df).sort_values(["run_id", "step"]).iterrows():
+        table.rows.append([Cell(labels[row["run_id"]]), Cell(str(int(row["step"])), "num"),
+                           *(Cell(fmt(row[m]), "num") for m in metrics)])
+    return table
+
+
+def _bool_cell(col: pd.Series) -> Cell:
+    vals = col.astype("boolean")
+    known = vals.dropna()
+    if known.empty:
+        return Cell("not checked", "na")
+    bad = known.index[~known.to_numpy(dtype=bool)]
+    if len(bad) == 0:
+        return Cell(f"{len(known)}/{len(known)} ok", "ok")
+    return Cell(f"{len(known) - len(bad)}/{len(known)} ok", "fail")
+
+
+def correctness_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
+    table = Table(["run"] + [h for _, h in BOOL_CHECKS] +
+                  ["|Δ logprob| median [95% CI]", "|Δ logprob| max", "failed requests", "engine restarts"])
+    for run_id, run in df.groupby("run_id", sort=True):
+        diff = pd.to_numeric(run["check/rollout_logprob_abs_diff"], errors="coerce")
+        failed = pd.to_numeric(run["errors/requests_failed"], errors="coerce")
+        restarts = pd.to_numeric(run["errors/engine_restarts"], errors="coerce")
+        table.rows.append([
+            Cell(labels[run_id]),
+            *(_bool_cell(run[c]) for c, _ in BOOL_CHECKS),
+            Cell(fmt_est(stats.bootstrap_median(diff)), "num"),
+            Cell(fmt(diff.max()), "num"),
+            Cell(fmt(failed.sum()) if failed.notna().any() else "–", "fail" if failed.sum() > 0 else "num"),
+            Cell(fmt(restarts.sum()) if restarts.notna().any() else "–", "num"),
+        ])
+    return table
+
+
+def detail_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
+    """Every numeric metric (rows) of every configuration (columns), with n where it differs."""
+    metrics = [m for m in DETAIL_METRICS if _has(df, m)]
+    long = stats.summarise(df, metrics)
+    cfgs = stats.configs(df)
+    table = Table(["metric", *(labels[c[-1]] for c in cfgs)])
+    n_steps = stats.steady_state(df).groupby("run_id")["step"].count()
+    for metric, rows in long.groupby("metric", sort=False):
+        by_run = rows.set_index("run_id")
+        cells = [Cell(str(metric), "key")]
+        for config in cfgs:
+            row = by_run.loc[config[-1]]
+            est = stats.Estimate(row["median"], row["ci_lo"], row["ci_hi"], int(row["n"]))
+            note = f" (n={est.n})" if 0 < est.n != n_steps.get(config[-1], 0) else ""
+            cells.append(Cell(fmt_est(est) + note, "num"))
+        table.rows.append(cells)
+    return table
+
+
+def _short(value: Any, n: int = 12) -> str:
+    return "–" if value in (None, "") else str(value)[:n]
+
+
+def _provenance_row(label: str, prov: dict[str, Any] | None) -> dict[str, Any]:
+    if prov is None:
+        return {"run": label, "missing": True, "cells": [], "engine": ""}
+    git = prov.get("git") or {}
+    pkgs = {k: v for k, v in (prov.get("packages") or {}).items() if v}
+    gpu = prov.get("gpu") or {}
+    devices = gpu.get("devices") or []
+    gpu_text = "none" if not devices else f"{len(devices)}× {devices[0].get('name', '?')}"
+    container = prov.get("container") or {}
+    commit = _short(git.get("commit")) + (" (dirty)" if git.get("dirty") else "")
+    cells = [
+        ("git", commit), ("python", prov.get("python") or "–"),
+        ("packages", ", ".join(f"{k} {v}" for k, v in sorted(pkgs.items())) or "–"),
+        ("host", f"{(prov.get('host') or {}).get('hostname', '–')} ({(prov.get('host') or {}).get('cpu_model', '–')})"),
+        ("GPU", gpu_text), ("driver", gpu.get("driver") or "–"),
+        ("image", _short(container.get("image_digest"), 19)),
+    ]
+    engine = json.dumps(prov.get("engine"), sort_keys=True, default=str) if prov.get("engine") else ""
+    return {"run": label, "missing": False, "cells": cells, "engine": engine}
+
+
+def provenance_rows(df: pd.DataFrame, labels: dict[str, str], runs_dir: Path) -> list[dict[str, Any]]:
+    rows = []
+    for run_id in sorted(df["run_id"].unique()):
+        path = runs_dir / str(run_id) / "provenance.json"
+        try:
+            prov = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            prov = None
+        rows.append({**_provenance_row(labels[run_id], prov), "run_id": run_id})
+    return rows
+
+
+def _plots(written: dict[str, Path], base: Path) -> list[dict[str, str]]:
+    return [{"name": name, "title": PLOTS[name][0], "src": Path(os.path.relpath(Path(path).resolve(), base)).as_posix()}
+            for name, path in written.items()]
+
+
+def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path) -> dict[str, Any]:
+    """Everything the templates show; plot paths are filled in per output file."""
+    labels = run_labels(df)
+    ratios = ratio_table(df, labels)
+    return {
+        "summary": summary(df, title),
+        "runs": [{"label": labels[r], "run_id": r} for r in sorted(labels)],
+        "comparison": comparison_table(df, labels),
+        "baseline": ratios[0] if ratios else None,
+        "ratios": ratios[1] if ratios else None,
+        "warmup": warmup_table(df, labels),
+        "correctness": correctness_table(df, labels),
+        "detail": detail_table(df, labels),
+        "provenance": provenance_rows(df, labels, runs_dir),
+        "plots": plots,
+    }
+
+
+def _env() -> jinja2.Environment:
+    if not TEMPLATES.is_dir():
+        raise FileNotFoundError(f"report templates not found in {TEMPLATES}")
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        autoescape=jinja2.select_autoescape(enabled_extensions=("html.j2",), default_for_string=False),
+        undefined=jinja2.StrictUndefined,  # a typo in a template fails loudly instead of printing nothing
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["md"] = lambda s: str(s).replace("|", "\\|").replace("\n", " ")
+    return env
+
+
+def render(df: pd.DataFrame, out_md: Path, out_html: Path, plots: dict[str, Path], title: str,
+           runs_dir: Path) -> None:
+    """Write report.md and report.html (atomically), each linking the plots relative to itself."""
+    env = _env()
+    ctx = context(df, title, plots, runs_dir)
+    for out, name in ((Path(out_md), "report.md.j2"), (Path(out_html), "report.html.j2")):
+        text = env.get_template(name).render(**{**ctx, "plots": _plots(plots, out.resolve().parent)})
+        with atomic_path(out) as tmp:
+            tmp.write_text(text)

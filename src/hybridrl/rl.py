@@ -1,0 +1,59 @@
+"""GRPO pieces: group-normalised advantages and the clipped-ratio policy loss with an optional KL term."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def group_advantages(rewards: Sequence[float], group_size: int, eps: float = 1e-6) -> list[float]:
+    """(r - mean(group)) / (std(group) + eps) for consecutive groups of `group_size` completions.
+
+    A group whose rewards are all equal carries no signal and gets zero advantage.
+    """
+    if group_size < 1 or len(rewards) % group_size:
+        raise ValueError(f"{len(rewards)} rewards do not split into groups of {group_size}")
+    r = torch.tensor(list(rewards), dtype=torch.float64).view(-1, group_size)
+    mean = r.mean(dim=1, keepdim=True)
+    std = r.std(dim=1, unbiased=False, keepdim=True)
+    return ((r - mean) / (std + eps)).view(-1).tolist()
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) per position; logits [B, T, V], targets [B, T] -> [B, T] in float32."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped-ratio GRPO loss, averaged over valid tokens.
+
+    logp/old_logp/ref_logp/mask: [B, T]; advantages: [B] (one per completion).
+    KL uses the k3 estimator exp(ref - logp) - (ref - logp) - 1, which is >= 0 and unbiased.
+    """
+    mask = mask.to(logp.dtype)
+    n_tokens = mask.sum().clamp(min=1.0)
+    adv = advantages.to(logp.dtype).unsqueeze(-1)
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    kl = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    if ref_logp is not None:
+        delta = ref_logp - logp
+        kl_tok = torch.exp(delta) - delta - 1.0
+        kl = (kl_tok * mask).sum() / n_tokens
+        if kl_coef:
+            per_token = per_token + kl_coef * kl_tok
+    loss = (per_token * mask).sum() / n_tokens
+    clipfrac = (((ratio - 1.0).abs() > clip_eps).to(logp.dtype) * mask).sum() / n_tokens
+    return loss, {"train/kl": float(kl.detach()), "train/clipfrac": float(clipfrac.detach())}

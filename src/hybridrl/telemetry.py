@@ -1,0 +1,157 @@
+"""Timers, rollout statistics, an NVML memory sampler tagged by phase, and the atomic per-step record."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hybridrl.engines.base import Completion
+
+# Every record carries these keys (null where a placement has no such phase), so tables line up.
+TIMING_KEYS = ("gen", "reward", "sleep", "update_actor", "wake", "update_weights", "restart", "step")
+
+
+class Timings:
+    def __init__(self) -> None:
+        self.s: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str, sampler: MemorySampler | None = None) -> Iterator[None]:
+        if sampler:
+            sampler.set_phase(name)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t0
+
+    def record(self) -> dict[str, float | None]:
+        return {f"timing_s/{k}": self.s.get(k) for k in TIMING_KEYS}
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def rollout_stats(completions: list[Completion], gen_s: float) -> dict[str, float | None]:
+    ok = [c for c in completions if c.error is None]
+    ttft = [c.ttft_s for c in ok if not math.isnan(c.ttft_s)]
+    itl_ms = [x * 1000 for c in ok for x in c.itl_s]
+    latency = [c.latency_s for c in ok if not math.isnan(c.latency_s)]
+    tokens = sum(len(c.token_ids) for c in ok)
+    return {
+        "perf/gen_tokens": float(tokens),
+        "perf/throughput": tokens / gen_s if gen_s > 0 else None,
+        "perf/ttft_s_mean": _mean(ttft), "perf/ttft_s_p50": _pct(ttft, 50), "perf/ttft_s_p99": _pct(ttft, 99),
+        "perf/itl_ms_mean": _mean(itl_ms), "perf/itl_ms_p50": _pct(itl_ms, 50),
+        "perf/itl_ms_p99": _pct(itl_ms, 99),
+        "perf/latency_s_p50": _pct(latency, 50), "perf/latency_s_p99": _pct(latency, 99),
+        "errors/requests_failed": float(len(completions) - len(ok)),
+        "response_length/mean": _mean([len(c.token_ids) for c in ok]),
+    }
+
+
+class MemorySampler:
+    """Samples NVML used memory per GPU in a thread (default 50 Hz), tagged with the current phase.
+
+    NVML, not torch: torch's counters miss cumem (vLLM sleep) and torch_memory_saver (SGLang) memory.
+    Without a GPU or pynvml it records nothing and reports no mem/* values.
+    """
+
+    def __init__(self, gpu_indices: list[int] | None = None, hz: float = 50.0) -> None:
+        self.period = 1.0 / hz
+        self.phase = "idle"
+        self.samples: dict[str, list[float]] = defaultdict(list)  # phase -> max-over-GPUs used GB
+        self.per_gpu: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._handles: list[tuple[int, Any]] = []
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            count = pynvml.nvmlDeviceGetCount()
+            indices = gpu_indices if gpu_indices is not None else list(range(count))
+            self._handles = [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in indices if i < count]
+            self._nvml = pynvml
+        except Exception:  # no driver, no library: a CPU machine
+            self._handles = []
+        self._thread = threading.Thread(target=self._loop, daemon=True) if self._handles else None
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    def start(self) -> MemorySampler:
+        if self._thread:
+            self._thread.start()
+        return self
+
+    def set_phase(self, phase: str) -> None:
+        with self._lock:
+            self.phase = phase
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            used = {i: self._nvml.nvmlDeviceGetMemoryInfo(h).used / 1e9 for i, h in self._handles}
+            with self._lock:
+                self.samples[self.phase].append(max(used.values()))
+                for i, gb in used.items():
+                    self.per_gpu[self.phase][i].append(gb)
+            time.sleep(self.period)
+
+    def take(self) -> dict[str, float | None]:
+        """mem/* for the step so far, then start a new step."""
+        with self._lock:
+            samples, per_gpu = dict(self.samples), {p: dict(g) for p, g in self.per_gpu.items()}
+            self.samples.clear()
+            self.per_gpu.clear()
+        if not self.active:
+            return {}
+        out: dict[str, float | None] = {"mem/peak_gb": max((max(v) for v in samples.values() if v), default=None)}
+        for phase, values in samples.items():
+            out[f"mem/used_gb_{phase}"] = float(np.mean(values)) if values else None
+            out[f"mem/peak_gb_{phase}"] = max(values) if values else None
+            for gpu, vals in per_gpu.get(phase, {}).items():
+                out[f"mem/gpu{gpu}_used_gb_{phase}"] = float(np.mean(vals))
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread and self._thread.is_alive():
+            self._thread.join(timeout=2)
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line so that a crash leaves either the old file or the old file plus this line.
+
+    The whole file is rewritten to a temp file and renamed: steps.jsonl stays small (one line a step).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = path.read_bytes() if path.exists() else b""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(old + (json.dumps(record, allow_nan=True) + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

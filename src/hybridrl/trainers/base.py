@@ -1,0 +1,37 @@
+"""The trainer interface: one GRPO step on a batch of scored rollouts, then a PEFT adapter on disk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    engine_logprobs: list[float]  # one per completion token, as the engine reported them
+    advantage: float
+
+
+@dataclass
+class TrainResult:
+    adapter_dir: Path
+    metrics: dict[str, float]  # train/loss, train/grad_norm, train/kl, train/clipfrac, perf/train_tokens,
+    # check/rollout_logprob_abs_diff (trainer logprobs before the update vs engine logprobs)
+
+
+class Trainer(Protocol):
+    def step(self, step: int, samples: list[Sample], out_dir: Path) -> TrainResult:
+        """Recompute logprobs, take one optimizer step, save a PEFT adapter (+ optimizer.pt) in out_dir."""
+
+    def offload(self) -> None:
+        """Move weights and optimizer state off the GPU (colocate); no-op on CPU."""
+
+    def onload(self) -> None: ...
+
+    def resume(self, adapter_dir: Path) -> None:
+        """Continue from an adapter dir that step() wrote (adapter weights and optimizer.pt)."""
+
+    def close(self) -> None: ...

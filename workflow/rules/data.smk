@@ -1,0 +1,14 @@
+rule data:
+    output:
+        train=f"{DATA_DIR}/train.jsonl",
+        test=f"{DATA_DIR}/test.jsonl",
+    params:
+        source=STUDY.data["source"],
+        n_train=STUDY.data.get("n_train", 512),
+        n_test=STUDY.data.get("n_test", 128),
+        seed=STUDY.data.get("seed", 0),
+    log:
+        f"logs/data/{DATASET}.log",
+    shell:
+        "python -m hybridrl data --source {params.source} --n-train {params.n_train}"
+        " --n-test {params.n_test} --seed {params.seed} --out {DATA_DIR} > {log} 2>&1"

@@ -1,0 +1,46 @@
+rule aggregate:
+    input:
+        expand("results/runs/{run_id}/done.json", run_id=RUNS),
+    output:
+        csv="results/steps.csv",
+        parquet="results/steps.parquet",
+    params:
+        runs=expand("results/runs/{run_id}", run_id=RUNS),
+    log:
+        "logs/aggregate.log",
+    shell:
+        "python -m hybridrl aggregate --runs {params.runs} --csv {output.csv}"
+        " --parquet {output.parquet} > {log} 2>&1"
+
+
+rule report:
+    input:
+        table="results/steps.parquet",
+    output:
+        md="results/report.md",
+        html="results/report.html",
+        plots=directory("results/plots"),
+    params:
+        title=f"hybridrl: {STUDY.name}",
+    log:
+        "logs/report.log",
+    shell:
+        "python -m hybridrl report --table {input.table} --md {output.md} --html {output.html}"
+        " --plots {output.plots} --title {params.title:q} > {log} 2>&1"
+
+
+rule archive:
+    input:
+        "results/report.html",
+        "results/steps.csv",
+        "results/steps.parquet",
+        expand("results/runs/{run_id}/done.json", run_id=RUNS),
+    output:
+        f"results/archive/{STUDY.name}.tar.gz",
+    params:
+        extra=[p for p in ["config", "requirements", "containers", "workflow/schemas"] if Path(p).exists()],
+    log:
+        f"logs/archive/{STUDY.name}.log",
+    shell:
+        "python -m hybridrl archive --results results --extra {params.extra} --out {output} > {log} 2>&1"
+        " && python -m hybridrl verify {output} >> {log} 2>&1"

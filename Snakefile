@@ -2,7 +2,10 @@
 # `snakemake --cores 2 --configfile config/smoke.yaml` runs the embedded default on a CPU;
 # `snakemake --profile slurm` runs config/config.yaml on a SLURM cluster.
 
-configfile: "config/config.yaml"
+# The GPU study unless --configfile names another; Snakemake would otherwise merge the two files.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
 
 
 include: "workflow/rules/common.smk"
@@ -12,7 +15,7 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/report.smk"
 
 
-localrules: all, aggregate, report, archive
+localrules: all, run_config, aggregate, report, archive
 
 
 rule all:

@@ -221,6 +221,6 @@ def test_report_flags_failed_checks_and_missing_provenance(study: list[Path], tm
     out = tmp_path / "elsewhere"
     report_main(table, out / "r.md", out / "r.html", tmp_path / "results" / "plots", "t")
     html = (out / "r.html").read_text()
-    assert '<td class="fail">7/8 ok</td>' in html
+    assert '<td class="fail">7/8 ok (failed at step 4)</td>' in html
     assert "No provenance.json recorded" in html
     assert '<img src="../results/plots/throughput.png"' in html  # relative to the html file

@@ -35,14 +35,12 @@ def _model(args: argparse.Namespace) -> None:
 
 def _train(args: argparse.Namespace) -> None:
     from hybridrl.loop import run_loop
-    from hybridrl.provenance import collect, write
 
     cfg = json.loads(Path(args.run_config).read_text())
     model_dir, data_dir, out = Path(args.model), Path(args.data), Path(args.out)
     for what, path in (("model", model_dir), ("data", data_dir)):
         if not path.exists():
             raise FileNotFoundError(f"{what} directory {path} does not exist")
-    write(out / "provenance.json", collect(cfg["run"], None))
     records = run_loop(cfg["run"], cfg["run_id"], model_dir, data_dir, out, cfg.get("engine_env", {}),
                        progress=not args.no_progress)
     summary = {"run_id": cfg["run_id"], "steps": len(records)}

@@ -40,6 +40,7 @@ BUILTIN_RUN: dict[str, Any] = {
     "lr": 1e-4,
     "weight_decay": 0.0,
     "clip_eps": 0.2,
+    "format_reward": 0.1,
     "kl_coef": 0.0,
     "grad_clip": 1.0,
     "seed": 0,

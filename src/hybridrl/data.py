@@ -69,6 +69,17 @@ def reward(completion: str, reference_answer: str) -> float:
     return float(expected is not None and got == expected)
 
 
+def shaped_reward(completion: str, reference_answer: str, format_bonus: float = 0.0) -> float:
+    """1.0 for a correct answer; `format_bonus` for any parseable final number.
+
+    The bonus gives an untrained (e.g. random-init) policy a reward that varies within a group,
+    so GRPO's advantages, and hence the LoRA update, are not all zero.
+    """
+    if reward(completion, reference_answer):
+        return 1.0
+    return format_bonus if extract_answer(completion) is not None else 0.0
+
+
 def prompt_text(question: str) -> str:
     return f"Question: {question}\nAnswer:"
 

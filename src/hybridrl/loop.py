@@ -18,12 +18,14 @@ from hybridrl import data as gsm8k
 from hybridrl.engines import make_engine
 from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling
 from hybridrl.placement import ADAPTER_NAME, make_placement
+from hybridrl.provenance import collect
+from hybridrl.provenance import write as write_provenance
 from hybridrl.rl import group_advantages
 from hybridrl.telemetry import MemorySampler, Timings, append_record, read_records, rollout_stats
 from hybridrl.trainers import make_trainer
 from hybridrl.trainers.base import Sample
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # one line per step, also in log files
 CANARY_QUESTION = "Ava has 12 apples. Ben gives Ava 7 more. How many apples does Ava have now?"
 CANARY_TOKENS = 16
 KV_TOLERANCE = 0.01
@@ -122,6 +124,7 @@ class Canary:
 def _install_sigterm() -> None:
     """SLURM preemption and Snakemake cancel send SIGTERM: unwind so `finally` stops the engine."""
     def handler(signum, frame):
+        console.print("[yellow]SIGTERM: stopping the engine; completed steps are kept and the run resumes")
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, handler)
 
@@ -159,6 +162,7 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
         t0 = time.perf_counter()
         engine.start((ADAPTER_NAME, adapter) if adapter else None)
         startup_s = time.perf_counter() - t0
+        write_provenance(paths.root / "provenance.json", collect(run, engine.describe()))
         canary = Canary(tokenizer, paths.canary)
         canary.record_baseline(engine)
         placement = make_placement(run["placement"], engine, trainer, sampler)
@@ -190,7 +194,10 @@ def _rollout_with_retries(run: dict[str, Any], engine: Engine, requests: list[Re
         try:
             if not engine.alive():
                 raise EngineError(f"{engine.name} is not running")
-            return engine.generate(requests, progress=True), restarts
+            completions = engine.generate(requests, progress=True)
+            if all(c.error for c in completions):
+                raise EngineError(f"every request failed, e.g. {completions[0].error}")
+            return completions, restarts
         except EngineError as exc:
             if restarts >= run["retries"]:
                 raise RunFailed(f"{engine.name} failed {restarts + 1} times in one step; giving up: {exc}") from exc
@@ -213,8 +220,10 @@ def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
     gen_s = t.s["gen"]
     with t.phase("reward", sampler):
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        rewards = [gsm8k.reward(x, a) if c.error is None else 0.0
-                   for x, a, c in zip(texts, answers, completions, strict=True)]
+        ok = [c.error is None for c in completions]
+        correct = [gsm8k.reward(x, a) if good else 0.0 for x, a, good in zip(texts, answers, ok, strict=True)]
+        rewards = [gsm8k.shaped_reward(x, a, run["format_reward"]) if good else 0.0
+                   for x, a, good in zip(texts, answers, ok, strict=True)]
         advantages = group_advantages(rewards, run["group_size"])
     samples = [Sample(r.prompt_ids, c.token_ids, c.logprobs, a)
                for r, c, a in zip(requests, completions, advantages, strict=True) if c.error is None and c.token_ids]
@@ -228,7 +237,9 @@ def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
             _hold_ballast(run)
     placement.after_train(t, adapter)
     sampler.set_phase("check")
-    checks = canary.check(engine, adapter_loaded=adapter is not None)
+    # a zero adapter (e.g. all advantages zero so far) cannot change anything: the check does not apply
+    nonzero = adapter is not None and train_metrics.get("train/lora_norm", 1.0) > 0
+    checks = canary.check(engine, adapter_loaded=nonzero)
     if checks["check/base_canary_ok"] is False:
         raise RunFailed(f"{run_id} step {step}: the base model's greedy canary changed after the transition: "
                         "base weights were corrupted (e.g. SGLang released weights without a CPU backup)")
@@ -246,7 +257,7 @@ def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
     if record["perf/train_tokens"] and t.s.get("update_actor"):
         record["perf/train_tok_s"] = record["perf/train_tokens"] / t.s["update_actor"]
     record["reward/mean"] = sum(rewards) / len(rewards)
-    record["reward/accuracy"] = sum(r > 0 for r in rewards) / len(rewards)
+    record["reward/accuracy"] = sum(correct) / len(correct)
     record["errors/engine_restarts"] = restarts
     record.update({"mem/used_gb_gen": None, "mem/used_gb_train": None, "mem/peak_gb": None})
     mem = sampler.take()

@@ -31,7 +31,7 @@ def _git(*args: str) -> str | None:
 
 
 def git_info() -> dict[str, Any]:
-    """Commit and dirty flag of the source tree; HYBRIDRL_GIT_COMMIT serves where .git is absent (containers)."""
+    """Commit and dirty flag of the source tree; HYBRIDRL_GIT_COMMIT serves where .git is absent."""
     commit = _git("rev-parse", "HEAD")
     if commit is None:
         return {"commit": os.environ.get("HYBRIDRL_GIT_COMMIT"), "dirty": None}

@@ -38,3 +38,8 @@ def run_gpus(wildcards) -> int:
 
 def run_model(wildcards) -> str:
     return f"resources/models/{RUNS[wildcards.run_id]['model']}"
+
+
+def run_threads(wildcards) -> int:
+    """CPU runs take the whole machine, so two runs never share cores and skew each other's timings."""
+    return workflow.cores if RUNS[wildcards.run_id]["device"] == "cpu" else 8

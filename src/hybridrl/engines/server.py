@@ -42,6 +42,14 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text[-lines:])
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the controller dies without cleaning up (SIGKILL, OOM)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class ServerProcess:
     """Owns one server's process group: start, health wait, liveness, and a stop that leaves nothing."""
 
@@ -64,7 +72,8 @@ class ServerProcess:
         try:
             # own session = own process group, so stop() can take down every worker it forks
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
         except OSError as exc:
             self._log.close()
             raise EngineError(f"{self.name}: cannot execute {self.cmd[0]}: {exc}") from exc
@@ -143,7 +152,11 @@ class StreamingClient:
                     async for line in r.aiter_lines():
                         if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                             continue
-                        ids, lps, finish = self.parse(json.loads(line[5:]))
+                        chunk = json.loads(line[5:])
+                        if "error" in chunk:  # servers report mid-stream failures as an error event
+                            out.error = f"engine error: {json.dumps(chunk['error'])[:500]}"
+                            return out
+                        ids, lps, finish = self.parse(chunk)
                         now = time.perf_counter()
                         if ids:
                             if not out.token_ids:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
-from hybridrl.engines.base import Completion, EngineError, Request
+from hybridrl.engines.base import Completion, EngineError, Request, Sampling
 from hybridrl.engines.server import ServerProcess, StreamingClient, free_port, post_json
 
 BASE_NAME = "base"
@@ -49,7 +51,7 @@ class VLLMServer:
 
     def __init__(self, model: Path, run: dict[str, Any], env_spec: dict[str, Any], log_dir: Path) -> None:
         self.model, self.run, self.log_dir = model, run, log_dir
-        self.python = env_spec.get("python", "python")
+        self.python = resolve_python(env_spec.get("python", "python"))
         self.extra_env = dict(env_spec.get("env", {}))
         self.supports_sleep = run["device"] == "cuda"
         self.server: ServerProcess | None = None
@@ -63,7 +65,7 @@ class VLLMServer:
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model), "--served-model-name", BASE_NAME,
             "--host", "127.0.0.1", "--port", str(port),
-            "--seed", str(run["seed"]),
+            "--seed", str(run["seed"]), "--dtype", self._dtype(),
             "--max-model-len", str(self._max_len()),
             "--enable-lora", "--max-lora-rank", str(_lora_rank_bucket(lora["rank"])), "--max-loras", "1",
             "--max-num-seqs", str(run["max_concurrency"]),
@@ -76,11 +78,16 @@ class VLLMServer:
             cmd += ["--lora-modules", f"{adapter[0]}={adapter[1]}"]
         return cmd + list(run["engine_args"])
 
-    def _max_len(self) -> int:
-        import json
+    def _config(self) -> dict[str, Any]:
+        return json.loads((self.model / "config.json").read_text())
 
-        cfg = json.loads((self.model / "config.json").read_text())
-        return min(int(cfg.get("max_position_embeddings", 4096)), 4096)
+    def _max_len(self) -> int:
+        return min(int(self._config().get("max_position_embeddings", 4096)), 4096)
+
+    def _dtype(self) -> str:
+        """The checkpoint's own dtype: the CPU build would otherwise pick bfloat16 for a float32 model."""
+        cfg = self._config()
+        return str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -104,6 +111,13 @@ class VLLMServer:
         self.server.start()
         elapsed = self.server.wait_healthy(self.run["startup_timeout_s"])
         self.stream = _VLLMStream(self.server, self.run["request_timeout_s"], self.run["max_concurrency"])
+        # the first request pays one-off kernel compilation; count it as start-up, not as rollout
+        t0 = time.perf_counter()
+        warm = self.stream.generate([Request([1, 2, 3], Sampling(max_new_tokens=2, temperature=0.0))])[0]
+        if warm.error:
+            self.stop()
+            raise EngineError(f"vllm: warm-up request failed: {warm.error}")
+        elapsed += time.perf_counter() - t0
         self._loaded = {adapter[0]} if adapter else set()
         return elapsed
 
@@ -159,6 +173,16 @@ class VLLMServer:
         if not self.server:
             raise EngineError("vllm: not started")
         return self.server.base_url
+
+
+def resolve_python(python: str) -> str:
+    """A relative interpreter path in a config means the repository's (e.g. .venvs/vllm-cpu/bin/python)."""
+    from hybridrl.config import REPO
+
+    path = Path(python)
+    if "/" in python and not path.is_absolute():
+        return str(REPO / path)
+    return python
 
 
 def _lora_rank_bucket(rank: int) -> int:

@@ -30,7 +30,8 @@ def report_main(table: Path, out_md: Path, out_html: Path, plots_dir: Path, titl
     table = Path(table)
     df = read_table(table)
     plots = make_all(df, Path(plots_dir))
-    render(df, Path(out_md), Path(out_html), plots, title, Path(runs_dir) if runs_dir else table.parent / "runs")
+    runs = Path(runs_dir) if runs_dir is not None else table.parent / "runs"
+    render(df, Path(out_md), Path(out_html), plots, title, runs)
 
 
 __all__ = ["aggregate_main", "report_main"]

@@ -26,7 +26,9 @@ ROLLOUT = [
     "perf/itl_ms_mean", "perf/itl_ms_p50", "perf/itl_ms_p99", "perf/latency_s_p50", "perf/latency_s_p99",
     "errors/requests_failed",
 ]
-TRAINING = ["perf/train_tokens", "perf/train_tok_s", "train/loss", "train/grad_norm", "train/kl", "train/clipfrac"]
+TRAINING = [
+    "perf/train_tokens", "perf/train_tok_s", "train/loss", "train/grad_norm", "train/kl", "train/clipfrac",
+]
 MEMORY = ["mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacity_tokens"]
 LEARNING = ["reward/mean", "reward/accuracy", "response_length/mean"]
 CHECKS = [

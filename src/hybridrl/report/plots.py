@@ -15,7 +15,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from hybridrl.report.aggregate import PHASES, atomic_path  # noqa: E402
-from hybridrl.report.stats import WARMUP_STEPS, steady_state  # noqa: E402
+from hybridrl.report.stats import WARMUP_STEPS, run_order, steady_state  # noqa: E402
 
 LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp"]
 PHASE_COLORS = {
@@ -43,7 +43,11 @@ def run_labels(df: pd.DataFrame) -> dict[str, str]:
 
 def run_colors(df: pd.DataFrame) -> dict[str, tuple]:
     cmap = plt.get_cmap("tab10" if df["run_id"].nunique() <= 10 else "tab20")
-    return {rid: cmap(i % cmap.N) for i, rid in enumerate(sorted(df["run_id"].unique()))}
+    return {rid: cmap(i % cmap.N) for i, rid in enumerate(run_order(df))}
+
+
+def _runs(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    return [(rid, df[df["run_id"] == rid]) for rid in run_order(df)]
 
 
 def _has(df: pd.DataFrame, cols: list[str]) -> bool:
@@ -68,7 +72,7 @@ def _per_step(df: pd.DataFrame, metrics: list[tuple[str, str]], title: str, out:
     labels, colors = run_labels(df), run_colors(df)
     fig, axes = plt.subplots(1, len(metrics), figsize=(6.4 * len(metrics), 4), squeeze=False)
     for ax, (metric, ylabel) in zip(axes[0], metrics, strict=True):
-        for rid, run in df.groupby("run_id", sort=True):
+        for rid, run in _runs(df):
             ax.plot(run["step"], pd.to_numeric(run[metric], errors="coerce"), marker="o", ms=3,
                     color=colors[rid], label=labels[rid])
         _mark_warmup(ax)
@@ -99,7 +103,7 @@ def step_breakdown(df: pd.DataFrame) -> pd.DataFrame:
     if steady.empty:
         steady = df
     rows = {}
-    for rid, run in steady.groupby("run_id", sort=True):
+    for rid, run in _runs(steady):
         phases = {p: float(np.nan_to_num(pd.to_numeric(run[p], errors="coerce").median())) for p in PHASES}
         total = float(pd.to_numeric(run["timing_s/step"], errors="coerce").median())
         phases["other"] = max(0.0, total - sum(phases.values())) if np.isfinite(total) else 0.0
@@ -139,7 +143,7 @@ def plot_latency(df: pd.DataFrame, out: Path) -> Path | None:
     if steady.empty:
         steady = df
     labels, colors = run_labels(df), run_colors(df)
-    runs = sorted(df["run_id"].unique())
+    runs = run_order(df)
     fig, axes = plt.subplots(2, 3, figsize=(max(11.0, 1.6 * len(runs) * 3), 7), squeeze=False)
     for ax, (metric, title) in zip(axes.flat, LATENCY, strict=True):
         data = [pd.to_numeric(steady.loc[steady["run_id"] == r, metric], errors="coerce").dropna().to_numpy()
@@ -166,7 +170,8 @@ def plot_memory(df: pd.DataFrame, out: Path) -> Path | None:
     if not metrics:
         return None
     labels = run_labels(df)
-    runs = sorted(df["run_id"].unique())
+    # CPU runs have no NVML numbers: leave them out rather than draw empty slots
+    runs = [rid for rid, run in _runs(df) if _has(run, [m for m, _ in metrics])]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(runs) + 3), 4.5))
     width = 0.8 / len(metrics)
     x = np.arange(len(runs))

@@ -13,7 +13,16 @@ import jinja2
 import pandas as pd
 
 from hybridrl.report import stats
-from hybridrl.report.aggregate import CHECKS, CONFIG_KEY, LEARNING, MEMORY, ROLLOUT, TIMING, TRAINING, atomic_path
+from hybridrl.report.aggregate import (
+    CHECKS,
+    CONFIG_KEY,
+    LEARNING,
+    MEMORY,
+    ROLLOUT,
+    TIMING,
+    TRAINING,
+    atomic_path,
+)
 from hybridrl.report.plots import PLOTS, run_labels
 
 TEMPLATES = Path(__file__).resolve().parents[3] / "workflow" / "report"
@@ -36,8 +45,11 @@ WARMUP_METRICS = ["timing_s/step", "timing_s/gen", "timing_s/restart", "timing_s
                   "perf/throughput", "perf/ttft_s_p50"]
 DETAIL_METRICS = [c for c in TIMING + ROLLOUT + TRAINING + MEMORY + LEARNING + CHECKS
                   if not c.startswith("check/") or c == "check/rollout_logprob_abs_diff"]
-BOOL_CHECKS = [("check/base_canary_ok", "Base canary unchanged"), ("check/adapter_applied", "Adapter applied"),
-               ("check/kv_capacity_ok", "KV capacity recovered")]
+BOOL_CHECKS = [
+    ("check/base_canary_ok", "Base canary unchanged"),
+    ("check/adapter_applied", "Adapter applied"),
+    ("check/kv_capacity_ok", "KV capacity recovered"),
+]
 
 
 @dataclass
@@ -72,6 +84,15 @@ def fmt(x: Any) -> str:
     return f"{x:#.3g}"
 
 
+def _field(value: Any) -> str:
+    """A config field as written in the config: 1 not 1.0, – for unset."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)) or value is pd.NA:
+        return "–"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
 def fmt_est(est: stats.Estimate) -> str:
     if est.n == 0:
         return "–"
@@ -82,11 +103,6 @@ def fmt_est(est: stats.Estimate) -> str:
 
 def _has(df: pd.DataFrame, col: str) -> bool:
     return col in df.columns and pd.to_numeric(df[col], errors="coerce").notna().any()
-
-
-def _config_cells(config: tuple, labels: dict[str, str]) -> list[Cell]:
-    fields = dict(zip(CONFIG_KEY, config, strict=True))
-    return [Cell(labels[fields["run_id"]]), *(Cell(str(fields[k])) for k in CONFIG_KEY)]
 
 
 def _select(df: pd.DataFrame, run_id: str) -> pd.DataFrame:
@@ -101,13 +117,13 @@ def summary(df: pd.DataFrame, title: str) -> dict[str, Any]:
     return {
         "title": title,
         "n_runs": int(df["run_id"].nunique()),
-        "n_configs": len(stats.configs(df)),
+        "n_configs": len(df[CONFIG_KEY[:-1]].drop_duplicates()),  # seeds of one config count once
         "steps": f"{steps.min()}" if steps.min() == steps.max() else f"{steps.min()}–{steps.max()}",
         "n_records": len(df),
         **{f: ", ".join(sorted(df[f].dropna().astype(str).unique())) for f in
            ("engine", "placement", "trainer", "model")},
         "measured_s": fmt(pd.to_numeric(df["timing_s/step"], errors="coerce").sum()),
-        "span_s": fmt(span.max() - span.min()) if len(span) > 1 else "–",
+        "span_s": f"{fmt(span.max() - span.min())} s" if len(span) > 1 else "–",
         "warmup_steps": stats.WARMUP_STEPS,
         "n_boot": stats.N_BOOT,
         "excluded_adapter": excluded,
@@ -121,7 +137,7 @@ def comparison_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     cfgs = stats.configs(df)
     table = Table(["", *(labels[c[-1]] for c in cfgs)])
     for i, key in enumerate(CONFIG_KEY):
-        table.rows.append([Cell(key.replace("_", " "), "key"), *(Cell(str(c[i])) for c in cfgs)])
+        table.rows.append([Cell(key.replace("_", " "), "key"), *(Cell(_field(c[i])) for c in cfgs)])
     runs = [_select(steady, c[-1]) for c in cfgs]
     table.rows.append([Cell("n steps", "key"), *(Cell(str(len(r)), "num") for r in runs)])
     for col, heading, unit in metrics:
@@ -142,7 +158,8 @@ def ratio_table(df: pd.DataFrame, labels: dict[str, str]) -> tuple[str, Table] |
     if len(configs) < 2 or not metrics:
         return None
     base = configs[0]
-    table = Table(["run", "vs baseline"] + [f"{h} ratio [95% CI]" for _, h in metrics] + ["n (run / baseline)"])
+    headers = [f"{h} ratio [95% CI]" for _, h in metrics]
+    table = Table(["run", "vs baseline", *headers, "n (run / baseline)"])
     steady = stats.steady_state(df)
     for config in configs[1:]:
         cells = [Cell(fmt_est(stats.compare(df, m, config, base)), "num") for m, _ in metrics]
@@ -154,33 +171,39 @@ def ratio_table(df: pd.DataFrame, labels: dict[str, str]) -> tuple[str, Table] |
 def warmup_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     metrics = [m for m in WARMUP_METRICS if _has(df, m)]
     table = Table(["run", "step"] + metrics)
-    for _, row in stats.warmup(df).sort_values(["run_id", "step"]).iterrows():
+    order = {rid: i for i, rid in enumerate(stats.run_order(df))}
+    warm = stats.warmup(df)
+    warm = warm.assign(_order=warm["run_id"].map(order)).sort_values(["_order", "step"])
+    for _, row in warm.iterrows():
         table.rows.append([Cell(labels[row["run_id"]]), Cell(str(int(row["step"])), "num"),
                            *(Cell(fmt(row[m]), "num") for m in metrics)])
     return table
 
 
-def _bool_cell(col: pd.Series) -> Cell:
-    vals = col.astype("boolean")
-    known = vals.dropna()
+def _bool_cell(col: pd.Series, steps: pd.Series) -> Cell:
+    """'k/n ok' over the steps where the check ran, naming the steps where it failed."""
+    known = col.astype("boolean").dropna()
     if known.empty:
         return Cell("not checked", "na")
-    bad = known.index[~known.to_numpy(dtype=bool)]
-    if len(bad) == 0:
-        return Cell(f"{len(known)}/{len(known)} ok", "ok")
-    return Cell(f"{len(known) - len(bad)}/{len(known)} ok", "fail")
+    bad = [int(s) for s in steps[known.index[~known.to_numpy(dtype=bool)]]]
+    text = f"{len(known) - len(bad)}/{len(known)} ok"
+    if not bad:
+        return Cell(text, "ok")
+    shown = ", ".join(map(str, bad[:5])) + (", …" if len(bad) > 5 else "")
+    return Cell(f"{text} (failed at step {shown})", "fail")
 
 
 def correctness_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     table = Table(["run"] + [h for _, h in BOOL_CHECKS] +
                   ["|Δ logprob| median [95% CI]", "|Δ logprob| max", "failed requests", "engine restarts"])
-    for run_id, run in df.groupby("run_id", sort=True):
+    for run_id in stats.run_order(df):
+        run = _select(df, run_id)
         diff = pd.to_numeric(run["check/rollout_logprob_abs_diff"], errors="coerce")
         failed = pd.to_numeric(run["errors/requests_failed"], errors="coerce")
         restarts = pd.to_numeric(run["errors/engine_restarts"], errors="coerce")
         table.rows.append([
             Cell(labels[run_id]),
-            *(_bool_cell(run[c]) for c, _ in BOOL_CHECKS),
+            *(_bool_cell(run[c], run["step"]) for c, _ in BOOL_CHECKS),
             Cell(fmt_est(stats.bootstrap_median(diff)), "num"),
             Cell(fmt(diff.max()), "num"),
             Cell(fmt(failed.sum()) if failed.notna().any() else "–", "fail" if failed.sum() > 0 else "num"),
@@ -221,11 +244,12 @@ def _provenance_row(label: str, prov: dict[str, Any] | None) -> dict[str, Any]:
     devices = gpu.get("devices") or []
     gpu_text = "none" if not devices else f"{len(devices)}× {devices[0].get('name', '?')}"
     container = prov.get("container") or {}
+    host = prov.get("host") or {}
     commit = _short(git.get("commit")) + (" (dirty)" if git.get("dirty") else "")
     cells = [
         ("git", commit), ("python", prov.get("python") or "–"),
         ("packages", ", ".join(f"{k} {v}" for k, v in sorted(pkgs.items())) or "–"),
-        ("host", f"{(prov.get('host') or {}).get('hostname', '–')} ({(prov.get('host') or {}).get('cpu_model', '–')})"),
+        ("host", f"{host.get('hostname', '–')} ({host.get('cpu_model', '–')})"),
         ("GPU", gpu_text), ("driver", gpu.get("driver") or "–"),
         ("image", _short(container.get("image_digest"), 19)),
     ]
@@ -235,7 +259,7 @@ def _provenance_row(label: str, prov: dict[str, Any] | None) -> dict[str, Any]:
 
 def provenance_rows(df: pd.DataFrame, labels: dict[str, str], runs_dir: Path) -> list[dict[str, Any]]:
     rows = []
-    for run_id in sorted(df["run_id"].unique()):
+    for run_id in stats.run_order(df):
         path = runs_dir / str(run_id) / "provenance.json"
         try:
             prov = json.loads(path.read_text())
@@ -246,8 +270,10 @@ def provenance_rows(df: pd.DataFrame, labels: dict[str, str], runs_dir: Path) ->
 
 
 def _plots(written: dict[str, Path], base: Path) -> list[dict[str, str]]:
-    return [{"name": name, "title": PLOTS[name][0], "src": Path(os.path.relpath(Path(path).resolve(), base)).as_posix()}
-            for name, path in written.items()]
+    def rel(path: Path) -> str:
+        return Path(os.path.relpath(Path(path).resolve(), base)).as_posix()
+
+    return [{"name": name, "title": PLOTS[name][0], "src": rel(path)} for name, path in written.items()]
 
 
 def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path) -> dict[str, Any]:
@@ -256,7 +282,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
     ratios = ratio_table(df, labels)
     return {
         "summary": summary(df, title),
-        "runs": [{"label": labels[r], "run_id": r} for r in sorted(labels)],
+        "runs": [{"label": labels[r], "run_id": r} for r in stats.run_order(df)],
         "comparison": comparison_table(df, labels),
         "baseline": ratios[0] if ratios else None,
         "ratios": ratios[1] if ratios else None,

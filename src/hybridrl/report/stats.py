@@ -94,6 +94,11 @@ def configs(df: pd.DataFrame) -> list[tuple]:
     return [tuple(row) for row in keys.sort_values(CONFIG_KEY).itertuples(index=False)]
 
 
+def run_order(df: pd.DataFrame) -> list[str]:
+    """run_ids in configuration order, so every table and plot lists runs the same way."""
+    return [str(c[-1]) for c in configs(df)]
+
+
 def _select(df: pd.DataFrame, config: tuple) -> pd.DataFrame:
     mask = np.ones(len(df), dtype=bool)
     for col, val in zip(CONFIG_KEY, config, strict=True):

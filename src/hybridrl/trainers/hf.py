@@ -92,7 +92,13 @@ class HFTrainer:
             "train/clipfrac": totals["train/clipfrac"],
             "perf/train_tokens": float(n_tokens),
             "check/rollout_logprob_abs_diff": totals["absdiff"] / max(n_tokens, 1),
+            "train/lora_norm": self.lora_norm(),
         })
+
+    def lora_norm(self) -> float:
+        """Norm of the LoRA B matrices: zero means the adapter is still the identity."""
+        return float(sum(p.detach().float().pow(2).sum() for n, p in self.model.named_parameters()
+                         if "lora_B" in n) ** 0.5)
 
     # -- state -----------------------------------------------------------------------------------
     def save(self, out_dir: Path) -> None:

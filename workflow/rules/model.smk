@@ -7,5 +7,7 @@ rule model:
         spec=lambda wildcards: json.dumps(STUDY.models[wildcards.model], sort_keys=True),
     log:
         "logs/model/{model}.log",
+    conda:
+        "../envs/hybridrl.yaml"
     shell:
         "python -m hybridrl model --spec {params.spec:q} --corpus {input.corpus} --out {output} > {log} 2>&1"

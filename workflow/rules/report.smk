@@ -8,6 +8,8 @@ rule aggregate:
         runs=expand("results/runs/{run_id}", run_id=RUNS),
     log:
         "logs/aggregate.log",
+    conda:
+        "../envs/hybridrl.yaml"
     shell:
         "python -m hybridrl aggregate --runs {params.runs} --csv {output.csv}"
         " --parquet {output.parquet} > {log} 2>&1"
@@ -24,6 +26,8 @@ rule report:
         title=f"hybridrl: {STUDY.name}",
     log:
         "logs/report.log",
+    conda:
+        "../envs/hybridrl.yaml"
     shell:
         "python -m hybridrl report --table {input.table} --md {output.md} --html {output.html}"
         " --plots {output.plots} --title {params.title:q} > {log} 2>&1"
@@ -41,6 +45,8 @@ rule archive:
         extra=[p for p in ["config", "requirements", "containers", "workflow/schemas"] if Path(p).exists()],
     log:
         f"logs/archive/{STUDY.name}.log",
+    conda:
+        "../envs/hybridrl.yaml"
     shell:
         "python -m hybridrl archive --results results --extra {params.extra} --out {output} > {log} 2>&1"
         " && python -m hybridrl verify {output} >> {log} 2>&1"

@@ -17,12 +17,13 @@ rule train:
     output:
         done="results/runs/{run_id}/done.json",
     params:
-        out="results/runs/{run_id}",
+        out=lambda wildcards, output: Path(output.done).parent,
+        data=lambda wildcards, input: Path(input.data).parent,
     log:
         "logs/train/{run_id}.log",
     threads: run_threads
     resources:
         gpu=run_gpus,
     shell:
-        "python -m hybridrl train --run-config {input.config} --model {input.model} --data {DATA_DIR}"
+        "python -m hybridrl train --run-config {input.config} --model {input.model} --data {params.data}"
         " --out {params.out} --done {output.done} --no-progress 2>&1 | tee {log}"

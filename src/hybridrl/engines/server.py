@@ -134,8 +134,8 @@ class StreamingClient:
     def body(self, req: Request) -> dict[str, Any]:
         raise NotImplementedError
 
-    def parse(self, chunk: dict[str, Any]) -> tuple[list[int], list[float], str | None]:
-        """-> (new token ids, their logprobs, finish reason or None)."""
+    def parse(self, chunk: dict[str, Any], seen: int = 0) -> tuple[list[int], list[float], str | None]:
+        """-> (new token ids, their logprobs, finish reason or None); `seen` tokens came before."""
         raise NotImplementedError
 
     async def _one(self, client: httpx.AsyncClient, req: Request, sem: asyncio.Semaphore, tick) -> Completion:
@@ -156,7 +156,7 @@ class StreamingClient:
                         if "error" in chunk:  # servers report mid-stream failures as an error event
                             out.error = f"engine error: {json.dumps(chunk['error'])[:500]}"
                             return out
-                        ids, lps, finish = self.parse(chunk)
+                        ids, lps, finish = self.parse(chunk, len(out.token_ids))
                         now = time.perf_counter()
                         if ids:
                             if not out.token_ids:
@@ -169,7 +169,7 @@ class StreamingClient:
                         if finish:
                             out.finish_reason = finish
                 out.latency_s = time.perf_counter() - t0
-            except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+            except (httpx.HTTPError, json.JSONDecodeError, KeyError, EngineError) as exc:
                 out.error = f"{type(exc).__name__}: {exc}"
             finally:
                 tick()

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.base import Completion, EngineError, Request, Sampling
+from hybridrl.engines.gpus import nvml_indices, split_engine_devices, used_gb
 from hybridrl.engines.server import ServerProcess, StreamingClient, free_port, post_json
 
 BASE_NAME = "base"
@@ -37,7 +38,7 @@ class _VLLMStream(StreamingClient):
             body["seed"] = s.seed
         return body
 
-    def parse(self, chunk: dict[str, Any]) -> tuple[list[int], list[float], str | None]:
+    def parse(self, chunk: dict[str, Any], seen: int = 0) -> tuple[list[int], list[float], str | None]:
         choice = chunk["choices"][0]
         lp = choice.get("logprobs") or {}
         ids = [int(t.rsplit(":", 1)[1]) for t in lp.get("tokens") or []]
@@ -57,6 +58,7 @@ class VLLMServer:
         self.server: ServerProcess | None = None
         self.stream: _VLLMStream | None = None
         self._loaded: set[str] = set()
+        self._metrics: dict[str, float | None] = {}
 
     # -- process ---------------------------------------------------------------------------------
     def command(self, port: int, adapter: tuple[str, Path] | None) -> list[str]:
@@ -101,6 +103,7 @@ class VLLMServer:
         })
         if self.run["device"] == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a large slice of RAM
+        env.update(split_engine_devices(self.run, env))  # split: the engine takes the last GPUs
         env.update(self.extra_env)
         return env
 
@@ -145,9 +148,22 @@ class VLLMServer:
     # -- sleep mode (GPU) ------------------------------------------------------------------------
     def sleep(self) -> None:
         post_json(self._url(), f"/sleep?level={self.run['vllm_sleep_level']}")
+        self._metrics["mem/engine_asleep_gb"] = used_gb(nvml_indices(self.environment()))
 
     def wake(self) -> None:
-        post_json(self._url(), "/wake_up")
+        if self.run["vllm_sleep_level"] == 2:
+            # level 2 discarded the weights: wake them, reload the (unchanged) base from disk, then the cache
+            post_json(self._url(), "/wake_up?tags=weights")
+            post_json(self._url(), "/collective_rpc", {"method": "reload_weights"})
+            post_json(self._url(), "/wake_up?tags=kv_cache")
+        else:
+            post_json(self._url(), "/wake_up")
+        self._metrics["mem/engine_awake_gb"] = used_gb(nvml_indices(self.environment()))
+
+    def step_metrics(self) -> dict[str, float | None]:
+        """NVML memory on the engine's GPUs right after the last sleep and wake; then forget them."""
+        out, self._metrics = self._metrics, {}
+        return out
 
     def flush_cache(self) -> None:
         post_json(self._url(), "/reset_prefix_cache")
@@ -167,7 +183,7 @@ class VLLMServer:
         port = self.server.port if self.server else 0
         return {"engine": self.name, "python": self.python, "command": self.command(port, None),
                 "env": {k: v for k, v in self.environment().items() if k.startswith(("VLLM_", "CUDA_"))},
-                "version": _version(self.python, "vllm")}
+                "version": _version(self.python, "vllm", self.environment())}
 
     def _url(self) -> str:
         if not self.server:
@@ -193,14 +209,17 @@ def _lora_rank_bucket(rank: int) -> int:
     raise EngineError(f"vllm: LoRA rank {rank} is larger than vLLM supports (512)")
 
 
-def _version(python: str, package: str) -> str | None:
+def _version(python: str, package: str, env: dict[str, str] | None = None) -> str | None:
     import subprocess
 
     # the CPU build is distributed as vllm-cpu
-    code = ("import importlib.metadata as m\nfor p in ('%s', '%s-cpu'):\n  try: print(m.version(p)); break\n"
-            "  except m.PackageNotFoundError: pass" % (package, package))
+    code = ("import importlib.metadata as m, sys\n"
+            "for p in sys.argv[1:]:\n"
+            "    try:\n        print(m.version(p)); break\n"
+            "    except m.PackageNotFoundError:\n        pass")
     try:
-        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([python, "-c", code, package, f"{package}-cpu"],
+                             capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None

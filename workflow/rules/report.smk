@@ -42,11 +42,19 @@ rule archive:
     output:
         f"results/archive/{STUDY.name}.tar.gz",
     params:
-        extra=[p for p in ["config", "requirements", "containers", "workflow/schemas"] if Path(p).exists()],
+        root=workflow.basedir,
+        extra=[
+            f"{workflow.basedir}/{p}"
+            for p in ["config", "requirements", "containers", "workflow/schemas", "Snakefile"]
+            if Path(workflow.basedir, p).exists()
+        ],
+        runs=list(RUNS),
     log:
         f"logs/archive/{STUDY.name}.log",
     conda:
         "../envs/hybridrl.yaml"
     shell:
-        "python -m hybridrl archive --results results --extra {params.extra} --out {output} > {log} 2>&1"
+        "python -m hybridrl archive --results results --extra {params.extra} --runs {params.runs}"
+        " --root {params.root}"
+        " --out {output} > {log} 2>&1"
         " && python -m hybridrl verify {output} >> {log} 2>&1"

@@ -130,8 +130,11 @@ def _install_sigterm() -> None:
 
 
 def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, out_dir: Path,
-             env_spec: dict[str, Any], progress: bool = True) -> list[dict[str, Any]]:
-    """Run (or resume) all steps of one configuration; returns the records of every step."""
+             env_spec: dict[str, Any], progress: bool = True, engine: Engine | None = None) -> list[dict[str, Any]]:
+    """Run (or resume) all steps of one configuration; returns the records of every step.
+
+    `engine` is for tests of the loop itself; runs build theirs from the config.
+    """
     from transformers import AutoTokenizer
 
     _install_sigterm()
@@ -145,7 +148,7 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
     problems = gsm8k.read_jsonl(data_dir / "train.jsonl")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     sampler = MemorySampler().start()
-    engine = make_engine(run, model_dir, env_spec, paths.logs)
+    engine = engine or make_engine(run, model_dir, env_spec, paths.logs)
     trainer = None
     try:
         trainer = make_trainer(run, model_dir, paths.root)
@@ -225,6 +228,7 @@ def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
         rewards = [gsm8k.shaped_reward(x, a, run["format_reward"]) if good else 0.0
                    for x, a, good in zip(texts, answers, ok, strict=True)]
         advantages = group_advantages(rewards, run["group_size"])
+    _write_requests(paths.root / "requests" / f"step-{step:04d}.jsonl", requests, completions, rewards)
     samples = [Sample(r.prompt_ids, c.token_ids, c.logprobs, a)
                for r, c, a in zip(requests, completions, advantages, strict=True) if c.error is None and c.token_ids]
     placement.before_train(t)
@@ -265,7 +269,20 @@ def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
         mem["mem/used_gb_train"] = mem.get("mem/used_gb_update_actor")
     record.update(mem)
     record.update(checks)
+    step_metrics = getattr(engine, "step_metrics", None)  # engine-side readings, e.g. NVML after sleep/wake
+    if step_metrics:
+        record.update(step_metrics())
     return record
+
+
+def _write_requests(path: Path, requests: list[Request], completions: list[Completion],
+                    rewards: list[float]) -> None:
+    """Per-request audit trail: which adapter each request named, its timings, tokens and reward."""
+    rows = [{"i": i, "adapter": r.adapter, "seed": r.sampling.seed, "prompt_tokens": len(r.prompt_ids),
+             "tokens": len(c.token_ids), "ttft_s": c.ttft_s, "latency_s": c.latency_s,
+             "finish_reason": c.finish_reason, "error": c.error, "reward": w}
+            for i, (r, c, w) in enumerate(zip(requests, completions, rewards, strict=True))]
+    gsm8k.write_jsonl_atomic(path, rows)
 
 
 def _hold_ballast(run: dict[str, Any]) -> None:

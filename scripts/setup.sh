@@ -15,7 +15,7 @@ need() {  # need DIR STAMP: true when DIR must be (re)built
   return 0
 }
 
-ctl_stamp=$(stamp requirements/controller.lock.txt pyproject.toml)
+ctl_stamp=$(stamp requirements/controller.lock.txt pyproject.toml scripts/setup-megatron-cpu.sh)
 if need .venv "$ctl_stamp"; then
   echo "setup: building .venv (controller)"
   rm -rf .venv && "$PYTHON" -m venv .venv
@@ -23,6 +23,7 @@ if need .venv "$ctl_stamp"; then
   .venv/bin/pip install -q "$TORCH"
   .venv/bin/pip install -q --no-deps -r requirements/controller.lock.txt
   .venv/bin/pip install -q --no-deps -e .
+  bash scripts/setup-megatron-cpu.sh .venv/bin/python  # megatron-core for the Megatron trainer's CPU tests
   echo "$ctl_stamp" > .venv/.hybridrl-stamp
 fi
 

@@ -3,11 +3,11 @@
 Each adapter is built from megatron's ColumnParallelLinear/RowParallelLinear, so the TP collectives that
 make forward and backward exact live inside megatron's autograd functions and nothing is synced by hand:
   column-parallel base (x full, output split):
-      A = ColumnParallelLinear(in -> r, gather_output)   A split on r, output gathered to full r
+      A = ColumnParallelLinear(in -> r), then gather     A split on r, output gathered to full r
       B = ColumnParallelLinear(r -> out)                 B split on out, like the base output
   row-parallel base (x split on in, output all-reduced):
       A = RowParallelLinear(in -> r)                     A split on in, output all-reduced to full r
-      B = ColumnParallelLinear(r -> out, gather_output)  B split on out, output gathered to full out
+      B = ColumnParallelLinear(r -> out), then gather    B split on out, output gathered to full out
 An adapter's output is added to the base output by a forward hook; for the fused linear_qkv and
 linear_fc1 the q/k/v (gate/up) deltas are first arranged in the fused per-rank layout.
 """
@@ -32,6 +32,29 @@ def _no_init(_: torch.Tensor) -> None:  # weights are set explicitly after const
     return None
 
 
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dim over the TP group; backward keeps this rank's slice.
+
+    megatron's gather_from_tensor_model_parallel_region does the same but allocates its buffer on
+    torch.cuda.current_device(), which fails with gloo on the CPU; list all_gather works on both backends."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        group = parallel_state.get_tensor_model_parallel_group()
+        parts = [torch.empty_like(x) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        return grad.chunk(tp, dim=-1)[parallel_state.get_tensor_model_parallel_rank()].contiguous()
+
+
+def _gather(x: torch.Tensor) -> torch.Tensor:
+    return x if parallel_state.get_tensor_model_parallel_world_size() == 1 else _GatherLastDim.apply(x)
+
+
 class LoraAdapter(nn.Module):
     def __init__(self, kind: str, in_features: int, out_features: int, rank: int, alpha: float,
                  config: object) -> None:
@@ -39,19 +62,19 @@ class LoraAdapter(nn.Module):
         self.kind = kind
         self.scaling = alpha / rank
         if kind == "column":
-            self.A = ColumnParallelLinear(in_features, rank, config=config, init_method=_no_init, bias=False,
-                                          gather_output=True)
-            self.B = ColumnParallelLinear(rank, out_features, config=config, init_method=_no_init, bias=False,
-                                          gather_output=False)
+            self.A = ColumnParallelLinear(in_features, rank, config=config, init_method=_no_init, bias=False)
         else:
             self.A = RowParallelLinear(in_features, rank, config=config, init_method=_no_init, bias=False,
                                        input_is_parallel=True, skip_bias_add=True)
-            self.B = ColumnParallelLinear(rank, out_features, config=config, init_method=_no_init, bias=False,
-                                          gather_output=True)
+        self.B = ColumnParallelLinear(rank, out_features, config=config, init_method=_no_init, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, _ = self.A(x.to(self.A.weight.dtype))
+        if self.kind == "column":
+            h = _gather(h)  # full r for every rank's B shard
         y, _ = self.B(h)
+        if self.kind == "row":
+            y = _gather(y)  # the row-parallel base output is full width
         return y * self.scaling
 
 

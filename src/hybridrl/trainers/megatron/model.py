@@ -20,6 +20,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors import safe_open
 
@@ -166,19 +167,25 @@ def transformer_config(spec: ArchSpec, tp: int, dtype: torch.dtype) -> Transform
     return TransformerConfig(**kw)
 
 
-def _layer_spec(spec: ArchSpec) -> ModuleSpec:
-    layer = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
+def _layer_spec(spec: ArchSpec, moe: bool) -> ModuleSpec:
+    layer = get_gpt_layer_local_spec(num_experts=spec.num_experts if moe else None, moe_grouped_gemm=False,
                                      qk_layernorm=spec.qk_norm, normalization="RMSNorm")
     layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    if spec.is_moe:
+    if moe:
         # the local MoE spec is partial(MoELayer, submodules=...); swap in the device-safe router
-        moe = layer.submodules.mlp
-        if moe.func is not MoELayer:  # type: ignore[attr-defined]
-            raise RuntimeError(f"unexpected MoE spec {moe!r} from megatron-core")
-        sub = moe.keywords["submodules"]  # type: ignore[attr-defined]
-        moe.keywords["submodules"] = MoESubmodules(  # type: ignore[attr-defined]
+        mlp = layer.submodules.mlp
+        if mlp.func is not MoELayer:  # type: ignore[attr-defined]
+            raise RuntimeError(f"unexpected MoE spec {mlp!r} from megatron-core")
+        sub = mlp.keywords["submodules"]  # type: ignore[attr-defined]
+        mlp.keywords["submodules"] = MoESubmodules(  # type: ignore[attr-defined]
             experts=sub.experts, shared_experts=None, router=CPUSafeTopKRouter)
     return layer
+
+
+def _block_spec(spec: ArchSpec) -> TransformerBlockSubmodules:
+    """One layer spec per layer, so MoE models with dense layers (mlp_only_layers) map one to one."""
+    layers = [_layer_spec(spec, spec.layer_is_moe(i)) for i in range(spec.num_layers)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=layers[0].submodules.input_layernorm)
 
 
 def build_model(spec: ArchSpec, tp: int, dtype: torch.dtype) -> GPTModel:
@@ -186,7 +193,7 @@ def build_model(spec: ArchSpec, tp: int, dtype: torch.dtype) -> GPTModel:
     config = transformer_config(spec, tp, dtype)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(spec),
+        transformer_layer_spec=_block_spec(spec),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=True,

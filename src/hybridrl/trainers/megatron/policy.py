@@ -18,7 +18,7 @@ from hybridrl.trainers.base import Sample
 from hybridrl.trainers.megatron import export
 from hybridrl.trainers.megatron.lora import apply_lora, lora_disabled, lora_parameters
 from hybridrl.trainers.megatron.model import build_model, load_hf_weights
-from hybridrl.trainers.megatron.spec import MegatronSetupError, check_parallel, read_spec
+from hybridrl.trainers.megatron.spec import MegatronSetupError, check_parallel, effective_targets, read_spec
 
 
 def init_parallel(tp: int, device: torch.device) -> None:
@@ -56,10 +56,16 @@ class MegatronPolicy:
         self.model_dir = str(model_dir)
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.spec = read_spec(model_dir)
-        self.targets = list(lora["target_modules"])
-        check_parallel(self.spec, self.tp, int(lora["rank"]), self.targets)
+        check_parallel(self.spec, self.tp, int(lora["rank"]), list(lora["target_modules"]))
+        self.targets = effective_targets(self.spec, list(lora["target_modules"]))
+        dropped = sorted(set(lora["target_modules"]) - set(self.targets))
+        if dropped and parallel_state.get_tensor_model_parallel_rank() == 0:
+            print(f"hybridrl megatron: {self.spec.model_type} is MoE; LoRA on {', '.join(self.targets)} only, "
+                  f"{', '.join(dropped)} not adapted", flush=True)
         self.rank, self.alpha = int(lora["rank"]), float(lora["alpha"])
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        # bf16 base on the GPU (LoRA weights stay fp32); fp32 on the CPU. train_dtype overrides (parity checks).
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
+            run.get("train_dtype") or ("bf16" if device.type == "cuda" else "fp32")]
         self.model = build_model(self.spec, self.tp, dtype)
         load_hf_weights(self.model, self.spec, model_dir, parallel_state.get_tensor_model_parallel_rank(), self.tp)
         self.adapters = apply_lora(self.model, self.spec, self.rank, self.alpha, self.targets,
@@ -69,6 +75,8 @@ class MegatronPolicy:
         self.optimizer = torch.optim.AdamW(self.params, lr=float(run["lr"]),
                                            weight_decay=float(run.get("weight_decay", 0.0)))
         self.micro_batch = int(run.get("micro_batch", 8))
+        # built once here: importing peft costs seconds, which should not land in the first step
+        self.adapter_config = export.adapter_config(self.rank, self.alpha, self.targets, self.model_dir)
         self._pinned: dict[int, torch.Tensor] = {}
         self.offloaded = False
 
@@ -164,8 +172,7 @@ class MegatronPolicy:
         weights = export.gather_full(self.adapters)
         opt = export.optimizer_state(self.adapters, self.optimizer)
         if parallel_state.get_tensor_model_parallel_rank() == 0:
-            cfg = export.adapter_config(self.rank, self.alpha, self.targets, self.model_dir)
-            export.write_adapter_dir(Path(out_dir), weights, cfg, opt)
+            export.write_adapter_dir(Path(out_dir), weights, self.adapter_config, opt)
         if self.tp > 1:
             dist.barrier(group=parallel_state.get_tensor_model_parallel_group())
 
@@ -193,6 +200,10 @@ class MegatronPolicy:
                     st[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
         self._move_buffers("cpu")
         torch.cuda.synchronize(self.device)
+        # cuBLAS keeps per-handle workspaces outside the caching allocator's free list
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()
         self.offloaded = True
 

@@ -126,6 +126,25 @@ def read_spec(model_dir: str | Path) -> ArchSpec:
     return ArchSpec(**kw)
 
 
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def effective_targets(spec: ArchSpec, targets: list[str] | tuple[str, ...]) -> list[str]:
+    """The projections that actually get an adapter.
+
+    For MoE models only attention: with transformers 5.x, PEFT turns gate/up/down targets of a Qwen3-MoE model
+    into LoRA on the fused 3-D expert parameters (target_parameters), a layout the engines' LoRA loaders do
+    not share, and it then leaves dense MLP layers unadapted. An attention-only adapter loads everywhere.
+    """
+    if not spec.is_moe:
+        return list(targets)
+    kept = [t for t in targets if t in ATTENTION_TARGETS]
+    if not kept:
+        raise MegatronSetupError(f"{spec.model_type}: LoRA on MoE models covers {', '.join(ATTENTION_TARGETS)} "
+                                 f"only, and lora.target_modules {list(targets)} names none of them")
+    return kept
+
+
 def check_parallel(spec: ArchSpec, tp: int, lora_rank: int, target_modules: list[str] | tuple[str, ...]) -> None:
     """The sizes a TP degree must divide, and the LoRA settings this trainer supports."""
     if tp < 1:
@@ -136,8 +155,8 @@ def check_parallel(spec: ArchSpec, tp: int, lora_rank: int, target_modules: list
             raise MegatronSetupError(f"train_tp={tp} does not divide {what}={n}; choose a TP size that does")
     if spec.is_moe and tp > 1:
         raise MegatronSetupError(
-            f"{spec.model_type}: mixture-of-experts models train at train_tp=1 only "
-            "(megatron-core refuses MoE training with TP>1 unless sequence parallelism is on)")
+            f"{spec.model_type}: mixture-of-experts models train at train_tp=1 only (megatron-core's MoE layer "
+            "needs sequence parallelism at TP>1, which its non-Transformer-Engine norms do not support)")
     if lora_rank < 1:
         raise MegatronSetupError(f"lora.rank must be >= 1, got {lora_rank}")
     if lora_rank % tp:

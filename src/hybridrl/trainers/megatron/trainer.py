@@ -33,13 +33,14 @@ class MegatronTrainer:
     """GRPO + LoRA on megatron-core, TP = run["train_tp"] processes under torchrun.
 
     run: the resolved run dict (lora.{rank,alpha,dropout,target_modules}, lr, weight_decay, clip_eps, kl_coef,
-    grad_clip, seed, train_tp, device, optional micro_batch, startup_timeout_s). workdir holds the job
-    protocol files and worker.log (a temp dir if not given). offload_after_step: move weights and optimizer
-    state to pinned CPU memory at the end of every step (colocate) without a separate offload() call.
+    grad_clip, seed, train_tp, device, optional micro_batch, startup_timeout_s). work_dir: the run's directory;
+    the job protocol files and worker.log go to work_dir/megatron (a temp dir if not given).
+    offload_after_step: move weights and optimizer state to pinned CPU memory at the end of every step
+    (colocate) without a separate offload() call. env: extra environment for the workers.
     """
 
-    def __init__(self, model_dir: str | Path, run: dict[str, Any], device: str | None = None,
-                 workdir: str | Path | None = None, env: dict[str, str] | None = None,
+    def __init__(self, model_dir: str | Path, run: dict[str, Any], work_dir: str | Path | None = None, *,
+                 device: str | None = None, env: dict[str, str] | None = None,
                  offload_after_step: bool = False, step_timeout_s: float = 3600.0,
                  resume_from: str | Path | None = None) -> None:
         self.model_dir = Path(model_dir)
@@ -48,6 +49,7 @@ class MegatronTrainer:
         self.tp = int(run.get("train_tp", 1))
         lora = run["lora"]
         spec = read_spec(self.model_dir)  # raises MegatronSetupError with the cause
+        self.vocab_size = spec.vocab_size
         check_parallel(spec, self.tp, int(lora["rank"]), list(lora["target_modules"]))
         if float(lora.get("dropout", 0.0)) != 0.0:
             raise MegatronSetupError("lora.dropout must be 0 for the Megatron trainer")
@@ -59,7 +61,8 @@ class MegatronTrainer:
                                          f"found {torch.cuda.device_count()}")
         self.offload_after_step = offload_after_step
         self.step_timeout_s = step_timeout_s
-        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hybridrl-megatron-"))
+        self.workdir = (Path(work_dir) / "megatron" if work_dir
+                        else Path(tempfile.mkdtemp(prefix="hybridrl-megatron-")))
         self.workdir.mkdir(parents=True, exist_ok=True)
         for sub in ("jobs", "results"):
             (self.workdir / sub).mkdir(exist_ok=True)
@@ -75,6 +78,7 @@ class MegatronTrainer:
         self.last_memory: dict[str, float] = {}
         self._seq = 0
         self._closed = False
+        self._failed: str | None = None  # first failure; later calls report it instead of timing out
         self.proc = self._launch(env)
         atexit.register(self.close)
         try:
@@ -130,18 +134,21 @@ class MegatronTrainer:
             if err is not None or self.proc.poll() is not None:
                 # give a failing rank a moment to finish writing, then report its own words first
                 time.sleep(0.2)
-                err = self._worker_error(error_glob) or "(no error file)"
+                err = self._worker_error(error_glob) or "(no error file; see the log)"
                 self._kill()
-                raise MegatronWorkerError(f"megatron worker failed during {what}: {err.strip()}\n"
-                                          f"--- {self.log_path} (tail) ---\n{self._log_tail()}")
+                self._failed = f"megatron worker failed during {what}: {err.strip()}"
+                raise MegatronWorkerError(f"{self._failed}\n--- {self.log_path} (tail) ---\n{self._log_tail()}")
             if time.monotonic() > deadline:
                 self._kill()
-                raise MegatronWorkerError(f"megatron worker: no answer to {what} within {timeout_s:.0f} s; "
-                                          f"stopped it. Log tail:\n{self._log_tail()}")
+                self._failed = f"megatron worker: no answer to {what} within {timeout_s:.0f} s; stopped it"
+                raise MegatronWorkerError(f"{self._failed}. Log tail:\n{self._log_tail()}")
             time.sleep(delay)
             delay = min(delay * 1.5, 0.05)
 
     def _job(self, op: str, timeout_s: float | None = None, **payload: Any) -> dict[str, Any]:
+        if self._failed:
+            raise MegatronWorkerError(f"the Megatron worker group is gone after an earlier failure: "
+                                      f"{self._failed.splitlines()[0]}")
         if self._closed:
             raise MegatronWorkerError("the Megatron trainer is closed")
         self._seq += 1
@@ -154,6 +161,12 @@ class MegatronTrainer:
     def step(self, step: int, samples: list[Sample], out_dir: Path) -> TrainResult:
         if not samples:
             raise ValueError("step() needs at least one sample")
+        for i, s in enumerate(samples):
+            ids = s.prompt_ids + s.completion_ids
+            # with TP > 1 an out-of-range id would silently embed as zeros, so refuse it here
+            if not s.prompt_ids or not s.completion_ids or min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise ValueError(f"sample {i}: needs a non-empty prompt and completion with token ids in "
+                                 f"[0, {self.vocab_size})")
         out_dir = Path(out_dir)
         res = self._job("step", step=step, out_dir=str(out_dir), offload_after=self.offload_after_step,
                         samples=[asdict(s) for s in samples])

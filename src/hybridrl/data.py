@@ -70,14 +70,22 @@ def reward(completion: str, reference_answer: str) -> float:
 
 
 def shaped_reward(completion: str, reference_answer: str, format_bonus: float = 0.0) -> float:
-    """1.0 for a correct answer; `format_bonus` for any parseable final number.
+    """1.0 for a correct answer; up to `format_bonus` for a parseable wrong one, more the closer it is.
 
     The bonus gives an untrained (e.g. random-init) policy a reward that varies within a group,
-    so GRPO's advantages, and hence the LoRA update, are not all zero.
+    so GRPO's advantages, and hence the LoRA update, are not all zero. A flat bonus is not enough:
+    a random policy writes some number in nearly every long completion (on the GPU study's
+    tokenizer 42% of tokens hold a digit), so every member of a group would get the same reward.
     """
     if reward(completion, reference_answer):
         return 1.0
-    return format_bonus if extract_answer(completion) is not None else 0.0
+    got, expected = extract_answer(completion), extract_answer(reference_answer)
+    if got is None:
+        return 0.0
+    if expected is None:
+        return format_bonus
+    distance = abs(Decimal(got) - Decimal(expected)) / max(abs(Decimal(expected)), Decimal(1))
+    return format_bonus / (1.0 + float(min(distance, Decimal(10**6))))
 
 
 def prompt_text(question: str) -> str:

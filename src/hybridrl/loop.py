@@ -159,7 +159,7 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
             if trainer:
                 trainer.resume(adapter)
             console.print(f"{run_id}: resuming at step {first_step} from {adapter}")
-        if trainer and run["placement"] == "colocate":
+        if trainer and run["placement"] in ("colocate", "restart"):  # the engine starts on a shared GPU
             trainer.offload()
         sampler.set_phase("start")
         t0 = time.perf_counter()

@@ -58,8 +58,14 @@ class Restart(Placement):
     def before_train(self, t: Timings) -> None:
         with t.phase("restart", self.sampler):
             self.engine.stop()
+        if self.trainer:
+            self.trainer.onload()
 
     def after_train(self, t: Timings, adapter: Path | None) -> None:
+        if self.trainer:
+            # the engine sizes its KV cache from the free memory it finds: give it back what training
+            # cached (on the H200 run, without this the restarted engine had 3.7% less KV capacity)
+            self.trainer.offload()
         with t.phase("restart", self.sampler):
             self.engine.start((ADAPTER_NAME, adapter) if adapter is not None else None)
 

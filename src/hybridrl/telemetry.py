@@ -85,6 +85,10 @@ class MemorySampler:
 
             pynvml.nvmlInit()
             count = pynvml.nvmlDeviceGetCount()
+            if gpu_indices is None:  # this process's GPUs (CUDA_VISIBLE_DEVICES), else every GPU
+                from hybridrl.engines.gpus import nvml_indices
+
+                gpu_indices = nvml_indices()
             indices = gpu_indices if gpu_indices is not None else list(range(count))
             self._handles = [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in indices if i < count]
             self._nvml = pynvml

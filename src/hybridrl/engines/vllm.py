@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.base import Completion, EngineError, Request, Sampling
-from hybridrl.engines.gpus import nvml_indices, split_engine_devices, used_gb
+from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
 from hybridrl.engines.server import ServerProcess, StreamingClient, free_port, post_json
 
 BASE_NAME = "base"
@@ -70,6 +70,9 @@ class VLLMServer:
             "--seed", str(run["seed"]), "--dtype", self._dtype(),
             "--max-model-len", str(self._max_len()),
             "--enable-lora", "--max-lora-rank", str(_lora_rank_bucket(lora["rank"])), "--max-loras", "1",
+            # only the trained projections: vLLM 0.26 otherwise also wraps the (tied) embedding, and its
+            # warm-up dummy adapter for that layer fails when vocab_size != hidden_size
+            "--lora-target-modules", *lora["target_modules"],
             "--max-num-seqs", str(run["max_concurrency"]),
         ]
         if run["device"] == "cuda":
@@ -139,10 +142,14 @@ class VLLMServer:
         return self.stream.generate(requests, progress)
 
     def load_adapter(self, name: str, path: Path) -> None:
-        payload: dict[str, Any] = {"lora_name": name, "lora_path": str(path)}
+        # A reused name is unloaded and loaded again rather than sent with load_inplace: vLLM 0.26 keeps
+        # load_inplace=True on the request it stores for that name, so every later rollout request
+        # reloads the adapter from disk. On the H200 reference run that cut rollout throughput from
+        # ~9.6k to ~2.5k tok/s from the first in-place reload on (results/reference/2026-11-22-h200).
         if name in self._loaded:
-            payload["load_inplace"] = True  # same name, new weights
-        post_json(self._url(), "/v1/load_lora_adapter", payload)
+            post_json(self._url(), "/v1/unload_lora_adapter", {"lora_name": name})
+            self._loaded.discard(name)
+        post_json(self._url(), "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
         self._loaded.add(name)
 
     # -- sleep mode (GPU) ------------------------------------------------------------------------
@@ -159,6 +166,8 @@ class VLLMServer:
         else:
             post_json(self._url(), "/wake_up")
         self._metrics["mem/engine_awake_gb"] = used_gb(nvml_indices(self.environment()))
+        # colocate wakes right after the trainer offloaded: what the controller still holds on the GPU
+        self._metrics["mem/controller_gb"] = process_used_gb(indices=nvml_indices(self.environment()))
 
     def step_metrics(self) -> dict[str, float | None]:
         """NVML memory on the engine's GPUs right after the last sleep and wake; then forget them."""
@@ -219,7 +228,7 @@ def _version(python: str, package: str, env: dict[str, str] | None = None) -> st
             "    except m.PackageNotFoundError:\n        pass")
     try:
         out = subprocess.run([python, "-c", code, package, f"{package}-cpu"],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60, env=env)  # the engine's overlay
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None

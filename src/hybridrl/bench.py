@@ -1,0 +1,173 @@
+"""Standalone rollout benchmark: one engine alone on the exact request set of step N of a run.
+
+The in-loop rollout of a run should reach at least 95% of this. Same prompts, seeds, sampling and
+max tokens as the run's step N (they depend only on the run config and the step), the same
+engine flags, and the adapter the run used at that step. Nothing else runs beside the engine: no
+trainer, no sleep/wake, no checks.
+
+    python -m hybridrl bench --run-config results/runs/R/config.json --model M --data D \\
+        --run-dir results/runs/R --step 3 --repeats 3 --out bench.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridrl import data as gsm8k
+from hybridrl.engines import make_engine
+from hybridrl.engines.base import EngineError, Request, Sampling
+from hybridrl.loop import step_requests
+from hybridrl.placement import ADAPTER_NAME
+from hybridrl.telemetry import read_records, rollout_stats
+
+
+def in_loop_throughput(run_dir: Path, step: int) -> float | None:
+    for rec in read_records(run_dir / "steps.jsonl"):
+        if rec.get("step") == step:
+            return rec.get("perf/throughput")
+    return None
+
+
+def _greedy(engine: Any, prompt: list[int], adapter: str | None = None) -> list[int]:
+    out = engine.generate([Request(prompt, Sampling(temperature=0.0, max_new_tokens=16, ignore_eos=True),
+                                   adapter)])[0]
+    if out.error:
+        raise EngineError(f"greedy probe failed: {out.error}")
+    return out.token_ids
+
+
+def _timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _raw_stream(base_url: str, path: str, body: dict[str, Any], keep: int = 3) -> list[str]:
+    """The first and last few raw event lines of one streamed request, as the server sent them."""
+    import httpx
+
+    lines: list[str] = []
+    with httpx.stream("POST", base_url + path, json=body, timeout=60) as r:
+        lines = [line[:1500] for line in r.iter_lines() if line.strip()]
+    return lines[:keep] + (["..."] if len(lines) > 2 * keep else []) + lines[-keep:]
+
+
+def probe_http(engine: Any, prompt: list[int], adapter: Path | None) -> dict[str, Any]:
+    """Raw HTTP checks of a server engine: stream format, sleep/wake cycles with NVML readings and a
+    greedy before/after comparison for each release policy, and adapter (re)load times."""
+    from hybridrl.engines.gpus import nvml_indices, used_gb
+    from hybridrl.engines.server import post_json
+
+    url = engine.server.base_url
+    gpus = nvml_indices(engine.environment())
+    req = Request(prompt, Sampling(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+    out: dict[str, Any] = {"stream_sample": _raw_stream(url, engine.stream.url_path, engine.stream.body(req))}
+    before = _greedy(engine, prompt)
+    cycles = []
+    if engine.name == "sglang":
+        policies = [["kv_cache", "cuda_graph"]]
+        if "--enable-weights-cpu-backup" in engine.server.cmd:  # releasing weights is safe only with a backup
+            policies.append(["kv_cache", "weights", "cuda_graph"])
+        for tags in policies:
+            awake = used_gb(gpus)
+            t_rel = _timed(lambda tags=tags: post_json(url, "/release_memory_occupation", {"tags": tags}))
+            asleep = used_gb(gpus)
+            t_res = _timed(lambda tags=tags: post_json(url, "/resume_memory_occupation", {"tags": tags}))
+            cycles.append({"tags": tags, "sleep_s": t_rel, "wake_s": t_res, "awake_gb": awake, "asleep_gb": asleep,
+                           "woken_gb": used_gb(gpus), "greedy_same": _greedy(engine, prompt) == before})
+        info = engine.server_info()
+        out["server_info"] = {k: info.get(k) for k in ("version", "max_total_num_tokens", "enable_memory_saver",
+                                                       "enable_weights_cpu_backup", "max_lora_rank", "lora_backend")}
+        out["server_info"]["internal_state_keys"] = sorted((info.get("internal_states") or [{}])[0].keys())
+    else:
+        for level in (1, 2):
+            awake = used_gb(gpus)
+            t_rel = _timed(lambda level=level: post_json(url, f"/sleep?level={level}"))
+            asleep = used_gb(gpus)
+            if level == 1:
+                t_res = _timed(lambda: post_json(url, "/wake_up"))
+            else:
+                t_res = _timed(lambda: (post_json(url, "/wake_up?tags=weights"),
+                                        post_json(url, "/collective_rpc", {"method": "reload_weights"}),
+                                        post_json(url, "/wake_up?tags=kv_cache")))
+            cycles.append({"level": level, "sleep_s": t_rel, "wake_s": t_res, "awake_gb": awake, "asleep_gb": asleep,
+                           "woken_gb": used_gb(gpus), "greedy_same": _greedy(engine, prompt) == before})
+    out["cycles"] = cycles
+    out["kv_capacity_tokens"] = engine.kv_capacity_tokens()
+    if adapter is not None:
+        loads = [_timed(lambda: engine.load_adapter(ADAPTER_NAME, adapter)) for _ in range(3)]
+        out["adapter_load_s"] = loads
+        out["adapter_changes_greedy_or_logprobs"] = _greedy(engine, prompt, ADAPTER_NAME) != before or None
+    return out
+
+
+def run_bench(cfg: dict[str, Any], model_dir: Path, data_dir: Path, run_dir: Path, step: int,
+              repeats: int, log_dir: Path, probe: bool = False) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    run = cfg["run"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    problems = gsm8k.read_jsonl(data_dir / "train.jsonl")
+    requests, _ = step_requests(problems, run, step, tokenizer)
+    adapter = None
+    if step > 1:  # step N's requests use the adapter trained at step N-1
+        adapter = run_dir / "adapters" / f"step-{step - 1:04d}"
+        if not adapter.exists():
+            raise FileNotFoundError(f"adapter {adapter} (written by step {step - 1} of the run)")
+    engine = make_engine(run, model_dir, cfg.get("engine_env", {}), log_dir)
+    reps: list[dict[str, Any]] = []
+    try:
+        t0 = time.perf_counter()
+        engine.start((ADAPTER_NAME, adapter) if adapter else None)
+        start_s = time.perf_counter() - t0
+        for i in range(repeats):
+            engine.flush_cache()  # as in the loop after an adapter load: no prefix hits from the last pass
+            t0 = time.perf_counter()
+            completions = engine.generate(requests)
+            gen_s = time.perf_counter() - t0
+            stats = rollout_stats(completions, gen_s)
+            reps.append({"repeat": i, "gen_s": gen_s, **stats})
+            print(f"repeat {i}: {stats['perf/throughput']:.1f} tok/s, {stats['perf/gen_tokens']:.0f} tokens, "
+                  f"{stats['errors/requests_failed']:.0f} failed", flush=True)
+        probed = None
+        if probe and getattr(engine, "server", None) is not None:
+            try:
+                probed = probe_http(engine, requests[0].prompt_ids, adapter)
+            except Exception as exc:  # the throughput above stands; say what the probe hit
+                probed = {"error": f"{type(exc).__name__}: {exc}"}
+            print(json.dumps(probed, default=str)[:4000], flush=True)
+    finally:
+        engine.stop()
+    tok_s = [r["perf/throughput"] for r in reps if r["perf/throughput"]]
+    standalone = statistics.median(tok_s) if tok_s else None
+    in_loop = in_loop_throughput(run_dir, step)
+    return {
+        "run_id": cfg["run_id"], "engine": run["engine"], "placement": run["placement"], "step": step,
+        "requests": len(requests), "repeats": reps, "engine_start_s": start_s,
+        "standalone_tok_s_median": standalone, "in_loop_tok_s": in_loop,
+        "in_loop_over_standalone": (in_loop / standalone) if in_loop and standalone else None,
+        "goal": 0.95, "probe": probed,
+    }
+
+
+def main(run_config: Path, model_dir: Path, data_dir: Path, run_dir: Path, step: int, repeats: int,
+         out: Path, probe: bool = False, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    cfg = json.loads(Path(run_config).read_text())
+    cfg["run"].update(overrides or {})  # e.g. sglang_release=all: start with the CPU weight backup to probe it
+    result = run_bench(cfg, Path(model_dir), Path(data_dir), Path(run_dir), step, repeats,
+                       Path(out).parent / f"bench-logs-{cfg['run_id']}", probe)
+    result["overrides"] = overrides or {}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(out).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(out)
+    ratio = result["in_loop_over_standalone"]
+    print(json.dumps({k: result[k] for k in ("run_id", "engine", "step", "standalone_tok_s_median",
+                                              "in_loop_tok_s", "in_loop_over_standalone")}))
+    if ratio is not None and ratio < result["goal"]:
+        print(f"in-loop throughput is {ratio:.1%} of standalone (goal >= {result['goal']:.0%})")
+    return result

@@ -1,0 +1,264 @@
+"""SGLang (`sglang.launch_server`) in its own Python environment, GPU only.
+
+Sleep is `/release_memory_occupation` with explicit tags (torch_memory_saver, `--enable-memory-saver`):
+- `sglang_release: kv_cache` frees the KV cache and the CUDA graphs' memory and keeps the weights
+  resident: LoRA training never changes the base, so nothing has to come back but the cache;
+- `sglang_release: all` frees the weights too. Released weights come back as garbage unless the
+  server keeps a CPU copy, so this policy always starts it with `--enable-weights-cpu-backup`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridrl.engines.base import Completion, EngineError, Request, Sampling
+from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
+from hybridrl.engines.server import ServerProcess, StreamingClient, free_port, post_json
+
+BASE_NAME = "base"
+# torch_memory_saver tags as SGLang names them (sglang.srt.constants.GPU_MEMORY_TYPE_*)
+RELEASE_TAGS = {
+    "kv_cache": ["kv_cache", "cuda_graph"],
+    "all": ["kv_cache", "weights", "cuda_graph"],
+}
+
+
+def release_tags(policy: str) -> list[str]:
+    """Never an empty list: an empty or missing `tags` makes SGLang release everything."""
+    try:
+        return list(RELEASE_TAGS[policy])
+    except KeyError:
+        raise EngineError(f"sglang: unknown sglang_release {policy!r} (kv_cache or all)") from None
+
+
+def generate_body(req: Request) -> dict[str, Any]:
+    """Native /generate body: token ids in, token ids and the sampled tokens' logprobs out, streamed."""
+    s: Sampling = req.sampling
+    params: dict[str, Any] = {
+        "max_new_tokens": s.max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "ignore_eos": s.ignore_eos,
+    }
+    if s.seed is not None:
+        # honoured only with --enable-deterministic-inference; recorded for the request set either way
+        params["sampling_seed"] = s.seed
+    body: dict[str, Any] = {
+        "input_ids": req.prompt_ids,
+        "sampling_params": params,
+        "stream": True,
+        "return_logprob": True,
+        "logprob_start_len": -1,  # output tokens only; no prompt logprobs
+    }
+    if req.adapter:
+        body["lora_path"] = req.adapter  # the name given to /load_lora_adapter
+    return body
+
+
+def parse_chunk(chunk: dict[str, Any], seen: int) -> tuple[list[int], list[float], str | None]:
+    """-> (new token ids, their logprobs, finish reason) from one streamed /generate event.
+
+    With --incremental-streaming-output each event carries only the new tokens; without it, every
+    event repeats the whole output so far. meta_info.completion_tokens (the running total) tells
+    which: an event as long as the total is cumulative, so the first `seen` entries are old.
+    """
+    meta = chunk.get("meta_info") or {}
+    ids = [int(t) for t in chunk.get("output_ids") or []]
+    lps_raw = meta.get("output_token_logprobs") or []
+    total = meta.get("completion_tokens")
+    if total is not None and len(ids) == int(total):
+        ids = ids[seen:]
+    if total is not None and len(lps_raw) == int(total):
+        lps_raw = lps_raw[seen:]
+    # each entry is (logprob, token_id, token_text or None)
+    lps = [float(e[0]) if isinstance(e, (list, tuple)) else float(e) for e in lps_raw]
+    finish = meta.get("finish_reason")
+    if isinstance(finish, dict):
+        if finish.get("type") == "abort":
+            raise EngineError(f"sglang aborted the request: {finish.get('message', finish)}")
+        finish = finish.get("type")
+    return ids, lps, finish
+
+
+class _SGLangStream(StreamingClient):
+    url_path = "/generate"
+
+    def body(self, req: Request) -> dict[str, Any]:
+        return generate_body(req)
+
+    def parse(self, chunk: dict[str, Any], seen: int = 0) -> tuple[list[int], list[float], str | None]:
+        return parse_chunk(chunk, seen)
+
+
+class SGLangServer:
+    """`python -m sglang.launch_server` with the memory saver and runtime LoRA loading."""
+
+    name = "sglang"
+
+    def __init__(self, model: Path, run: dict[str, Any], env_spec: dict[str, Any], log_dir: Path) -> None:
+        if run["device"] != "cuda":
+            raise EngineError("sglang: no CPU build; use device: cuda")
+        self.model, self.run, self.log_dir = model, run, log_dir
+        self.python = env_spec.get("python", "python")
+        self.extra_env = dict(env_spec.get("env", {}))
+        self.supports_sleep = True
+        self.tags = release_tags(run["sglang_release"])
+        self.server: ServerProcess | None = None
+        self.stream: _SGLangStream | None = None
+        self._loaded: set[str] = set()
+        self._metrics: dict[str, float | None] = {}
+
+    # -- process ---------------------------------------------------------------------------------
+    def command(self, port: int, adapter: tuple[str, Path] | None) -> list[str]:
+        run, lora = self.run, self.run["lora"]
+        cmd = [
+            self.python, "-m", "sglang.launch_server",
+            "--model-path", str(self.model), "--served-model-name", BASE_NAME,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--random-seed", str(run["seed"]), "--dtype", self._dtype(),
+            "--context-length", str(self._max_len()),
+            "--tp-size", str(run["tp"]),
+            "--mem-fraction-static", str(run["gpu_memory_utilization"]),
+            "--max-running-requests", str(run["max_concurrency"]),
+            "--enable-memory-saver",
+            "--enable-lora", "--max-lora-rank", str(lora["rank"]),
+            "--lora-target-modules", *lora["target_modules"],
+            "--max-loras-per-batch", "2",  # base + the policy adapter in one batch
+            # each event carries only its new tokens (parse_chunk also reads cumulative events)
+            "--incremental-streaming-output",
+        ]
+        if run["sglang_release"] == "all":
+            cmd.append("--enable-weights-cpu-backup")
+        if adapter:
+            cmd += ["--lora-paths", f"{adapter[0]}={adapter[1]}"]
+        return cmd + list(run["engine_args"])
+
+    def _config(self) -> dict[str, Any]:
+        return json.loads((self.model / "config.json").read_text())
+
+    def _max_len(self) -> int:
+        return min(int(self._config().get("max_position_embeddings", 4096)), 4096)
+
+    def _dtype(self) -> str:
+        cfg = self._config()
+        return str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)  # the engine has its own environment; the controller's must not leak in
+        env.update({"HF_HUB_OFFLINE": "1", "SGLANG_DISABLE_REQUEST_LOGGING": "1"})
+        env.update(split_engine_devices(self.run, env))
+        env.update(self.extra_env)
+        return env
+
+    def start(self, adapter: tuple[str, Path] | None = None) -> float:
+        port = free_port()
+        self.server = ServerProcess(self.name, self.command(port, adapter), self.environment(),
+                                    self.log_dir / "engine.log", port)
+        self.server.start()
+        elapsed = self.server.wait_healthy(self.run["startup_timeout_s"], health_path="/health")
+        self.stream = _SGLangStream(self.server, self.run["request_timeout_s"], self.run["max_concurrency"])
+        t0 = time.perf_counter()
+        warm = self.stream.generate([Request([1, 2, 3], Sampling(max_new_tokens=2, temperature=0.0))])[0]
+        if warm.error:
+            self.stop()
+            raise EngineError(f"sglang: warm-up request failed: {warm.error}")
+        elapsed += time.perf_counter() - t0
+        self._loaded = {adapter[0]} if adapter else set()
+        return elapsed
+
+    def stop(self) -> None:
+        if self.server:
+            self.server.stop()
+        self.server = None
+
+    def alive(self) -> bool:
+        return bool(self.server and self.server.alive())
+
+    # -- rollouts and adapters -------------------------------------------------------------------
+    def generate(self, requests: list[Request], progress: bool = False) -> list[Completion]:
+        if not self.stream:
+            raise EngineError("sglang: generate() before start()")
+        return self.stream.generate(requests, progress)
+
+    def load_adapter(self, name: str, path: Path) -> None:
+        # SGLang refuses a second adapter under a loaded name: unload it first
+        if name in self._loaded:
+            post_json(self._url(), "/unload_lora_adapter", {"lora_name": name})
+            self._loaded.discard(name)
+        r = post_json(self._url(), "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        answer = r.json() if r.content else {}
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise EngineError(f"sglang: /load_lora_adapter {name}: {answer.get('error_message')}")
+        self._loaded.add(name)
+
+    # -- memory saver ----------------------------------------------------------------------------
+    def sleep(self) -> None:
+        post_json(self._url(), "/release_memory_occupation", {"tags": self.tags})
+        self._metrics["mem/engine_asleep_gb"] = used_gb(self._gpus())
+
+    def wake(self) -> None:
+        post_json(self._url(), "/resume_memory_occupation", {"tags": self.tags})
+        self._metrics["mem/engine_awake_gb"] = used_gb(self._gpus())
+        # colocate wakes right after the trainer offloaded: what the controller still holds on the GPU
+        self._metrics["mem/controller_gb"] = process_used_gb(indices=self._gpus())
+
+    def flush_cache(self) -> None:
+        post_json(self._url(), "/flush_cache")
+
+    def server_info(self) -> dict[str, Any]:
+        try:
+            return post_json(self._url(), "/server_info", method="GET", timeout_s=30).json()
+        except EngineError:  # older releases only have the deprecated name
+            return post_json(self._url(), "/get_server_info", method="GET", timeout_s=30).json()
+
+    def kv_capacity_tokens(self) -> int | None:
+        return kv_capacity_from_info(self.server_info())
+
+    def step_metrics(self) -> dict[str, float | None]:
+        """NVML memory on the engine's GPUs right after the last sleep and wake; then forget them."""
+        out, self._metrics = self._metrics, {}
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        port = self.server.port if self.server else 0
+        env = self.environment()
+        return {"engine": self.name, "python": self.python, "command": self.command(port, None),
+                "release_tags": self.tags,
+                "env": {k: v for k, v in env.items() if k.startswith(("SGLANG_", "CUDA_", "PYTHONPATH"))},
+                "version": _version(self.python, "sglang", env)}
+
+    def _gpus(self) -> list[int] | None:
+        return nvml_indices(self.environment())
+
+    def _url(self) -> str:
+        if not self.server:
+            raise EngineError("sglang: not started")
+        return self.server.base_url
+
+
+def kv_capacity_from_info(info: dict[str, Any]) -> int | None:
+    """KV capacity in tokens: the scheduler's live memory_usage if reported, else max_total_num_tokens."""
+    for state in info.get("internal_states") or []:
+        usage = state.get("memory_usage") if isinstance(state, dict) else None
+        if isinstance(usage, dict) and usage.get("token_capacity") is not None:
+            return int(usage["token_capacity"])
+    value = info.get("max_total_num_tokens")
+    return int(value) if value is not None else None
+
+
+def _version(python: str, package: str, env: dict[str, str]) -> str | None:
+    """The package's version as the engine's own interpreter and environment (overlay) see it."""
+    import subprocess
+
+    code = f"import importlib.metadata as m; print(m.version({package!r}))"
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None

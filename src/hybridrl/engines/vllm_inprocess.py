@@ -1,0 +1,291 @@
+"""vLLM's AsyncLLM inside the controller process: the in-process baseline (ART's way of running vLLM).
+
+No HTTP: the controller holds the engine client and calls sleep / wake_up / add_lora directly. The
+engine core still runs in a child process (vLLM's default), so the GPU memory it holds is measured
+with NVML on the engine's GPUs, never with torch's counters in this process.
+
+AsyncLLM needs a running event loop; the Engine interface is synchronous, so a private loop runs
+in a daemon thread and every call is submitted to it with a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridrl.engines.base import Completion, EngineDied, EngineError, Request, Sampling
+from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
+
+BASE_NAME = "base"
+CONTROL_TIMEOUT_S = 300.0
+
+
+def engine_cli_args(model: Path, run: dict[str, Any], max_len: int, dtype: str) -> list[str]:
+    """The same flags as the vllm server gets, so one `engine_args` list means the same for both."""
+    from hybridrl.engines.vllm import _lora_rank_bucket
+
+    args = [
+        "--model", str(model), "--served-model-name", BASE_NAME,
+        "--seed", str(run["seed"]), "--dtype", dtype, "--max-model-len", str(max_len),
+        "--enable-lora", "--max-lora-rank", str(_lora_rank_bucket(run["lora"]["rank"])), "--max-loras", "1",
+        "--lora-target-modules", *run["lora"]["target_modules"],  # see VLLMServer.command
+        "--max-num-seqs", str(run["max_concurrency"]),
+    ]
+    if run["device"] == "cuda":
+        args += ["--tensor-parallel-size", str(run["tp"]),
+                 "--gpu-memory-utilization", str(run["gpu_memory_utilization"]), "--enable-sleep-mode"]
+    return args + list(run["engine_args"])
+
+
+def sampling_kwargs(s: Sampling) -> dict[str, Any]:
+    """vLLM SamplingParams for one request: streamed as deltas, with the sampled token's logprob."""
+    kw: dict[str, Any] = {
+        "n": 1, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+        "max_tokens": s.max_new_tokens, "ignore_eos": s.ignore_eos, "logprobs": 0,
+    }
+    if s.seed is not None:
+        kw["seed"] = s.seed
+    return kw
+
+
+def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
+    """The logprob of each sampled token from vLLM's per-position {token_id: Logprob} mappings."""
+    if logprobs is None:
+        return []
+    out = []
+    for tok, entry in zip(token_ids, logprobs, strict=False):
+        lp = entry.get(tok) if entry is not None else None
+        out.append(float(getattr(lp, "logprob", lp)) if lp is not None else float("nan"))
+    return out
+
+
+class VLLMInProcess:
+    name = "vllm-inprocess"
+
+    def __init__(self, model: Path, run: dict[str, Any], env_spec: dict[str, Any], log_dir: Path) -> None:
+        self.model, self.run, self.log_dir = model, run, log_dir
+        self.supports_sleep = run["device"] == "cuda"
+        # The engine shares this process's environment: apply the env spec here, before vLLM starts.
+        env = dict(env_spec.get("env", {}))
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.pop("PYTHONPATH", None)  # too late to matter in-process; the controller's path is the engine's
+        env.update(split_engine_devices(run, {**os.environ, **env}))
+        self._env = env
+        self.llm: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._adapters: dict[str, Any] = {}  # name -> LoRARequest used by requests
+        self._ids = itertools.count(1)
+        self._lora_ids: dict[str, int] = {}
+        self._req_ids = itertools.count()
+        self._metrics: dict[str, float | None] = {}
+        self._kv_tokens: int | None = None
+
+    # -- the private event loop ------------------------------------------------------------------
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None or not self._loop.is_running():
+            loop = asyncio.new_event_loop()
+            started = threading.Event()
+
+            def serve() -> None:
+                asyncio.set_event_loop(loop)
+                loop.call_soon(started.set)
+                loop.run_forever()
+
+            self._thread = threading.Thread(target=serve, name="vllm-inprocess-loop", daemon=True)
+            self._thread.start()
+            started.wait(10)
+            self._loop = loop
+        return self._loop
+
+    def _call(self, coro: Any, timeout_s: float = CONTROL_TIMEOUT_S) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self._ensure_loop())
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError as exc:
+            future.cancel()
+            raise EngineError(f"vllm-inprocess: call timed out after {timeout_s:.0f} s") from exc
+        except Exception as exc:
+            if _is_dead(exc):
+                raise EngineDied(f"vllm-inprocess: the engine core died: {exc}") from exc
+            raise
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def _config(self) -> dict[str, Any]:
+        return json.loads((self.model / "config.json").read_text())
+
+    def cli_args(self) -> list[str]:
+        cfg = self._config()
+        max_len = min(int(cfg.get("max_position_embeddings", 4096)), 4096)
+        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
+        return engine_cli_args(self.model, self.run, max_len, dtype)
+
+    def start(self, adapter: tuple[str, Path] | None = None) -> float:
+        os.environ.update(self._env)
+        t0 = time.perf_counter()
+
+        async def build() -> Any:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.utils.argparse_utils import FlexibleArgumentParser
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+            args = AsyncEngineArgs.from_cli_args(parser.parse_args(self.cli_args()))
+            return AsyncLLM.from_engine_args(args)
+
+        try:
+            self.llm = self._call(build(), timeout_s=self.run["startup_timeout_s"])
+        except EngineError:
+            raise
+        except Exception as exc:
+            self.stop()
+            raise EngineError(f"vllm-inprocess: engine failed to start: {type(exc).__name__}: {exc}") from exc
+        cache = self.llm.vllm_config.cache_config
+        self._kv_tokens = int(cache.num_gpu_blocks) * int(cache.block_size) if cache.num_gpu_blocks else None
+        self._adapters.clear()
+        if adapter:
+            self.load_adapter(*adapter)
+        warm = self.generate([Request([1, 2, 3], Sampling(max_new_tokens=2, temperature=0.0))])[0]
+        if warm.error:
+            self.stop()
+            raise EngineError(f"vllm-inprocess: warm-up request failed: {warm.error}")
+        return time.perf_counter() - t0
+
+    def stop(self) -> None:
+        if self.llm is not None:
+            try:
+                self.llm.shutdown()
+            except Exception:  # already dead: nothing left to stop but the loop
+                pass
+            self.llm = None
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._thread:
+                self._thread.join(timeout=10)
+            self._loop, self._thread = None, None
+        _free_cuda_cache()
+
+    def alive(self) -> bool:
+        if self.llm is None:
+            return False
+        return not bool(getattr(self.llm, "errored", False))
+
+    # -- rollouts --------------------------------------------------------------------------------
+    async def _one(self, req: Request, sem: asyncio.Semaphore) -> Completion:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        out = Completion()
+        lora = self._adapters.get(req.adapter) if req.adapter else None
+        if req.adapter and lora is None:
+            out.error = f"adapter {req.adapter!r} is not loaded"
+            return out
+        params = SamplingParams(**sampling_kwargs(req.sampling), output_kind=RequestOutputKind.DELTA)
+        async with sem:
+            t0 = time.perf_counter()
+            last = t0
+            try:
+                stream = self.llm.generate({"prompt_token_ids": list(req.prompt_ids)}, params,
+                                           request_id=f"r{next(self._req_ids)}", lora_request=lora)
+                async for item in stream:
+                    o = item.outputs[0]
+                    ids = list(o.token_ids)
+                    now = time.perf_counter()
+                    if ids:
+                        if not out.token_ids:
+                            out.ttft_s = now - t0
+                        else:
+                            out.itl_s.append(now - last)
+                        last = now
+                        out.token_ids.extend(ids)
+                        out.logprobs.extend(sampled_logprobs(ids, o.logprobs))
+                    if o.finish_reason:
+                        out.finish_reason = o.finish_reason
+                out.latency_s = time.perf_counter() - t0
+            except Exception as exc:
+                if _is_dead(exc):
+                    raise
+                out.error = f"{type(exc).__name__}: {exc}"
+        return out
+
+    async def _all(self, requests: list[Request]) -> list[Completion]:
+        sem = asyncio.Semaphore(self.run["max_concurrency"])
+        return list(await asyncio.gather(*(self._one(r, sem) for r in requests)))
+
+    def generate(self, requests: list[Request], progress: bool = False) -> list[Completion]:
+        if self.llm is None:
+            raise EngineError("vllm-inprocess: generate() before start()")
+        return self._call(self._all(requests), timeout_s=self.run["request_timeout_s"])
+
+    def load_adapter(self, name: str, path: Path) -> None:
+        from vllm.lora.request import LoRARequest
+
+        lora_id = self._lora_ids.setdefault(name, next(self._ids))
+        # same id, new weights: load_inplace replaces the cached adapter instead of keeping the old one
+        self._call(self.llm.add_lora(LoRARequest(name, lora_id, str(path), load_inplace=name in self._adapters)))
+        self._adapters[name] = LoRARequest(name, lora_id, str(path))
+
+    # -- sleep mode ------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        self._call(self.llm.sleep(self.run["vllm_sleep_level"]))
+        self._metrics["mem/engine_asleep_gb"] = used_gb(self._gpus())
+
+    def wake(self) -> None:
+        if self.run["vllm_sleep_level"] == 2:
+            # level 2 discarded the weights: wake them, reload the unchanged base, then the cache
+            self._call(self.llm.wake_up(["weights"]))
+            self._call(self.llm.collective_rpc("reload_weights"))
+            self._call(self.llm.wake_up(["kv_cache"]))
+        else:
+            self._call(self.llm.wake_up())
+        self._metrics["mem/engine_awake_gb"] = used_gb(self._gpus())
+        # colocate wakes right after the trainer offloaded: what the controller still holds on the GPU
+        self._metrics["mem/controller_gb"] = process_used_gb(indices=self._gpus())
+
+    def flush_cache(self) -> None:
+        self._call(self.llm.reset_prefix_cache())
+
+    def kv_capacity_tokens(self) -> int | None:
+        return self._kv_tokens
+
+    def step_metrics(self) -> dict[str, float | None]:
+        """NVML memory on the engine's GPUs right after the last sleep and wake; then forget them."""
+        out, self._metrics = self._metrics, {}
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        try:
+            import vllm
+
+            version = vllm.__version__
+        except ImportError:
+            version = None
+        return {"engine": self.name, "python": "in-process", "engine_cli_args": self.cli_args(),
+                "env": {k: v for k, v in self._env.items()}, "version": version}
+
+    def _gpus(self) -> list[int] | None:
+        return nvml_indices({**os.environ, **self._env})
+
+
+def _is_dead(exc: BaseException) -> bool:
+    """vLLM raises EngineDeadError once the engine core process is gone (matched by name: no import)."""
+    return type(exc).__name__ == "EngineDeadError" or isinstance(exc.__cause__, Exception) and \
+        type(exc.__cause__).__name__ == "EngineDeadError"
+
+
+def _free_cuda_cache() -> None:
+    """The engine core is a child process: its memory goes with it. This process's cache is ours."""
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    except Exception:
+        pass

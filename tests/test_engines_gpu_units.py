@@ -1,0 +1,260 @@
+"""GPU engines: what can be checked without a GPU (request bodies, stream parsing, tags, flags, devices)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridrl.engines.base import EngineError, Request, Sampling
+from hybridrl.engines.gpus import nvml_indices, split_engine_devices, visible_devices
+from hybridrl.engines.sglang import (
+    SGLangServer,
+    generate_body,
+    kv_capacity_from_info,
+    parse_chunk,
+    release_tags,
+)
+from hybridrl.engines.vllm_inprocess import engine_cli_args, sampled_logprobs, sampling_kwargs
+
+
+def _run(**over) -> dict:
+    run = {"engine": "sglang", "placement": "colocate", "device": "cuda", "tp": 1, "seed": 7,
+           "gpu_memory_utilization": 0.5, "max_concurrency": 64, "sglang_release": "kv_cache",
+           "vllm_sleep_level": 1, "engine_args": [], "startup_timeout_s": 60, "request_timeout_s": 60,
+           "lora": {"rank": 8, "target_modules": ["q_proj", "v_proj"]}}
+    run.update(over)
+    return run
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"max_position_embeddings": 8192, "dtype": "bfloat16"}))
+    return d
+
+
+# -- SGLang: release tags ------------------------------------------------------------------------
+def test_kv_cache_policy_keeps_weights_resident():
+    assert release_tags("kv_cache") == ["kv_cache", "cuda_graph"]
+    assert "weights" not in release_tags("kv_cache")
+
+
+def test_all_policy_names_every_tag_explicitly():
+    tags = release_tags("all")
+    assert set(tags) == {"kv_cache", "weights", "cuda_graph"}
+
+
+def test_unknown_policy_is_an_error():
+    with pytest.raises(EngineError, match="sglang_release"):
+        release_tags("everything")
+
+
+def test_release_tags_are_a_fresh_list():
+    release_tags("kv_cache").append("weights")
+    assert release_tags("kv_cache") == ["kv_cache", "cuda_graph"]
+
+
+# -- SGLang: command line -------------------------------------------------------------------------
+def test_command_has_memory_saver_and_lora(model_dir: Path, tmp_path: Path):
+    eng = SGLangServer(model_dir, _run(), {"python": "py"}, tmp_path)
+    cmd = eng.command(1234, None)
+    assert cmd[:3] == ["py", "-m", "sglang.launch_server"]
+    assert "--enable-memory-saver" in cmd and "--enable-lora" in cmd
+    assert cmd[cmd.index("--max-lora-rank") + 1] == "8"
+    i = cmd.index("--lora-target-modules")
+    assert cmd[i + 1 : i + 3] == ["q_proj", "v_proj"]
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--context-length") + 1] == "4096"
+    assert "--enable-weights-cpu-backup" not in cmd
+    assert "--lora-paths" not in cmd
+
+
+def test_release_all_always_keeps_a_cpu_backup(model_dir: Path, tmp_path: Path):
+    eng = SGLangServer(model_dir, _run(sglang_release="all"), {}, tmp_path)
+    assert "--enable-weights-cpu-backup" in eng.command(1, None)
+    assert eng.tags == ["kv_cache", "weights", "cuda_graph"]
+
+
+def test_restart_with_adapter_preloads_it(model_dir: Path, tmp_path: Path):
+    eng = SGLangServer(model_dir, _run(engine_args=["--disable-cuda-graph"]), {}, tmp_path)
+    cmd = eng.command(1, ("policy", Path("/a/step-0002")))
+    assert cmd[cmd.index("--lora-paths") + 1] == "policy=/a/step-0002"
+    assert cmd[-1] == "--disable-cuda-graph"  # study flags come last
+
+
+def test_sglang_refuses_cpu(model_dir: Path, tmp_path: Path):
+    with pytest.raises(EngineError, match="CPU"):
+        SGLangServer(model_dir, _run(device="cpu"), {}, tmp_path)
+
+
+def test_engine_env_drops_controller_pythonpath(model_dir: Path, tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/controller/src")
+    eng = SGLangServer(model_dir, _run(), {"env": {"PYTHONPATH": "/tmp/envs/sglang"}}, tmp_path)
+    assert eng.environment()["PYTHONPATH"] == "/tmp/envs/sglang"
+    eng = SGLangServer(model_dir, _run(), {}, tmp_path)
+    assert "PYTHONPATH" not in eng.environment()
+
+
+# -- SGLang: request bodies and the stream ----------------------------------------------------------
+def test_generate_body_token_ids_logprobs_and_adapter():
+    req = Request([1, 2, 3], Sampling(temperature=0.7, top_p=0.9, top_k=-1, max_new_tokens=5,
+                                      ignore_eos=True, seed=11), adapter="policy")
+    body = generate_body(req)
+    assert body["input_ids"] == [1, 2, 3]
+    assert body["stream"] is True and body["return_logprob"] is True
+    assert body["lora_path"] == "policy"
+    assert body["sampling_params"] == {"max_new_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": -1,
+                                       "ignore_eos": True, "sampling_seed": 11}
+
+
+def test_generate_body_base_model_has_no_lora_path():
+    body = generate_body(Request([4], Sampling()))
+    assert "lora_path" not in body and "sampling_seed" not in body["sampling_params"]
+
+
+def _chunk(ids, lps, total, finish=None):
+    return {"text": "", "output_ids": ids,
+            "meta_info": {"completion_tokens": total, "finish_reason": finish,
+                          "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]}}
+
+
+def test_incremental_chunks_are_taken_whole():
+    assert parse_chunk(_chunk([5, 6], [-0.1, -0.2], 2), 0) == ([5, 6], [-0.1, -0.2], None)
+    assert parse_chunk(_chunk([7], [-0.3], 3), 2) == ([7], [-0.3], None)
+
+
+def test_cumulative_chunks_drop_what_was_seen():
+    ids, lps, finish = parse_chunk(_chunk([5, 6, 7], [-0.1, -0.2, -0.3], 3, {"type": "length", "length": 3}), 2)
+    assert (ids, lps, finish) == ([7], [-0.3], "length")
+
+
+def test_stream_of_cumulative_events_rebuilds_the_output():
+    events = [_chunk([5], [-0.1], 1), _chunk([5, 6, 7], [-0.1, -0.2, -0.3], 3),
+              _chunk([5, 6, 7, 8], [-0.1, -0.2, -0.3, -0.4], 4)]
+    got, lps = [], []
+    for e in events:
+        i, lp, _ = parse_chunk(e, len(got))
+        got += i
+        lps += lp
+    assert got == [5, 6, 7, 8] and lps == [-0.1, -0.2, -0.3, -0.4]
+
+
+def test_stop_finish_reason_and_missing_logprobs():
+    chunk = {"output_ids": [9], "meta_info": {"completion_tokens": 1, "finish_reason": {"type": "stop", "matched": 2}}}
+    assert parse_chunk(chunk, 0) == ([9], [], "stop")
+
+
+def test_abort_is_an_engine_error():
+    chunk = {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "out of memory"}}}
+    with pytest.raises(EngineError, match="out of memory"):
+        parse_chunk(chunk, 0)
+
+
+def test_kv_capacity_prefers_the_schedulers_live_reading():
+    info = {"max_total_num_tokens": 1000, "internal_states": [{"memory_usage": {"token_capacity": 990}}]}
+    assert kv_capacity_from_info(info) == 990
+    assert kv_capacity_from_info({"max_total_num_tokens": 1000, "internal_states": [{}]}) == 1000
+    assert kv_capacity_from_info({}) is None
+
+
+# -- devices ---------------------------------------------------------------------------------------
+def test_visible_devices_and_nvml_indices():
+    assert visible_devices({}) is None
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "1, 3"}) == ["1", "3"]
+    assert nvml_indices({"CUDA_VISIBLE_DEVICES": "1,3"}) == [1, 3]
+    assert nvml_indices({"CUDA_VISIBLE_DEVICES": "GPU-abc"}) is None
+
+
+def test_split_engine_takes_the_last_gpus():
+    env = {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert split_engine_devices(_run(placement="split"), env) == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert split_engine_devices(_run(placement="split", tp=2), {"CUDA_VISIBLE_DEVICES": "0,1,2"}) == \
+        {"CUDA_VISIBLE_DEVICES": "1,2"}
+
+
+def test_split_on_one_gpu_and_other_placements_change_nothing():
+    assert split_engine_devices(_run(placement="split"), {"CUDA_VISIBLE_DEVICES": "0"}) == {}
+    assert split_engine_devices(_run(placement="colocate"), {"CUDA_VISIBLE_DEVICES": "0,1"}) == {}
+    assert split_engine_devices(_run(placement="split", device="cpu"), {"CUDA_VISIBLE_DEVICES": "0,1"}) == {}
+
+
+# -- vLLM in-process -------------------------------------------------------------------------------
+def test_inprocess_flags_match_the_server(tmp_path: Path):
+    args = engine_cli_args(tmp_path, _run(engine="vllm-inprocess", engine_args=["--enforce-eager"]), 4096,
+                           "bfloat16")
+    assert "--enable-sleep-mode" in args and "--enable-lora" in args
+    assert args[args.index("--max-lora-rank") + 1] == "8"
+    assert args[-1] == "--enforce-eager"
+    cpu = engine_cli_args(tmp_path, _run(device="cpu"), 512, "float32")
+    assert "--enable-sleep-mode" not in cpu and "--gpu-memory-utilization" not in cpu
+
+
+def test_inprocess_sampling_kwargs():
+    kw = sampling_kwargs(Sampling(temperature=0.5, max_new_tokens=9, ignore_eos=True, seed=3))
+    assert kw["max_tokens"] == 9 and kw["logprobs"] == 0 and kw["seed"] == 3 and kw["ignore_eos"] is True
+
+
+class _LP:
+    def __init__(self, v: float) -> None:
+        self.logprob = v
+
+
+def test_sampled_logprobs_pick_the_sampled_token():
+    per_pos = [{5: _LP(-0.5), 9: _LP(-2.0)}, {6: _LP(-0.25)}]
+    assert sampled_logprobs([5, 6], per_pos) == [-0.5, -0.25]
+    assert sampled_logprobs([5], None) == []
+    got = sampled_logprobs([7], [{5: _LP(-1.0)}])
+    assert got[0] != got[0]  # NaN where the engine did not report the sampled token
+
+
+# -- adapter reloads under a reused name -------------------------------------------------------------
+def _record_posts(monkeypatch, module) -> list:
+    calls: list = []
+
+    class _Resp:
+        content = b""
+
+        def json(self) -> dict:
+            return {}
+
+    def fake_post(url, path, payload=None, **kw):
+        calls.append((path, payload))
+        return _Resp()
+
+    monkeypatch.setattr(module, "post_json", fake_post)
+    return calls
+
+
+def test_vllm_server_reloads_by_unload_then_load(model_dir: Path, tmp_path: Path, monkeypatch):
+    from hybridrl.engines import vllm as vllm_mod
+
+    calls = _record_posts(monkeypatch, vllm_mod)
+    eng = vllm_mod.VLLMServer(model_dir, _run(engine="vllm"), {}, tmp_path)
+    monkeypatch.setattr(eng, "_url", lambda: "http://127.0.0.1:1")
+    eng.load_adapter("policy", Path("/a/1"))
+    eng.load_adapter("policy", Path("/a/2"))
+    assert [c[0] for c in calls] == ["/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/load_lora_adapter"]
+    assert all("load_inplace" not in (c[1] or {}) for c in calls)  # sticky in vLLM 0.26: reloads every request
+
+
+def test_sglang_reloads_by_unload_then_load_and_sleeps_with_tags(model_dir: Path, tmp_path: Path, monkeypatch):
+    from hybridrl.engines import sglang as sglang_mod
+
+    calls = _record_posts(monkeypatch, sglang_mod)
+    monkeypatch.setattr(sglang_mod, "used_gb", lambda indices=None: 1.0)
+    monkeypatch.setattr(sglang_mod, "process_used_gb", lambda pid=None, indices=None: 0.5)
+    eng = SGLangServer(model_dir, _run(), {}, tmp_path)
+    monkeypatch.setattr(eng, "_url", lambda: "http://127.0.0.1:1")
+    eng.load_adapter("policy", Path("/a/1"))
+    eng.load_adapter("policy", Path("/a/2"))
+    eng.sleep()
+    eng.wake()
+    paths = [c[0] for c in calls]
+    assert paths == ["/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter",
+                     "/release_memory_occupation", "/resume_memory_occupation"]
+    assert calls[3][1] == calls[4][1] == {"tags": ["kv_cache", "cuda_graph"]}
+    assert eng.step_metrics() == {"mem/engine_asleep_gb": 1.0, "mem/engine_awake_gb": 1.0, "mem/controller_gb": 0.5}
+    assert eng.step_metrics() == {}

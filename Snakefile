@@ -9,13 +9,16 @@ if not workflow.overwrite_configfiles:
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/containers.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/cluster.smk"
 
 
-localrules: all, run_config, aggregate, report, archive
+# data and model download on the submit host: compute nodes often have no network
+localrules: all, data, model, run_config, aggregate, report, archive
 
 
 rule all:

@@ -67,9 +67,9 @@ GresTypes=gpu
 MinJobAge=600
 # time between SIGTERM and SIGKILL when a job is cancelled, preempted or requeued
 KillWait=30
-# a requeued job may start again soon (the default hold is 120 s)
 JobRequeue=1
-SchedulerParameters=defer_batch=0
+# a requeued job waits for the step credential lifetime before it may start again (default 120 s)
+AuthInfo=cred_expire=30
 ReturnToService=2
 SlurmctldTimeout=30
 SlurmdTimeout=60
@@ -132,6 +132,11 @@ start_slurm() {
     /usr/sbin/slurmctld
   fi
   for _ in $(seq 60); do scontrol ping 2>/dev/null | grep -q "is UP" && break; sleep 0.5; done
+  if ! scontrol ping 2>/dev/null | grep -q "is UP"; then
+    echo "slurm-ci-cluster: slurmctld did not come up; the end of $LOGS/slurmctld.log:" >&2
+    tail -n 20 "$LOGS/slurmctld.log" >&2
+    exit 1
+  fi
   if ! running /run/slurmd.pid; then
     log "starting slurmd"
     /usr/sbin/slurmd

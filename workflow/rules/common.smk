@@ -1,11 +1,15 @@
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
+from snakemake.settings.types import DeploymentMethod
 
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
+from hybridrl import cluster  # noqa: E402
 from hybridrl.config import ConfigError, dataset_name, resolve  # noqa: E402
 
 try:
@@ -28,18 +32,78 @@ def run_spec(wildcards) -> str:
                        "engine_env": STUDY.engine_envs.get(run["engine"], {})}, sort_keys=True)
 
 
-def run_gpus(wildcards) -> int:
-    """Inference TP plus, for split, the trainer's own GPUs; CPU runs ask for none."""
-    run = RUNS[wildcards.run_id]
-    if run["device"] != "cuda":
-        return 0
-    return run["tp"] + (run["train_gpus"] if run["placement"] == "split" else 0)
-
-
 def run_model(wildcards) -> str:
     return f"resources/models/{RUNS[wildcards.run_id]['model']}"
 
 
+# --- resources, deployment and containers (SLURM: slurm/config.v8+.yaml, docs/cluster.md) ---
+# The logic is in hybridrl.cluster, where it is unit-tested; these wrappers take wildcards.
+FAKE_GPUS = os.environ.get(cluster.ENV_FAKE_GPUS) == "1"  # CI only: fake GRES, see scripts/slurm-ci-cluster.sh
+SDM_APPTAINER = DeploymentMethod.APPTAINER in workflow.deployment_settings.deployment_method
+try:
+    DEPLOY = cluster.deployment(SDM_APPTAINER, os.environ)
+except ValueError as exc:
+    raise WorkflowError(str(exc)) from None
+CONTAINER_RUNS = {rid for rid, run in RUNS.items() if DEPLOY == "apptainer" and cluster.uses_container(run)}
+APPTAINER = cluster.apptainer_binary()
+SRC = os.path.relpath(Path(workflow.basedir) / "src")  # the checkout's code, also inside an image
+# Threads of a CPU run: --cores where given (local), else one. A SLURM job step re-reads this file
+# with --cores all, so there the job's grant decides, keeping the step's srun within the allocation.
+GRANT = cluster.job_grant(os.environ) if workflow.remote_exec else None
+CORES = cluster.grant_cpus(GRANT) or workflow.resource_settings.cores or 1
+
+
+def run_gpus(wildcards) -> int:
+    """Inference TP plus, for split, the trainer's own GPUs; CPU runs ask for none."""
+    return cluster.job_gpus(RUNS[wildcards.run_id], fake=FAKE_GPUS)
+
+
+def run_gpu_model(wildcards) -> str:
+    """`--gpus=<model>:<n>` when HYBRIDRL_SLURM_GPU_MODEL is set; never on CPU jobs, which the plugin
+    would otherwise give one GPU."""
+    return os.environ.get(cluster.ENV_GPU_MODEL, "") if run_gpus(wildcards) else ""
+
+
 def run_threads(wildcards) -> int:
     """CPU runs take the whole machine, so two runs never share cores and skew each other's timings."""
-    return workflow.cores if RUNS[wildcards.run_id]["device"] == "cpu" else 8
+    return cluster.job_threads(RUNS[wildcards.run_id], CORES)
+
+
+def image_of(run_id: str) -> str | None:
+    if run_id not in CONTAINER_RUNS:
+        return None
+    return f"resources/containers/{cluster.backend(RUNS[run_id]['engine'])}.sif"
+
+
+def run_image(wildcards) -> list[str]:
+    """The image and its digest as inputs, so the DAG builds the image before the run and a new
+    image reruns it; nothing for runs without a container."""
+    image = image_of(wildcards.run_id)
+    return [image, f"{image}.json"] if image else []
+
+
+def run_container(wildcards) -> str | None:
+    # Without apptainer, only a dry run gets this far in the main process (workflow/rules/cluster.smk
+    # stops a real one): leaving the image out lets the listing finish. A job step always names it.
+    if APPTAINER or not workflow.is_main_process:
+        return image_of(wildcards.run_id)
+    return None
+
+
+def run_prelude(wildcards) -> str:
+    """Shell before the run: inside an image, the checkout's code first on PYTHONPATH and the image's
+    digest for provenance; with the wheelhouse deployment, the backend's environment first on PATH."""
+    run = RUNS[wildcards.run_id]
+    image = image_of(wildcards.run_id)
+    if image:
+        return (f"export PYTHONPATH={SRC}${{PYTHONPATH:+:$PYTHONPATH}}; "
+                f"export HYBRIDRL_IMAGE_DIGEST=$(python -m hybridrl.cluster digest {image}.json); ")
+    if DEPLOY == "venv" and run["device"] == "cuda":
+        venv = cluster.venv_python(Path(workflow.basedir), cluster.backend(run["engine"])).parent
+        return f"export PATH={venv}:$PATH PYTHONPATH={SRC}${{PYTHONPATH:+:$PYTHONPATH}}; "
+    return ""
+
+
+# Train rules by job shape, with their run ids: the SLURM plugin gives all tasks of an array the
+# first task's resources, so runs that need different GPU counts must not share a rule.
+TRAIN_RULES = cluster.shapes(RUNS, fake=FAKE_GPUS)

@@ -9,21 +9,36 @@ rule run_config:
         Path(output[0]).write_text(params.spec)
 
 
-rule train:
-    input:
-        config="results/runs/{run_id}/config.json",
-        model=run_model,
-        data=f"{DATA_DIR}/train.jsonl",
-    output:
-        done="results/runs/{run_id}/done.json",
-    params:
-        out=lambda wildcards, output: Path(output.done).parent,
-        data=lambda wildcards, input: Path(input.data).parent,
-    log:
-        "logs/train/{run_id}.log",
-    threads: run_threads
-    resources:
-        gpu=run_gpus,
-    shell:
-        "python -m hybridrl train --run-config {input.config} --model {input.model} --data {params.data}"
-        " --out {params.out} --done {output.done} --no-progress 2>&1 | tee {log}"
+# One rule per job shape (train_cpu, train_gpu1, train_gpu2, ...; see TRAIN_RULES in common.smk), so
+# that a SLURM job array never mixes runs that need different GPU counts. Target runs by file:
+# results/runs/<run_id>/done.json. The log is appended to, so a requeued job keeps its first attempt.
+for _name, _run_ids in TRAIN_RULES.items():
+
+    rule:
+        name:
+            _name
+        input:
+            config="results/runs/{run_id}/config.json",
+            model=run_model,
+            data=f"{DATA_DIR}/train.jsonl",
+            image=run_image,
+        output:
+            done="results/runs/{run_id}/done.json",
+        wildcard_constraints:
+            run_id="|".join(re.escape(rid) for rid in _run_ids),
+        params:
+            out=lambda wildcards, output: Path(output.done).parent,
+            data=lambda wildcards, input: Path(input.data).parent,
+            prelude=run_prelude,
+        log:
+            "logs/train/{run_id}.log",
+        threads: run_threads
+        resources:
+            gpu=run_gpus,
+            gpu_model=run_gpu_model,
+        container:
+            run_container
+        shell:
+            "{params.prelude}python -m hybridrl.cluster record-job {params.out}/slurm.json"
+            " && python -m hybridrl train --run-config {input.config} --model {input.model} --data {params.data}"
+            " --out {params.out} --done {output.done} --no-progress 2>&1 | tee -a {log}"

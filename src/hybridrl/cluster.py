@@ -1,0 +1,350 @@
+"""SLURM and container glue for the Snakemake rules: a run's backend image, its job shape, the checks
+that must pass before anything is submitted, and the record of what SLURM granted each job.
+
+`python -m hybridrl.cluster record-job OUT` runs inside the job (and inside its container, where
+`scontrol` is absent), so the grant is read from the SLURM_* environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from pathlib import Path
+from typing import Any
+
+# One image per serving stack: the in-process vLLM baseline runs in the vLLM image.
+BACKENDS = {"sglang": "sglang", "vllm": "vllm", "vllm-inprocess": "vllm"}
+# Where scripts/wheelhouse.sh installs the per-backend environments (the deployment without Apptainer).
+VENV_DIR = ".venvs"
+# Threads of a GPU run's job: the controller, the NVML sampler and the engine's CPU side.
+GPU_RUN_THREADS = 8
+# The SLURM grant as the job sees it; SLURM_JOB_START_TIME/END_TIME exist from Slurm 23.02 on.
+JOB_ENV = (
+    "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "SLURM_JOB_ACCOUNT",
+    "SLURM_JOB_PARTITION", "SLURM_JOB_QOS", "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES", "SLURM_CPUS_PER_TASK",
+    "SLURM_CPUS_ON_NODE", "SLURM_MEM_PER_NODE", "SLURM_MEM_PER_CPU", "SLURM_GPUS", "SLURM_GPUS_ON_NODE",
+    "SLURM_JOB_GPUS", "SLURM_TRES_PER_TASK", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_START_TIME", "SLURM_JOB_END_TIME",
+    "SLURM_CLUSTER_NAME",
+)
+# From `scontrol show job -o`: the request as SLURM took it (TresPerJob shows --gpus).
+SCONTROL_KEYS = (
+    "JobId", "ArrayJobId", "ArrayTaskId", "Account", "Partition", "QOS", "TimeLimit", "NumNodes", "NumCPUs",
+    "CPUs/Task", "MinMemoryNode", "MinMemoryCPU", "TRES", "TresPerJob", "TresPerNode", "Requeue", "Restarts",
+    "NodeList", "SubmitTime", "StartTime", "Comment",
+)
+GRANT_ENV = "HYBRIDRL_SLURM_GRANT"
+# What the profile reads from the environment; named in messages so the fix is obvious.
+ENV_ACCOUNT = "HYBRIDRL_SLURM_ACCOUNT"
+ENV_PARTITION = "HYBRIDRL_SLURM_PARTITION"
+ENV_GPU_MODEL = "HYBRIDRL_SLURM_GPU_MODEL"
+ENV_DEPLOY = "HYBRIDRL_DEPLOY"
+ENV_FAKE_GPUS = "HYBRIDRL_SLURM_FAKE_GPUS"
+PROFILE = "slurm/config.v8+.yaml"
+
+
+def backend(engine: str) -> str:
+    try:
+        return BACKENDS[engine]
+    except KeyError:
+        raise ValueError(f"engine {engine!r} has no container backend; known: {', '.join(BACKENDS)}") from None
+
+
+def needs_gpus(run: Mapping[str, Any]) -> int:
+    """GPUs a run needs on CUDA: the engine's TP plus, for split, the trainer's own GPUs."""
+    return int(run["tp"]) + (int(run["train_gpus"]) if run["placement"] == "split" else 0)
+
+
+def job_gpus(run: Mapping[str, Any], fake: bool = False) -> int:
+    """GPUs to request from SLURM. CPU runs ask for none, unless `fake` (CI with fake GRES) asks them
+    to request what they would need on CUDA, so that --gpus is exercised for real."""
+    if run["device"] == "cuda" or fake:
+        return needs_gpus(run)
+    return 0
+
+
+def uses_container(run: Mapping[str, Any]) -> bool:
+    """The images carry the CUDA stacks; CPU runs use the CPU engine environment from the config."""
+    return run["device"] == "cuda"
+
+
+def job_threads(run: Mapping[str, Any], cores: int) -> int:
+    """CPU runs take all cores they are given, so that two runs never share cores and skew timings."""
+    return cores if run["device"] == "cpu" else GPU_RUN_THREADS
+
+
+def rule_name(gpus: int, device: str) -> str:
+    """The train rule of a job shape: train_gpu<N> for CUDA runs, train_cpu for CPU runs
+    (train_cpu_gpu<N> when fake GRES make CPU runs ask for GPUs)."""
+    if device == "cuda":
+        return f"train_gpu{gpus}"
+    return f"train_cpu_gpu{gpus}" if gpus else "train_cpu"
+
+
+def shapes(runs: Mapping[str, Mapping[str, Any]], fake: bool = False) -> dict[str, list[str]]:
+    """Rule name -> run ids, one rule per job shape.
+
+    The SLURM plugin submits the ready jobs of one rule as one array and gives every task the first
+    task's resources, so runs with different GPU counts must never share a rule. Threads follow the
+    device, so (GPUs, device) fixes the shape; the name must not depend on --cores, which differs
+    between the submitting process and the job step that re-reads the Snakefile.
+    """
+    out: dict[str, list[str]] = {}
+    for rid, run in sorted(runs.items()):
+        out.setdefault(rule_name(job_gpus(run, fake), run["device"]), []).append(rid)
+    return out
+
+
+def dry_run_requested(argv: Iterable[str]) -> bool:
+    """Snakemake parses the Snakefile before it picks the executor, so a Snakefile cannot ask whether
+    this is a dry run; the command line can (-n, -np, --dry-run, --dryrun)."""
+    for arg in argv:
+        if arg in ("--dry-run", "--dryrun"):
+            return True
+        if re.fullmatch(r"-[A-Za-z]*n[A-Za-z]*", arg):
+            return True
+    return False
+
+
+def apptainer_binary(which: Callable[[str], str | None] = shutil.which) -> str | None:
+    return which("apptainer") or which("singularity")
+
+
+def deployment(sdm_apptainer: bool, environ: Mapping[str, str]) -> str:
+    """How GPU runs get their software: `apptainer` (one image per backend, the default under
+    --sdm apptainer), `venv` (per-backend environments from the offline wheelhouse) or `host` (whatever
+    `python` is on PATH, e.g. a GPU box set up by hand). HYBRIDRL_DEPLOY=venv|host overrides."""
+    choice = environ.get(ENV_DEPLOY, "").strip().lower()
+    if choice and choice not in ("apptainer", "venv", "host"):
+        raise ValueError(f"{ENV_DEPLOY}={choice!r}: expected apptainer, venv or host")
+    if choice:
+        return choice
+    return "apptainer" if sdm_apptainer else "host"
+
+
+def venv_python(root: Path, backend_name: str) -> Path:
+    return root / VENV_DIR / f"gpu-{backend_name}" / "bin" / "python"
+
+
+def check_apptainer(container_runs: Iterable[str], sdm_apptainer: bool,
+                    which: Callable[[str], str | None] = shutil.which) -> list[str]:
+    runs = sorted(container_runs)
+    if not runs:
+        return []
+    if not sdm_apptainer:
+        return [f"{ENV_DEPLOY}=apptainer needs --sdm apptainer (slurm/config.v8+.yaml sets it)"]
+    if apptainer_binary(which):
+        return []
+    return [
+        "--sdm apptainer was asked for (slurm/config.v8+.yaml sets it), but neither `apptainer` nor "
+        f"`singularity` is on PATH, and {len(runs)} GPU run(s) need their backend's image ({runs[0]}, ...). "
+        "Install Apptainer on the login and compute nodes, or deploy without containers: "
+        "`bash scripts/wheelhouse.sh download` on the login node, `bash scripts/wheelhouse.sh install`, "
+        f"then `{ENV_DEPLOY}=venv snakemake --profile slurm` (docs/cluster.md)."
+    ]
+
+
+def check_venvs(root: Path, backends_needed: Iterable[str]) -> list[str]:
+    missing = sorted(b for b in set(backends_needed) if not venv_python(root, b).exists())
+    return [
+        f"{ENV_DEPLOY}=venv: no environment for backend {b} ({venv_python(root, b)}); build the wheelhouse on "
+        "the login node (`bash scripts/wheelhouse.sh download`) and install it (`bash scripts/wheelhouse.sh "
+        f"install {b}`)"
+        for b in missing
+    ]
+
+
+def check_gpu_limit(gpus: Mapping[str, int], limit: int | None, source: str = PROFILE) -> list[str]:
+    """Every run must fit the GPUs the profile allows one job (`resources: gpu`, scope local)."""
+    if limit is None:
+        return []
+    too_big = {rid: n for rid, n in gpus.items() if n > limit}
+    return [
+        f"run {rid} needs {n} GPUs (engine tp + trainer GPUs for split) but the profile allows gpu={limit} per job "
+        f"({source}: `resources: gpu: {limit}`, or --resources gpu=N); lower its tp/train_gpus or raise the limit"
+        for rid, n in sorted(too_big.items())
+    ]
+
+
+def _missing(value: Any) -> bool:
+    # an unset variable in a profile value stays literally "$NAME"; YAML null arrives as None or "None"
+    return value is None or str(value).strip() in ("", "None") or "$" in str(value)
+
+
+def check_job_resources(resources: Mapping[str, Any], partitions: Iterable[str] | None = None) -> list[str]:
+    """Account, partition and time limit of a job that would go to sbatch."""
+    problems = []
+    if _missing(resources.get("slurm_account")):
+        problems.append(
+            f"no SLURM account: set {ENV_ACCOUNT} (e.g. `export {ENV_ACCOUNT}=myproject`) or slurm_account "
+            f"under default-resources in {PROFILE}. An account is always passed, because the executor "
+            "plugin's account guessing is broken in 2.8.0."
+        )
+    partition = resources.get("slurm_partition")
+    if _missing(partition):
+        problems.append(
+            f"no SLURM partition: set {ENV_PARTITION} (e.g. `export {ENV_PARTITION}=gpu`) or slurm_partition "
+            f"under default-resources in {PROFILE}."
+        )
+    elif partitions is not None:
+        known = sorted(set(partitions))
+        if str(partition) not in known:
+            problems.append(f"partition {partition!r} does not exist on this cluster; sinfo lists: "
+                            f"{', '.join(known) or 'none'} (set {ENV_PARTITION})")
+    if _missing(resources.get("runtime")):
+        problems.append(f"no time limit: set runtime (minutes) under default-resources in {PROFILE}")
+    return problems
+
+
+def group_problems(by_rule: Mapping[str, Iterable[str]]) -> list[str]:
+    """One line per problem, naming the rules it hits, instead of one line per job."""
+    rules: dict[str, list[str]] = {}
+    for rule, problems in by_rule.items():
+        for problem in problems:
+            rules.setdefault(problem, [])
+            if rule not in rules[problem]:
+                rules[problem].append(rule)
+    return [f"{problem} (jobs of: {', '.join(sorted(names))})" for problem, names in rules.items()]
+
+
+def cluster_partitions(run: Callable[..., Any] = subprocess.run) -> list[str] | None:
+    """Partition names from sinfo; None where SLURM's client tools are absent or do not answer."""
+    if not shutil.which("sinfo"):
+        return None
+    try:
+        out = run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+def slurm_config(run: Callable[..., Any] = subprocess.run) -> dict[str, str]:
+    if not shutil.which("scontrol"):
+        return {}
+    try:
+        out = run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    conf = {}
+    for line in out.stdout.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            conf[key.strip()] = value.strip()
+    return conf
+
+
+def check_status_source(conf: Mapping[str, str], status_command: str | None, first_check_s: int) -> list[str]:
+    """Without slurmdbd only squeue knows job states, and only for MinJobAge seconds after a job ends."""
+    if not conf or "none" not in conf.get("AccountingStorageType", "").lower():
+        return []
+    match = re.match(r"(\d+)", conf.get("MinJobAge", ""))
+    min_age = int(match.group(1)) if match else None
+    if status_command == "sacct":
+        return ["this cluster has no SLURM accounting (AccountingStorageType=none), so sacct cannot report "
+                "job states; set `slurm-status-command: squeue` in the profile"]
+    # the plugin itself switches from squeue to sacct below this MinJobAge, and sacct would then fail
+    if min_age is not None and min_age < 3 * first_check_s:
+        return [f"this cluster has no SLURM accounting and MinJobAge={min_age}s: squeue forgets finished jobs "
+                f"before Snakemake looks (needs >= {3 * first_check_s}s); ask for a longer MinJobAge or lower "
+                "slurm-init-seconds-before-status-checks"]
+    return []
+
+
+def parse_scontrol(line: str) -> dict[str, str]:
+    """The fields of `scontrol show job -o` that say what a job asked for and got."""
+    fields = dict(re.findall(r"(\S+?)=(\S*)", line))
+    return {key: fields[key] for key in SCONTROL_KEYS if key in fields}
+
+
+def capture_grant(environ: Mapping[str, str], run: Callable[..., Any] = subprocess.run) -> dict[str, Any]:
+    grant: dict[str, Any] = {key: environ[key] for key in JOB_ENV if key in environ}
+    if shutil.which("scontrol"):
+        try:
+            out = run(["scontrol", "show", "job", "-o", environ["SLURM_JOB_ID"]],
+                      capture_output=True, text=True, timeout=30)
+            if out.returncode == 0 and out.stdout.strip():
+                grant["scontrol"] = parse_scontrol(out.stdout.splitlines()[0])
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return grant
+
+
+def job_grant(environ: MutableMapping[str, str], run: Callable[..., Any] = subprocess.run) -> dict[str, Any] | None:
+    """What SLURM granted the current job, or None outside SLURM.
+
+    Read once, by the job step's first Snakemake process: it still has the batch environment and
+    scontrol. It hands the grant on in HYBRIDRL_SLURM_GRANT, because the plugin strips SLURM_* from
+    the nested srun and the container has no scontrol.
+    """
+    if GRANT_ENV in environ:
+        return json.loads(environ[GRANT_ENV])
+    if "SLURM_JOB_ID" not in environ:
+        return None
+    grant = capture_grant(environ, run)
+    environ[GRANT_ENV] = json.dumps(grant, sort_keys=True)
+    return grant
+
+
+def grant_cpus(grant: Mapping[str, Any] | None) -> int | None:
+    if not grant:
+        return None
+    value = grant.get("SLURM_CPUS_PER_TASK") or grant.get("scontrol", {}).get("CPUs/Task")
+    return int(value) if value and str(value).isdigit() else None
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def record_job(out: Path, environ: MutableMapping[str, str]) -> dict[str, Any] | None:
+    """Append this job's grant to OUT (one entry per job id and requeue), with the image's digest."""
+    record = job_grant(environ)
+    if record is None:
+        return None
+    if environ.get("HYBRIDRL_IMAGE_DIGEST"):
+        record["image_digest"] = environ["HYBRIDRL_IMAGE_DIGEST"]
+    history = json.loads(out.read_text()) if out.exists() else {"jobs": []}
+    key = (record.get("SLURM_JOB_ID"), record.get("SLURM_RESTART_COUNT", "0"))
+    if all((j.get("SLURM_JOB_ID"), j.get("SLURM_RESTART_COUNT", "0")) != key for j in history["jobs"]):
+        history["jobs"].append(record)
+    _write_json(out, history)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hybridrl.cluster", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("record-job", help="append the SLURM grant of this job to a JSON file (no-op outside SLURM)")
+    s.add_argument("out", type=Path)
+    s = sub.add_parser("digest", help="print the image digest from a digest file written by scripts/build-container.sh")
+    s.add_argument("file", type=Path)
+    args = p.parse_args(argv)
+    if args.command == "digest":
+        print(json.loads(args.file.read_text())["digest"])
+        return 0
+    record = record_job(args.out, os.environ)
+    if record is not None:
+        print(f"hybridrl: slurm job {record.get('SLURM_JOB_ID')} (restart {record.get('SLURM_RESTART_COUNT', '0')})"
+              f" recorded in {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

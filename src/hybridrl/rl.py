@@ -57,3 +57,17 @@ def policy_loss(
     loss = (per_token * mask).sum() / n_tokens
     clipfrac = (((ratio - 1.0).abs() > clip_eps).to(logp.dtype) * mask).sum() / n_tokens
     return loss, {"train/kl": float(kl.detach()), "train/clipfrac": float(clipfrac.detach())}
+
+
+def engine_logprob_absdiff(trainer_logp: torch.Tensor, mask: torch.Tensor,
+                           engine_logprobs: Sequence[Sequence[float]]) -> float:
+    """Sum over completion tokens of |trainer logprob - engine logprob| (the rollout correctness signal).
+
+    trainer_logp and mask are [B, T] over target positions; engine_logprobs holds one list per row.
+    """
+    total = 0.0
+    for i, theirs_list in enumerate(engine_logprobs):
+        ours = trainer_logp[i][mask[i]].float().cpu()
+        theirs = torch.tensor(list(theirs_list[: len(ours)]), dtype=torch.float32)
+        total += (ours[: len(theirs)] - theirs).abs().sum().item()
+    return total

@@ -41,6 +41,19 @@ class Completion:
     latency_s: float = float("nan")
     finish_reason: str | None = None
     error: str | None = None  # set when the request failed; the other fields are then partial
+    last_arrival_s: float = field(default=float("nan"), repr=False)
+
+    def add_tokens(self, ids: list[int], logprobs: list[float], now: float, sent_at: float) -> None:
+        """Append streamed tokens; the first arrival gives TTFT, each later one an inter-token gap."""
+        if not ids:
+            return
+        if not self.token_ids:
+            self.ttft_s = now - sent_at
+        else:
+            self.itl_s.append(now - self.last_arrival_s)
+        self.last_arrival_s = now
+        self.token_ids.extend(ids)
+        self.logprobs.extend(logprobs)
 
 
 class Engine(Protocol):

@@ -142,7 +142,6 @@ class StreamingClient:
         out = Completion()
         async with sem:
             t0 = time.perf_counter()
-            last = t0
             try:
                 async with client.stream("POST", self.server.base_url + self.url_path, json=self.body(req)) as r:
                     if r.status_code != 200:
@@ -157,15 +156,7 @@ class StreamingClient:
                             out.error = f"engine error: {json.dumps(chunk['error'])[:500]}"
                             return out
                         ids, lps, finish = self.parse(chunk, len(out.token_ids))
-                        now = time.perf_counter()
-                        if ids:
-                            if not out.token_ids:
-                                out.ttft_s = now - t0
-                            else:
-                                out.itl_s.append(now - last)
-                            last = now
-                            out.token_ids.extend(ids)
-                            out.logprobs.extend(lps)
+                        out.add_tokens(ids, lps, time.perf_counter(), t0)
                         if finish:
                             out.finish_reason = finish
                 out.latency_s = time.perf_counter() - t0

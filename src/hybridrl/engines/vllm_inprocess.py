@@ -190,22 +190,13 @@ class VLLMInProcess:
         params = SamplingParams(**sampling_kwargs(req.sampling), output_kind=RequestOutputKind.DELTA)
         async with sem:
             t0 = time.perf_counter()
-            last = t0
             try:
                 stream = self.llm.generate({"prompt_token_ids": list(req.prompt_ids)}, params,
                                            request_id=f"r{next(self._req_ids)}", lora_request=lora)
                 async for item in stream:
                     o = item.outputs[0]
                     ids = list(o.token_ids)
-                    now = time.perf_counter()
-                    if ids:
-                        if not out.token_ids:
-                            out.ttft_s = now - t0
-                        else:
-                            out.itl_s.append(now - last)
-                        last = now
-                        out.token_ids.extend(ids)
-                        out.logprobs.extend(sampled_logprobs(ids, o.logprobs))
+                    out.add_tokens(ids, sampled_logprobs(ids, o.logprobs) if ids else [], time.perf_counter(), t0)
                     if o.finish_reason:
                         out.finish_reason = o.finish_reason
                 out.latency_s = time.perf_counter() - t0

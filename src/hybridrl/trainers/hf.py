@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from hybridrl.rl import policy_loss, token_logprobs
+from hybridrl.rl import engine_logprob_absdiff, policy_loss, token_logprobs
 from hybridrl.trainers.base import Sample, TrainResult
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -81,7 +81,7 @@ class HFTrainer:
             totals["loss"] += loss.item() * weight
             totals["train/kl"] += stats["train/kl"] * weight
             totals["train/clipfrac"] += stats["train/clipfrac"] * weight
-            totals["absdiff"] += _engine_absdiff(old, mask, chunk)
+            totals["absdiff"] += engine_logprob_absdiff(old, mask, [s.engine_logprobs for s in chunk])
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.run["grad_clip"])
         self.optimizer.step()
         self.save(out_dir)
@@ -141,13 +141,3 @@ class HFTrainer:
 
     def close(self) -> None:
         self.offload()
-
-
-def _engine_absdiff(trainer_logp: torch.Tensor, mask: torch.Tensor, chunk: list[Sample]) -> float:
-    """Sum over completion tokens of |trainer logprob - engine logprob|."""
-    total = 0.0
-    for i, s in enumerate(chunk):
-        ours = trainer_logp[i][mask[i]].float().cpu()
-        theirs = torch.tensor(s.engine_logprobs[: len(ours)], dtype=torch.float32)
-        total += (ours[: len(theirs)] - theirs).abs().sum().item()
-    return total

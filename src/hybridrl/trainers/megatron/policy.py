@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-from hybridrl.rl import policy_loss, token_logprobs
+from hybridrl.rl import engine_logprob_absdiff, policy_loss, token_logprobs
 from hybridrl.trainers.base import Sample
 from hybridrl.trainers.megatron import export
 from hybridrl.trainers.megatron.lora import apply_lora, lora_disabled, lora_parameters
@@ -134,7 +134,7 @@ class MegatronPolicy:
             totals["loss"] += loss.item() * weight
             totals["kl"] += stats["train/kl"] * weight
             totals["clipfrac"] += stats["train/clipfrac"] * weight
-            totals["absdiff"] += _engine_absdiff(old, mask, chunk)
+            totals["absdiff"] += engine_logprob_absdiff(old, mask, [s.engine_logprobs for s in chunk])
         return {
             "train/loss": totals["loss"],
             "train/kl": totals["kl"] if kl_coef > 0 else math.nan,
@@ -237,15 +237,6 @@ class MegatronPolicy:
             out["mem/trainer_residual_gb"] = used
         return out
 
-
-def _engine_absdiff(trainer_logp: torch.Tensor, mask: torch.Tensor, chunk: list[Sample]) -> float:
-    """Sum over completion tokens of |trainer logprob - engine logprob|."""
-    total = 0.0
-    for i, s in enumerate(chunk):
-        ours = trainer_logp[i][mask[i]].float().cpu()
-        theirs = torch.tensor(s.engine_logprobs[: len(ours)], dtype=torch.float32)
-        total += (ours[: len(theirs)] - theirs).abs().sum().item()
-    return total
 
 
 def _nvml_process_gb(device: torch.device) -> float | None:

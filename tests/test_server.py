@@ -98,3 +98,14 @@ def test_log_tail(tmp_path):
     tail = log_tail(log, 3)
     assert tail == "line 97\nline 98\nline 99"
     assert "no log" in log_tail(tmp_path / "missing.log")
+
+
+def test_engine_environment_drops_thread_caps_and_pythonpath(monkeypatch):
+    from hybridrl.engines.server import engine_environ
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # what Snakemake sets for a job with threads: 2
+    monkeypatch.setenv("PYTHONPATH", "/controller/src")
+    monkeypatch.setenv("HF_HOME", "/keep/me")
+    env = engine_environ()
+    assert "OMP_NUM_THREADS" not in env and "PYTHONPATH" not in env
+    assert env["HF_HOME"] == "/keep/me"

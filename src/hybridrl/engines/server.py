@@ -197,6 +197,19 @@ def post_json(base_url: str, path: str, payload: dict | None = None, timeout_s: 
     return r
 
 
+# Snakemake caps these at the job's `threads` for the controller; an engine sizes its own pool (vLLM's
+# CPU build binds its OpenMP threads to cores and slowed ~6x when it inherited OMP_NUM_THREADS=2).
+THREAD_CAPS = ("OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+               "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+def engine_environ() -> dict[str, str]:
+    """The controller's environment minus what must not leak into an engine's own environment."""
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_CAPS}
+    env.pop("PYTHONPATH", None)  # the engine has its own environment (overlay)
+    return env
+
+
 def resolve_python(python: str) -> str:
     """A relative interpreter path in a config means the repository's (e.g. .venvs/vllm-cpu/bin/python)."""
     from hybridrl.config import REPO

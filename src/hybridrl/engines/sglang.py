@@ -9,13 +9,12 @@ Sleep is `/release_memory_occupation` with explicit tags (torch_memory_saver, `-
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.base import EngineError, Request, Sampling
 from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
-from hybridrl.engines.server import HTTPEngine, StreamingClient, package_version, post_json
+from hybridrl.engines.server import HTTPEngine, StreamingClient, engine_environ, package_version, post_json
 
 BASE_NAME = "base"
 # torch_memory_saver tags as SGLang names them (sglang.srt.constants.GPU_MEMORY_TYPE_*)
@@ -131,8 +130,7 @@ class SGLangServer(HTTPEngine):
         return cmd + list(run["engine_args"])
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.pop("PYTHONPATH", None)  # the engine has its own environment; the controller's must not leak in
+        env = engine_environ()
         env.update({"HF_HUB_OFFLINE": "1", "SGLANG_DISABLE_REQUEST_LOGGING": "1"})
         env.update(split_engine_devices(self.run, env))
         env.update(self.extra_env)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.base import EngineError, Request
 from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
-from hybridrl.engines.server import HTTPEngine, StreamingClient, package_version, post_json
+from hybridrl.engines.server import HTTPEngine, StreamingClient, engine_environ, package_version, post_json
 
 BASE_NAME = "base"
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.M)
@@ -73,8 +72,7 @@ class VLLMServer(HTTPEngine):
         return cmd + list(run["engine_args"])
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.pop("PYTHONPATH", None)  # the engine has its own environment; the controller's must not leak in
+        env = engine_environ()
         env.update({
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
             "VLLM_SERVER_DEV_MODE": "1",  # /sleep, /wake_up, /is_sleeping

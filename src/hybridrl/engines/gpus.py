@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -61,25 +62,36 @@ def nvml_indices(env: dict[str, str] | None = None) -> list[int] | None:
         return None
 
 
-def used_gb(indices: list[int] | None = None) -> float | None:
-    """Max over the given GPUs of NVML used memory in GB; None without NVML."""
+@contextlib.contextmanager
+def _nvml_handles(indices: list[int] | None) -> Iterator[tuple[Any, list[Any]] | None]:
+    """(pynvml, handles of the given GPUs) for one NVML session; None without NVML."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
     except Exception:
-        return None
+        yield None
+        return
     try:
         count = pynvml.nvmlDeviceGetCount()
         picked = [i for i in (indices if indices is not None else range(count)) if i < count]
-        values = []
-        for i in picked:
-            with contextlib.suppress(Exception):
-                values.append(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).used / 1e9)
-        return max(values) if values else None
+        yield pynvml, [pynvml.nvmlDeviceGetHandleByIndex(i) for i in picked]
     finally:
         with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
+
+
+def used_gb(indices: list[int] | None = None) -> float | None:
+    """Max over the given GPUs of NVML used memory in GB; None without NVML."""
+    with _nvml_handles(indices) as session:
+        if session is None:
+            return None
+        pynvml, handles = session
+        values = []
+        for handle in handles:
+            with contextlib.suppress(Exception):
+                values.append(pynvml.nvmlDeviceGetMemoryInfo(handle).used / 1e9)
+        return max(values) if values else None
 
 
 def process_used_gb(pid: int | None = None, indices: list[int] | None = None) -> float | None:
@@ -88,22 +100,14 @@ def process_used_gb(pid: int | None = None, indices: list[int] | None = None) ->
     In colocate this is what the trainer (and its CUDA context) leaves on the GPU once offloaded.
     """
     pid = os.getpid() if pid is None else pid
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return None
-    try:
-        count = pynvml.nvmlDeviceGetCount()
+    with _nvml_handles(indices) as session:
+        if session is None:
+            return None
+        pynvml, handles = session
         total = 0.0
-        for i in [i for i in (indices if indices is not None else range(count)) if i < count]:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+        for handle in handles:
             with contextlib.suppress(Exception):
                 for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
                     if proc.pid == pid and proc.usedGpuMemory is not None:
                         total += proc.usedGpuMemory / 1e9
         return total
-    finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()

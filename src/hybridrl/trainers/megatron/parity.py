@@ -22,6 +22,7 @@ import torch
 
 from hybridrl.rl import policy_loss, token_logprobs
 from hybridrl.trainers.base import Sample
+from hybridrl.trainers.hf import pad_batch
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
@@ -102,19 +103,6 @@ def make_samples(vocab: int, n: int = 6, seed: int = 0) -> list[Sample]:
     return out
 
 
-def _hf_batch(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    seqs = [s.prompt_ids + s.completion_ids for s in samples]
-    width = max(map(len, seqs))
-    ids = torch.zeros((len(seqs), width), dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    mask = torch.zeros((len(seqs), width - 1), dtype=torch.bool)
-    for i, (s, seq) in enumerate(zip(samples, seqs, strict=True)):
-        ids[i, : len(seq)] = torch.tensor(seq)
-        attn[i, : len(seq)] = 1
-        mask[i, len(s.prompt_ids) - 1: len(seq) - 1] = True
-    return ids, attn, mask
-
-
 def _per_sample(logp: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
     return [logp[i][mask[i]].detach().float().cpu() for i in range(logp.shape[0])]
 
@@ -130,7 +118,7 @@ def hf_logits(model_dir: Path, adapter_dir: Path, samples: list[Sample]) -> torc
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
-    ids, attn, _ = _hf_batch(samples)
+    ids, attn, _ = pad_batch(samples, 0)
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
 
@@ -144,7 +132,7 @@ def hf_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run: dict
     model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
     params = {_peft_name(n): p for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(params.values(), lr=run["lr"], weight_decay=run["weight_decay"])
-    ids, attn, mask = _hf_batch(samples)
+    ids, attn, mask = pad_batch(samples, 0)
 
     def logprobs() -> torch.Tensor:
         return token_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:])
@@ -211,7 +199,7 @@ def megatron_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run
 def reload_gap(model_dir: Path, adapter_dir: Path, samples: list[Sample], logits: torch.Tensor) -> float:
     """Worst logit gap, over real (non-padding) positions, between HF + the exported adapter and Megatron."""
     reload = hf_logits(model_dir, adapter_dir, samples)
-    _, attn, _ = _hf_batch(samples)
+    _, attn, _ = pad_batch(samples, 0)
     valid = attn[:, 1:].bool()  # input position t is real iff token t+1 exists
     return float((reload - logits)[valid].abs().max())
 

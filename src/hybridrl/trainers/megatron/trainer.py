@@ -20,7 +20,7 @@ from typing import Any
 
 from hybridrl.trainers.base import Sample, TrainResult
 from hybridrl.trainers.megatron.spec import MegatronSetupError, check_parallel, read_spec
-from hybridrl.trainers.megatron.worker import write_json
+from hybridrl.trainers.megatron.worker import pid_alive, write_json
 
 _SRC = Path(__file__).resolve().parents[3]  # the directory holding the hybridrl package
 
@@ -231,7 +231,7 @@ class MegatronTrainer:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 continue
-            if not any(_pid_alive(p) for p in pids):
+            if not any(pid_alive(p) for p in pids):
                 break
             time.sleep(0.5)
 
@@ -249,18 +249,3 @@ def _is_our_worker(pid: int, workdir: Path) -> bool:
     except OSError:
         return False
     return str(workdir).encode() in cmdline and b"hybridrl.trainers.megatron.worker" in cmdline
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie child of torchrun still answers; treat it as gone once torchrun has exited
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -42,14 +42,19 @@ def check_rank_env(environ: dict[str, str] | os._Environ = os.environ) -> None:
             "-m hybridrl.trainers.megatron.worker JOB_DIR)")
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not yet reaped) counts as gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _wait_for_job(path: Path, controller_pid: int) -> dict[str, Any]:
@@ -60,7 +65,7 @@ def _wait_for_job(path: Path, controller_pid: int) -> dict[str, Any]:
         if time.monotonic() - last_check > 2.0:
             last_check = time.monotonic()
             # the controller died without saying goodbye: do not outlive it on the GPU
-            if controller_pid and not _alive(controller_pid):
+            if controller_pid and not pid_alive(controller_pid):
                 raise SystemExit(f"controller pid {controller_pid} is gone; worker exiting")
     return json.loads(path.read_text())
 

@@ -151,3 +151,24 @@ def test_changed_base_canary_fails_loudly(assets, tmp_path):
     with pytest.raises(RunFailed, match="base weights were corrupted"):
         run_loop(_run(), "r4", assets / "model", assets / "data", tmp_path, {}, progress=False,
                  engine=ScriptedEngine(corrupt_base_after=2))
+
+
+def test_trainer_gpu_memory_is_read_for_the_trainers_own_processes(assets, tmp_path, monkeypatch):
+    import os
+
+    import hybridrl.loop as loop
+
+    # NVML is absent on CPU machines: stand in for its per-process reading, charging 0.5 GB to this process only
+    monkeypatch.setattr(loop, "process_used_gb", lambda pid: 0.5 if pid == os.getpid() else 7.0)
+    records = run_loop(_run(steps=1), "r5", assets / "model", assets / "data", tmp_path, {}, progress=False,
+                       engine=ScriptedEngine())
+    assert records[0]["mem/trainer_gb_gen"] == 0.5  # the HF trainer lives in the controller
+
+    class TwoRanks:
+        def gpu_pids(self):
+            return [11, 12]
+
+    monkeypatch.setattr(loop, "process_used_gb", lambda pid: {11: 0.75, 12: 0.5}[pid])
+    assert loop.trainer_gpu_gb(TwoRanks()) == 1.25
+    monkeypatch.setattr(loop, "process_used_gb", lambda pid: None)
+    assert loop.trainer_gpu_gb(TwoRanks()) is None and loop.trainer_gpu_gb(None) is None

@@ -33,7 +33,10 @@ def _alive(pid: int) -> bool:
 
 
 def _worker_pids(trainer: MegatronTrainer) -> list[int]:
-    return [int(p.read_text()) for p in trainer.workdir.glob("pid-rank*")]
+    pids = trainer.gpu_pids()  # the ranks, as the loop reads their GPU memory
+    assert sorted(pids) == sorted(int(p.read_text()) for p in trainer.workdir.glob("pid-rank*")), pids
+    assert all(_alive(p) for p in pids)
+    return pids
 
 
 @pytest.fixture(scope="module")

@@ -2,17 +2,18 @@
 # The GPU reference study (config/gpu-h200.yaml) on one machine with two GPUs and no network.
 #
 # Run from the repository root on the GPU machine, after shared/gpu/gpu-env has installed the
-# SGLang and vLLM overlays under /tmp/envs (gpu-env collect ...; gpu-env install):
+# SGLang, vLLM and trainer (megatron-core) overlays under /tmp/envs (gpu-env collect ...; gpu-env install):
 #
 #   scripts/gpu/run_reference.sh setup WHEELS_DIR   # controller wheels, data, random-init model, run configs
-#   scripts/gpu/run_reference.sh start              # the whole study in the background (own session)
+#   scripts/gpu/run_reference.sh start [PLAN]       # a plan of the study in the background (own session)
 #   scripts/gpu/run_reference.sh status             # progress
 #   scripts/gpu/run_reference.sh pack OUT_FILE      # steps, provenance, bench/probe JSON, logs -> tar.gz
 #
-# The two split runs need both GPUs and go first, side by side with their GPUs crossed. The other runs
-# go in two lanes, one per GPU, so the study fits a short lease; each of them sees only its lane's GPU
-# (CUDA_VISIBLE_DEVICES) and samples only that GPU with NVML. Every process a run starts is in that
-# run's process group and is stopped with it.
+# PLAN is `full` (every run, the default) or `rest` (what the first lease did not reach). A plan has runs
+# that need both GPUs before and after two lanes, one per GPU, so that the study fits a short lease; a
+# lane's runs see only its GPU (CUDA_VISIBLE_DEVICES) and sample only that GPU with NVML. Order is
+# priority: a lease that ends early keeps the runs that matter most. Every process a run starts is in
+# that run's process group and is stopped with it.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 ref=${HYBRIDRL_REF_DIR:-/tmp/ref}
@@ -38,7 +39,8 @@ from hybridrl.config import load_study
 study, ref = load_study(sys.argv[1]), Path(sys.argv[2])
 (ref / "study.json").write_text(json.dumps({"data": study.data, "models": study.models}))
 for rid, run in study.runs.items():
-    short = f"{run['engine']}-{run['placement']}"
+    short = run.get("name") or "-".join([run["engine"], run["placement"]]
+                                        + (["megatron"] if run["trainer"] == "megatron" else []))
     cfg = {"run_id": rid, "run": run, "study": study.name, "engine_env": study.engine_envs.get(run["engine"], {})}
     (ref / "cfg" / f"{short}.json").write_text(json.dumps(cfg, sort_keys=True))
     print(short, rid)
@@ -60,6 +62,15 @@ print(f\"--source synthetic --n-train {d.get('n_train',512)} --n-test {d.get('n_
   say "setup done"
 }
 
+# the controller's PYTHONPATH: in-process vLLM lives in the controller; Megatron's workers inherit it
+controller_path() {
+  case $1 in
+    vllm-inprocess-*) echo "/tmp/envs/vllm:$ctl_path" ;;
+    *-megatron*) echo "/tmp/envs/trainer:$ctl_path" ;;
+    *) echo "$ctl_path" ;;
+  esac
+}
+
 # train NAME [GPU]: one run; GPU empty = every GPU visible (split)
 train() {
   local name=$1 gpu=${2:-} cfg="$ref/cfg/$1.json" rid model out pp
@@ -68,8 +79,7 @@ train() {
   out="$ref/runs/$rid"
   [ -f "$out/done.json" ] && { say "train $name already done"; return 0; }  # a rerun of the study resumes
   mkdir -p "$out"
-  pp=$ctl_path
-  [[ $name == vllm-inprocess-* ]] && pp="/tmp/envs/vllm:$ctl_path"  # vLLM lives in the controller
+  pp=$(controller_path "$name")
   say "train $name ($rid) on GPU ${gpu:-all}"
   local rc=0
   ( if [ -n "$gpu" ]; then export CUDA_VISIBLE_DEVICES=$gpu; else unset CUDA_VISIBLE_DEVICES; fi
@@ -86,8 +96,7 @@ bench() {
   rid=$(python3 -c "import json;print(json.load(open('$cfg'))['run_id'])")
   model="$ref/models/$(cat "$ref/model_name")"
   [ -f "$ref/bench/$name.json" ] && { say "bench $name already done"; return 0; }
-  pp=$ctl_path
-  [[ $name == vllm-inprocess-* ]] && pp="/tmp/envs/vllm:$ctl_path"
+  pp=$(controller_path "$name")
   say "bench $name step $step on GPU $gpu $*"
   local rc=0
   CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$pp timeout 600 python3 -m hybridrl bench --run-config "$cfg" \
@@ -96,21 +105,46 @@ bench() {
   say "bench $name exit $rc"
 }
 
-# Order is priority: a lease that ends early keeps the runs that matter most. The split pair goes
-# first (it also fills the compile caches), then each lane's colocate runs, then the restart runs,
-# then the standalone benchmarks.
-lane0() {
-  train sglang-colocate 0
-  train sglang-restart 0
-  train vllm-inprocess-restart 0
-  bench sglang-colocate 0 3 --set sglang_release=all  # the backup flag lets the probe try a full release too
+# Plans: each sets `first` and `last` (runs on both GPUs) and `lane0`, `lane1` (one GPU each). An item is
+# "train NAME [GPUS]" or "bench NAME STEP [ARGS]"; a lane item gets its lane's GPU.
+plan_full() {
+  # the split pair first, side by side with their GPUs crossed (it also fills the compile caches)
+  first=("pair")
+  lane0=("train sglang-colocate" "train sglang-restart" "train vllm-inprocess-restart"
+         "train sglang-colocate-megatron" "bench sglang-colocate 3 --set sglang_release=all")
+  lane1=("train vllm-colocate" "train vllm-inprocess-colocate" "train vllm-restart"
+         "train vllm-colocate-megatron" "bench vllm-colocate 3")
+  last=("train sglang-colocate-megatron-tp2 0,1" "train vllm-colocate-megatron-tp2 0,1")
 }
 
-lane1() {
-  train vllm-colocate 1
-  train vllm-inprocess-colocate 1
-  train vllm-restart 1
-  bench vllm-colocate 1 3
+plan_rest() {
+  # after the first lease (5 of 8 HF runs): the restart runs, Megatron in the loop, the vLLM server again
+  # with the adapter-reload fix, the standalone benchmarks, then TP 2
+  first=()
+  lane0=("train sglang-restart" "train vllm-inprocess-restart" "train sglang-colocate-megatron"
+         "bench sglang-colocate-megatron 3 --set sglang_release=all")
+  lane1=("train vllm-restart" "train vllm-colocate-megatron" "train vllm-colocate" "bench vllm-colocate 3")
+  last=("train sglang-colocate-megatron-tp2 0,1" "train vllm-colocate-megatron-tp2 0,1" "train vllm-split 1,0")
+}
+
+item() {  # item GPU WORDS...: one plan item; GPU is the lane's, used where the item names none
+  local gpu=$1 what=$2 name=${3:-}
+  shift $(($# < 3 ? $# : 3))
+  case $what in
+    train) train "$name" "${1:-$gpu}" ;;
+    bench) bench "$name" "$gpu" "$@" ;;
+    pair) split_pair ;;
+    *) echo "unknown plan item: $what" >&2; return 2 ;;
+  esac
+}
+
+lane() {  # lane GPU ITEM...
+  local gpu=$1 it
+  shift
+  for it in "$@"; do
+    # shellcheck disable=SC2086
+    item "$gpu" $it
+  done
 }
 
 split_pair() {
@@ -126,15 +160,20 @@ split_pair() {
 }
 
 all() {
+  local plan=${1:-full}
   [ -f "$ref/setup.done" ] || { echo "run setup first" >&2; exit 1; }
-  say "study start"
-  split_pair
-  say "split pair done"
-  lane0 > "$ref/lane0.log" 2>&1 &
+  declare -F "plan_$plan" > /dev/null || { echo "no plan named $plan (full, rest)" >&2; exit 2; }
+  local first=() lane0=() lane1=() last=()
+  "plan_$plan"
+  say "study start (plan $plan)"
+  lane "" "${first[@]}"
+  lane 0 "${lane0[@]}" > "$ref/lane0.log" 2>&1 &
   local p0=$!
-  lane1 > "$ref/lane1.log" 2>&1 &
+  lane 1 "${lane1[@]}" > "$ref/lane1.log" 2>&1 &
   local p1=$!
   wait $p0 $p1 || true
+  say "lanes done"
+  lane "" "${last[@]}"
   say "study done"
   touch "$ref/all.done"
 }
@@ -182,14 +221,12 @@ case "$cmd" in
     rm -rf "$ref/code" && mkdir -p "$ref/code"
     cp -r "$repo"/{src,config,workflow,scripts} "$ref/code/"
     PYTHONPATH="$ctl:$ref/code/src" python3 -c "import hybridrl.loop, hybridrl.bench, hybridrl.engines.sglang"
-    setsid nohup bash "$ref/code/scripts/gpu/run_reference.sh" all > "$ref/driver.log" 2>&1 < /dev/null &
+    setsid nohup bash "$ref/code/scripts/gpu/run_reference.sh" all "${1:-full}" > "$ref/driver.log" 2>&1 < /dev/null &
     say "study started in the background (pid $!); logs in $ref" ;;
-  all) all ;;
-  lane0) lane0 ;;
-  lane1) lane1 ;;
+  all) all "$@" ;;
   train) train "$@" ;;
   bench) bench "$@" ;;
   status) status ;;
   pack) pack "$@" ;;
-  *) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

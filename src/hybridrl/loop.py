@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from hybridrl import data as gsm8k
 from hybridrl.engines import make_engine
 from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling
+from hybridrl.engines.gpus import process_used_gb
 from hybridrl.placement import ADAPTER_NAME, make_placement
 from hybridrl.provenance import collect
 from hybridrl.provenance import write as write_provenance
@@ -218,6 +219,7 @@ def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
     prev_adapter = paths.adapter(step - 1) if step > 1 else None
     requests, answers = step_requests(problems, run, step, tokenizer)
     sampler.take()  # memory of this step only
+    trainer_gb = trainer_gpu_gb(trainer)  # the trainer is idle (and offloaded in colocate) while the engine generates
     with t.phase("gen", sampler):
         completions, restarts = _rollout_with_retries(run, engine, requests, prev_adapter)
     gen_s = t.s["gen"]
@@ -263,7 +265,8 @@ def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
     record["reward/mean"] = sum(rewards) / len(rewards)
     record["reward/accuracy"] = sum(correct) / len(correct)
     record["errors/engine_restarts"] = restarts
-    record.update({"mem/used_gb_gen": None, "mem/used_gb_train": None, "mem/peak_gb": None})
+    record.update({"mem/used_gb_gen": None, "mem/used_gb_train": None, "mem/peak_gb": None,
+                   "mem/trainer_gb_gen": trainer_gb})
     mem = sampler.take()
     if mem:
         mem["mem/used_gb_train"] = mem.get("mem/used_gb_update_actor")
@@ -273,6 +276,15 @@ def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
     if step_metrics:
         record.update(step_metrics())
     return record
+
+
+def trainer_gpu_gb(trainer: Any) -> float | None:
+    """GPU memory (GB, NVML) charged to the trainer's processes: in colocate, what it leaves beside the engine."""
+    if trainer is None:
+        return None
+    readings = [process_used_gb(pid) for pid in trainer.gpu_pids()]
+    readings = [r for r in readings if r is not None]
+    return sum(readings) if readings else None
 
 
 def _write_requests(path: Path, requests: list[Request], completions: list[Completion],

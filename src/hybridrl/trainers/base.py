@@ -31,6 +31,9 @@ class Trainer(Protocol):
 
     def onload(self) -> None: ...
 
+    def gpu_pids(self) -> list[int]:
+        """The processes that hold this trainer's GPU memory (NVML charges memory per process)."""
+
     def resume(self, adapter_dir: Path) -> None:
         """Continue from an adapter dir that step() wrote (adapter weights and optimizer.pt)."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,9 @@ class HFTrainer:
     def onload(self) -> None:
         if self.device.type == "cuda":
             self._move(self.device)
+
+    def gpu_pids(self) -> list[int]:
+        return [os.getpid()]  # the HF trainer lives in the controller
 
     def _move(self, device: str | torch.device) -> None:
         self.model.to(device)

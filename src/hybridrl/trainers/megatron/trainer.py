@@ -186,6 +186,9 @@ class MegatronTrainer:
     def save(self, out_dir: Path) -> None:
         self._job("save", out_dir=str(out_dir))
 
+    def gpu_pids(self) -> list[int]:
+        return self._rank_pids()
+
     def close(self) -> None:
         """Stop the whole process group: ask nicely, then SIGTERM, then SIGKILL. Safe to call twice."""
         if self._closed:
@@ -201,15 +204,19 @@ class MegatronTrainer:
             self._kill()
             atexit.unregister(self.close)
 
-    def _kill(self) -> None:
+    def _rank_pids(self) -> list[int]:
         pids = []
-        for f in self.workdir.glob("pid-rank*"):
+        for f in sorted(self.workdir.glob("pid-rank*")):
             try:
                 pid = int(f.read_text())
             except (OSError, ValueError):
                 continue
             if _is_our_worker(pid, self.workdir):
                 pids.append(pid)
+        return pids
+
+    def _kill(self) -> None:
+        pids = self._rank_pids()
         # torchrun puts each rank in a session of its own, so stop the ranks by pid as well as the group
         for sig in (signal.SIGTERM, signal.SIGKILL):
             alive = False

@@ -9,6 +9,10 @@
 #   scripts/gpu/run_reference.sh status             # progress
 #   scripts/gpu/run_reference.sh pack OUT_FILE      # steps, provenance, bench/probe JSON, logs -> tar.gz
 #
+# After every finished item the driver refreshes $ref/latest.tar.gz. Copy it out with every poll of a
+# leased machine (`status; cp /tmp/ref/latest.tar.gz "$OUT"/`): a lease that lapses takes /tmp with it,
+# and on 2026-11-22 one did, losing eleven finished runs that had not been copied out.
+#
 # PLAN is `full` (every run, the default) or `rest` (what the first lease did not reach). A plan has runs
 # that need both GPUs before and after two lanes, one per GPU, so that the study fits a short lease; a
 # lane's runs see only its GPU (CUDA_VISIBLE_DEVICES) and sample only that GPU with NVML. Order is
@@ -144,6 +148,7 @@ lane() {  # lane GPU ITEM...
   for it in "$@"; do
     # shellcheck disable=SC2086
     item "$gpu" $it
+    snapshot
   done
 }
 
@@ -190,6 +195,12 @@ status() {
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader || true
 }
 
+snapshot() {  # the finished part of the study as $ref/latest.tar.gz, replaced atomically (lanes run at once)
+  local tmp
+  tmp=$(mktemp "$ref/.latest.XXXXXX")
+  pack "$tmp" > /dev/null && mv -f "$tmp" "$ref/latest.tar.gz"
+}
+
 pack() {
   local dest=${1:?usage: run_reference.sh pack OUT_FILE}
   # small files only: no adapters, no models; engine logs trimmed to their last lines
@@ -208,7 +219,7 @@ pack() {
   cp "$ref"/bench/*.json "$stage/ref/bench/" 2>/dev/null || true
   for l in "$ref"/bench/*.log; do [ -f "$l" ] && tail -n 200 "$l" > "$stage/ref/bench/$(basename "$l")"; done
   cp "$ref"/*.log "$stage/ref/" 2>/dev/null || true
-  tar czf "$dest" -C "$stage" ref
+  tar czf "$dest" --exclude='*.tar.gz' -C "$stage" ref
   rm -rf "$stage"
   ls -l "$dest"
 }

@@ -224,3 +224,92 @@ def test_report_flags_failed_checks_and_missing_provenance(study: list[Path], tm
     assert '<td class="fail">7/8 ok (failed at step 4)</td>' in html
     assert "No provenance.json recorded" in html
     assert '<img src="../results/plots/throughput.png"' in html  # relative to the html file
+
+
+# -- headline table in the write-up's format (issue 6) -------------------------------------------------
+
+def headline_run(run_id: str, engine: str, placement: str = "colocate", trainer: str = "megatron",
+                 speed: float = 1.0, seed: int = 0, steps: int = 10) -> pd.DataFrame:
+    """A run's steps: throughput 250*speed tok/s, mean ITL and p99 latency 1/speed, startup 60/speed s."""
+    rng = np.random.default_rng(seed + len(run_id))
+    recs = []
+    for step in range(1, steps + 1):
+        rec = record(run_id, engine, placement, step, rng, speed, mem=True)
+        rec.update({"trainer": trainer, "perf/itl_ms_mean": 20.0 / speed + rng.normal(0, 0.3),
+                    "perf/latency_s_p99": 7.0 / speed + rng.normal(0, 0.1), "mem/peak_gb": 60.0 / speed,
+                    "timing_s/engine_start": 60.0 / speed if step == 1 else None})
+        recs.append(rec)
+    return pd.DataFrame.from_records(recs)
+
+
+def headline_study(*runs: pd.DataFrame) -> pd.DataFrame:
+    from hybridrl.report.aggregate import normalise
+
+    return normalise(pd.concat(runs, ignore_index=True))
+
+
+def test_headline_ratios_point_sglang_ahead_with_intervals() -> None:
+    from hybridrl.report.headline import headlines
+
+    df = headline_study(headline_run("sglang-colocate-aaaa", "sglang", speed=2.0),
+                        headline_run("vllm-colocate-bbbb", "vllm"))
+    [h] = headlines(df)
+    assert (h.placement, h.vllm_engine, h.sglang_run, h.vllm_run) == (
+        "colocate", "vllm", "sglang-colocate-aaaa", "vllm-colocate-bbbb")
+    rows = {r.metric.name: r for r in h.rows}
+    assert list(rows) == ["Rollout throughput", "ITL, mean", "p99 latency", "Peak GPU memory", "Engine startup"]
+    tput = rows["Rollout throughput"]
+    assert tput.column == "perf/throughput" and tput.metric.claimed == "3.9x"
+    assert tput.est.value == pytest.approx(tput.sglang / tput.vllm)  # SGLang / vLLM
+    assert tput.est.lo < tput.est.value < tput.est.hi and tput.est.contains(2.0)
+    assert (tput.n_sglang, tput.n_vllm) == (9, 9)  # step 1 is warm-up
+    itl = rows["ITL, mean"]
+    assert itl.est.value == pytest.approx(itl.vllm / itl.sglang) and itl.est.contains(2.0)  # > 1: SGLang faster
+    p99 = rows["p99 latency"]
+    assert p99.est.value == pytest.approx(100 * (p99.sglang / p99.vllm - 1))
+    assert p99.est.lo < p99.est.value < p99.est.hi < 0 and p99.est.contains(-50.0)  # SGLang half the latency
+    assert rows["Peak GPU memory"].est.value == pytest.approx(-50.0)
+    start = rows["Engine startup"]
+    assert start.est.value == pytest.approx(2.0) and start.est.n == 1 and math.isnan(start.est.lo)
+
+
+def test_headline_leaves_out_missing_metrics() -> None:
+    from hybridrl.report.headline import headlines
+
+    df = headline_study(headline_run("sglang-split-aaaa", "sglang", "split"),
+                        headline_run("vllm-split-bbbb", "vllm", "split"))
+    df = df.drop(columns=["perf/itl_ms_mean", "timing_s/engine_start"])
+    df["mem/peak_gb"] = np.nan  # a CPU run: no NVML
+    [h] = headlines(df)
+    assert [r.metric.name for r in h.rows] == ["Rollout throughput", "p99 latency"]
+    assert headlines(df.drop(columns=["perf/throughput", "perf/latency_s_p99"])) == []
+
+
+def test_headline_pairs_only_runs_with_same_trainer_and_labels_several() -> None:
+    from hybridrl.report.headline import headlines
+
+    sglang = headline_run("sglang-colocate-aaaa", "sglang", trainer="hf")
+    other_trainer = headline_run("vllm-colocate-bbbb", "vllm", trainer="megatron")
+    other_placement = headline_run("vllm-split-eeee", "vllm", "split", trainer="hf")
+    assert headlines(headline_study(sglang, other_trainer, other_placement)) == []
+    inproc = [headline_run(f"vllm-inprocess-colocate-{h}", "vllm-inprocess", trainer="hf") for h in ("cccc", "dddd")]
+    found = headlines(headline_study(sglang, other_trainer, *inproc))
+    assert [(h.vllm_engine, h.vllm_run) for h in found] == [("vllm-inprocess", r["run_id"][0]) for r in inproc]
+    assert [h.title for h in found] == ["colocate: SGLang vs vLLM in-process (aaaa vs cccc)",
+                                        "colocate: SGLang vs vLLM in-process (aaaa vs dddd)"]
+
+
+def test_report_shows_headline_with_claims(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    df = headline_study(headline_run("sglang-colocate-aaaa", "sglang", speed=2.0),
+                        headline_run("vllm-colocate-bbbb", "vllm"))
+    df.to_parquet(tmp_path / "steps.parquet", index=False)
+    report_main(tmp_path / "steps.parquet", results / "report.md", results / "report.html", results / "plots", "t")
+    md = (results / "report.md").read_text()
+    section = md.split("## Headline")[1].split("## Comparison")[0]
+    assert "### colocate: SGLang vs vLLM server" in section
+    assert "| Rollout throughput (SGLang / vLLM) | 3.9x |" in section
+    assert "| Engine startup (vLLM / SGLang) | 3.4x |" in section and "n/a (n=1)" in section
+    assert "| -50% |" in section  # peak memory halved
+    assert "trainer megatron, model tiny, tp 1, seed 0" in section
+    assert "<h2>Headline: SGLang vs vLLM" in (results / "report.html").read_text()

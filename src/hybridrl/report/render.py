@@ -12,7 +12,7 @@ from typing import Any
 import jinja2
 import pandas as pd
 
-from hybridrl.report import stats
+from hybridrl.report import headline, stats
 from hybridrl.report.aggregate import (
     CHECKS,
     CONFIG_KEY,
@@ -168,6 +168,34 @@ def ratio_table(df: pd.DataFrame, labels: dict[str, str]) -> tuple[str, Table] |
     return labels[base[-1]], table
 
 
+def _fmt_change(x: float, kind: str) -> str:
+    if not math.isfinite(x):
+        return "–"
+    return f"{x:+.0f}%" if kind == "pct" else f"{x:.2f}x"
+
+
+def headline_tables(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """The write-up's table per placement and vLLM variant: claimed figure next to the measured one."""
+    out = []
+    for h in headline.headlines(df):
+        vllm = headline.VLLM_VARIANTS[h.vllm_engine]
+        table = Table(["metric", "claimed", "SGLang", vllm, "measured", "95% CI", "n (SGLang / vLLM)"])
+        for r in h.rows:
+            kind, est = r.metric.kind, r.est
+            ci = (f"[{_fmt_change(est.lo, kind)}, {_fmt_change(est.hi, kind)}]" if math.isfinite(est.lo)
+                  else f"n/a (n={est.n})")
+            table.rows.append([
+                Cell(r.metric.heading, "key"), Cell(r.metric.claimed, "num"),
+                Cell(f"{fmt(r.sglang)} {r.metric.unit}", "num"), Cell(f"{fmt(r.vllm)} {r.metric.unit}", "num"),
+                Cell(_fmt_change(est.value, kind), "num"), Cell(ci, "num" if math.isfinite(est.lo) else "na"),
+                Cell(f"{r.n_sglang} / {r.n_vllm}", "num"),
+            ])
+        shared = ", ".join(f"{k} {_field(v)}" for k, v in h.key.items())
+        out.append({"title": h.title, "table": table, "shared": shared,
+                     "sglang_run": h.sglang_run, "vllm_run": h.vllm_run})
+    return out
+
+
 def warmup_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     metrics = [m for m in WARMUP_METRICS if _has(df, m)]
     table = Table(["run", "step"] + metrics)
@@ -283,6 +311,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
     return {
         "summary": summary(df, title),
         "runs": [{"label": labels[r], "run_id": r} for r in stats.run_order(df)],
+        "headlines": headline_tables(df),
         "comparison": comparison_table(df, labels),
         "baseline": ratios[0] if ratios else None,
         "ratios": ratios[1] if ratios else None,

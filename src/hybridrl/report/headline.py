@@ -1,0 +1,126 @@
+"""The write-up's headline table (issue 6): SGLang against each vLLM variant, per placement.
+
+A public write-up claims that SGLang + Megatron beats vLLM + Megatron on Qwen3-30B-A3B (GSM8K, 64 requests
+a step, TP 2, 4 x A100, 10 steps) by the figures in each Metric's `claimed`. Here every claim sits next to
+the measured ratio of steady-state medians and its bootstrap 95% interval (stats.ratio_of_medians).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import Any
+
+import pandas as pd
+
+from hybridrl.report import stats
+
+SGLANG = "sglang"
+VLLM_VARIANTS = {"vllm": "vLLM server", "vllm-inprocess": "vLLM in-process"}
+PLACEMENTS = ("colocate", "split", "restart")
+# Two runs are compared only where these match; the request set depends on the seed.
+PAIR_KEY = ("trainer", "model", "tp", "seed")
+DIRECTIONS = {"x": "SGLang / vLLM", "inv": "vLLM / SGLang", "pct": "SGLang vs vLLM"}
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    columns: tuple[str, ...]  # the first column with data in both runs is used
+    unit: str
+    kind: str  # "x": SGLang/vLLM; "inv": vLLM/SGLang (> 1: SGLang faster); "pct": % change SGLang vs vLLM
+    claimed: str
+    steady: bool = True  # False: one value per run (engine start), taken from every step
+
+    @property
+    def heading(self) -> str:
+        return f"{self.name} ({DIRECTIONS[self.kind]})"
+
+
+METRICS = (
+    Metric("Rollout throughput", ("perf/rollout_tok_s", "perf/throughput"), "tok/s", "x", "3.9x"),
+    # mean, not p50: SGLang streams tokens in bursts, so most of its gaps are ~0 and its p50 says nothing
+    Metric("ITL, mean", ("perf/itl_ms_mean",), "ms", "inv", "2.3x"),
+    Metric("p99 latency", ("perf/latency_s_p99",), "s", "pct", "-52%"),
+    Metric("Peak GPU memory", ("mem/peak_gb",), "GB", "pct", "-29%"),
+    Metric("Engine startup", ("timing_s/engine_start",), "s", "inv", "3.4x", steady=False),
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    metric: Metric
+    column: str
+    sglang: float  # median of the run's values
+    vllm: float
+    est: stats.Estimate  # ratio in the metric's direction, or percent change for kind "pct"
+    n_sglang: int
+    n_vllm: int
+
+
+@dataclass(frozen=True)
+class Headline:
+    placement: str
+    vllm_engine: str
+    sglang_run: str
+    vllm_run: str
+    key: dict[str, Any]  # the PAIR_KEY fields both runs share
+    rows: list[Row]
+    label: str = ""  # which pair, where several share the placement and vLLM variant
+
+    @property
+    def title(self) -> str:
+        return f"{self.placement}: SGLang vs {VLLM_VARIANTS[self.vllm_engine]}" + (
+            f" ({self.label})" if self.label else "")
+
+
+def _values(run: pd.DataFrame, col: str) -> pd.Series:
+    return pd.to_numeric(run[col], errors="coerce").dropna() if col in run.columns else pd.Series(dtype=float)
+
+
+def compare_metric(metric: Metric, sglang: pd.DataFrame, vllm: pd.DataFrame) -> Row | None:
+    """One row from two runs' steps, or None where either run lacks the metric."""
+    if metric.steady:
+        sglang, vllm = stats.steady_state(sglang), stats.steady_state(vllm)
+    for col in metric.columns:
+        a, b = _values(sglang, col), _values(vllm, col)
+        if len(a) and len(b):
+            break
+    else:
+        return None
+    est = stats.ratio_of_medians(b, a) if metric.kind == "inv" else stats.ratio_of_medians(a, b)
+    if not pd.notna(est.value):
+        return None
+    if metric.kind == "pct":
+        est = stats.Estimate(100 * (est.value - 1), 100 * (est.lo - 1), 100 * (est.hi - 1), est.n)
+    return Row(metric, col, float(a.median()), float(b.median()), est, len(a), len(b))
+
+
+def _same(a: Any, b: Any) -> bool:
+    if pd.isna(a) or pd.isna(b):
+        return bool(pd.isna(a) and pd.isna(b))
+    return bool(a == b)
+
+
+def _suffix(run_id: str) -> str:
+    return run_id.rsplit("-", 1)[-1]
+
+
+def headlines(df: pd.DataFrame) -> list[Headline]:
+    """One table per placement, vLLM variant and matching pair of runs that has at least one row."""
+    order = stats.run_order(df)
+    runs = df.drop_duplicates("run_id").set_index("run_id").loc[order]
+    out = []
+    for placement, variant in product(PLACEMENTS, VLLM_VARIANTS):
+        here = runs[(runs["placement"] == placement).fillna(False).to_numpy(dtype=bool)]
+        engines = here["engine"].astype(str)
+        pairs = [(s, v) for s, v in product(here.index[engines == SGLANG], here.index[engines == variant])
+                 if all(_same(runs.at[s, k], runs.at[v, k]) for k in PAIR_KEY)]
+        for s, v in pairs:
+            found = [compare_metric(m, df[df["run_id"] == s], df[df["run_id"] == v]) for m in METRICS]
+            rows = [r for r in found if r is not None]
+            if rows:
+                label = f"{_suffix(s)} vs {_suffix(v)}" if len(pairs) > 1 else ""
+                key = {k: runs.at[s, k] for k in PAIR_KEY}
+                out.append(Headline(placement, variant, s, v, key, rows, label))
+    return out

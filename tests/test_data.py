@@ -1,8 +1,14 @@
 import hashlib
+import json
+from pathlib import Path
 
 import pytest
+import yaml
 
-from hybridrl import data
+from hybridrl import data, models
+from hybridrl.config import validate
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
@@ -82,3 +88,26 @@ def test_download_accepts_matching_file(tmp_path, monkeypatch):
 def test_download_failure_names_the_cause(tmp_path):
     with pytest.raises(RuntimeError, match="download failed"):
         data.download_gsm8k(tmp_path, url_template=f"file://{tmp_path}/missing-{{split}}.jsonl")
+
+
+def test_random_moe_model_pads_its_vocab_and_keeps_norm_topk_prob(tmp_path):
+    """A tiny CPU build: the schema takes norm_topk_prob, the model vocab is padded, the tokenizer is not."""
+    from transformers import AutoTokenizer
+
+    spec = {"init": "random", "arch": "qwen3_moe", "dtype": "float32", "vocab_size": 300, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+            "norm_topk_prob": True, "seed": 0}
+    study = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    study["models"]["tiny-moe"] = spec
+    validate(study)
+    data.write_synthetic(tmp_path / "data", 32, 4, seed=0)
+    models.build_random(spec, tmp_path / "data" / "train.jsonl", tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    n_tokens = len(AutoTokenizer.from_pretrained(tmp_path / "model"))
+    assert config["norm_topk_prob"] is True
+    assert config["vocab_size"] % models.VOCAB_MULTIPLE == 0
+    assert n_tokens < config["vocab_size"] < n_tokens + models.VOCAB_MULTIPLE  # ~300 tokens, padded
+    # vocab_multiple: 1 keeps the tokenizer's length (how the first H200 study's model was built)
+    models.build_random({**spec, "vocab_multiple": 1}, tmp_path / "data" / "train.jsonl", tmp_path / "unpadded")
+    assert json.loads((tmp_path / "unpadded" / "config.json").read_text())["vocab_size"] == n_tokens

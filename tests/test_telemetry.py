@@ -19,12 +19,51 @@ def test_rollout_stats_counts_tokens_failures_and_percentiles():
     assert stats["perf/ttft_s_mean"] == pytest.approx(0.2)
     assert stats["perf/itl_ms_p99"] == pytest.approx(10.0)
     assert stats["perf/latency_s_p99"] == pytest.approx(1.298, abs=1e-3)
+    assert stats["perf/tpot_ms_p50"] == pytest.approx(1000 / 19)  # (latency - ttft) / (n - 1)
     assert stats["response_length/mean"] == pytest.approx(20.0)
+
+
+def test_itl_is_per_token_for_bursts():
+    c = Completion()
+    c.add_tokens([1], [0.0], now=0.10, sent_at=0.0)
+    c.add_tokens([2, 3, 4, 5], [0.0] * 4, now=0.14, sent_at=0.0)  # 4 tokens after 40 ms
+    assert c.ttft_s == pytest.approx(0.10)
+    assert c.itl_s == pytest.approx([0.01] * 4)
+    c.add_tokens([], [], now=0.5, sent_at=0.0)  # an event with no token changes nothing
+    c.add_tokens([6], [0.0], now=0.16, sent_at=0.0)
+    assert c.itl_s == pytest.approx([0.01] * 4 + [0.02])
+    assert rollout_stats([c], gen_s=1.0)["perf/itl_ms_mean"] == pytest.approx(12.0)
+
+
+def test_tokens_of_the_first_event_add_no_gap():
+    c = Completion()
+    c.add_tokens([1, 2, 3], [0.0] * 3, now=0.2, sent_at=0.0)
+    assert c.ttft_s == pytest.approx(0.2) and c.itl_s == []
+
+
+def test_tpot_per_request():
+    c = Completion(token_ids=[1] * 11, ttft_s=0.2, latency_s=0.7)
+    assert c.tpot_s == pytest.approx(0.05)  # (0.7 - 0.2) / (11 - 1)
+    assert Completion(token_ids=[1], ttft_s=0.2, latency_s=0.2).tpot_s is None
+    assert Completion(token_ids=[1, 2], ttft_s=0.2).tpot_s is None  # no latency: the stream never ended
+
+    slow = Completion(token_ids=[1] * 3, ttft_s=0.1, latency_s=0.5)  # 200 ms a token
+    stats = rollout_stats([c, slow, Completion(token_ids=[1], ttft_s=0.1, latency_s=0.1)], gen_s=1.0)
+    assert stats["perf/tpot_ms_mean"] == pytest.approx(125.0)
+    assert stats["perf/tpot_ms_p50"] == pytest.approx(125.0)
+    assert stats["perf/tpot_ms_p99"] == pytest.approx(198.5)
+
+
+def test_single_token_completions_give_no_tpot():
+    stats = rollout_stats([Completion(token_ids=[1], ttft_s=0.1, latency_s=0.1)], gen_s=1.0)
+    assert stats["perf/tpot_ms_mean"] is None and stats["perf/tpot_ms_p99"] is None
+    assert stats["perf/itl_ms_mean"] is None
 
 
 def test_rollout_stats_when_everything_failed():
     stats = rollout_stats([Completion(error="boom")], gen_s=1.0)
     assert stats["perf/gen_tokens"] == 0 and stats["perf/ttft_s_p50"] is None
+    assert stats["perf/tpot_ms_mean"] is None
 
 
 def test_timings_accumulate_and_fill_every_key():

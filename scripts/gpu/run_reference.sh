@@ -49,19 +49,21 @@ for rid, run in study.runs.items():
     (ref / "cfg" / f"{short}.json").write_text(json.dumps(cfg, sort_keys=True))
     print(short, rid)
 EOF
-  local data_args model_name model_json
+  local data_args name spec
   # the study's synthetic data spec as CLI flags (no network here: GSM8K itself cannot be fetched)
   data_args=$(python3 -c "import json;d=json.load(open('$ref/study.json'))['data'];\
 print(f\"--source synthetic --n-train {d.get('n_train',512)} --n-test {d.get('n_test',128)} --seed {d.get('seed',0)}\")")
   say "data: $data_args"
   # shellcheck disable=SC2086
   PYTHONPATH=$ctl_path python3 -m hybridrl data $data_args --out "$ref/data"
-  model_name=$(python3 -c "import json;print(next(iter(json.load(open('$ref/study.json'))['models'])))")
-  model_json=$(python3 -c "import json;print(json.dumps(json.load(open('$ref/study.json'))['models']['$model_name']))")
-  PYTHONPATH=$ctl_path python3 -m hybridrl model --spec "$model_json" --corpus "$ref/data/train.jsonl" \
-    --out "$ref/models/$model_name"
-  echo "$model_name" > "$ref/model_name"
-  python3 -c "import json;c=json.load(open('$ref/models/$model_name/config.json'));print({k:c.get(k) for k in ('vocab_size','hidden_size','num_hidden_layers')})"
+  # every model the study defines; each run names its own
+  while IFS=$'\t' read -r name spec; do
+    PYTHONPATH=$ctl_path python3 -m hybridrl model --spec "$spec" --corpus "$ref/data/train.jsonl" \
+      --out "$ref/models/$name"
+    python3 -c "import json;c=json.load(open('$ref/models/$name/config.json'));\
+print('$name', {k:c.get(k) for k in ('vocab_size','hidden_size','num_hidden_layers')})"
+  done < <(python3 -c "import json;[print(k, json.dumps(v), sep='\t') for k, v in \
+json.load(open('$ref/study.json'))['models'].items()]")
   touch "$ref/setup.done"
   say "setup done"
 }
@@ -79,7 +81,7 @@ controller_path() {
 train() {
   local name=$1 gpu=${2:-} cfg="$ref/cfg/$1.json" rid model out pp
   rid=$(python3 -c "import json;print(json.load(open('$cfg'))['run_id'])")
-  model="$ref/models/$(cat "$ref/model_name")"
+  model="$ref/models/$(python3 -c "import json;print(json.load(open('$cfg'))['run']['model'])")"
   out="$ref/runs/$rid"
   [ -f "$out/done.json" ] && { say "train $name already done"; return 0; }  # a rerun of the study resumes
   mkdir -p "$out"
@@ -98,7 +100,7 @@ bench() {
   local name=$1 gpu=$2 step=$3 cfg="$ref/cfg/$1.json" rid model pp
   shift 3
   rid=$(python3 -c "import json;print(json.load(open('$cfg'))['run_id'])")
-  model="$ref/models/$(cat "$ref/model_name")"
+  model="$ref/models/$(python3 -c "import json;print(json.load(open('$cfg'))['run']['model'])")"
   [ -f "$ref/bench/$name.json" ] && { say "bench $name already done"; return 0; }
   pp=$(controller_path "$name")
   say "bench $name step $step on GPU $gpu $*"

@@ -19,8 +19,9 @@ ARCH_CONFIGS = {
 _SHAPE_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "max_position_embeddings", "num_experts", "num_experts_per_tok",
-    "moe_intermediate_size", "tie_word_embeddings",
+    "moe_intermediate_size", "norm_topk_prob", "tie_word_embeddings",
 )
+VOCAB_MULTIPLE = 128  # default padding of the model's vocab, as real checkpoints do, so TP 2..128 divides it
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
 
 
@@ -46,7 +47,14 @@ def build_tokenizer(texts: list[str], vocab_size: int, out_dir: Path) -> None:
 
 
 def build_random(spec: dict[str, Any], corpus: Path, out_dir: Path) -> None:
-    """A random-init checkpoint of the given architecture, with a tokenizer trained on `corpus`."""
+    """A random-init checkpoint of the given architecture, with a tokenizer trained on `corpus`.
+
+    `spec["vocab_size"]` is the BPE target; the tokenizer may stop short of it. The model's vocab_size is
+    the tokenizer's length rounded up to a multiple of `spec["vocab_multiple"]` (default VOCAB_MULTIPLE;
+    e.g. 729 -> 768), like Qwen3's 151936 for 151669 tokens, so that tensor parallelism can split it;
+    `vocab_multiple: 1` keeps the tokenizer's length. The tokenizer never produces the extra ids, but this
+    untrained model may sample them; they decode to nothing.
+    """
     import torch
     import transformers
 
@@ -59,7 +67,8 @@ def build_random(spec: dict[str, Any], corpus: Path, out_dir: Path) -> None:
         build_tokenizer(texts, vocab, tmp_dir)
         tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_dir)
         shape = {k: spec[k] for k in _SHAPE_KEYS if k in spec}
-        shape["vocab_size"] = len(tokenizer)  # BPE may stop short of the requested size
+        multiple = int(spec.get("vocab_multiple", VOCAB_MULTIPLE))
+        shape["vocab_size"] = -(-len(tokenizer) // multiple) * multiple
         dtype = getattr(torch, spec.get("dtype", "bfloat16"))
         config = config_cls(
             **shape, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,

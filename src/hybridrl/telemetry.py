@@ -52,6 +52,7 @@ def rollout_stats(completions: list[Completion], gen_s: float) -> dict[str, floa
     ttft = [c.ttft_s for c in ok if not math.isnan(c.ttft_s)]
     itl_ms = [x * 1000 for c in ok for x in c.itl_s]
     latency = [c.latency_s for c in ok if not math.isnan(c.latency_s)]
+    tpot_ms = [t * 1000 for c in ok if (t := c.tpot_s) is not None]
     tokens = sum(len(c.token_ids) for c in ok)
     return {
         "perf/gen_tokens": float(tokens),
@@ -59,6 +60,8 @@ def rollout_stats(completions: list[Completion], gen_s: float) -> dict[str, floa
         "perf/ttft_s_mean": _mean(ttft), "perf/ttft_s_p50": _pct(ttft, 50), "perf/ttft_s_p99": _pct(ttft, 99),
         "perf/itl_ms_mean": _mean(itl_ms), "perf/itl_ms_p50": _pct(itl_ms, 50),
         "perf/itl_ms_p99": _pct(itl_ms, 99),
+        "perf/tpot_ms_mean": _mean(tpot_ms), "perf/tpot_ms_p50": _pct(tpot_ms, 50),
+        "perf/tpot_ms_p99": _pct(tpot_ms, 99),
         "perf/latency_s_p50": _pct(latency, 50), "perf/latency_s_p99": _pct(latency, 99),
         "errors/requests_failed": float(len(completions) - len(ok)),
         "response_length/mean": _mean([len(c.token_ids) for c in ok]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -37,23 +38,36 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # engine logprob of each sampled token
     ttft_s: float = float("nan")
-    itl_s: list[float] = field(default_factory=list)  # gaps between streamed tokens
+    itl_s: list[float] = field(default_factory=list)  # per-token gaps after the first arrival (see add_tokens)
     latency_s: float = float("nan")
     finish_reason: str | None = None
     error: str | None = None  # set when the request failed; the other fields are then partial
     last_arrival_s: float = field(default=float("nan"), repr=False)
 
     def add_tokens(self, ids: list[int], logprobs: list[float], now: float, sent_at: float) -> None:
-        """Append streamed tokens; the first arrival gives TTFT, each later one an inter-token gap."""
+        """Append streamed tokens; the first arrival gives TTFT, each later one inter-token gaps.
+
+        ITL is per token, as SGLang's bench_serving counts chunked streams: an event that brings k tokens
+        after a gap g adds k gaps of g/k. Engines stream bursts, so one sample per event would overstate it.
+        Tokens that arrive together with the first one add no gap.
+        """
         if not ids:
             return
         if not self.token_ids:
             self.ttft_s = now - sent_at
         else:
-            self.itl_s.append(now - self.last_arrival_s)
+            self.itl_s.extend([(now - self.last_arrival_s) / len(ids)] * len(ids))
         self.last_arrival_s = now
         self.token_ids.extend(ids)
         self.logprobs.extend(logprobs)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (latency - TTFT) / (tokens - 1); None below 2 tokens."""
+        n = len(self.token_ids)
+        if n < 2 or math.isnan(self.latency_s) or math.isnan(self.ttft_s):
+            return None
+        return (self.latency_s - self.ttft_s) / (n - 1)
 
 
 class Engine(Protocol):

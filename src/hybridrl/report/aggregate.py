@@ -23,8 +23,8 @@ TIMING = [
 PHASES = TIMING[:-1]
 ROLLOUT = [
     "perf/gen_tokens", "perf/throughput", "perf/ttft_s_mean", "perf/ttft_s_p50", "perf/ttft_s_p99",
-    "perf/itl_ms_mean", "perf/itl_ms_p50", "perf/itl_ms_p99", "perf/latency_s_p50", "perf/latency_s_p99",
-    "errors/requests_failed",
+    "perf/itl_ms_mean", "perf/itl_ms_p50", "perf/itl_ms_p99", "perf/tpot_ms_mean", "perf/tpot_ms_p50",
+    "perf/tpot_ms_p99", "perf/latency_s_p50", "perf/latency_s_p99", "errors/requests_failed",
 ]
 TRAINING = [
     "perf/train_tokens", "perf/train_tok_s", "train/loss", "train/grad_norm", "train/kl", "train/clipfrac",

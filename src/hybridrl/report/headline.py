@@ -39,7 +39,7 @@ class Metric:
 
 METRICS = (
     Metric("Rollout throughput", ("perf/rollout_tok_s", "perf/throughput"), "tok/s", "x", "3.9x"),
-    # mean, not p50: SGLang streams tokens in bursts, so most of its gaps are ~0 and its p50 says nothing
+    # the mean: runs recorded before ITL was per token have near-zero SGLang p50s (one gap per burst)
     Metric("ITL, mean", ("perf/itl_ms_mean",), "ms", "inv", "2.3x"),
     Metric("p99 latency", ("perf/latency_s_p99",), "s", "pct", "-52%"),
     Metric("Peak GPU memory", ("mem/peak_gb",), "GB", "pct", "-29%"),

@@ -13,11 +13,11 @@
 # leased machine (`status; cp /tmp/ref/latest.tar.gz "$OUT"/`): a lease that lapses takes /tmp with it,
 # and on 2026-11-22 one did, losing eleven finished runs that had not been copied out.
 #
-# PLAN is `full` (every run, the default) or `rest` (what the first lease did not reach). A plan has runs
-# that need both GPUs before and after two lanes, one per GPU, so that the study fits a short lease; a
-# lane's runs see only its GPU (CUDA_VISIBLE_DEVICES) and sample only that GPU with NVML. Order is
-# priority: a lease that ends early keeps the runs that matter most. Every process a run starts is in
-# that run's process group and is stopped with it.
+# PLAN is `full` (every run, the default), `rest` (what the first lease did not reach) or `moe` (with
+# HYBRIDRL_GPU_CONFIG=config/gpu-2xh200-moe.yaml). A plan has runs that need both GPUs before and after
+# two lanes, one per GPU, so that the study fits a short lease; a lane's runs see only its GPU
+# (CUDA_VISIBLE_DEVICES) and sample only that GPU with NVML. Order is priority: a lease that ends early
+# keeps the runs that matter most. Every process a run starts is in that run's process group.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 ref=${HYBRIDRL_REF_DIR:-/tmp/ref}
@@ -70,11 +70,10 @@ json.load(open('$ref/study.json'))['models'].items()]")
 
 # the controller's PYTHONPATH: in-process vLLM lives in the controller; Megatron's workers inherit it
 controller_path() {
-  case $1 in
-    vllm-inprocess-*) echo "/tmp/envs/vllm:$ctl_path" ;;
-    *-megatron*) echo "/tmp/envs/trainer:$ctl_path" ;;
-    *) echo "$ctl_path" ;;
-  esac
+  local p=$ctl_path
+  [[ $1 == vllm-inprocess-* ]] && p="/tmp/envs/vllm:$p"
+  [[ $1 == *-megatron* ]] && p="/tmp/envs/trainer:$p"
+  echo "$p"
 }
 
 # train NAME [GPU]: one run; GPU empty = every GPU visible (split)
@@ -133,6 +132,15 @@ plan_rest() {
   last=("train sglang-colocate-megatron-tp2 0,1" "train vllm-colocate-megatron-tp2 0,1" "train vllm-split 1,0")
 }
 
+plan_moe() {
+  # config/gpu-2xh200-moe.yaml (issue 6 scaled to two GPUs): colocate in two lanes, then the split runs one
+  # at a time, each with its engine on GPU 1 and its Megatron trainer on GPU 0
+  first=()
+  lane0=("train sglang-colocate-megatron" "train vllm-inprocess-colocate-megatron")
+  lane1=("train vllm-colocate-megatron")
+  last=("train sglang-split-megatron 0,1" "train vllm-split-megatron 0,1" "train vllm-inprocess-split-megatron 0,1")
+}
+
 item() {  # item GPU WORDS...: one plan item; GPU is the lane's, used where the item names none
   local gpu=$1 what=$2 name=${3:-}
   shift $(($# < 3 ? $# : 3))
@@ -169,7 +177,7 @@ split_pair() {
 all() {
   local plan=${1:-full}
   [ -f "$ref/setup.done" ] || { echo "run setup first" >&2; exit 1; }
-  declare -F "plan_$plan" > /dev/null || { echo "no plan named $plan (full, rest)" >&2; exit 2; }
+  declare -F "plan_$plan" > /dev/null || { echo "no plan named $plan (full, rest, moe)" >&2; exit 2; }
   local first=() lane0=() lane1=() last=()
   "plan_$plan"
   say "study start (plan $plan)"
@@ -241,5 +249,5 @@ case "$cmd" in
   bench) bench "$@" ;;
   status) status ;;
   pack) pack "$@" ;;
-  *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

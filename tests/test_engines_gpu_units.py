@@ -258,3 +258,33 @@ def test_sglang_reloads_by_unload_then_load_and_sleeps_with_tags(model_dir: Path
     assert calls[3][1] == calls[4][1] == {"tags": ["kv_cache", "cuda_graph"]}
     assert eng.step_metrics() == {"mem/engine_asleep_gb": 1.0, "mem/engine_awake_gb": 1.0, "mem/controller_gb": 0.5}
     assert eng.step_metrics() == {}
+
+
+def test_vllm_flush_retries_until_the_reset_succeeds_and_fails_loudly(model_dir: Path, tmp_path: Path, monkeypatch):
+    from hybridrl.engines import vllm as vllm_mod
+
+    answers: list = []
+
+    class _Resp:
+        def __init__(self, body):
+            self.body = body
+
+        def json(self):
+            if self.body is None:
+                raise ValueError("empty body")  # older vLLM: a bare 200
+            return self.body
+
+    def fake_post(url, path, payload=None, **kw):
+        return _Resp(answers.pop(0) if answers else {"success": False})
+
+    monkeypatch.setattr(vllm_mod, "post_json", fake_post)
+    monkeypatch.setattr(vllm_mod.time, "sleep", lambda s: None)
+    eng = vllm_mod.VLLMServer(model_dir, _run(engine="vllm"), {}, tmp_path)
+    monkeypatch.setattr(eng, "_url", lambda: "http://127.0.0.1:1")
+    answers[:] = [{"success": False}, {"success": True}]
+    eng.flush_cache()
+    assert answers == []  # it asked again after the first refusal
+    answers[:] = [None]
+    eng.flush_cache()  # an empty 200 counts as done
+    with pytest.raises(EngineError, match="success=false"):
+        eng.flush_cache()  # held blocks that never free: one clear error, not stale prefixes

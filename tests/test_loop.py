@@ -28,6 +28,7 @@ class ScriptedEngine:
         self.calls, self.rollouts, self.starts, self.up = 0, 0, 0, False
         self.die_at, self.corrupt_base_after = die_at, corrupt_base_after
         self.adapters: dict[str, Path] = {}
+        self.events: list[str] = []
 
     def start(self, adapter=None) -> float:
         self.starts += 1
@@ -45,6 +46,8 @@ class ScriptedEngine:
     def generate(self, requests, progress=False):
         self.calls += 1
         self.rollouts += len(requests) > 1  # canary probes are single requests
+        if len(requests) > 1:
+            self.events.append("rollout")
         if len(requests) > 1 and self.rollouts == self.die_at:
             self.up = False
             raise EngineDied("scripted death")
@@ -62,6 +65,7 @@ class ScriptedEngine:
 
     def load_adapter(self, name, path):
         self.adapters[name] = path
+        self.events.append("load")
 
     def sleep(self):
         pass
@@ -70,7 +74,7 @@ class ScriptedEngine:
         pass
 
     def flush_cache(self):
-        pass
+        self.events.append("flush")
 
     def kv_capacity_tokens(self):
         return 4096
@@ -172,3 +176,11 @@ def test_trainer_gpu_memory_is_read_for_the_trainers_own_processes(assets, tmp_p
     assert loop.trainer_gpu_gb(TwoRanks()) == 1.25
     monkeypatch.setattr(loop, "process_used_gb", lambda pid: None)
     assert loop.trainer_gpu_gb(TwoRanks()) is None and loop.trainer_gpu_gb(None) is None
+
+
+def test_split_flushes_the_prefix_cache_after_each_adapter_load(assets, tmp_path):
+    # vLLM keys cached prefixes by adapter name, which stays "policy": without a flush the next rollout
+    # would reuse KV that the previous adapter computed
+    engine = ScriptedEngine()
+    run_loop(_run(steps=3), "r6", assets / "model", assets / "data", tmp_path, {}, progress=False, engine=engine)
+    assert engine.events == ["rollout", "load", "flush"] * 3

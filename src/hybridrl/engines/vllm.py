@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,18 @@ class _VLLMStream(StreamingClient):
         lp = choice.get("logprobs") or {}
         ids = [int(t.rsplit(":", 1)[1]) for t in lp.get("tokens") or []]
         return ids, list(lp.get("token_logprobs") or []), choice.get("finish_reason")
+
+
+FLUSH_TRIES = 10
+
+
+def reset_succeeded(response: Any) -> bool:
+    """vLLM's /reset_prefix_cache: older releases answer an empty 200, newer ones {"success": bool}."""
+    try:
+        body = response.json()
+    except ValueError:
+        return True
+    return not isinstance(body, dict) or bool(body.get("success", True))
 
 
 class VLLMServer(HTTPEngine):
@@ -116,7 +129,14 @@ class VLLMServer(HTTPEngine):
         self._metrics["mem/controller_gb"] = process_used_gb(indices=nvml_indices(self.environment()))
 
     def flush_cache(self) -> None:
-        post_json(self._url(), "/reset_prefix_cache")
+        # newer vLLM answers 200 with {"success": false} while blocks are still held: a silent no-op that
+        # would leave the old adapter's prefixes in the cache
+        for _ in range(FLUSH_TRIES):
+            if reset_succeeded(post_json(self._url(), "/reset_prefix_cache")):
+                return
+            time.sleep(0.2)
+        raise EngineError(f"vllm: /reset_prefix_cache answered success=false {FLUSH_TRIES} times (blocks still "
+                          "held); the next rollout would reuse the old adapter's cached prefixes")
 
     def kv_capacity_tokens(self) -> int | None:
         text = post_json(self._url(), "/metrics", method="GET", timeout_s=30).text

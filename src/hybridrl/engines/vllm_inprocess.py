@@ -21,6 +21,7 @@ from typing import Any
 
 from hybridrl.engines.base import Completion, EngineDied, EngineError, Request, Sampling
 from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
+from hybridrl.engines.vllm import FLUSH_TRIES
 
 BASE_NAME = "base"
 CONTROL_TIMEOUT_S = 300.0
@@ -241,7 +242,12 @@ class VLLMInProcess:
         self._metrics["mem/controller_gb"] = process_used_gb(indices=self._gpus())
 
     def flush_cache(self) -> None:
-        self._call(self.llm.reset_prefix_cache())
+        for _ in range(FLUSH_TRIES):
+            if self._call(self.llm.reset_prefix_cache()) is not False:  # older releases return None
+                return
+            time.sleep(0.2)
+        raise EngineError(f"vllm-inprocess: reset_prefix_cache returned False {FLUSH_TRIES} times (blocks still "
+                          "held); the next rollout would reuse the old adapter's cached prefixes")
 
     def kv_capacity_tokens(self) -> int | None:
         return self._kv_tokens

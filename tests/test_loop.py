@@ -119,6 +119,7 @@ def test_records_resume_and_adapters(assets, tmp_path):
     assert [r["step"] for r in records] == [1, 2]
     assert (out / "adapters" / "step-0002" / "adapter_model.safetensors").exists()
     assert all(r["check/base_canary_ok"] for r in records)
+    assert all(r["check/logprob_gap_max"] == 0.02 and "check/logprob_agreement_ok" in r for r in records)
     assert json.loads((out / "requests" / "step-0002.jsonl").read_text().splitlines()[0])["adapter"] == "policy"
     before = (out / "steps.jsonl").read_text()
     # three steps now: the run continues at step 3 and keeps steps 1 and 2 as they were
@@ -184,3 +185,12 @@ def test_split_flushes_the_prefix_cache_after_each_adapter_load(assets, tmp_path
     engine = ScriptedEngine()
     run_loop(_run(steps=3), "r6", assets / "model", assets / "data", tmp_path, {}, progress=False, engine=engine)
     assert engine.events == ["rollout", "load", "flush"] * 3
+
+
+def test_logprob_gate_uses_the_runs_limit_or_the_default():
+    from hybridrl.loop import MAX_LOGPROB_GAP, logprob_gate
+
+    assert logprob_gate(0.007, {}) == {"check/logprob_gap_max": MAX_LOGPROB_GAP, "check/logprob_agreement_ok": True}
+    assert logprob_gate(0.026, {})["check/logprob_agreement_ok"] is False  # stale prefixes on the H200
+    assert logprob_gate(2e-3, {"max_logprob_gap": 1e-3})["check/logprob_agreement_ok"] is False
+    assert logprob_gate(None, {})["check/logprob_agreement_ok"] is None  # no training step, nothing to compare

@@ -94,6 +94,7 @@ def test_correctness_gates_hold(smoke_run):
     assert table["check/base_canary_ok"].astype(bool).all()
     # the trainer and the engine see the same model: fp32 on both sides
     assert table["check/rollout_logprob_abs_diff"].max() < 1e-3
+    assert table["check/logprob_agreement_ok"].dropna().astype(bool).all()
     assert table["check/kv_capacity_ok"].astype(bool).all()
     trained = table[table["step"] > 1]
     assert trained["check/adapter_applied"].dropna().astype(bool).all()

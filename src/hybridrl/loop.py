@@ -272,10 +272,22 @@ def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
         mem["mem/used_gb_train"] = mem.get("mem/used_gb_update_actor")
     record.update(mem)
     record.update(checks)
+    record.update(logprob_gate(record.get("check/rollout_logprob_abs_diff"), run))
     step_metrics = getattr(engine, "step_metrics", None)  # engine-side readings, e.g. NVML after sleep/wake
     if step_metrics:
         record.update(step_metrics())
     return record
+
+
+# bf16 engines and trainers differ by ~0.007 per token (H200 reference); a wrong or stale adapter, or stale
+# cached prefixes, shows up well above this (0.026 on the H200 when split vLLM reused the old adapter's KV)
+MAX_LOGPROB_GAP = 0.02
+
+
+def logprob_gate(gap: float | None, run: dict[str, Any]) -> dict[str, Any]:
+    """Trainer-vs-engine agreement: did the engine sample with the weights the trainer thinks it had?"""
+    limit = float(run.get("max_logprob_gap", MAX_LOGPROB_GAP))
+    return {"check/logprob_gap_max": limit, "check/logprob_agreement_ok": None if gap is None else gap <= limit}
 
 
 def trainer_gpu_gb(trainer: Any) -> float | None:
@@ -318,5 +330,6 @@ def _summary(r: dict[str, Any]) -> str:
 
     return (f"step {r['step']}: gen {f('timing_s/gen')} s, {f('perf/throughput', '.1f')} tok/s, "
             f"train {f('timing_s/update_actor')} s, step {f('timing_s/step')} s, reward {f('reward/mean')}, "
-            f"|dlogp| {f('check/rollout_logprob_abs_diff', '.2e')}, canary {r.get('check/base_canary_ok')}, "
-            f"adapter {r.get('check/adapter_applied')}")
+            f"|dlogp| {f('check/rollout_logprob_abs_diff', '.2e')}, gates: canary {r.get('check/base_canary_ok')}, "
+            f"adapter {r.get('check/adapter_applied')}, kv {r.get('check/kv_capacity_ok')} "
+            f"({f('mem/kv_capacity_tokens', '.0f')} tokens), logprobs {r.get('check/logprob_agreement_ok')}")

@@ -33,11 +33,11 @@ MEMORY = ["mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacit
 LEARNING = ["reward/mean", "reward/accuracy", "response_length/mean"]
 CHECKS = [
     "check/rollout_logprob_abs_diff", "check/base_canary_ok", "check/adapter_applied",
-    "check/kv_capacity_ok", "errors/engine_restarts",
+    "check/kv_capacity_ok", "check/logprob_agreement_ok", "errors/engine_restarts",
 ]
 KNOWN = IDENTITY + TIMING + ROLLOUT + TRAINING + MEMORY + LEARNING + CHECKS + ["time_unix"]
 STRINGS = ["run_id", "engine", "placement", "trainer", "model"]
-BOOLS = ["check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok"]
+BOOLS = ["check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok", "check/logprob_agreement_ok"]
 NUMBERS = [c for c in KNOWN if c not in STRINGS and c not in BOOLS]
 # Two rows compare as the same configuration when these match (run_id keeps seeds/repeats apart).
 CONFIG_KEY = ["engine", "placement", "trainer", "model", "tp", "run_id"]

@@ -49,6 +49,7 @@ BOOL_CHECKS = [
     ("check/base_canary_ok", "Base canary unchanged"),
     ("check/adapter_applied", "Adapter applied"),
     ("check/kv_capacity_ok", "KV capacity recovered"),
+    ("check/logprob_agreement_ok", "Logprobs agree"),
 ]
 
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from hybridrl.engines.base import EngineError
-from hybridrl.engines.server import ServerProcess, free_port, log_tail, port_in_use
+from hybridrl.engines.server import ServerProcess, first_error_line, free_port, log_tail, port_in_use
 
 # a tiny HTTP server that forks a grandchild, like engines that spawn workers
 SERVE = """
@@ -109,3 +109,15 @@ def test_engine_environment_drops_thread_caps_and_pythonpath(monkeypatch):
     env = engine_environ()
     assert "OMP_NUM_THREADS" not in env and "PYTHONPATH" not in env
     assert env["HF_HOME"] == "/keep/me"
+
+
+def test_first_error_line_finds_the_root_cause_not_warnings(tmp_path):
+    log = tmp_path / "engine.log"
+    log.write_text(
+        "(APIServer) WARNING [utils.py:1] ulimit too low; can cause `OSError: [Errno 24] Too many open files`\n"
+        "(Worker) ERROR [executor.py:9] Traceback (most recent call last):\n"
+        "(Worker) ERROR [executor.py:9] AttributeError: module 'triton.language' has no attribute 'float32'\n"
+        "(EngineCore) ERROR [core.py:1] RuntimeError: Worker failed with error\n")
+    assert first_error_line(log).endswith("AttributeError: module 'triton.language' has no attribute 'float32'")
+    log.write_text("INFO all fine\n")
+    assert first_error_line(log) is None and first_error_line(tmp_path / "missing.log") is None

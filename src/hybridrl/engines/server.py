@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -40,6 +41,17 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log written)"
     text = path.read_text(errors="replace").splitlines()
     return "\n".join(text[-lines:])
+
+
+def first_error_line(path: Path) -> str | None:
+    """The first line of an engine log that names an exception: the root cause, before the cascade."""
+    if not path.exists():
+        return None
+    for line in path.read_text(errors="replace").splitlines():
+        # a raised exception starts its line or follows the logger's "[file:line] " prefix
+        if re.search(r"(?:^|\] )[\w.]+(?:Error|Exception): ", line):
+            return line.strip()
+    return None
 
 
 def _die_with_parent() -> None:
@@ -287,7 +299,10 @@ class HTTPEngine:
         warm = self.stream.generate([Request([1, 2, 3], Sampling(max_new_tokens=2, temperature=0.0))])[0]
         if warm.error:
             self.stop()
-            raise EngineError(f"{self.name}: warm-up request failed: {warm.error}")
+            log = self.log_dir / "engine.log"
+            cause = first_error_line(log)
+            raise EngineError(f"{self.name}: warm-up request failed: {warm.error}"
+                              + (f"\n  first error in {log}: {cause}" if cause else f"\n  see {log}"))
         self._loaded = {adapter[0]} if adapter else set()
         return elapsed + time.perf_counter() - t0
 

@@ -7,6 +7,7 @@
 #   scripts/gpu/run_reference.sh setup WHEELS_DIR   # controller wheels, data, random-init model, run configs
 #   scripts/gpu/run_reference.sh start [PLAN]       # a plan of the study in the background (own session)
 #   scripts/gpu/run_reference.sh status             # progress
+#   HYBRIDRL_DRY_RUN=1 scripts/gpu/run_reference.sh all PLAN   # print what a plan runs, in order, runs nothing
 #   scripts/gpu/run_reference.sh pack OUT_FILE      # steps, provenance, bench/probe JSON, logs -> tar.gz
 #
 # After every finished item the driver refreshes $ref/latest.tar.gz. Copy it out with every poll of a
@@ -79,6 +80,7 @@ controller_path() {
 # train NAME [GPU]: one run; GPU empty = every GPU visible (split)
 train() {
   local name=$1 gpu=${2:-} cfg="$ref/cfg/$1.json" rid model out pp
+  [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: train $name on GPU ${gpu:-all}"; return 0; }
   rid=$(python3 -c "import json;print(json.load(open('$cfg'))['run_id'])")
   model="$ref/models/$(python3 -c "import json;print(json.load(open('$cfg'))['run']['model'])")"
   out="$ref/runs/$rid"
@@ -97,6 +99,7 @@ train() {
 # bench NAME GPU STEP [--set k=v]: the engine alone on step STEP's request set of that run, plus raw HTTP probes
 bench() {
   local name=$1 gpu=$2 step=$3 cfg="$ref/cfg/$1.json" rid model pp
+  [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: bench $name step $step on GPU $gpu ${*:4}"; return 0; }
   shift 3
   rid=$(python3 -c "import json;print(json.load(open('$cfg'))['run_id'])")
   model="$ref/models/$(python3 -c "import json;print(json.load(open('$cfg'))['run']['model'])")"

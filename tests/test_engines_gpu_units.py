@@ -224,7 +224,10 @@ def _record_posts(monkeypatch, module) -> list:
         calls.append((path, payload))
         return _Resp()
 
+    from hybridrl.engines import server
+
     monkeypatch.setattr(module, "post_json", fake_post)
+    monkeypatch.setattr(server, "post_json", fake_post)  # the shared adapter swap lives in HTTPEngine
     return calls
 
 

@@ -272,6 +272,15 @@ class HTTPEngine:
     def environment(self) -> dict[str, str]:
         raise NotImplementedError
 
+    def _swap_adapter(self, name: str, path: Path, unload_route: str, load_route: str) -> httpx.Response:
+        """Load an adapter under `name`, unloading what that name held first; returns the load's answer."""
+        if name in self._loaded:
+            post_json(self._url(), unload_route, {"lora_name": name})
+            self._loaded.discard(name)
+        answer = post_json(self._url(), load_route, {"lora_name": name, "lora_path": str(path)})
+        self._loaded.add(name)
+        return answer
+
     # -- the checkpoint ----------------------------------------------------------------------------
     def _config(self) -> dict[str, Any]:
         return json.loads((self.model / "config.json").read_text())

@@ -139,14 +139,11 @@ class SGLangServer(HTTPEngine):
     # -- adapters --------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: Path) -> None:
         # SGLang refuses a second adapter under a loaded name: unload it first
-        if name in self._loaded:
-            post_json(self._url(), "/unload_lora_adapter", {"lora_name": name})
-            self._loaded.discard(name)
-        r = post_json(self._url(), "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        r = self._swap_adapter(name, path, "/unload_lora_adapter", "/load_lora_adapter")
         answer = r.json() if r.content else {}
         if isinstance(answer, dict) and answer.get("success") is False:
+            self._loaded.discard(name)
             raise EngineError(f"sglang: /load_lora_adapter {name}: {answer.get('error_message')}")
-        self._loaded.add(name)
 
     # -- memory saver ----------------------------------------------------------------------------
     def sleep(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,16 @@ class _VLLMStream(StreamingClient):
 
 
 FLUSH_TRIES = 10
+
+
+def reset_until_done(reset: Callable[[], bool], what: str) -> None:
+    """Ask vLLM to drop its prefix cache until it says it did; it refuses while blocks are still held."""
+    for _ in range(FLUSH_TRIES):
+        if reset():
+            return
+        time.sleep(0.2)
+    raise EngineError(f"{what} {FLUSH_TRIES} times (blocks still held); the next rollout would reuse the old "
+                      "adapter's cached prefixes")
 
 
 def reset_succeeded(response: Any) -> bool:
@@ -105,11 +116,7 @@ class VLLMServer(HTTPEngine):
         # load_inplace=True on the request it stores for that name, so every later rollout request
         # reloads the adapter from disk. On the H200 reference run that cut rollout throughput from
         # ~9.6k to ~2.5k tok/s from the first in-place reload on (results/reference/2026-11-22-h200).
-        if name in self._loaded:
-            post_json(self._url(), "/v1/unload_lora_adapter", {"lora_name": name})
-            self._loaded.discard(name)
-        post_json(self._url(), "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
-        self._loaded.add(name)
+        self._swap_adapter(name, path, "/v1/unload_lora_adapter", "/v1/load_lora_adapter")
 
     # -- sleep mode (GPU) ------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -131,12 +138,8 @@ class VLLMServer(HTTPEngine):
     def flush_cache(self) -> None:
         # newer vLLM answers 200 with {"success": false} while blocks are still held: a silent no-op that
         # would leave the old adapter's prefixes in the cache
-        for _ in range(FLUSH_TRIES):
-            if reset_succeeded(post_json(self._url(), "/reset_prefix_cache")):
-                return
-            time.sleep(0.2)
-        raise EngineError(f"vllm: /reset_prefix_cache answered success=false {FLUSH_TRIES} times (blocks still "
-                          "held); the next rollout would reuse the old adapter's cached prefixes")
+        reset_until_done(lambda: reset_succeeded(post_json(self._url(), "/reset_prefix_cache")),
+                         "vllm: /reset_prefix_cache answered success=false")
 
     def kv_capacity_tokens(self) -> int | None:
         text = post_json(self._url(), "/metrics", method="GET", timeout_s=30).text

@@ -21,7 +21,7 @@ from typing import Any
 
 from hybridrl.engines.base import Completion, EngineDied, EngineError, Request, Sampling
 from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
-from hybridrl.engines.vllm import FLUSH_TRIES
+from hybridrl.engines.vllm import reset_until_done
 
 BASE_NAME = "base"
 CONTROL_TIMEOUT_S = 300.0
@@ -242,12 +242,9 @@ class VLLMInProcess:
         self._metrics["mem/controller_gb"] = process_used_gb(indices=self._gpus())
 
     def flush_cache(self) -> None:
-        for _ in range(FLUSH_TRIES):
-            if self._call(self.llm.reset_prefix_cache()) is not False:  # older releases return None
-                return
-            time.sleep(0.2)
-        raise EngineError(f"vllm-inprocess: reset_prefix_cache returned False {FLUSH_TRIES} times (blocks still "
-                          "held); the next rollout would reuse the old adapter's cached prefixes")
+        # older releases return None, newer ones False while blocks are still held
+        reset_until_done(lambda: self._call(self.llm.reset_prefix_cache()) is not False,
+                         "vllm-inprocess: reset_prefix_cache returned False")
 
     def kv_capacity_tokens(self) -> int | None:
         return self._kv_tokens

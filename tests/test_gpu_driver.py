@@ -13,44 +13,65 @@ DRIVER = REPO / "scripts" / "gpu" / "run_reference.sh"
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
-def _driver(ref: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {"PATH": "/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(ref), "HYBRIDRL_DRY_RUN": "1"}
+def _driver(root: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(root), "HYBRIDRL_DRY_RUN": "1"}
     return subprocess.run(["bash", str(DRIVER), *args], capture_output=True, text=True, env=env, timeout=120)
 
 
-def _items(text: str) -> list[str]:
-    return [line.split("dry run: ", 1)[1].strip() for line in text.splitlines() if "dry run: " in line]
+def _items(log: Path) -> list[str]:
+    return [line.split("dry run: ", 1)[1].strip() for line in log.read_text().splitlines() if "dry run: " in line]
 
 
 @pytest.fixture
-def ref(tmp_path: Path) -> Path:
-    (tmp_path / "runs" / "r1").mkdir(parents=True)
-    (tmp_path / "runs" / "r1" / "steps.jsonl").write_text('{"step": 1}\n')
-    (tmp_path / "setup.done").touch()
+def root(tmp_path: Path) -> Path:
+    """Two studies set up, one finished run in the dense one."""
+    (tmp_path / "gpu-h200" / "runs" / "r1").mkdir(parents=True)
+    (tmp_path / "gpu-h200" / "runs" / "r1" / "steps.jsonl").write_text('{"step": 1}\n')
+    for study in ("gpu-h200", "gpu-2xh200-moe"):
+        (tmp_path / study).mkdir(exist_ok=True)
+        (tmp_path / study / "setup.done").touch()
     return tmp_path
 
 
-def test_rest_plan_runs_lanes_on_their_gpus_then_the_two_gpu_runs(ref: Path) -> None:
-    done = _driver(ref, "all", "rest")
+def test_rest_plan_runs_lanes_on_their_gpus_then_the_two_gpu_runs(root: Path) -> None:
+    done = _driver(root, "all", "rest")
     assert done.returncode == 0, done.stderr
-    assert _items((ref / "lane0.log").read_text()) == [
+    study = root / "gpu-h200"
+    assert _items(study / "lane-rest-1.log") == [
         "train sglang-restart on GPU 0", "train vllm-inprocess-restart on GPU 0",
         "train sglang-colocate-megatron on GPU 0",
         "bench sglang-colocate-megatron step 3 on GPU 0 --set sglang_release=all"]
-    assert _items((ref / "lane1.log").read_text()) == [
+    assert _items(study / "lane-rest-2.log") == [
         "train vllm-restart on GPU 1", "train vllm-colocate-megatron on GPU 1", "train vllm-colocate on GPU 1",
         "bench vllm-colocate step 3 on GPU 1"]
-    # the runs that need both GPUs come after both lanes, in the plan's order
-    assert _items(done.stdout) == ["train sglang-colocate-megatron-tp2 on GPU 0,1",
-                                               "train vllm-colocate-megatron-tp2 on GPU 0,1",
-                                               "train vllm-split on GPU 1,0"]
-    # a snapshot of what finished is there to copy out after every item
-    with tarfile.open(ref / "latest.tar.gz") as tar:
-        assert "ref/runs/r1/steps.jsonl" in tar.getnames()
+    # the runs that need both GPUs start only after both single-GPU lanes are through
+    assert done.stdout.index("p1 done") < done.stdout.index("lane 3: 0,1")
+    assert _items(study / "lane-rest-3.log") == [
+        "train sglang-colocate-megatron-tp2 on GPU 0,1", "train vllm-colocate-megatron-tp2 on GPU 0,1",
+        "train vllm-split on GPU 1,0"]
+    # a snapshot of what finished, every study, is there to copy out after every item
+    with tarfile.open(root / "latest.tar.gz") as tar:
+        assert "ref/gpu-h200/runs/r1/steps.jsonl" in tar.getnames()
 
 
-def test_unknown_plan_and_missing_setup_are_clear_errors(ref: Path) -> None:
-    bad = _driver(ref, "all", "nope")
-    assert bad.returncode == 2 and "no plan named nope" in bad.stderr
-    (ref / "setup.done").unlink()
-    assert "run setup first" in _driver(ref, "all", "rest").stderr
+def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) -> None:
+    done = _driver(root, "plans", "rest4", "moe4")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.index("plan rest4, config/gpu-h200.yaml") < done.stdout.index(
+        "plan moe4, config/gpu-2xh200-moe.yaml")
+    dense, moe = root / "gpu-h200", root / "gpu-2xh200-moe"
+    # each restart run has a GPU of its own; the two-GPU runs use the pairs
+    assert _items(dense / "lane-rest4-1.log") == ["train sglang-restart on GPU 0"]
+    assert _items(dense / "lane-rest4-3.log")[0] == "train vllm-inprocess-restart on GPU 2"
+    assert _items(dense / "lane-rest4-6.log") == ["train vllm-colocate-megatron-tp2 on GPU 2,3"]
+    assert _items(moe / "lane-moe4-3.log") == ["train sglang-split-megatron on GPU 2,3",
+                                               "train vllm-split-megatron on GPU 2,3"]
+    assert not (moe / "lane-rest4-1.log").exists()
+
+
+def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
+    bad = _driver(root, "all", "nope")
+    assert bad.returncode == 2 and "no plan named nope (full moe moe4 rest rest4" in bad.stderr
+    assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
+    (root / "gpu-h200" / "setup.done").unlink()
+    assert "run setup first" in _driver(root, "all", "rest").stderr

@@ -1,28 +1,29 @@
 #!/usr/bin/env bash
-# The GPU reference study (config/gpu-h200.yaml) on one machine with two GPUs and no network.
+# The GPU reference studies (config/gpu-h200.yaml, config/gpu-2xh200-moe.yaml) on one leased machine with
+# two or four GPUs and no network. See docs/gpu.md for the lease, call by call.
 #
 # Run from the repository root on the GPU machine, after shared/gpu/gpu-env has installed the
 # SGLang, vLLM and trainer (megatron-core) overlays under /tmp/envs (gpu-env collect ...; gpu-env install):
 #
-#   scripts/gpu/run_reference.sh setup WHEELS_DIR   # controller wheels, data, random-init model, run configs
-#   scripts/gpu/run_reference.sh start [PLAN]       # a plan of the study in the background (own session)
-#   scripts/gpu/run_reference.sh status             # progress
+#   scripts/gpu/run_reference.sh setup WHEELS_DIR [CONFIG...]  # controller wheels; data, random-init models
+#                                                               # and run configs of each study (gpu-h200)
+#   scripts/gpu/run_reference.sh start PLAN [PLAN...]   # plans one after the other, in the background
+#   scripts/gpu/run_reference.sh status                 # progress
 #   HYBRIDRL_DRY_RUN=1 scripts/gpu/run_reference.sh all PLAN   # print what a plan runs, in order, runs nothing
-#   scripts/gpu/run_reference.sh pack OUT_FILE      # steps, provenance, bench/probe JSON, logs -> tar.gz
+#   scripts/gpu/run_reference.sh pack OUT_FILE          # steps, provenance, bench/probe JSON, logs -> tar.gz
 #
-# After every finished item the driver refreshes $ref/latest.tar.gz. Copy it out with every poll of a
-# leased machine (`status; cp /tmp/ref/latest.tar.gz "$OUT"/`): a lease that lapses takes /tmp with it,
-# and on 2026-11-22 one did, losing eleven finished runs that had not been copied out.
+# Each study lives in $root/<config name>/ (root: HYBRIDRL_REF_DIR, default /tmp/ref). After every finished
+# item the driver refreshes $root/latest.tar.gz. Copy it out with every poll of a leased machine
+# (`status; cp /tmp/ref/latest.tar.gz "$OUT"/`): a lease that lapses takes /tmp with it, and on 2026-11-22
+# one did, losing eleven finished runs that had not been copied out.
 #
-# PLAN is `full` (every run, the default), `rest` (what the first lease did not reach) or `moe` (with
-# HYBRIDRL_GPU_CONFIG=config/gpu-2xh200-moe.yaml). A plan has runs that need both GPUs before and after
-# two lanes, one per GPU, so that the study fits a short lease; a lane's runs see only its GPU
-# (CUDA_VISIBLE_DEVICES) and sample only that GPU with NVML. Order is priority: a lease that ends early
-# keeps the runs that matter most. Every process a run starts is in that run's process group.
+# Plans (see below): `full`, `rest`, `rest4` (rest on four GPUs) for gpu-h200; `moe`, `moe4` for the MoE
+# study. A later plan's study is prepared while the first plan runs. Every process a run starts is in that
+# run's process group.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
-ref=${HYBRIDRL_REF_DIR:-/tmp/ref}
-config=${HYBRIDRL_GPU_CONFIG:-$repo/config/gpu-h200.yaml}
+root=${HYBRIDRL_REF_DIR:-/tmp/ref}
+default_study=config/gpu-h200.yaml
 ctl=/tmp/ctl
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false CUDA_DEVICE_ORDER=PCI_BUS_ID
 # NVLink multicast stays off on these machines (see the device notes); engines inherit these.
@@ -32,11 +33,23 @@ ctl_path="$ctl:$repo/src"
 
 say() { echo "[$(date +%T)] $*"; }
 
+use_study() {  # use_study CONFIG: sets `config` and `ref`, the study's folder under $root
+  config=$repo/$1
+  [ -f "$config" ] || { echo "no study config $1 in $repo" >&2; exit 2; }
+  ref=$root/$(basename "$1" .yaml)
+}
+
 setup() {
-  local wheels=${1:?usage: run_reference.sh setup WHEELS_DIR}
-  mkdir -p "$ref"/{cfg,runs,bench}
+  local wheels=${1:?usage: run_reference.sh setup WHEELS_DIR [CONFIG...]} c
+  shift
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$ctl" \
     "$wheels"/*.whl
+  for c in "${@:-$default_study}"; do prepare "$c"; done
+}
+
+prepare() {  # prepare CONFIG: the study's run configs, data and random-init models
+  use_study "$1"
+  mkdir -p "$ref"/{cfg,runs,bench}
   PYTHONPATH=$ctl_path python3 - "$config" "$ref" <<'EOF'
 import json, sys
 from pathlib import Path
@@ -66,7 +79,7 @@ print('$name', {k:c.get(k) for k in ('vocab_size','hidden_size','num_hidden_laye
   done < <(python3 -c "import json;[print(k, json.dumps(v), sep='\t') for k, v in \
 json.load(open('$ref/study.json'))['models'].items()]")
   touch "$ref/setup.done"
-  say "setup done"
+  say "setup of $1 done"
 }
 
 # the controller's PYTHONPATH: in-process vLLM lives in the controller; Megatron's workers inherit it
@@ -113,94 +126,142 @@ bench() {
   say "bench $name exit $rc"
 }
 
-# Plans: each sets `first` and `last` (runs on both GPUs) and `lane0`, `lane1` (one GPU each). An item is
-# "train NAME [GPUS]" or "bench NAME STEP [ARGS]"; a lane item gets its lane's GPU.
+# Plans. Each sets `phases`, the names of arrays that run one after the other. A phase's array holds
+# lanes that run side by side, each "GPUS|ITEM;ITEM;..." on its own GPUs (CUDA_VISIBLE_DEVICES; a run
+# samples only those with NVML). An item is "train NAME [GPUS]" or "bench NAME STEP [ARGS]"; it gets its
+# lane's GPUs unless it names its own. A plan may set `study` (a config under config/) and `gpus` (how many
+# it needs). Order within a lane is priority: a lease that ends early keeps the runs that matter most.
 plan_full() {
-  # the split pair first, side by side with their GPUs crossed (it also fills the compile caches)
-  first=("pair")
-  lane0=("train sglang-colocate" "train sglang-restart" "train vllm-inprocess-restart"
-         "train sglang-colocate-megatron" "bench sglang-colocate 3 --set sglang_release=all")
-  lane1=("train vllm-colocate" "train vllm-inprocess-colocate" "train vllm-restart"
-         "train vllm-colocate-megatron" "bench vllm-colocate 3")
-  last=("train sglang-colocate-megatron-tp2 0,1" "train vllm-colocate-megatron-tp2 0,1")
+  # the split pair first, side by side with their GPUs crossed so that no GPU holds two engines (the
+  # engine takes the last visible GPU, the trainer cuda:0); it also fills the compile caches
+  phases=(p1 p2 p3)
+  p1=("0,1|train sglang-split" "1,0|train vllm-split")
+  p2=("0|train sglang-colocate;train sglang-restart;train vllm-inprocess-restart;train sglang-colocate-megatron;bench sglang-colocate 3 --set sglang_release=all"
+      "1|train vllm-colocate;train vllm-inprocess-colocate;train vllm-restart;train vllm-colocate-megatron;bench vllm-colocate 3")
+  p3=("0,1|train sglang-colocate-megatron-tp2;train vllm-colocate-megatron-tp2")
 }
 
 plan_rest() {
   # after the first lease (5 of 8 HF runs): the restart runs, Megatron in the loop, the vLLM server again
   # with the adapter-reload fix, the standalone benchmarks, then TP 2
-  first=()
-  lane0=("train sglang-restart" "train vllm-inprocess-restart" "train sglang-colocate-megatron"
-         "bench sglang-colocate-megatron 3 --set sglang_release=all")
-  lane1=("train vllm-restart" "train vllm-colocate-megatron" "train vllm-colocate" "bench vllm-colocate 3")
-  last=("train sglang-colocate-megatron-tp2 0,1" "train vllm-colocate-megatron-tp2 0,1" "train vllm-split 1,0")
+  phases=(p1 p2)
+  p1=("0|train sglang-restart;train vllm-inprocess-restart;train sglang-colocate-megatron;bench sglang-colocate-megatron 3 --set sglang_release=all"
+      "1|train vllm-restart;train vllm-colocate-megatron;train vllm-colocate;bench vllm-colocate 3")
+  p2=("0,1|train sglang-colocate-megatron-tp2;train vllm-colocate-megatron-tp2;train vllm-split 1,0")
+}
+
+plan_rest4() {
+  # `rest` on four GPUs: the three restart runs (5-8 min each) get a GPU each, the shorter runs share the
+  # fourth; then the two-GPU runs on two pairs
+  gpus=4
+  phases=(p1 p2)
+  p1=("0|train sglang-restart" "1|train vllm-restart"
+      "2|train vllm-inprocess-restart;train vllm-colocate;bench vllm-colocate 3"
+      "3|train vllm-colocate-megatron;train sglang-colocate-megatron;bench sglang-colocate-megatron 3 --set sglang_release=all")
+  p2=("0,1|train sglang-colocate-megatron-tp2;train vllm-split" "2,3|train vllm-colocate-megatron-tp2")
 }
 
 plan_moe() {
   # config/gpu-2xh200-moe.yaml (issue 6 scaled to two GPUs): colocate in two lanes, then the split runs one
   # at a time, each with its engine on GPU 1 and its Megatron trainer on GPU 0
-  first=()
-  lane0=("train sglang-colocate-megatron" "train vllm-inprocess-colocate-megatron")
-  lane1=("train vllm-colocate-megatron")
-  last=("train sglang-split-megatron 0,1" "train vllm-split-megatron 0,1" "train vllm-inprocess-split-megatron 0,1")
+  study=config/gpu-2xh200-moe.yaml
+  phases=(p1 p2)
+  p1=("0|train sglang-colocate-megatron;train vllm-inprocess-colocate-megatron" "1|train vllm-colocate-megatron")
+  p2=("0,1|train sglang-split-megatron;train vllm-split-megatron;train vllm-inprocess-split-megatron")
 }
 
-item() {  # item GPU WORDS...: one plan item; GPU is the lane's, used where the item names none
+plan_moe4() {
+  # the MoE study on four GPUs: the SGLang/vLLM-server pairs first, colocate on one GPU each beside split on
+  # a pair; then in-process vLLM
+  study=config/gpu-2xh200-moe.yaml
+  gpus=4
+  phases=(p1 p2)
+  p1=("0|train sglang-colocate-megatron;train vllm-inprocess-colocate-megatron" "1|train vllm-colocate-megatron"
+      "2,3|train sglang-split-megatron;train vllm-split-megatron")
+  p2=("0,1|train vllm-inprocess-split-megatron")
+}
+
+item() {  # item GPUS WORDS...: one plan item; GPUS is the lane's, used where the item names none
   local gpu=$1 what=$2 name=${3:-}
   shift $(($# < 3 ? $# : 3))
   case $what in
     train) train "$name" "${1:-$gpu}" ;;
     bench) bench "$name" "$gpu" "$@" ;;
-    pair) split_pair ;;
     *) echo "unknown plan item: $what" >&2; return 2 ;;
   esac
 }
 
-lane() {  # lane GPU ITEM...
-  local gpu=$1 it
-  shift
-  for it in "$@"; do
+lane() {  # lane "GPUS|ITEM;ITEM;...": the items one after the other, a snapshot after each
+  local gpu=${1%%|*} items it
+  IFS=';' read -ra items <<< "${1#*|}"
+  for it in "${items[@]}"; do
     # shellcheck disable=SC2086
     item "$gpu" $it
     snapshot
   done
 }
 
-split_pair() {
-  # both split runs at once, crossed so that no GPU holds two engines: SGLang's engine on GPU 1 with its
-  # trainer on GPU 0, vLLM's engine on GPU 0 with its trainer on GPU 1 (the engine takes the last
-  # visible GPU, the trainer cuda:0). Each samples both GPUs, so its memory maxima include the other
-  # run's trainer (a few GB); its timings share the host's CPUs.
-  train sglang-split "0,1" &
-  local s0=$!
-  train vllm-split "1,0" &
-  local s1=$!
-  wait $s0 $s1 || true
+study_of() {  # study_of PLAN: prints the plan's study config
+  local study=$default_study gpus=2 phases=()
+  declare -F "plan_$1" > /dev/null || { echo "no plan named $1 ($(known_plans))" >&2; exit 2; }
+  "plan_$1"
+  echo "$study"
 }
 
+run_plans() {  # run_plans PLAN...: one after the other; studies not yet set up are prepared meanwhile
+  local p c preps=()
+  for p in "$@"; do
+    c=$(study_of "$p")
+    [ -f "$root/$(basename "$c" .yaml)/setup.done" ] && continue
+    ( prepare "$c" ) > "$root/prepare-$(basename "$c" .yaml).log" 2>&1 &
+    preps+=($!)
+  done
+  for p in "$@"; do
+    c=$(study_of "$p")
+    # a study being prepared is waited for (its log says why, if it fails)
+    [ -f "$root/$(basename "$c" .yaml)/setup.done" ] || wait "${preps[@]}" || true
+    ( all "$p" ) || say "plan $p stopped (exit $?)"
+  done
+  say "plans done: $*"
+}
+
+known_plans() { declare -F | awk '$3 ~ /^plan_/ {sub("plan_", "", $3); printf "%s ", $3}'; }
+
 all() {
-  local plan=${1:-full}
-  [ -f "$ref/setup.done" ] || { echo "run setup first" >&2; exit 1; }
-  declare -F "plan_$plan" > /dev/null || { echo "no plan named $plan (full, rest, moe)" >&2; exit 2; }
-  local first=() lane0=() lane1=() last=()
+  local plan=${1:-full} study=$default_study gpus=2 phases=() n=0 have
+  declare -F "plan_$plan" > /dev/null || { echo "no plan named $plan ($(known_plans))" >&2; exit 2; }
   "plan_$plan"
-  say "study start (plan $plan)"
-  lane "" "${first[@]}"
-  lane 0 "${lane0[@]}" > "$ref/lane0.log" 2>&1 &
-  local p0=$!
-  lane 1 "${lane1[@]}" > "$ref/lane1.log" 2>&1 &
-  local p1=$!
-  wait $p0 $p1 || true
-  say "lanes done"
-  lane "" "${last[@]}"
+  use_study "$study"
+  [ -f "$ref/setup.done" ] || { echo "run setup first ($ref/setup.done is missing)" >&2; exit 1; }
+  if [ -z "${HYBRIDRL_DRY_RUN:-}" ]; then
+    have=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    [ "$have" -ge "$gpus" ] || { echo "plan $plan needs $gpus GPUs, this machine has $have" >&2; exit 2; }
+  fi
+  say "study start (plan $plan, $study)"
+  local phase lanes pids l
+  for phase in "${phases[@]}"; do
+    declare -n lanes=$phase
+    pids=()
+    for l in "${lanes[@]}"; do
+      n=$((n + 1))
+      say "lane $n: ${l%%|*}"
+      lane "$l" > "$ref/lane-$plan-$n.log" 2>&1 &
+      pids+=($!)
+    done
+    wait "${pids[@]}" || true
+    unset -n lanes
+    say "$phase done"
+  done
   say "study done"
   touch "$ref/all.done"
 }
 
 status() {
-  for f in "$ref"/lane0.log "$ref"/lane1.log "$ref"/driver.log; do
-    [ -f "$f" ] && { echo "== $f"; tail -n 8 "$f"; }
+  local f d
+  for f in "$root"/driver.log "$root"/prepare-*.log "$root"/*/lane*.log; do
+    [ -f "$f" ] && { echo "== $f"; tail -n 6 "$f"; }
   done
-  for d in "$ref"/runs/*/; do
+  for d in "$root"/*/runs/*/; do
     [ -d "$d" ] || continue
     printf '%-60s %s steps  ' "$(basename "$d")" "$(wc -l < "$d/steps.jsonl" 2>/dev/null || echo 0)"
     tail -n 1 "$d/train.log" 2>/dev/null | cut -c1-200
@@ -208,31 +269,34 @@ status() {
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader || true
 }
 
-snapshot() {  # the finished part of the study as $ref/latest.tar.gz, replaced atomically (lanes run at once)
+snapshot() {  # what finished, every study, as $root/latest.tar.gz, replaced atomically (lanes run at once)
   local tmp
-  tmp=$(mktemp "$ref/.latest.XXXXXX")
-  pack "$tmp" > /dev/null && mv -f "$tmp" "$ref/latest.tar.gz"
+  tmp=$(mktemp "$root/.latest.XXXXXX")
+  pack "$tmp" > /dev/null && mv -f "$tmp" "$root/latest.tar.gz"
 }
 
-pack() {
-  local dest=${1:?usage: run_reference.sh pack OUT_FILE}
-  # small files only: no adapters, no models; engine logs trimmed to their last lines
-  local stage
+pack() {  # pack OUT_FILE: small files only (no adapters, no models); logs trimmed to their last lines
+  local dest=${1:?usage: run_reference.sh pack OUT_FILE} stage s d r l name
   stage=$(mktemp -d)
-  mkdir -p "$stage/ref/runs" "$stage/ref/bench"
-  for d in "$ref"/runs/*/; do
-    [ -d "$d" ] || continue
-    local r
-    r=$(basename "$d")
-    mkdir -p "$stage/ref/runs/$r/logs"
-    cp "$d"/{steps.jsonl,provenance.json,canary.json,config.json,done.json} "$stage/ref/runs/$r/" 2>/dev/null || true
-    tail -n 400 "$d/train.log" > "$stage/ref/runs/$r/train.log" 2>/dev/null || true
-    for l in "$d"/logs/*; do [ -f "$l" ] && tail -n 300 "$l" > "$stage/ref/runs/$r/logs/$(basename "$l")"; done
+  for s in "$root"/*/; do
+    [ -f "$s/setup.done" ] || continue
+    name=$(basename "$s")
+    mkdir -p "$stage/ref/$name/runs" "$stage/ref/$name/bench"
+    for d in "$s"runs/*/; do
+      [ -d "$d" ] || continue
+      r=$(basename "$d")
+      mkdir -p "$stage/ref/$name/runs/$r/logs"
+      cp "$d"/{steps.jsonl,provenance.json,canary.json,config.json,done.json} "$stage/ref/$name/runs/$r/" 2>/dev/null || true
+      tail -n 400 "$d/train.log" > "$stage/ref/$name/runs/$r/train.log" 2>/dev/null || true
+      for l in "$d"/logs/*; do [ -f "$l" ] && tail -n 300 "$l" > "$stage/ref/$name/runs/$r/logs/$(basename "$l")"; done
+    done
+    cp "$s"bench/*.json "$stage/ref/$name/bench/" 2>/dev/null || true
+    for l in "$s"bench/*.log; do [ -f "$l" ] && tail -n 200 "$l" > "$stage/ref/$name/bench/$(basename "$l")"; done
+    cp "$s"*.log "$stage/ref/$name/" 2>/dev/null || true
   done
-  cp "$ref"/bench/*.json "$stage/ref/bench/" 2>/dev/null || true
-  for l in "$ref"/bench/*.log; do [ -f "$l" ] && tail -n 200 "$l" > "$stage/ref/bench/$(basename "$l")"; done
-  cp "$ref"/*.log "$stage/ref/" 2>/dev/null || true
-  tar czf "$dest" --exclude='*.tar.gz' -C "$stage" ref
+  mkdir -p "$stage/ref"
+  cp "$root"/*.log "$stage/ref/" 2>/dev/null || true
+  tar czf "$dest" -C "$stage" ref
   rm -rf "$stage"
   ls -l "$dest"
 }
@@ -241,16 +305,18 @@ cmd=${1:-}; shift || true
 case "$cmd" in
   setup) setup "$@" ;;
   start)
+    [ $# -gt 0 ] || { echo "usage: run_reference.sh start PLAN [PLAN...] ($(known_plans))" >&2; exit 2; }
+    for p in "$@"; do study_of "$p" > /dev/null; done
     # run from a snapshot of the code, so that later edits to the checkout cannot reach a running study
-    rm -rf "$ref/code" && mkdir -p "$ref/code"
-    cp -r "$repo"/{src,config,workflow,scripts} "$ref/code/"
-    PYTHONPATH="$ctl:$ref/code/src" python3 -c "import hybridrl.loop, hybridrl.bench, hybridrl.engines.sglang"
-    setsid nohup bash "$ref/code/scripts/gpu/run_reference.sh" all "${1:-full}" > "$ref/driver.log" 2>&1 < /dev/null &
-    say "study started in the background (pid $!); logs in $ref" ;;
+    rm -rf "$root/code" && mkdir -p "$root/code"
+    cp -r "$repo"/{src,config,workflow,scripts} "$root/code/"
+    PYTHONPATH="$ctl:$root/code/src" python3 -c "import hybridrl.loop, hybridrl.bench, hybridrl.engines.sglang"
+    setsid nohup bash "$root/code/scripts/gpu/run_reference.sh" plans "$@" > "$root/driver.log" 2>&1 < /dev/null &
+    say "plans $* started in the background (pid $!); logs in $root" ;;
+  plans) run_plans "$@" ;;
   all) all "$@" ;;
-  train) train "$@" ;;
-  bench) bench "$@" ;;
+  train|bench) use_study "${HYBRIDRL_STUDY:-$default_study}"; "$cmd" "$@" ;;
   status) status ;;
   pack) pack "$@" ;;
-  *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

@@ -64,6 +64,12 @@ def test_colocate_needs_a_gpu(smoke):
         resolve(smoke)
 
 
+def test_vllm_level_2_sleep_is_refused_because_lora_cannot_reload(smoke):
+    smoke["runs"][0].update(engine="vllm", vllm_sleep_level=2)
+    with pytest.raises(ConfigError, match=r"runs\[0\].vllm_sleep_level: 2 does not work with LoRA.*#39934"):
+        resolve(smoke)
+
+
 def test_run_id_changes_only_for_the_changed_run(smoke):
     before = resolve(copy.deepcopy(smoke)).runs
     smoke["runs"][1]["lr"] = 1e-3

@@ -122,6 +122,12 @@ def _check_run(run: dict[str, Any], models: dict[str, Any], where: str) -> None:
         raise ConfigError(f"{where}.engine: sglang has no CPU build; use device: cuda")
     if run["trainer"] == "none" and run["placement"] != "colocate":
         raise ConfigError(f"{where}.trainer: 'none' (memory ballast) only makes sense with placement: colocate")
+    if run["engine"] in ("vllm", "vllm-inprocess") and run["vllm_sleep_level"] == 2:
+        # seen on the H200 (results/reference/2026-11-22-h200, bench probe): reload_weights looks up
+        # checkpoint names that LoRA wrapping moved under base_layer (vllm-project/vllm#39934)
+        raise ConfigError(f"{where}.vllm_sleep_level: 2 does not work with LoRA in vLLM 0.26: waking from it "
+                          "reloads the weights, which fails on LoRA-wrapped layers (vllm-project/vllm#39934); "
+                          "use 1")
     if run["trainer"] == "megatron" and run["lora"]["rank"] % run["train_tp"]:
         raise ConfigError(f"{where}.lora.rank: {run['lora']['rank']} is not divisible by train_tp "
                           f"{run['train_tp']}")

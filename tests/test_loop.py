@@ -194,3 +194,19 @@ def test_logprob_gate_uses_the_runs_limit_or_the_default():
     assert logprob_gate(0.026, {})["check/logprob_agreement_ok"] is False  # stale prefixes on the H200
     assert logprob_gate(2e-3, {"max_logprob_gap": 1e-3})["check/logprob_agreement_ok"] is False
     assert logprob_gate(None, {})["check/logprob_agreement_ok"] is None  # no training step, nothing to compare
+
+
+def test_a_failed_request_is_counted_logged_and_kept_with_its_cause(assets, tmp_path, capsys):
+    class OneFails(ScriptedEngine):
+        def generate(self, requests, progress=False):
+            out = super().generate(requests, progress)
+            if len(requests) > 1 and self.rollouts == 2:
+                out[1] = Completion([], [], float("nan"), [], float("nan"), None, error="HTTP 400: bad token")
+            return out
+
+    records = run_loop(_run(steps=2), "r7", assets / "model", assets / "data", tmp_path, {}, progress=False,
+                       engine=OneFails())
+    assert [r["errors/requests_failed"] for r in records] == [0.0, 1.0]
+    assert "step 2: 1 of 4 requests failed; first (request 1): HTTP 400: bad token" in " ".join(capsys.readouterr())
+    rows = [json.loads(x) for x in (tmp_path / "requests" / "step-0002.jsonl").read_text().splitlines()]
+    assert rows[1]["error"] == "HTTP 400: bad token" and rows[1]["reward"] == 0.0

@@ -287,6 +287,7 @@ pack() {  # pack OUT_FILE: small files only (no adapters, no models); logs trimm
       r=$(basename "$d")
       mkdir -p "$stage/ref/$name/runs/$r/logs"
       cp "$d"/{steps.jsonl,provenance.json,canary.json,config.json,done.json} "$stage/ref/$name/runs/$r/" 2>/dev/null || true
+      [ -d "$d/requests" ] && cp -r "$d/requests" "$stage/ref/$name/runs/$r/"  # per request: timings, error, reward
       tail -n 400 "$d/train.log" > "$stage/ref/$name/runs/$r/train.log" 2>/dev/null || true
       for l in "$d"/logs/*; do [ -f "$l" ] && tail -n 300 "$l" > "$stage/ref/$name/runs/$r/logs/$(basename "$l")"; done
     done

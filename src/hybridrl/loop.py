@@ -223,6 +223,10 @@ def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
     with t.phase("gen", sampler):
         completions, restarts = _rollout_with_retries(run, engine, requests, prev_adapter)
     gen_s = t.s["gen"]
+    failed = [(i, c.error) for i, c in enumerate(completions) if c.error]
+    if failed:  # the step goes on without them; the cause goes to the log and requests/step-NNNN.jsonl
+        console.print(f"[yellow]step {step}: {len(failed)} of {len(completions)} requests failed; "
+                      f"first (request {failed[0][0]}): {failed[0][1]}")
     with t.phase("reward", sampler):
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         ok = [c.error is None for c in completions]

@@ -71,7 +71,21 @@ def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) ->
 
 def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
-    assert bad.returncode == 2 and "no plan named nope (full moe moe4 rest rest4" in bad.stderr
+    assert bad.returncode == 2 and "no plan named nope (full moe moe4 moe4full rest rest4" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
     assert "run setup first" in _driver(root, "all", "rest").stderr
+
+
+def test_full_shape_moe_plan_never_puts_two_runs_on_one_gpu(root: Path) -> None:
+    (root / "gpu-4xh200-moe").mkdir()
+    (root / "gpu-4xh200-moe" / "setup.done").touch()
+    done = _driver(root, "all", "moe4full")
+    assert done.returncode == 0, done.stderr
+    study = root / "gpu-4xh200-moe"
+    # the colocate pair side by side on disjoint pairs, then the four-GPU runs alone
+    assert _items(study / "lane-moe4full-1.log") == ["train sglang-colocate-megatron on GPU 0,1"]
+    assert _items(study / "lane-moe4full-2.log") == ["train vllm-colocate-megatron on GPU 2,3"]
+    assert done.stdout.index("p1 done") < done.stdout.index("lane 3: 0,1,2,3")
+    assert _items(study / "lane-moe4full-3.log")[-2:] == ["train vllm-inprocess-colocate-megatron on GPU 0,1",
+                                                          "train vllm-inprocess-split-megatron on GPU 0,1,2,3"]

@@ -17,9 +17,9 @@
 # (`status; cp /tmp/ref/latest.tar.gz "$OUT"/`): a lease that lapses takes /tmp with it, and on 2026-11-22
 # one did, losing eleven finished runs that had not been copied out.
 #
-# Plans (see below): `full`, `rest`, `rest4` (rest on four GPUs) for gpu-h200; `moe`, `moe4` for the MoE
-# study. A later plan's study is prepared while the first plan runs. Every process a run starts is in that
-# run's process group.
+# Plans (see below): `full`, `rest`, `rest4` (rest on four GPUs) for gpu-h200; `moe`, `moe4` for the 8-layer
+# MoE study; `moe4full` for the 48-layer one. A later plan's study is prepared while the first plan runs.
+# HYBRIDRL_RUN_TIMEOUT_S caps a run (default 1800). Every process a run starts is in its process group.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 root=${HYBRIDRL_REF_DIR:-/tmp/ref}
@@ -104,7 +104,7 @@ train() {
   local rc=0
   ( if [ -n "$gpu" ]; then export CUDA_VISIBLE_DEVICES=$gpu; else unset CUDA_VISIBLE_DEVICES; fi
     cp "$cfg" "$out/config.json"
-    PYTHONPATH=$pp timeout 1200 python3 -m hybridrl train --run-config "$cfg" --model "$model" \
+    PYTHONPATH=$pp timeout "${HYBRIDRL_RUN_TIMEOUT_S:-1800}" python3 -m hybridrl train --run-config "$cfg" --model "$model" \
       --data "$ref/data" --out "$out" --done "$out/done.json" --no-progress ) > "$out/train.log" 2>&1 || rc=$?
   say "train $name exit $rc ($(wc -l < "$out/steps.jsonl" 2>/dev/null || echo 0) steps)"
 }
@@ -179,6 +179,16 @@ plan_moe4() {
   p1=("0|train sglang-colocate-megatron;train vllm-inprocess-colocate-megatron" "1|train vllm-colocate-megatron"
       "2,3|train sglang-split-megatron;train vllm-split-megatron")
   p2=("0,1|train vllm-inprocess-split-megatron")
+}
+
+plan_moe4full() {
+  # config/gpu-4xh200-moe.yaml (issue 6 at the write-up's shape, engines at TP 2; about 10 min a run): the
+  # colocate pair side by side on the two GPU pairs, then split on all four, then in-process vLLM
+  study=config/gpu-4xh200-moe.yaml
+  gpus=4
+  phases=(p1 p2)
+  p1=("0,1|train sglang-colocate-megatron" "2,3|train vllm-colocate-megatron")
+  p2=("0,1,2,3|train sglang-split-megatron;train vllm-split-megatron;train vllm-inprocess-colocate-megatron 0,1;train vllm-inprocess-split-megatron")
 }
 
 item() {  # item GPUS WORDS...: one plan item; GPUS is the lane's, used where the item names none

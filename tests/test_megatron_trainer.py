@@ -110,3 +110,16 @@ def test_tp2_resumes_tp1_adapter_and_reports_worker_errors(tp1_run: dict[str, An
     finally:
         trainer.close()
     assert os.path.exists(trainer.log_path)
+
+
+def test_ranks_get_small_nccl_buffers_unless_the_user_set_them(tmp_path, monkeypatch) -> None:
+    import hybridrl.trainers.megatron.trainer as mt
+
+    seen: list[dict[str, str]] = []
+    monkeypatch.setattr(mt.subprocess, "Popen", lambda cmd, **kw: seen.append(kw["env"]))
+    bare = object.__new__(MegatronTrainer)  # only what _launch reads
+    bare.tp, bare.workdir, bare.log_path = 2, tmp_path, tmp_path / "trainer.log"
+    monkeypatch.delenv("NCCL_BUFFSIZE", raising=False)
+    monkeypatch.setenv("NCCL_MAX_NCHANNELS", "8")
+    bare._launch(None)
+    assert seen[0]["NCCL_BUFFSIZE"] == str(1 << 20) and seen[0]["NCCL_MAX_NCHANNELS"] == "8"

@@ -313,3 +313,33 @@ def test_report_shows_headline_with_claims(tmp_path: Path) -> None:
     assert "| -50% |" in section  # peak memory halved
     assert "trainer megatron, model tiny, tp 1, seed 0" in section
     assert "<h2>Headline: SGLang vs vLLM" in (results / "report.html").read_text()
+
+
+def test_aggregate_records_each_runs_commit_and_gpu(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path, "vllm-split-cccc3333", "vllm", "split", steps=2)
+    prov = json.loads((run_dir / "provenance.json").read_text())
+    prov["git"] = {"commit": "f095935ace4e53eda7574c565f41b580f6b33f27-dirty", "dirty": None}
+    prov["gpu"] = {"devices": [{"index": 0, "name": "NVIDIA H200"}, {"index": 1, "name": "NVIDIA H200"}]}
+    (run_dir / "provenance.json").write_text(json.dumps(prov))
+    df = gather([run_dir])
+    assert set(df["git_commit"]) == {"f095935-dirty"} and set(df["gpu"]) == {"NVIDIA H200"}
+    (run_dir / "provenance.json").unlink()
+    assert gather([run_dir])["git_commit"].isna().all()  # unknown, not guessed
+
+
+def test_headline_says_when_the_pair_ran_different_code(tmp_path: Path) -> None:
+    from hybridrl.report.headline import headlines
+
+    sglang = headline_run("sglang-colocate-aaaa", "sglang").assign(git_commit="f095935", gpu="NVIDIA H200")
+    vllm = headline_run("vllm-colocate-bbbb", "vllm").assign(git_commit="90e50ca", gpu="NVIDIA H200")
+    [h] = headlines(headline_study(sglang, vllm))
+    assert h.caveats == ("recorded by different code versions: f095935 (SGLang) vs 90e50ca",)
+    [same] = headlines(headline_study(sglang, vllm.assign(git_commit="f095935")))
+    assert same.caveats == ()
+    df = headline_study(sglang, vllm)
+    df.to_parquet(tmp_path / "steps.parquet", index=False)
+    out = tmp_path / "out"
+    report_main(tmp_path / "steps.parquet", out / "report.md", out / "report.html", out / "plots", "t")
+    md = (out / "report.md").read_text()
+    assert "**Caveat: recorded by different code versions: f095935 (SGLang) vs 90e50ca.**" in md
+    assert "| code | f095935 | 90e50ca |" in md

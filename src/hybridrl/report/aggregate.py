@@ -35,8 +35,10 @@ CHECKS = [
     "check/rollout_logprob_abs_diff", "check/base_canary_ok", "check/adapter_applied",
     "check/kv_capacity_ok", "check/logprob_agreement_ok", "errors/engine_restarts",
 ]
-KNOWN = IDENTITY + TIMING + ROLLOUT + TRAINING + MEMORY + LEARNING + CHECKS + ["time_unix"]
-STRINGS = ["run_id", "engine", "placement", "trainer", "model"]
+# From each run's provenance.json: which code and which GPU recorded it (comparisons across them get a caveat)
+PROVENANCE = ["git_commit", "gpu"]
+KNOWN = IDENTITY + TIMING + ROLLOUT + TRAINING + MEMORY + LEARNING + CHECKS + ["time_unix"] + PROVENANCE
+STRINGS = ["run_id", "engine", "placement", "trainer", "model"] + PROVENANCE
 BOOLS = ["check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok", "check/logprob_agreement_ok"]
 NUMBERS = [c for c in KNOWN if c not in STRINGS and c not in BOOLS]
 # Two rows compare as the same configuration when these match (run_id keeps seeds/repeats apart).
@@ -84,7 +86,25 @@ def load_run(run_dir: Path) -> pd.DataFrame:
     df = pd.DataFrame.from_records(read_steps(steps))
     if "run_id" not in df.columns or df["run_id"].isna().all():
         df["run_id"] = run_dir.name
+    for col, value in provenance_fields(run_dir / "provenance.json").items():
+        df[col] = value
     return df
+
+
+def provenance_fields(path: Path) -> dict[str, str | None]:
+    """The short commit (with "-dirty" if so) and the GPU name a run recorded; None where unknown."""
+    try:
+        prov = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"git_commit": None, "gpu": None}
+    git = prov.get("git") or {}
+    commit = git.get("commit")
+    if commit:
+        dirty = commit.endswith("-dirty") or git.get("dirty") is True
+        commit = commit.removesuffix("-dirty")[:7] + ("-dirty" if dirty else "")
+    devices = (prov.get("gpu") or {}).get("devices") or []
+    names = sorted({d.get("name") for d in devices if d.get("name")})
+    return {"git_commit": commit or None, "gpu": " + ".join(names) or None}
 
 
 def _missing(value: Any) -> bool:

@@ -67,6 +67,7 @@ class Headline:
     key: dict[str, Any]  # the PAIR_KEY fields both runs share
     rows: list[Row]
     label: str = ""  # which pair, where several share the placement and vLLM variant
+    caveats: tuple[str, ...] = ()  # what differs between the two runs besides the engine
 
     @property
     def title(self) -> str:
@@ -122,5 +123,15 @@ def headlines(df: pd.DataFrame) -> list[Headline]:
             if rows:
                 label = f"{_suffix(s)} vs {_suffix(v)}" if len(pairs) > 1 else ""
                 key = {k: runs.at[s, k] for k in PAIR_KEY}
-                out.append(Headline(placement, variant, s, v, key, rows, label))
+                out.append(Headline(placement, variant, s, v, key, rows, label, caveats(runs.loc[s], runs.loc[v])))
     return out
+
+
+def caveats(sglang: pd.Series, vllm: pd.Series) -> tuple[str, ...]:
+    """Where two paired runs were recorded by different code or on different GPUs, say so."""
+    out = []
+    for col, what in (("git_commit", "code versions"), ("gpu", "GPUs")):
+        a, b = sglang.get(col), vllm.get(col)
+        if not (pd.isna(a) or pd.isna(b)) and a != b:
+            out.append(f"recorded by different {what}: {a} (SGLang) vs {b}")
+    return tuple(out)

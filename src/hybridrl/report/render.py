@@ -140,6 +140,10 @@ def comparison_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     for i, key in enumerate(CONFIG_KEY):
         table.rows.append([Cell(key.replace("_", " "), "key"), *(Cell(_field(c[i])) for c in cfgs)])
     runs = [_select(steady, c[-1]) for c in cfgs]
+    for col, heading in (("git_commit", "code"), ("gpu", "GPU")):
+        values = [_select(df, c[-1])[col].dropna() if col in df.columns else pd.Series(dtype=str) for c in cfgs]
+        if any(len(v) for v in values):
+            table.rows.append([Cell(heading, "key"), *(Cell(_field(v.iloc[0] if len(v) else None)) for v in values)])
     table.rows.append([Cell("n steps", "key"), *(Cell(str(len(r)), "num") for r in runs)])
     for col, heading, unit in metrics:
         cells = [Cell(heading + (f" ({unit})" if unit else ""), "key")]
@@ -192,7 +196,7 @@ def headline_tables(df: pd.DataFrame) -> list[dict[str, Any]]:
                 Cell(f"{r.n_sglang} / {r.n_vllm}", "num"),
             ])
         shared = ", ".join(f"{k} {_field(v)}" for k, v in h.key.items())
-        out.append({"title": h.title, "table": table, "shared": shared,
+        out.append({"title": h.title, "table": table, "shared": shared, "caveats": list(h.caveats),
                      "sglang_run": h.sglang_run, "vllm_run": h.vllm_run})
     return out
 

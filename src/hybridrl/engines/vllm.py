@@ -124,13 +124,8 @@ class VLLMServer(HTTPEngine):
         self._metrics["mem/engine_asleep_gb"] = used_gb(nvml_indices(self.environment()))
 
     def wake(self) -> None:
-        if self.run["vllm_sleep_level"] == 2:
-            # level 2 discarded the weights: wake them, reload the (unchanged) base from disk, then the cache
-            post_json(self._url(), "/wake_up?tags=weights")
-            post_json(self._url(), "/collective_rpc", {"method": "reload_weights"})
-            post_json(self._url(), "/wake_up?tags=kv_cache")
-        else:
-            post_json(self._url(), "/wake_up")
+        # level 1 only: the config refuses level 2, whose weight reload fails with LoRA (config._check_run)
+        post_json(self._url(), "/wake_up")
         self._metrics["mem/engine_awake_gb"] = used_gb(nvml_indices(self.environment()))
         # colocate wakes right after the trainer offloaded: what the controller still holds on the GPU
         self._metrics["mem/controller_gb"] = process_used_gb(indices=nvml_indices(self.environment()))

@@ -230,13 +230,8 @@ class VLLMInProcess:
         self._metrics["mem/engine_asleep_gb"] = used_gb(self._gpus())
 
     def wake(self) -> None:
-        if self.run["vllm_sleep_level"] == 2:
-            # level 2 discarded the weights: wake them, reload the unchanged base, then the cache
-            self._call(self.llm.wake_up(["weights"]))
-            self._call(self.llm.collective_rpc("reload_weights"))
-            self._call(self.llm.wake_up(["kv_cache"]))
-        else:
-            self._call(self.llm.wake_up())
+        # level 1 only: the config refuses level 2, whose weight reload fails with LoRA (config._check_run)
+        self._call(self.llm.wake_up())
         self._metrics["mem/engine_awake_gb"] = used_gb(self._gpus())
         # colocate wakes right after the trainer offloaded: what the controller still holds on the GPU
         self._metrics["mem/controller_gb"] = process_used_gb(indices=self._gpus())

@@ -33,10 +33,12 @@ ctl_path="$ctl:$repo/src"
 
 say() { echo "[$(date +%T)] $*"; }
 
-use_study() {  # use_study CONFIG: sets `config` and `ref`, the study's folder under $root
+study_dir() { echo "$root/$(basename "$1" .yaml)"; }  # study_dir CONFIG: the study's folder under $root
+
+use_study() {  # use_study CONFIG: sets `config` and `ref`
   config=$repo/$1
   [ -f "$config" ] || { echo "no study config $1 in $repo" >&2; exit 2; }
-  ref=$root/$(basename "$1" .yaml)
+  ref=$(study_dir "$1")
 }
 
 setup() {
@@ -211,25 +213,32 @@ lane() {  # lane "GPUS|ITEM;ITEM;...": the items one after the other, a snapshot
   done
 }
 
-study_of() {  # study_of PLAN: prints the plan's study config
-  local study=$default_study gpus=2 phases=()
+load_plan() {  # load_plan PLAN: sets the caller's `study`, `gpus` and `phases` (defaults, then the plan's)
   declare -F "plan_$1" > /dev/null || { echo "no plan named $1 ($(known_plans))" >&2; exit 2; }
+  study=$default_study gpus=2 phases=()
   "plan_$1"
+}
+
+study_of() {  # study_of PLAN: prints the plan's study config
+  local study gpus phases
+  load_plan "$1"
   echo "$study"
 }
 
 run_plans() {  # run_plans PLAN...: one after the other; studies not yet set up are prepared meanwhile
-  local p c preps=()
+  local p c preps=() started=" "
   for p in "$@"; do
     c=$(study_of "$p")
-    [ -f "$root/$(basename "$c" .yaml)/setup.done" ] && continue
+    # once per study, even where several plans share it
+    [ -f "$(study_dir "$c")/setup.done" ] || [[ $started == *" $c "* ]] && continue
+    started+="$c "
     ( prepare "$c" ) > "$root/prepare-$(basename "$c" .yaml).log" 2>&1 &
     preps+=($!)
   done
   for p in "$@"; do
     c=$(study_of "$p")
     # a study being prepared is waited for (its log says why, if it fails)
-    [ -f "$root/$(basename "$c" .yaml)/setup.done" ] || wait "${preps[@]}" || true
+    [ -f "$(study_dir "$c")/setup.done" ] || wait "${preps[@]}" || true
     ( all "$p" ) || say "plan $p stopped (exit $?)"
   done
   say "plans done: $*"
@@ -238,9 +247,8 @@ run_plans() {  # run_plans PLAN...: one after the other; studies not yet set up 
 known_plans() { declare -F | awk '$3 ~ /^plan_/ {sub("plan_", "", $3); printf "%s ", $3}'; }
 
 all() {
-  local plan=${1:-full} study=$default_study gpus=2 phases=() n=0 have
-  declare -F "plan_$plan" > /dev/null || { echo "no plan named $plan ($(known_plans))" >&2; exit 2; }
-  "plan_$plan"
+  local plan=${1:-full} study gpus phases n=0 have
+  load_plan "$plan"
   use_study "$study"
   [ -f "$ref/setup.done" ] || { echo "run setup first ($ref/setup.done is missing)" >&2; exit 1; }
   if [ -z "${HYBRIDRL_DRY_RUN:-}" ]; then

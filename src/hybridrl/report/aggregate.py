@@ -86,25 +86,35 @@ def load_run(run_dir: Path) -> pd.DataFrame:
     df = pd.DataFrame.from_records(read_steps(steps))
     if "run_id" not in df.columns or df["run_id"].isna().all():
         df["run_id"] = run_dir.name
-    for col, value in provenance_fields(run_dir / "provenance.json").items():
+    for col, value in provenance_fields(read_provenance(run_dir / "provenance.json")).items():
         df[col] = value
     return df
 
 
-def provenance_fields(path: Path) -> dict[str, str | None]:
-    """The short commit (with "-dirty" if so) and the GPU name a run recorded; None where unknown."""
+def read_provenance(path: Path) -> dict[str, Any] | None:
+    """A run's provenance.json, or None where it is missing or unreadable."""
     try:
-        prov = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
-        return {"git_commit": None, "gpu": None}
-    git = prov.get("git") or {}
+        return None
+
+
+def commit_label(git: dict[str, Any]) -> str | None:
+    """A recorded commit, short, with "-dirty" where the tree had uncommitted changes."""
     commit = git.get("commit")
-    if commit:
-        dirty = commit.endswith("-dirty") or git.get("dirty") is True
-        commit = commit.removesuffix("-dirty")[:7] + ("-dirty" if dirty else "")
+    if not commit:
+        return None
+    dirty = commit.endswith("-dirty") or git.get("dirty") is True
+    return commit.removesuffix("-dirty")[:7] + ("-dirty" if dirty else "")
+
+
+def provenance_fields(prov: dict[str, Any] | None) -> dict[str, str | None]:
+    """The commit and the GPU name a run recorded; None where unknown."""
+    if prov is None:
+        return {"git_commit": None, "gpu": None}
     devices = (prov.get("gpu") or {}).get("devices") or []
     names = sorted({d.get("name") for d in devices if d.get("name")})
-    return {"git_commit": commit or None, "gpu": " + ".join(names) or None}
+    return {"git_commit": commit_label(prov.get("git") or {}), "gpu": " + ".join(names) or None}
 
 
 def _missing(value: Any) -> bool:

@@ -22,6 +22,8 @@ from hybridrl.report.aggregate import (
     TIMING,
     TRAINING,
     atomic_path,
+    commit_label,
+    read_provenance,
 )
 from hybridrl.report.plots import PLOTS, run_labels
 
@@ -271,16 +273,14 @@ def _short(value: Any, n: int = 12) -> str:
 def _provenance_row(label: str, prov: dict[str, Any] | None) -> dict[str, Any]:
     if prov is None:
         return {"run": label, "missing": True, "cells": [], "engine": ""}
-    git = prov.get("git") or {}
     pkgs = {k: v for k, v in (prov.get("packages") or {}).items() if v}
     gpu = prov.get("gpu") or {}
     devices = gpu.get("devices") or []
     gpu_text = "none" if not devices else f"{len(devices)}× {devices[0].get('name', '?')}"
     container = prov.get("container") or {}
     host = prov.get("host") or {}
-    commit = _short(git.get("commit")) + (" (dirty)" if git.get("dirty") else "")
     cells = [
-        ("git", commit), ("python", prov.get("python") or "–"),
+        ("git", commit_label(prov.get("git") or {}) or "–"), ("python", prov.get("python") or "–"),
         ("packages", ", ".join(f"{k} {v}" for k, v in sorted(pkgs.items())) or "–"),
         ("host", f"{host.get('hostname', '–')} ({host.get('cpu_model', '–')})"),
         ("GPU", gpu_text), ("driver", gpu.get("driver") or "–"),
@@ -293,11 +293,7 @@ def _provenance_row(label: str, prov: dict[str, Any] | None) -> dict[str, Any]:
 def provenance_rows(df: pd.DataFrame, labels: dict[str, str], runs_dir: Path) -> list[dict[str, Any]]:
     rows = []
     for run_id in stats.run_order(df):
-        path = runs_dir / str(run_id) / "provenance.json"
-        try:
-            prov = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            prov = None
+        prov = read_provenance(runs_dir / str(run_id) / "provenance.json")
         rows.append({**_provenance_row(labels[run_id], prov), "run_id": run_id})
     return rows
 

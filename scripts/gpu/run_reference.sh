@@ -232,7 +232,9 @@ run_plans() {  # run_plans PLAN...: one after the other; studies not yet set up 
     # once per study, even where several plans share it
     [ -f "$(study_dir "$c")/setup.done" ] || [[ $started == *" $c "* ]] && continue
     started+="$c "
-    ( prepare "$c" ) > "$root/prepare-$(basename "$c" .yaml).log" 2>&1 &
+    # few threads: runs being measured share this host's CPUs with the model build
+    ( export OMP_NUM_THREADS=${HYBRIDRL_PREP_THREADS:-8}; prepare "$c" ) \
+      > "$root/prepare-$(basename "$c" .yaml).log" 2>&1 &
     preps+=($!)
   done
   for p in "$@"; do

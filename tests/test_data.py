@@ -26,6 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
         ("no marker, the answer is 42.", "42"),
         ("no marker, it costs $-3.50 in the end", "-3.5"),
         ("1,000,000 people", "1000000"),
+        ("#### 12345678901234567890123456789012345", "12345678901234567890123456789012345"),  # > 28 digits
+        ("a random policy: 9999999999999999999999999999999.5000", "9999999999999999999999999999999.5"),
+        ("#### 100.00", "100"),
         ("#### nothing numeric", None),
         ("no numbers at all", None),
     ],

@@ -47,9 +47,10 @@ def normalize_number(text: str) -> str | None:
         value = Decimal(cleaned)
     except InvalidOperation:
         return None
-    if value == value.to_integral_value():
-        return str(value.quantize(Decimal(1)))
-    return format(value.normalize(), "f")
+    # plain digits, no rounding: a random-init policy writes numbers longer than Decimal's 28-digit
+    # context, which quantize() and normalize() refuse or round
+    digits = format(value, "f")
+    return digits.rstrip("0").rstrip(".") if "." in digits else digits
 
 
 def extract_answer(text: str) -> str | None:

@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from hybridrl.engines import server
 from hybridrl.engines.base import EngineError
 from hybridrl.engines.server import ServerProcess, first_error_line, free_port, log_tail, port_in_use
 
@@ -73,6 +74,43 @@ def test_start_timeout_stops_the_server(tmp_path):
     with pytest.raises(EngineError, match=r"not healthy after 2 s(.|\n)*loading"):
         srv.wait_healthy(2)
     assert not _group_alive(pgid)
+
+
+HANGS_AFTER_FAILING = """
+import sys, time
+print("loading weights", flush=True)
+print("(EngineCore pid=7) ERROR [core.py:1] EngineCore failed to start.", flush=True)
+print("RuntimeError: Worker failed with error 'CUDA error: CUBLAS_STATUS_INTERNAL_ERROR'", flush=True)
+time.sleep(120)  # its teardown hangs; the process never exits by itself
+"""
+
+
+def test_a_server_that_fails_to_start_but_hangs_is_stopped_after_a_grace(tmp_path, monkeypatch):
+    monkeypatch.setattr(server, "FATAL_GRACE_S", 1.0)
+    log = tmp_path / "s.log"
+    log.write_text("an earlier start of the same log: EngineCore failed to start.\n")  # not this start's
+    srv = ServerProcess("toy", [sys.executable, "-c", HANGS_AFTER_FAILING], dict(os.environ), log, free_port(),
+                        fatal_markers=("EngineCore failed to start",))
+    srv.start()
+    pgid = srv.proc.pid
+    with pytest.raises(EngineError, match=r"failed while starting \('EngineCore failed to start' in its log\)"
+                                          r"(.|\n)*first error: RuntimeError: Worker failed"):
+        srv.wait_healthy(60)  # without the marker this would end in "not healthy after 60 s"
+    assert not _group_alive(pgid)
+
+
+def test_an_old_fatal_line_in_an_appended_log_does_not_stop_a_new_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(server, "FATAL_GRACE_S", 0.0)
+    log = tmp_path / "s.log"
+    log.write_text("EngineCore failed to start.\n")
+    port = free_port()
+    srv = ServerProcess("toy", [sys.executable, "-c", SERVE, str(port)], dict(os.environ), log, port,
+                        fatal_markers=("EngineCore failed to start",))
+    srv.start()
+    try:
+        assert srv.wait_healthy(30) >= 0
+    finally:
+        srv.stop()
 
 
 def test_port_in_use_is_a_clear_error(tmp_path):

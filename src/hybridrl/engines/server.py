@@ -19,6 +19,7 @@ import httpx
 from hybridrl.engines.base import Completion, EngineDied, EngineError, Request
 
 LOG_TAIL_LINES = 40
+FATAL_GRACE_S = 30.0  # after a fatal startup line, how long the server gets to exit by itself
 
 
 def free_port() -> int:
@@ -65,10 +66,15 @@ def _die_with_parent() -> None:
 class ServerProcess:
     """Owns one server's process group: start, health wait, liveness, and a stop that leaves nothing."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path, port: int) -> None:
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path, port: int,
+                 fatal_markers: tuple[str, ...] = ()) -> None:
         self.name, self.cmd, self.env, self.log_path, self.port = name, cmd, env, log_path, port
+        # log lines after which the server will never become healthy, though it may not exit (a vLLM
+        # engine core whose workers hit a CUDA fault hung in its teardown for 10 minutes on 4 x H200)
+        self.fatal_markers = fatal_markers
         self.proc: subprocess.Popen | None = None
         self._log = None
+        self._log_start = 0
 
     @property
     def base_url(self) -> str:
@@ -81,6 +87,7 @@ class ServerProcess:
         self._log = open(self.log_path, "ab")
         self._log.write(f"\n==== {time.strftime('%F %T')} {' '.join(self.cmd)}\n".encode())
         self._log.flush()
+        self._log_start = self._log.tell()  # this start's output begins here (the log is appended to)
         try:
             # own session = own process group, so stop() can take down every worker it forks
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -96,6 +103,7 @@ class ServerProcess:
     def wait_healthy(self, timeout_s: float, health_path: str = "/health") -> float:
         """Poll until the server answers; on death or timeout stop it and raise with the log's tail."""
         t0 = time.monotonic()
+        offset, fatal_at = self._log_start, None
         with httpx.Client(timeout=5.0) as client:
             while True:
                 if not self.alive():
@@ -106,11 +114,33 @@ class ServerProcess:
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(self.base_url + health_path).status_code == 200:
                         return time.monotonic() - t0
+                if fatal_at is None:
+                    marker, offset = self._fatal_marker_since(offset)
+                    fatal_at = (marker, time.monotonic()) if marker else None
+                elif time.monotonic() - fatal_at[1] > FATAL_GRACE_S:
+                    self.stop()
+                    cause = first_error_line(self.log_path)
+                    raise EngineError(f"{self.name} failed while starting ({fatal_at[0]!r} in its log) and did "
+                                      f"not exit within {FATAL_GRACE_S:.0f} s, so it was stopped"
+                                      + (f"; first error: {cause}" if cause else "")
+                                      + f"; last lines of {self.log_path}:\n{log_tail(self.log_path)}")
                 if time.monotonic() - t0 > timeout_s:
                     self.stop()
                     raise EngineError(f"{self.name} not healthy after {timeout_s:.0f} s; last lines of "
                                       f"{self.log_path}:\n{log_tail(self.log_path)}")
                 time.sleep(0.5)
+
+    def _fatal_marker_since(self, offset: int) -> tuple[str | None, int]:
+        """The first fatal marker written to the log after byte `offset`, and the offset to read from next."""
+        if not self.fatal_markers or not self.log_path.exists():
+            return None, offset
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+        # a marker split across two reads is found on the next one: reread from the last line start
+        cut = chunk.rfind(b"\n") + 1
+        text = chunk[:cut].decode(errors="replace")
+        return next((m for m in self.fatal_markers if m in text), None), offset + cut
 
     def stop(self, grace_s: float = 20.0) -> None:
         if self.proc is None:
@@ -255,6 +285,7 @@ class HTTPEngine:
     name = "engine"
     stream_cls: type[StreamingClient] = StreamingClient
     health_path = "/health"
+    fatal_markers: tuple[str, ...] = ()  # startup log lines after which the server never gets healthy
 
     def __init__(self, model: Path, run: dict[str, Any], env_spec: dict[str, Any], log_dir: Path) -> None:
         self.model, self.run, self.log_dir = model, run, log_dir
@@ -299,7 +330,7 @@ class HTTPEngine:
 
         port = free_port()
         self.server = ServerProcess(self.name, self.command(port, adapter), self.environment(),
-                                    self.log_dir / "engine.log", port)
+                                    self.log_dir / "engine.log", port, self.fatal_markers)
         self.server.start()
         elapsed = self.server.wait_healthy(self.run["startup_timeout_s"], health_path=self.health_path)
         self.stream = self.stream_cls(self.server, self.run["request_timeout_s"], self.run["max_concurrency"])

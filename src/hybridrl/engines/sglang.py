@@ -97,6 +97,7 @@ class SGLangServer(HTTPEngine):
 
     name = "sglang"
     stream_cls = _SGLangStream
+    fatal_markers = ("Scheduler hit an exception",)
 
     def __init__(self, model: Path, run: dict[str, Any], env_spec: dict[str, Any], log_dir: Path) -> None:
         if run["device"] != "cuda":

@@ -71,6 +71,7 @@ class VLLMServer(HTTPEngine):
 
     name = "vllm"
     stream_cls = _VLLMStream
+    fatal_markers = ("EngineCore failed to start", "Engine core initialization failed")
 
     # -- process ---------------------------------------------------------------------------------
     def command(self, port: int, adapter: tuple[str, Path] | None) -> list[str]:

@@ -89,3 +89,19 @@ def test_full_shape_moe_plan_never_puts_two_runs_on_one_gpu(root: Path) -> None:
     assert done.stdout.index("p1 done") < done.stdout.index("lane 3: 0,1,2,3")
     assert _items(study / "lane-moe4full-3.log")[-2:] == ["train vllm-inprocess-colocate-megatron on GPU 0,1",
                                                           "train vllm-inprocess-split-megatron on GPU 0,1,2,3"]
+
+
+def test_pack_keeps_the_first_error_of_a_long_engine_log(root: Path, tmp_path: Path) -> None:
+    run = root / "gpu-h200" / "runs" / "r1"
+    (run / "logs").mkdir()
+    lines = [f"loading {i}" for i in range(1000)] + ["ERROR RuntimeError: the root cause"]
+    lines += [f"cascade {i}" for i in range(2000)]
+    (run / "logs" / "engine.log").write_text("\n".join(lines) + "\n")
+    done = _driver(root, "pack", str(tmp_path / "out.tar.gz"))
+    assert done.returncode == 0, done.stderr
+    with tarfile.open(tmp_path / "out.tar.gz") as tar:
+        kept = tar.extractfile("ref/gpu-h200/runs/r1/logs/engine.log").read().decode().splitlines()
+        assert tar.extractfile("ref/gpu-h200/runs/r1/steps.jsonl").read() == b'{"step": 1}\n'
+    assert "ERROR RuntimeError: the root cause" in kept
+    assert kept[0] == "loading 0" and kept[-1] == "cascade 1999"
+    assert len(kept) < 700

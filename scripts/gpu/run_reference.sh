@@ -295,7 +295,20 @@ snapshot() {  # what finished, every study, as $root/latest.tar.gz, replaced ato
   pack "$tmp" > /dev/null && mv -f "$tmp" "$root/latest.tar.gz"
 }
 
-pack() {  # pack OUT_FILE: small files only (no adapters, no models); logs trimmed to their last lines
+trim_log() {  # trim_log SRC DEST [TAIL]: a long log as its start, the lines from its first error on, its end
+  local src=$1 dest=$2 tail=${3:-300} n first
+  n=$(wc -l < "$src")
+  if [ "$n" -le $((tail + 300)) ]; then cp "$src" "$dest"; return; fi
+  first=$(grep -n -m1 -E 'Traceback|ERROR|Error: ' "$src" | cut -d: -f1 || true)
+  { head -n 50 "$src"
+    # the root cause: a crash's first error is often hundreds of lines above the end of its cascade
+    if [ -n "$first" ] && [ "$first" -gt 50 ] && [ "$first" -lt $((n - tail)) ]; then
+      echo "[... trimmed to the first error, line $first ...]"; sed -n "$((first > 60 ? first - 10 : 51)),$((first + 239))p" "$src"
+    fi
+    echo "[... trimmed: $n lines in all; the last $tail follow ...]"; tail -n "$tail" "$src"; } > "$dest"
+}
+
+pack() {  # pack OUT_FILE: small files only (no adapters, no models); long logs trimmed (trim_log)
   local dest=${1:?usage: run_reference.sh pack OUT_FILE} stage s d r l name
   stage=$(mktemp -d)
   for s in "$root"/*/; do
@@ -308,11 +321,11 @@ pack() {  # pack OUT_FILE: small files only (no adapters, no models); logs trimm
       mkdir -p "$stage/ref/$name/runs/$r/logs"
       cp "$d"/{steps.jsonl,provenance.json,canary.json,config.json,done.json} "$stage/ref/$name/runs/$r/" 2>/dev/null || true
       [ -d "$d/requests" ] && cp -r "$d/requests" "$stage/ref/$name/runs/$r/"  # per request: timings, error, reward
-      tail -n 400 "$d/train.log" > "$stage/ref/$name/runs/$r/train.log" 2>/dev/null || true
-      for l in "$d"/logs/*; do [ -f "$l" ] && tail -n 300 "$l" > "$stage/ref/$name/runs/$r/logs/$(basename "$l")"; done
+      [ -f "$d/train.log" ] && trim_log "$d/train.log" "$stage/ref/$name/runs/$r/train.log" 400
+      for l in "$d"/logs/*; do [ -f "$l" ] && trim_log "$l" "$stage/ref/$name/runs/$r/logs/$(basename "$l")"; done
     done
     cp "$s"bench/*.json "$stage/ref/$name/bench/" 2>/dev/null || true
-    for l in "$s"bench/*.log; do [ -f "$l" ] && tail -n 200 "$l" > "$stage/ref/$name/bench/$(basename "$l")"; done
+    for l in "$s"bench/*.log; do [ -f "$l" ] && trim_log "$l" "$stage/ref/$name/bench/$(basename "$l")" 200; done
     cp "$s"*.log "$stage/ref/$name/" 2>/dev/null || true
   done
   mkdir -p "$stage/ref"

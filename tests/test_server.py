@@ -113,6 +113,48 @@ def test_an_old_fatal_line_in_an_appended_log_does_not_stop_a_new_start(tmp_path
         srv.stop()
 
 
+# an OpenAI-style completions stream whose token texts hold characters that str.splitlines() splits at
+STREAM = r"""
+import http.server, json, sys
+port = int(sys.argv[1])
+TEXTS = ["a\u0085b", "c\u2028d", "e\u2029f", "g"]
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
+        for i, text in enumerate(TEXTS):
+            choice = {"text": text, "finish_reason": "length" if i == len(TEXTS) - 1 else None,
+                      "logprobs": {"tokens": [f"token_id:{100 + i}"], "token_logprobs": [-0.5 * i]}}
+            event = json.dumps({"choices": [choice]}, ensure_ascii=False)  # as the engines send it
+            self.wfile.write(f"data: {event}\r\n\r\n".encode()); self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_stream_events_are_split_at_line_feeds_only(tmp_path):
+    from hybridrl.engines.base import Request, Sampling
+    from hybridrl.engines.vllm import _VLLMStream
+
+    port = free_port()
+    srv = ServerProcess("toy", [sys.executable, "-c", STREAM, str(port)], dict(os.environ), tmp_path / "s.log", port)
+    srv.start()
+    try:
+        srv.wait_healthy(30)
+        stream = _VLLMStream(srv, timeout_s=30, max_concurrency=1)
+        [out] = stream.generate([Request([1, 2], Sampling(max_new_tokens=4))])
+    finally:
+        srv.stop()
+    assert out.error is None
+    assert out.token_ids == [100, 101, 102, 103]
+    assert out.logprobs == [0.0, -0.5, -1.0, -1.5]
+    assert out.finish_reason == "length"
+
+
 def test_port_in_use_is_a_clear_error(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

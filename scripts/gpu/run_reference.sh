@@ -184,7 +184,7 @@ plan_moe4() {
 }
 
 plan_moe4full() {
-  # config/gpu-4xh200-moe.yaml (issue 6 at the write-up's shape, engines at TP 2; about 10 min a run): the
+  # config/gpu-4xh200-moe.yaml (issue 6 at the write-up's shape, engines at TP 2; about 15 min a run): the
   # colocate pair side by side on the two GPU pairs, then split on all four, then in-process vLLM
   study=config/gpu-4xh200-moe.yaml
   gpus=4

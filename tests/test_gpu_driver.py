@@ -64,8 +64,14 @@ def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) ->
     assert _items(dense / "lane-rest4-1.log") == ["train sglang-restart on GPU 0"]
     assert _items(dense / "lane-rest4-3.log")[0] == "train vllm-inprocess-restart on GPU 2"
     assert _items(dense / "lane-rest4-6.log") == ["train vllm-colocate-megatron-tp2 on GPU 2,3"]
-    assert _items(moe / "lane-moe4-3.log") == ["train sglang-split-megatron on GPU 2,3",
-                                               "train vllm-split-megatron on GPU 2,3"]
+    # one MoE run a lane: the colocate trio, then the split pair, each phase behind one start barrier
+    assert [_items(moe / f"lane-moe4-{n}.log") for n in range(1, 7)] == [
+        ["train sglang-colocate-megatron on GPU 0"], ["train vllm-colocate-megatron on GPU 1"],
+        ["train vllm-inprocess-colocate-megatron on GPU 2"], ["train sglang-split-megatron on GPU 0,1"],
+        ["train vllm-split-megatron on GPU 2,3"], ["train vllm-inprocess-split-megatron on GPU 0,1"]]
+    assert f"p1: start barrier of 3 runs ({moe}/barrier/moe4-p1)" in done.stdout
+    assert f"p2: start barrier of 2 runs ({moe}/barrier/moe4-p2)" in done.stdout
+    assert "p3: start barrier" not in done.stdout.split("plan moe4")[1]  # a run alone waits for nobody
     assert not (moe / "lane-rest4-1.log").exists()
 
 
@@ -105,3 +111,30 @@ def test_pack_keeps_the_first_error_of_a_long_engine_log(root: Path, tmp_path: P
     assert "ERROR RuntimeError: the root cause" in kept
     assert kept[0] == "loading 0" and kept[-1] == "cascade 1999"
     assert len(kept) < 700
+
+
+def test_only_a_lanes_first_run_meets_the_start_barrier(root: Path) -> None:
+    done = _driver(root, "all", "rest")
+    assert done.returncode == 0, done.stderr
+    lane = (root / "gpu-h200" / "lane-rest-1.log").read_text().splitlines()
+    barrier = f"meets the others at the start barrier {root}/gpu-h200/barrier/rest-p1:2"
+    assert [line.split("] ", 1)[1] for line in lane[:3]] == [
+        "dry run: train sglang-restart on GPU 0", "  " + barrier, "dry run: train vllm-inprocess-restart on GPU 0"]
+    assert sum(barrier in line for line in lane) == 1  # the lane's later runs do not wait
+    # the last phase has one lane: nobody to wait for
+    assert "start barrier" not in (root / "gpu-h200" / "lane-rest-3.log").read_text()
+
+
+def test_a_run_already_done_releases_the_start_barrier(root: Path, tmp_path: Path) -> None:
+    study = root / "gpu-h200"
+    (study / "cfg").mkdir()
+    (study / "cfg" / "x.json").write_text('{"run_id": "rid", "run": {"model": "m"}}')
+    (study / "runs" / "rid").mkdir()
+    (study / "runs" / "rid" / "done.json").write_text("{}")
+    (tmp_path / "b").mkdir()
+    env = {"PATH": "/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(root), "HYBRIDRL_START_BARRIER": f"{tmp_path}/b:2"}
+    done = subprocess.run(["bash", str(DRIVER), "train", "x", "0"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "train x already done" in done.stdout
+    assert [p.name for p in (tmp_path / "b").iterdir()] == ["rid.gone"]

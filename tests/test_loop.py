@@ -210,3 +210,23 @@ def test_a_failed_request_is_counted_logged_and_kept_with_its_cause(assets, tmp_
     assert "step 2: 1 of 4 requests failed; first (request 1): HTTP 400: bad token" in " ".join(capsys.readouterr())
     rows = [json.loads(x) for x in (tmp_path / "requests" / "step-0002.jsonl").read_text().splitlines()]
     assert rows[1]["error"] == "HTTP 400: bad token" and rows[1]["reward"] == 0.0
+
+
+def test_side_by_side_runs_meet_at_the_start_barrier_and_record_the_wait(assets, tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDRL_START_BARRIER", f"{tmp_path / 'barrier'}:1")
+    records = run_loop(_run(), "r9", assets / "model", assets / "data", tmp_path / "run", {}, progress=False,
+                       engine=ScriptedEngine())
+    assert (tmp_path / "barrier" / "r9.ready").exists()
+    assert records[0]["timing_s/start_barrier"] >= 0 and records[1]["timing_s/start_barrier"] is None
+
+
+def test_a_run_that_fails_to_start_releases_the_start_barrier(assets, tmp_path, monkeypatch):
+    class WontStart(ScriptedEngine):
+        def start(self, adapter=None):
+            raise EngineDied("no GPU left")
+
+    monkeypatch.setenv("HYBRIDRL_START_BARRIER", f"{tmp_path / 'barrier'}:2")
+    with pytest.raises(EngineDied):
+        run_loop(_run(), "r10", assets / "model", assets / "data", tmp_path / "run", {}, progress=False,
+                 engine=WontStart())
+    assert (tmp_path / "barrier" / "r10.gone").exists()

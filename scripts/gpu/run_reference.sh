@@ -95,11 +95,16 @@ controller_path() {
 # train NAME [GPU]: one run; GPU empty = every GPU visible (split)
 train() {
   local name=$1 gpu=${2:-} cfg="$ref/cfg/$1.json" rid model out pp
-  [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: train $name on GPU ${gpu:-all}"; return 0; }
+  if [ -n "${HYBRIDRL_DRY_RUN:-}" ]; then
+    say "dry run: train $name on GPU ${gpu:-all}"
+    [ -z "${HYBRIDRL_START_BARRIER:-}" ] || say "  meets the others at the start barrier $HYBRIDRL_START_BARRIER"
+    return 0
+  fi
   rid=$(python3 -c "import json;print(json.load(open('$cfg'))['run_id'])")
   model="$ref/models/$(python3 -c "import json;print(json.load(open('$cfg'))['run']['model'])")"
   out="$ref/runs/$rid"
-  [ -f "$out/done.json" ] && { say "train $name already done"; return 0; }  # a rerun of the study resumes
+  # a rerun of the study resumes
+  [ -f "$out/done.json" ] && { say "train $name already done"; barrier_release "$rid"; return 0; }
   mkdir -p "$out"
   pp=$(controller_path "$name")
   say "train $name ($rid) on GPU ${gpu:-all}"
@@ -108,7 +113,16 @@ train() {
     cp "$cfg" "$out/config.json"
     PYTHONPATH=$pp timeout "${HYBRIDRL_RUN_TIMEOUT_S:-1800}" python3 -m hybridrl train --run-config "$cfg" --model "$model" \
       --data "$ref/data" --out "$out" --done "$out/done.json" --no-progress ) > "$out/train.log" 2>&1 || rc=$?
+  barrier_release "$rid"
   say "train $name exit $rc ($(wc -l < "$out/steps.jsonl" 2>/dev/null || echo 0) steps)"
+}
+
+# barrier_release RUN_ID: a run that never reached the start barrier (already done, or died before the loop
+# could say so) releases the runs waiting there (src/hybridrl/barrier.py)
+barrier_release() {
+  [ -n "${HYBRIDRL_START_BARRIER:-}" ] || return 0
+  local dir=${HYBRIDRL_START_BARRIER%:*}
+  [ -e "$dir/$1.ready" ] || [ -e "$dir/$1.gone" ] || touch "$dir/$1.gone"
 }
 
 # bench NAME GPU STEP [--set k=v]: the engine alone on step STEP's request set of that run, plus raw HTTP probes
@@ -173,14 +187,14 @@ plan_moe() {
 }
 
 plan_moe4() {
-  # the MoE study on four GPUs: the SGLang/vLLM-server pairs first, colocate on one GPU each beside split on
-  # a pair; then in-process vLLM
+  # the MoE study on four GPUs, one run a lane, so that every run meets the others of its phase at the start
+  # barrier: the three colocate runs side by side, then the split pair, then in-process split
   study=config/gpu-2xh200-moe.yaml
   gpus=4
-  phases=(p1 p2)
-  p1=("0|train sglang-colocate-megatron;train vllm-inprocess-colocate-megatron" "1|train vllm-colocate-megatron"
-      "2,3|train sglang-split-megatron;train vllm-split-megatron")
-  p2=("0,1|train vllm-inprocess-split-megatron")
+  phases=(p1 p2 p3)
+  p1=("0|train sglang-colocate-megatron" "1|train vllm-colocate-megatron" "2|train vllm-inprocess-colocate-megatron")
+  p2=("0,1|train sglang-split-megatron" "2,3|train vllm-split-megatron")
+  p3=("0,1|train vllm-inprocess-split-megatron")
 }
 
 plan_moe4full() {
@@ -209,6 +223,8 @@ lane() {  # lane "GPUS|ITEM;ITEM;...": the items one after the other, a snapshot
   for it in "${items[@]}"; do
     # shellcheck disable=SC2086
     item "$gpu" $it
+    # only a lane's first run meets the others at the start barrier
+    [[ $it == train* ]] && unset HYBRIDRL_START_BARRIER
     snapshot
   done
 }
@@ -258,14 +274,22 @@ all() {
     [ "$have" -ge "$gpus" ] || { echo "plan $plan needs $gpus GPUs, this machine has $have" >&2; exit 2; }
   fi
   say "study start (plan $plan, $study)"
-  local phase lanes pids l
+  local phase lanes pids l parties barrier
   for phase in "${phases[@]}"; do
     declare -n lanes=$phase
     pids=()
+    # the lanes' first runs start their steps together, once all are up: a run's start (weights, compile,
+    # conversion) slows the steps of runs beside it (results/reference/2026-11-22-4xh200-moe)
+    parties=0
+    for l in "${lanes[@]}"; do [[ ${l#*|} == train* ]] && parties=$((parties + 1)); done
+    barrier="$ref/barrier/$plan-$phase"
+    rm -rf "$barrier" && mkdir -p "$barrier"
+    [ "$parties" -gt 1 ] && say "$phase: start barrier of $parties runs ($barrier)"
     for l in "${lanes[@]}"; do
       n=$((n + 1))
       say "lane $n: ${l%%|*}"
-      lane "$l" > "$ref/lane-$plan-$n.log" 2>&1 &
+      ( [ "$parties" -gt 1 ] && export HYBRIDRL_START_BARRIER="$barrier:$parties"
+        lane "$l" ) > "$ref/lane-$plan-$n.log" 2>&1 &
       pids+=($!)
     done
     wait "${pids[@]}" || true

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hybridrl import data as gsm8k
+from hybridrl.barrier import StartBarrier
 from hybridrl.engines import make_engine
 from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling
 from hybridrl.engines.gpus import process_used_gb
@@ -148,6 +149,7 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
         return done
     problems = gsm8k.read_jsonl(data_dir / "train.jsonl")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    barrier = StartBarrier.from_env()
     sampler = MemorySampler().start()
     engine = engine or make_engine(run, model_dir, env_spec, paths.logs)
     trainer = None
@@ -170,6 +172,7 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
         canary = Canary(tokenizer, paths.canary)
         canary.record_baseline(engine)
         placement = make_placement(run["placement"], engine, trainer, sampler)
+        waited_s = barrier.wait(run_id, console.print) if barrier else None
         records = list(done)
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         with Progress(*columns, console=console, disable=not progress) as bar:
@@ -178,12 +181,15 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
                 record = one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
                                   canary, sampler, paths)
                 record["timing_s/engine_start"] = startup_s if step == first_step else None
+                record["timing_s/start_barrier"] = waited_s if step == first_step else None
                 append_record(paths.steps, record)
                 records.append(record)
                 bar.advance(task)
                 console.print(_summary(record))
         return records
     finally:
+        if barrier:
+            barrier.leave(run_id)
         engine.stop()
         if trainer:
             trainer.close()

@@ -152,7 +152,7 @@ def test_provenance_collect_and_write(tmp_path: Path, monkeypatch: pytest.Monkey
     prov = provenance.collect({"engine": "vllm", "lr": 1e-4}, {"flags": ["--enable-lora"]})
     for key in ("git", "python", "packages", "host", "gpu", "container", "engine", "run_config"):
         assert key in prov
-    assert set(prov["git"]) == {"commit", "dirty"}
+    assert set(prov["git"]) == {"commit", "dirty", "source_sha256"}
     assert prov["packages"]["numpy"]  # installed here
     assert "megatron-core" in prov["packages"] and "sglang" in prov["packages"]
     assert prov["container"]["image_digest"] == "sha256:feedface"
@@ -161,6 +161,23 @@ def test_provenance_collect_and_write(tmp_path: Path, monkeypatch: pytest.Monkey
     provenance.write(path, prov)
     assert json.loads(path.read_text())["run_config"] == {"engine": "vllm", "lr": 1e-4}
     assert [p.name for p in path.parent.iterdir()] == ["provenance.json"]
+
+
+def test_a_launcher_given_commit_wins_and_the_source_digest_follows_the_code(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYBRIDRL_GIT_COMMIT", "539848d")
+    info = provenance.git_info()
+    assert info["commit"] == "539848d" and info["dirty"] is None
+    assert info["source_sha256"] == provenance.source_digest()
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "sub" / "b.py").write_text("y = 2\n")
+    (tmp_path / "pkg" / "notes.txt").write_text("not code")
+    before = provenance.source_digest(tmp_path / "pkg")
+    (tmp_path / "pkg" / "notes.txt").write_text("changed, still not code")
+    assert provenance.source_digest(tmp_path / "pkg") == before
+    (tmp_path / "pkg" / "sub" / "b.py").write_text("y = 3\n")
+    assert provenance.source_digest(tmp_path / "pkg") != before
 
 
 def test_provenance_missing_package_and_image_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

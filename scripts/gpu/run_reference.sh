@@ -28,7 +28,6 @@ ctl=/tmp/ctl
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false CUDA_DEVICE_ORDER=PCI_BUS_ID
 # NVLink multicast stays off on these machines (see the device notes); engines inherit these.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export HYBRIDRL_GIT_COMMIT=${HYBRIDRL_GIT_COMMIT:-$(git -C "$repo" rev-parse HEAD 2>/dev/null || echo unknown)}
 ctl_path="$ctl:$repo/src"
 
 say() { echo "[$(date +%T)] $*"; }
@@ -365,6 +364,9 @@ case "$cmd" in
   start)
     [ $# -gt 0 ] || { echo "usage: run_reference.sh start PLAN [PLAN...] ($(known_plans))" >&2; exit 2; }
     for p in "$@"; do study_of "$p" > /dev/null; done
+    # the leased machine's copy of the tree may sit on a .git that is not its own: name the commit here
+    [ -n "${HYBRIDRL_GIT_COMMIT:-}" ] || say "warning: HYBRIDRL_GIT_COMMIT is not set; provenance takes the" \
+      "commit from this checkout's .git, which may not be the code that travelled (source_sha256 still is)"
     # run from a snapshot of the code, so that later edits to the checkout cannot reach a running study
     rm -rf "$root/code" && mkdir -p "$root/code"
     cp -r "$repo"/{src,config,workflow,scripts} "$root/code/"

@@ -30,13 +30,29 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def source_digest(root: Path = REPO / "src" / "hybridrl") -> str:
+    """sha256 over the package's .py files (path and content): which code ran, with or without .git."""
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def git_info() -> dict[str, Any]:
-    """Commit and dirty flag of the source tree; HYBRIDRL_GIT_COMMIT serves where .git is absent."""
+    """Commit and dirty flag of the source tree, and the digest of the code itself.
+
+    HYBRIDRL_GIT_COMMIT, where the launcher sets it, wins over the checkout's .git: a copied working tree
+    can sit on a .git that is not its own (a leased GPU machine's copy reported an older commit).
+    """
+    digest = source_digest()
+    given = os.environ.get("HYBRIDRL_GIT_COMMIT")
+    if given:
+        return {"commit": given, "dirty": None, "source_sha256": digest}
     commit = _git("rev-parse", "HEAD")
     if commit is None:
-        return {"commit": os.environ.get("HYBRIDRL_GIT_COMMIT"), "dirty": None}
+        return {"commit": None, "dirty": None, "source_sha256": digest}
     status = _git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit, "dirty": None if status is None else bool(status)}
+    return {"commit": commit, "dirty": None if status is None else bool(status), "source_sha256": digest}
 
 
 def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:

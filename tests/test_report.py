@@ -320,11 +320,27 @@ def test_aggregate_records_each_runs_commit_and_gpu(tmp_path: Path) -> None:
     prov = json.loads((run_dir / "provenance.json").read_text())
     prov["git"] = {"commit": "f095935ace4e53eda7574c565f41b580f6b33f27-dirty", "dirty": None}
     prov["gpu"] = {"devices": [{"index": 0, "name": "NVIDIA H200"}, {"index": 1, "name": "NVIDIA H200"}]}
+    prov["run_config"]["gpu_memory_utilization"] = 0.5
     (run_dir / "provenance.json").write_text(json.dumps(prov))
     df = gather([run_dir])
     assert set(df["git_commit"]) == {"f095935-dirty"} and set(df["gpu"]) == {"NVIDIA H200"}
+    assert set(df["gpu_memory_utilization"]) == {0.5}
     (run_dir / "provenance.json").unlink()
     assert gather([run_dir])["git_commit"].isna().all()  # unknown, not guessed
+
+
+def test_headline_says_what_peak_memory_compares() -> None:
+    from hybridrl.report.headline import headlines
+
+    sglang = headline_run("sglang-colocate-aaaa", "sglang").assign(gpu_memory_utilization=0.5)
+    [same] = headlines(headline_study(sglang, headline_run("vllm-colocate-bbbb", "vllm").assign(
+        gpu_memory_utilization=0.5)))
+    assert same.caveats == ("both engines were given 0.5 of each GPU's memory, so peak GPU memory compares that "
+                            "setting more than the engines",)
+    [other] = headlines(headline_study(sglang, headline_run("vllm-colocate-bbbb", "vllm").assign(
+        gpu_memory_utilization=0.9)))
+    assert other.caveats == ("the engines were given different shares of each GPU's memory (0.5 SGLang, 0.9 "
+                             "vLLM), which peak GPU memory follows",)
 
 
 def test_headline_says_when_the_pair_ran_different_code(tmp_path: Path) -> None:
@@ -341,5 +357,5 @@ def test_headline_says_when_the_pair_ran_different_code(tmp_path: Path) -> None:
     out = tmp_path / "out"
     report_main(tmp_path / "steps.parquet", out / "report.md", out / "report.html", out / "plots", "t")
     md = (out / "report.md").read_text()
-    assert "**Caveat: recorded by different code versions: f095935 (SGLang) vs 90e50ca.**" in md
+    assert "\n\n- **Caveat:** recorded by different code versions: f095935 (SGLang) vs 90e50ca.\n" in md
     assert "| code | f095935 | 90e50ca |" in md

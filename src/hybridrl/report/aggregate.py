@@ -35,9 +35,12 @@ CHECKS = [
     "check/rollout_logprob_abs_diff", "check/base_canary_ok", "check/adapter_applied",
     "check/kv_capacity_ok", "check/logprob_agreement_ok", "errors/engine_restarts",
 ]
-# From each run's provenance.json: which code and which GPU recorded it (comparisons across them get a caveat)
+# From each run's provenance.json: which code and which GPU recorded it (comparisons across them get a caveat),
+# and the share of each GPU the engine was given, which sets most of its memory
 PROVENANCE = ["git_commit", "gpu"]
-KNOWN = IDENTITY + TIMING + ROLLOUT + TRAINING + MEMORY + LEARNING + CHECKS + ["time_unix"] + PROVENANCE
+CONFIGURED = ["gpu_memory_utilization"]
+KNOWN = (IDENTITY + TIMING + ROLLOUT + TRAINING + MEMORY + LEARNING + CHECKS + ["time_unix"] + PROVENANCE
+         + CONFIGURED)
 STRINGS = ["run_id", "engine", "placement", "trainer", "model"] + PROVENANCE
 BOOLS = ["check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok", "check/logprob_agreement_ok"]
 NUMBERS = [c for c in KNOWN if c not in STRINGS and c not in BOOLS]
@@ -108,13 +111,14 @@ def commit_label(git: dict[str, Any]) -> str | None:
     return commit.removesuffix("-dirty")[:7] + ("-dirty" if dirty else "")
 
 
-def provenance_fields(prov: dict[str, Any] | None) -> dict[str, str | None]:
-    """The commit and the GPU name a run recorded; None where unknown."""
+def provenance_fields(prov: dict[str, Any] | None) -> dict[str, Any]:
+    """The commit, the GPU name and the engine's memory fraction a run recorded; None where unknown."""
     if prov is None:
-        return {"git_commit": None, "gpu": None}
+        return {"git_commit": None, "gpu": None, "gpu_memory_utilization": None}
     devices = (prov.get("gpu") or {}).get("devices") or []
     names = sorted({d.get("name") for d in devices if d.get("name")})
-    return {"git_commit": commit_label(prov.get("git") or {}), "gpu": " + ".join(names) or None}
+    return {"git_commit": commit_label(prov.get("git") or {}), "gpu": " + ".join(names) or None,
+            "gpu_memory_utilization": (prov.get("run_config") or {}).get("gpu_memory_utilization")}
 
 
 def _missing(value: Any) -> bool:

@@ -128,10 +128,18 @@ def headlines(df: pd.DataFrame) -> list[Headline]:
 
 
 def caveats(sglang: pd.Series, vllm: pd.Series) -> tuple[str, ...]:
-    """Where two paired runs were recorded by different code or on different GPUs, say so."""
+    """What a reader must know to read the pair: different code or GPUs, and what peak memory compares."""
     out = []
     for col, what in (("git_commit", "code versions"), ("gpu", "GPUs")):
         a, b = sglang.get(col), vllm.get(col)
         if not (pd.isna(a) or pd.isna(b)) and a != b:
             out.append(f"recorded by different {what}: {a} (SGLang) vs {b}")
+    # both engines reserve their share of the GPU up front (weights, KV cache, graphs), so peak memory
+    # mostly reports that configured share: an engine "using less" may only have been given less
+    a, b = sglang.get("gpu_memory_utilization"), vllm.get("gpu_memory_utilization")
+    if not (pd.isna(a) or pd.isna(b)):
+        out.append(f"both engines were given {a:g} of each GPU's memory, so peak GPU memory compares that setting "
+                   "more than the engines" if a == b else
+                   f"the engines were given different shares of each GPU's memory ({a:g} SGLang, {b:g} vLLM), "
+                   "which peak GPU memory follows")
     return tuple(out)

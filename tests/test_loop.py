@@ -119,6 +119,7 @@ def test_records_resume_and_adapters(assets, tmp_path):
     assert [r["step"] for r in records] == [1, 2]
     assert (out / "adapters" / "step-0002" / "adapter_model.safetensors").exists()
     assert all(r["check/base_canary_ok"] for r in records)
+    assert all({"host/cpu_busy_pct_gen", "host/cpu_busy_pct_update_actor"} <= set(r) for r in records)
     assert all(r["check/logprob_gap_max"] == 0.02 and "check/logprob_agreement_ok" in r for r in records)
     assert json.loads((out / "requests" / "step-0002.jsonl").read_text().splitlines()[0])["adapter"] == "policy"
     before = (out / "steps.jsonl").read_text()

@@ -74,7 +74,28 @@ def test_timings_accumulate_and_fill_every_key():
         pass
     rec = t.record()
     assert rec["timing_s/gen"] >= 0 and rec["timing_s/sleep"] is None
-    assert set(rec) >= {"timing_s/update_actor", "timing_s/update_weights", "timing_s/restart"}
+    assert set(rec) >= {"timing_s/update_actor", "timing_s/update_weights", "timing_s/restart",
+                        "host/cpu_busy_pct_gen", "host/cpu_busy_pct_update_actor"}
+
+
+def test_host_cpu_load_is_recorded_for_rollout_and_training(tmp_path):
+    from hybridrl.telemetry import host_cpu_jiffies
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 5 50 800 40 3 2 0 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n")
+    assert host_cpu_jiffies(stat) == (160, 1000)  # busy leaves out idle and iowait
+    assert host_cpu_jiffies(tmp_path / "absent") is None
+    readings = iter([(100, 1000), (400, 2000), (400, 2000), (1300, 3000)])
+    t = Timings(cpu_reader=lambda: next(readings))
+    with t.phase("gen"):
+        pass
+    with t.phase("sleep"):  # not a phase whose load is recorded: reads nothing
+        pass
+    with t.phase("update_actor"):
+        pass
+    rec = t.record()
+    assert rec["host/cpu_busy_pct_gen"] == 30.0 and rec["host/cpu_busy_pct_update_actor"] == 90.0
+    assert Timings(cpu_reader=lambda: None).record()["host/cpu_busy_pct_gen"] is None
 
 
 def test_append_record_keeps_earlier_lines(tmp_path):

@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,24 +19,51 @@ from hybridrl.engines.base import Completion
 
 # Every record carries these keys (null where a placement has no such phase), so tables line up.
 TIMING_KEYS = ("gen", "reward", "sleep", "update_actor", "wake", "update_weights", "restart", "step")
+# Phases whose host CPU load is recorded: a busy host (another run starting beside this one) slows them.
+HOST_LOAD_PHASES = ("gen", "update_actor")
+
+
+def host_cpu_jiffies(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
+    """(busy, total) CPU time of the whole host since boot, in clock ticks; None where /proc/stat is absent."""
+    try:
+        fields = stat.read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def busy_pct(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return 100.0 * (after[0] - before[0]) / (after[1] - before[1])
 
 
 class Timings:
-    def __init__(self) -> None:
+    def __init__(self, cpu_reader: Callable[[], tuple[int, int] | None] = host_cpu_jiffies) -> None:
         self.s: dict[str, float] = {}
+        self.busy: dict[str, float | None] = {}
+        self._cpu = cpu_reader
 
     @contextlib.contextmanager
     def phase(self, name: str, sampler: MemorySampler | None = None) -> Iterator[None]:
         if sampler:
             sampler.set_phase(name)
+        cpu0 = self._cpu() if name in HOST_LOAD_PHASES else None
         t0 = time.perf_counter()
         try:
             yield
         finally:
             self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t0
+            if name in HOST_LOAD_PHASES:
+                self.busy[name] = busy_pct(cpu0, self._cpu())
 
     def record(self) -> dict[str, float | None]:
-        return {f"timing_s/{k}": self.s.get(k) for k in TIMING_KEYS}
+        out: dict[str, float | None] = {f"timing_s/{k}": self.s.get(k) for k in TIMING_KEYS}
+        out.update({f"host/cpu_busy_pct_{k}": self.busy.get(k) for k in HOST_LOAD_PHASES})
+        return out
 
 
 def _pct(values: list[float], q: float) -> float | None:

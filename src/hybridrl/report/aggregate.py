@@ -31,6 +31,7 @@ TRAINING = [
 ]
 MEMORY = ["mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacity_tokens"]
 LEARNING = ["reward/mean", "reward/accuracy", "response_length/mean"]
+HOST = ["host/cpu_busy_pct_gen", "host/cpu_busy_pct_update_actor"]  # what else kept the host busy
 CHECKS = [
     "check/rollout_logprob_abs_diff", "check/base_canary_ok", "check/adapter_applied",
     "check/kv_capacity_ok", "check/logprob_agreement_ok", "errors/engine_restarts",
@@ -39,8 +40,8 @@ CHECKS = [
 # and the share of each GPU the engine was given, which sets most of its memory
 PROVENANCE = ["git_commit", "gpu"]
 CONFIGURED = ["gpu_memory_utilization"]
-KNOWN = (IDENTITY + TIMING + ROLLOUT + TRAINING + MEMORY + LEARNING + CHECKS + ["time_unix"] + PROVENANCE
-         + CONFIGURED)
+KNOWN = (IDENTITY + TIMING + ROLLOUT + TRAINING + MEMORY + LEARNING + HOST + CHECKS + ["time_unix"]
+         + PROVENANCE + CONFIGURED)
 STRINGS = ["run_id", "engine", "placement", "trainer", "model"] + PROVENANCE
 BOOLS = ["check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok", "check/logprob_agreement_ok"]
 NUMBERS = [c for c in KNOWN if c not in STRINGS and c not in BOOLS]

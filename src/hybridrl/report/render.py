@@ -16,6 +16,7 @@ from hybridrl.report import headline, stats
 from hybridrl.report.aggregate import (
     CHECKS,
     CONFIG_KEY,
+    HOST,
     LEARNING,
     MEMORY,
     ROLLOUT,
@@ -40,12 +41,13 @@ KEY_METRICS = [
     ("perf/ttft_s_p50", "TTFT p50", "s"),
     ("perf/itl_ms_p50", "ITL p50", "ms"),
     ("reward/mean", "Reward mean", ""),
+    ("host/cpu_busy_pct_gen", "Host CPU busy in rollout", "%"),
 ]
 RATIO_METRICS = [("perf/throughput", "Rollout throughput"), ("timing_s/step", "Step time"),
                  ("timing_s/gen", "Generation time")]
 WARMUP_METRICS = ["timing_s/step", "timing_s/gen", "timing_s/restart", "timing_s/update_weights",
                   "perf/throughput", "perf/ttft_s_p50"]
-DETAIL_METRICS = [c for c in TIMING + ROLLOUT + TRAINING + MEMORY + LEARNING + CHECKS
+DETAIL_METRICS = [c for c in TIMING + ROLLOUT + TRAINING + MEMORY + LEARNING + HOST + CHECKS
                   if not c.startswith("check/") or c == "check/rollout_logprob_abs_diff"]
 BOOL_CHECKS = [
     ("check/base_canary_ok", "Base canary unchanged"),

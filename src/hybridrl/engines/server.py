@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +163,7 @@ class ServerProcess:
             self._log = None
 
 
-async def sse_lines(response: httpx.Response):
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
     """A server-sent-event stream's lines, split at line feeds only.
 
     httpx's aiter_lines() splits like str.splitlines(), also at U+0085, U+2028 and U+2029, which JSON

@@ -175,11 +175,21 @@ def test_plots_are_valid_pngs(study: list[Path], tmp_path: Path) -> None:
     import matplotlib.image
 
     written = make_all(gather(study), tmp_path / "plots")
-    assert set(written) == {"throughput", "step_breakdown", "latency", "reward"}  # no memory data on CPU
+    # no memory data on CPU
+    assert set(written) == {"throughput", "step_breakdown", "latency", "reward", "timeline"}
     for path in written.values():
         assert path.read_bytes()[:8] == PNG_MAGIC
         height, width, _ = matplotlib.image.imread(path).shape
         assert height > 200 and width > 300
+
+
+def test_steps_hours_apart_fall_into_separate_sittings() -> None:
+    from hybridrl.report.plots import sittings
+
+    start = pd.Series([0.0, 5.0, 30.0, 10_000.0, 10_020.0, 40.0])
+    stop = pd.Series([20.0, 25.0, 50.0, 10_015.0, 10_040.0, 700.0])  # the last step ran long
+    assert sittings(start, stop).tolist() == [0, 0, 0, 1, 1, 0]
+    assert sittings(start, stop, gap_s=1e6).tolist() == [0] * 6
 
 
 def test_memory_plot_when_memory_recorded(tmp_path: Path) -> None:

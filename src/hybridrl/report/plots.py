@@ -1,4 +1,4 @@
-"""PNG plots of the tidy step table: throughput, step-time breakdown, latency, reward, memory."""
+"""PNG plots of the tidy step table: throughput, step-time breakdown, latency, reward, memory, timeline."""
 
 from __future__ import annotations
 
@@ -186,12 +186,66 @@ def plot_memory(df: pd.DataFrame, out: Path) -> Path | None:
     return _save(fig, out)
 
 
+SESSION_GAP_S = 600.0  # steps further apart than this belong to separate sittings (e.g. two GPU leases)
+
+
+def sittings(start: pd.Series, stop: pd.Series, gap_s: float = SESSION_GAP_S) -> pd.Series:
+    """A sitting number per step: steps that follow each other with less than gap_s idle share one."""
+    order = start.sort_values().index
+    ids, latest, current = {}, -np.inf, -1
+    for i in order:
+        if start[i] > latest + gap_s:
+            current += 1
+        latest = max(latest, stop[i])
+        ids[i] = current
+    return pd.Series(ids).reindex(start.index)
+
+
+def plot_timeline(df: pd.DataFrame, out: Path) -> Path | None:
+    """Each step as a bar on the wall clock, from its start to its end, at its rollout throughput (and the
+    host's CPU load, where recorded): which runs overlapped in time, and what that did to them. Sittings
+    hours apart (two leases) get a panel each."""
+    if not _has(df, ["time_unix"]) or not _has(df, ["timing_s/step"]) or not _has(df, ["perf/throughput"]):
+        return None
+    panels = [("perf/throughput", "rollout throughput (tok/s)")]
+    if _has(df, ["host/cpu_busy_pct_gen"]):
+        panels.append(("host/cpu_busy_pct_gen", "host CPU busy in rollout (%)"))
+    df = df.assign(_stop=pd.to_numeric(df["time_unix"], errors="coerce"))
+    df = df.assign(_start=df["_stop"] - pd.to_numeric(df["timing_s/step"], errors="coerce")).dropna(
+        subset=["_start", "_stop"])
+    df = df.assign(_sitting=sittings(df["_start"], df["_stop"]))
+    n_sit = int(df["_sitting"].max()) + 1
+    labels, colors = run_labels(df), run_colors(df)
+    fig, axes = plt.subplots(len(panels), n_sit, figsize=(max(10, 5 * n_sit), 3.4 * len(panels)),
+                             sharey="row", squeeze=False)
+    for k in range(n_sit):
+        here = df[df["_sitting"] == k]
+        t0 = here["_start"].min()
+        for ax, (metric, ylabel) in zip(axes[:, k], panels, strict=True):
+            for rid, run in _runs(here):
+                ax.hlines(pd.to_numeric(run[metric], errors="coerce"), (run["_start"] - t0) / 60,
+                          (run["_stop"] - t0) / 60, color=colors[rid], lw=3, label=labels[rid])
+            ax.grid(alpha=0.3)
+            if k == 0:
+                ax.set_ylabel(ylabel)
+        start = pd.Timestamp(t0, unit="s").strftime("%Y-%m-%d %H:%M UTC")
+        axes[-1][k].set_xlabel(f"minutes since {start}")
+    handles = {h.get_label(): h for ax in axes.flat for h in ax.get_legend_handles_labels()[0]}
+    names = [labels[rid] for rid in run_order(df) if labels[rid] in handles]
+    # beside the plot, not on it: the last runs' steps sit where "best" would put it
+    axes[0][-1].legend([handles[n] for n in names], names, fontsize=8, loc="upper left",
+                       bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle("Steps on the wall clock: runs that overlapped in time")
+    return _save(fig, out)
+
+
 PLOTS: dict[str, tuple[str, Callable[[pd.DataFrame, Path], Path | None]]] = {
     "throughput": ("Throughput per step", plot_throughput),
     "step_breakdown": ("Step-time breakdown", plot_step_breakdown),
     "latency": ("Latency distributions", plot_latency),
     "reward": ("Reward per step", plot_reward),
     "memory": ("GPU memory per phase", plot_memory),
+    "timeline": ("Steps on the wall clock", plot_timeline),
 }
 
 

@@ -2,6 +2,7 @@
 
 import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -132,7 +133,12 @@ def test_a_run_already_done_releases_the_start_barrier(root: Path, tmp_path: Pat
     (study / "runs" / "rid").mkdir()
     (study / "runs" / "rid" / "done.json").write_text("{}")
     (tmp_path / "b").mkdir()
-    env = {"PATH": "/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(root), "HYBRIDRL_START_BARRIER": f"{tmp_path}/b:2"}
+    # the driver reads the run's config with python3: this interpreter's, wherever it lives
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(root),
+           "HYBRIDRL_START_BARRIER": f"{tmp_path}/b:2"}
     done = subprocess.run(["bash", str(DRIVER), "train", "x", "0"], capture_output=True, text=True, env=env,
                           timeout=60)
     assert done.returncode == 0, done.stderr

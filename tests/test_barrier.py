@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl.barrier import ENV, TIMEOUT_ENV, StartBarrier
+from hybridrl.config import ConfigError
 
 
 def test_from_env_reads_dir_and_parties_and_refuses_a_malformed_value(tmp_path: Path) -> None:
@@ -13,7 +14,7 @@ def test_from_env_reads_dir_and_parties_and_refuses_a_malformed_value(tmp_path: 
     b = StartBarrier.from_env({ENV: f"{tmp_path}/a:b/p1:3", TIMEOUT_ENV: "5"})
     assert (b.directory, b.parties, b.timeout_s) == (tmp_path / "a:b" / "p1", 3, 5.0)
     for bad in (str(tmp_path), f"{tmp_path}:x", ":2", f"{tmp_path}:0"):
-        with pytest.raises(ValueError, match=ENV):
+        with pytest.raises(ConfigError, match=ENV):
             StartBarrier.from_env({ENV: bad})
 
 

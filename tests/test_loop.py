@@ -231,3 +231,14 @@ def test_a_run_that_fails_to_start_releases_the_start_barrier(assets, tmp_path, 
         run_loop(_run(), "r10", assets / "model", assets / "data", tmp_path / "run", {}, progress=False,
                  engine=WontStart())
     assert (tmp_path / "barrier" / "r10.gone").exists()
+
+
+def test_a_malformed_start_barrier_is_a_config_error_before_anything_starts(assets, tmp_path, monkeypatch):
+    from hybridrl.config import ConfigError
+
+    monkeypatch.setenv("HYBRIDRL_START_BARRIER", "/tmp/barrier-without-a-count")
+    engine = ScriptedEngine()
+    with pytest.raises(ConfigError, match="HYBRIDRL_START_BARRIER='/tmp/barrier-without-a-count': expected DIR:N"):
+        run_loop(_run(), "r11", assets / "model", assets / "data", tmp_path / "run", {}, progress=False,
+                 engine=engine)
+    assert engine.starts == 0

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from hybridrl.config import ConfigError
+
 ENV = "HYBRIDRL_START_BARRIER"
 TIMEOUT_ENV = "HYBRIDRL_START_BARRIER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 1800.0
@@ -24,20 +26,20 @@ DEFAULT_TIMEOUT_S = 1800.0
 class StartBarrier:
     def __init__(self, directory: Path, parties: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if parties < 1:
-            raise ValueError(f"{ENV}: the number of runs must be at least 1, not {parties}")
+            raise ConfigError(f"{ENV}: the number of runs must be at least 1, not {parties}")
         self.directory, self.parties, self.timeout_s = directory, parties, timeout_s
         self._arrived: str | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> StartBarrier | None:
-        """The barrier the environment names, or None; a malformed value is an error naming it."""
+        """The barrier the environment names, or None; a malformed value is a ConfigError naming it."""
         env = os.environ if env is None else env
         spec = env.get(ENV, "").strip()
         if not spec:
             return None
         directory, sep, parties = spec.rpartition(":")
         if not sep or not directory or not parties.isdigit():
-            raise ValueError(f"{ENV}={spec!r}: expected DIR:N, e.g. /tmp/ref/barrier-p1:3")
+            raise ConfigError(f"{ENV}={spec!r}: expected DIR:N, e.g. /tmp/ref/barrier-p1:3")
         timeout = float(env.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
         return cls(Path(directory), int(parties), timeout)
 

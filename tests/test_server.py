@@ -88,7 +88,8 @@ time.sleep(120)  # its teardown hangs; the process never exits by itself
 def test_a_server_that_fails_to_start_but_hangs_is_stopped_after_a_grace(tmp_path, monkeypatch):
     monkeypatch.setattr(server, "FATAL_GRACE_S", 1.0)
     log = tmp_path / "s.log"
-    log.write_text("an earlier start of the same log: EngineCore failed to start.\n")  # not this start's
+    # an earlier start of the same log: neither its marker nor its error belongs to this start
+    log.write_text("EngineCore failed to start.\nOSError: the earlier start's error\n")
     srv = ServerProcess("toy", [sys.executable, "-c", HANGS_AFTER_FAILING], dict(os.environ), log, free_port(),
                         fatal_markers=("EngineCore failed to start",))
     srv.start()
@@ -201,3 +202,13 @@ def test_first_error_line_finds_the_root_cause_not_warnings(tmp_path):
     assert first_error_line(log).endswith("AttributeError: module 'triton.language' has no attribute 'float32'")
     log.write_text("INFO all fine\n")
     assert first_error_line(log) is None and first_error_line(tmp_path / "missing.log") is None
+
+
+def test_first_error_line_reads_only_this_starts_part_of_an_appended_log(tmp_path):
+    log = tmp_path / "engine.log"
+    log.write_text("RuntimeError: an earlier start's shutdown noise\n")
+    start = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("loading\nValueError: this start's root cause\n")
+    assert first_error_line(log) == "RuntimeError: an earlier start's shutdown noise"
+    assert first_error_line(log, start) == "ValueError: this start's root cause"

@@ -45,11 +45,15 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text[-lines:])
 
 
-def first_error_line(path: Path) -> str | None:
-    """The first line of an engine log that names an exception: the root cause, before the cascade."""
+def first_error_line(path: Path, start: int = 0) -> str | None:
+    """The first line of an engine log, from byte `start` on, that names an exception: the root cause,
+    before the cascade. `start` skips earlier starts in a log that each start appends to."""
     if not path.exists():
         return None
-    for line in path.read_text(errors="replace").splitlines():
+    with open(path, "rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    for line in text.splitlines():
         # a raised exception starts its line or follows the logger's "[file:line] " prefix
         if re.search(r"(?:^|\] )[\w.]+(?:Error|Exception): ", line):
             return line.strip()
@@ -75,7 +79,7 @@ class ServerProcess:
         self.fatal_markers = fatal_markers
         self.proc: subprocess.Popen | None = None
         self._log = None
-        self._log_start = 0
+        self.log_start = 0
 
     @property
     def base_url(self) -> str:
@@ -88,7 +92,7 @@ class ServerProcess:
         self._log = open(self.log_path, "ab")
         self._log.write(f"\n==== {time.strftime('%F %T')} {' '.join(self.cmd)}\n".encode())
         self._log.flush()
-        self._log_start = self._log.tell()  # this start's output begins here (the log is appended to)
+        self.log_start = self._log.tell()  # this start's output begins here (the log is appended to)
         try:
             # own session = own process group, so stop() can take down every worker it forks
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -104,7 +108,7 @@ class ServerProcess:
     def wait_healthy(self, timeout_s: float, health_path: str = "/health") -> float:
         """Poll until the server answers; on death or timeout stop it and raise with the log's tail."""
         t0 = time.monotonic()
-        offset, fatal_at = self._log_start, None
+        offset, fatal_at = self.log_start, None
         with httpx.Client(timeout=5.0) as client:
             while True:
                 if not self.alive():
@@ -120,7 +124,7 @@ class ServerProcess:
                     fatal_at = (marker, time.monotonic()) if marker else None
                 elif time.monotonic() - fatal_at[1] > FATAL_GRACE_S:
                     self.stop()
-                    cause = first_error_line(self.log_path)
+                    cause = first_error_line(self.log_path, self.log_start)
                     raise EngineError(f"{self.name} failed while starting ({fatal_at[0]!r} in its log) and did "
                                       f"not exit within {FATAL_GRACE_S:.0f} s, so it was stopped"
                                       + (f"; first error: {cause}" if cause else "")
@@ -356,9 +360,9 @@ class HTTPEngine:
         t0 = time.perf_counter()
         warm = self.stream.generate([Request([1, 2, 3], Sampling(max_new_tokens=2, temperature=0.0))])[0]
         if warm.error:
+            log = self.server.log_path
+            cause = first_error_line(log, self.server.log_start)  # this start's, not an earlier one's
             self.stop()
-            log = self.log_dir / "engine.log"
-            cause = first_error_line(log)
             raise EngineError(f"{self.name}: warm-up request failed: {warm.error}"
                               + (f"\n  first error in {log}: {cause}" if cause else f"\n  see {log}"))
         self._loaded = {adapter[0]} if adapter else set()

@@ -291,3 +291,39 @@ def test_vllm_flush_retries_until_the_reset_succeeds_and_fails_loudly(model_dir:
     eng.flush_cache()  # an empty 200 counts as done
     with pytest.raises(EngineError, match="success=false"):
         eng.flush_cache()  # held blocks that never free: one clear error, not stale prefixes
+
+
+# -- vLLM: NVLink multicast stays off where the host turns it off -----------------------------------
+@pytest.mark.parametrize("host", [{"NCCL_NVLS_ENABLE": "0"}, {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}])
+def test_vllm_server_keeps_allreduce_off_multicast_where_the_host_does(model_dir: Path, tmp_path: Path,
+                                                                        monkeypatch, host):
+    from hybridrl.engines import vllm as vllm_mod
+
+    for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", *vllm_mod.MULTICAST_OFF_VLLM_ENV):
+        monkeypatch.delenv(key, raising=False)
+    run = _run(engine="vllm", tp=2)
+    assert "VLLM_FLASHINFER_ALLREDUCE_BACKEND" not in vllm_mod.VLLMServer(model_dir, run, {}, tmp_path).environment()
+    for key, value in host.items():
+        monkeypatch.setenv(key, value)
+    env = vllm_mod.VLLMServer(model_dir, run, {}, tmp_path).environment()
+    assert env["VLLM_FLASHINFER_ALLREDUCE_BACKEND"] == "trtllm" and env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
+    # an explicit choice wins: the host's, then the study's engine env
+    monkeypatch.setenv("VLLM_ALLREDUCE_USE_SYMM_MEM", "1")
+    spec = {"env": {"VLLM_FLASHINFER_ALLREDUCE_BACKEND": "mnnvl"}}
+    env = vllm_mod.VLLMServer(model_dir, run, spec, tmp_path).environment()
+    assert env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "1" and env["VLLM_FLASHINFER_ALLREDUCE_BACKEND"] == "mnnvl"
+
+
+def test_vllm_inprocess_keeps_allreduce_off_multicast_where_the_host_does(model_dir: Path, tmp_path: Path,
+                                                                          monkeypatch):
+    from hybridrl.engines.vllm import MULTICAST_OFF_VLLM_ENV
+    from hybridrl.engines.vllm_inprocess import VLLMInProcess
+
+    for key in MULTICAST_OFF_VLLM_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    eng = VLLMInProcess(model_dir, _run(engine="vllm-inprocess", tp=2), {}, tmp_path)
+    assert {k: eng._env[k] for k in MULTICAST_OFF_VLLM_ENV} == MULTICAST_OFF_VLLM_ENV
+    monkeypatch.setenv("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "mnnvl")  # the host's own choice is left alone
+    eng = VLLMInProcess(model_dir, _run(engine="vllm-inprocess", tp=2), {}, tmp_path)
+    assert "VLLM_FLASHINFER_ALLREDUCE_BACKEND" not in eng._env

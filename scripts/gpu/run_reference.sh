@@ -28,10 +28,12 @@ ctl=/tmp/ctl
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false CUDA_DEVICE_ORDER=PCI_BUS_ID
 # NVLink multicast stays off on these machines (see the device notes); engines inherit these.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# vLLM 0.26's tensor-parallel all-reduce through PyTorch symmetric memory (on by default) uses multicast
-# (multimem) at 4+ GPUs, and at 2 its first start here died in the profiling pass with an illegal memory
-# access (results/reference/2026-11-22-4xh200-moe); NCCL and vLLM's own all-reduce serve instead
-export VLLM_ALLREDUCE_USE_SYMM_MEM=0
+# vLLM 0.26 at TP > 1 reaches for multicast on its own: its FlashInfer all-reduce fusion picks the "mnnvl"
+# (multicast) workspace on Hopper, its symmetric-memory all-reduce uses multimem at 4+ GPUs. Its first TP 2
+# start here died in the compiled profiling pass with an illegal memory access
+# (results/reference/2026-11-22-4xh200-moe). The engines set these from the variables above
+# (engines/vllm.py: multicast_off_env); set here too so that every process of a run sees them.
+export VLLM_ALLREDUCE_USE_SYMM_MEM=0 VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm
 ctl_path="$ctl:$repo/src"
 
 say() { echo "[$(date +%T)] $*"; }

@@ -46,6 +46,18 @@ class _VLLMStream(StreamingClient):
 
 FLUSH_TRIES = 10
 
+# vLLM's tensor-parallel all-reduce can reach for NVLink multicast on its own: its FlashInfer
+# all-reduce+RMSNorm fusion picks the multicast ("mnnvl") workspace by default on Hopper at TP > 1 (0.26),
+# and its symmetric-memory all-reduce uses multimem at 4+ GPUs. Hosts that keep multicast off say so
+# through NCCL/PyTorch variables, which vLLM does not read; these keep vLLM off it too (IPC and NCCL instead).
+MULTICAST_OFF_VLLM_ENV = {"VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm", "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+
+
+def multicast_off_env(env: dict[str, str]) -> dict[str, str]:
+    """The vLLM variables that keep it off NVLink multicast where `env` turns multicast off, else none."""
+    off = env.get("NCCL_NVLS_ENABLE") == "0" or env.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") == "1"
+    return dict(MULTICAST_OFF_VLLM_ENV) if off else {}
+
 
 def reset_until_done(reset: Callable[[], bool], what: str) -> None:
     """Ask vLLM to drop its prefix cache until it says it did; it refuses while blocks are still held."""
@@ -108,6 +120,8 @@ class VLLMServer(HTTPEngine):
         if self.run["device"] == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a large slice of RAM
         env.update(split_engine_devices(self.run, env))  # split: the engine takes the last GPUs
+        for key, value in multicast_off_env(env).items():
+            env.setdefault(key, value)  # an explicit setting (the host's or below) wins
         env.update(self.extra_env)
         return env
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from hybridrl.engines.base import Completion, EngineDied, EngineError, Request, Sampling
 from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
-from hybridrl.engines.vllm import reset_until_done
+from hybridrl.engines.vllm import multicast_off_env, reset_until_done
 
 BASE_NAME = "base"
 CONTROL_TIMEOUT_S = 300.0
@@ -78,6 +78,9 @@ class VLLMInProcess:
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.pop("PYTHONPATH", None)  # too late to matter in-process; the controller's path is the engine's
         env.update(split_engine_devices(run, {**os.environ, **env}))
+        for key, value in multicast_off_env({**os.environ, **env}).items():
+            if key not in os.environ:
+                env.setdefault(key, value)
         self._env = env
         self.llm: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -4,6 +4,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,7 @@ def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) ->
 
 def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
-    assert bad.returncode == 2 and "no plan named nope (full moe moe4 moe4full rest rest4" in bad.stderr
+    assert bad.returncode == 2 and "no plan named nope (full moe moe2full moe4 moe4full rest rest4" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
     assert "run setup first" in _driver(root, "all", "rest").stderr
@@ -96,6 +97,44 @@ def test_full_shape_moe_plan_never_puts_two_runs_on_one_gpu(root: Path) -> None:
     assert done.stdout.index("p1 done") < done.stdout.index("lane 3: 0,1,2,3")
     assert _items(study / "lane-moe4full-3.log")[-2:] == ["train vllm-inprocess-colocate-megatron on GPU 0,1",
                                                           "train vllm-inprocess-split-megatron on GPU 0,1,2,3"]
+
+
+def test_full_shape_moe_on_two_gpus_runs_colocate_one_at_a_time_vllm_first(root: Path) -> None:
+    (root / "gpu-4xh200-moe").mkdir()
+    (root / "gpu-4xh200-moe" / "setup.done").touch()
+    done = _driver(root, "all", "moe2full")
+    assert done.returncode == 0, done.stderr
+    assert _items(root / "gpu-4xh200-moe" / "lane-moe2full-1.log") == [
+        "train vllm-colocate-megatron on GPU 0,1", "train sglang-colocate-megatron on GPU 0,1",
+        "train vllm-inprocess-colocate-megatron on GPU 0,1"]
+    assert "start barrier" not in done.stdout and not (root / "gpu-4xh200-moe" / "lane-moe2full-2.log").exists()
+
+
+def test_runs_wait_for_the_engine_overlays_when_asked(root: Path, tmp_path: Path) -> None:
+    ready = tmp_path / "envs.ready"
+    env = {"PATH": "/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(root), "HYBRIDRL_DRY_RUN": "1",
+           "HYBRIDRL_ENVS_READY": str(ready), "HYBRIDRL_ENVS_WAIT_S": "2"}
+    late = subprocess.run(["bash", str(DRIVER), "plans", "moe"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert late.returncode == 1
+    assert f"no {ready} after 2 s: the engine overlays were never installed" in late.stdout
+    assert not (root / "gpu-2xh200-moe" / "lane-moe-1.log").exists()  # nothing ran
+    waiting = subprocess.Popen(["bash", str(DRIVER), "plans", "moe"], stdout=subprocess.PIPE, text=True,
+                               env={**env, "HYBRIDRL_ENVS_WAIT_S": "60"})
+    time.sleep(1.5)  # the plans are waiting by now (or, on a slow host, about to)
+    ready.touch()
+    out, _ = waiting.communicate(timeout=60)
+    assert waiting.returncode == 0
+    assert out.index("study start (plan moe") > 0
+    assert _items(root / "gpu-2xh200-moe" / "lane-moe-1.log")[0] == "train sglang-colocate-megatron on GPU 0"
+
+
+def test_status_counts_a_run_without_steps_quietly(root: Path) -> None:
+    (root / "gpu-h200" / "runs" / "r2").mkdir()
+    done = _driver(root, "status")
+    assert "No such file" not in done.stderr
+    lines = {line.split()[0]: line.split()[1] for line in done.stdout.splitlines() if " steps" in line}
+    assert lines == {"r1": "1", "r2": "0"}
 
 
 def test_pack_keeps_the_first_error_of_a_long_engine_log(root: Path, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@
 #
 #   scripts/gpu/run_reference.sh setup WHEELS_DIR [CONFIG...]  # controller wheels; data, random-init models
 #                                                               # and run configs of each study (gpu-h200)
+#   scripts/gpu/run_reference.sh controller WHEELS_DIR  # controller wheels only (`start` prepares studies)
 #   scripts/gpu/run_reference.sh start PLAN [PLAN...]   # plans one after the other, in the background
 #   scripts/gpu/run_reference.sh status                 # progress
 #   HYBRIDRL_DRY_RUN=1 scripts/gpu/run_reference.sh all PLAN   # print what a plan runs, in order, runs nothing
@@ -18,8 +19,10 @@
 # one did, losing eleven finished runs that had not been copied out.
 #
 # Plans (see below): `full`, `rest`, `rest4` (rest on four GPUs) for gpu-h200; `moe`, `moe4` for the 8-layer
-# MoE study; `moe4full` for the 48-layer one. A later plan's study is prepared while the first plan runs.
-# HYBRIDRL_RUN_TIMEOUT_S caps a run (default 1800). Every process a run starts is in its process group.
+# MoE study; `moe4full` (`moe2full` on two GPUs: colocate only) for the 48-layer one. A later plan's study is
+# prepared while the first plan runs. HYBRIDRL_RUN_TIMEOUT_S caps a run (default 1800). HYBRIDRL_ENVS_READY
+# lets `start` come before the overlays are installed (see wait_for_envs). Every process a run starts is in
+# its process group.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 root=${HYBRIDRL_REF_DIR:-/tmp/ref}
@@ -46,11 +49,16 @@ use_study() {  # use_study CONFIG: sets `config` and `ref`
   ref=$(study_dir "$1")
 }
 
+controller() {  # controller WHEELS_DIR: the few wheels the controller needs that the base image lacks
+  local wheels=${1:?usage: run_reference.sh controller WHEELS_DIR}
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$ctl" \
+    "$wheels"/*.whl
+}
+
 setup() {
   local wheels=${1:?usage: run_reference.sh setup WHEELS_DIR [CONFIG...]} c
   shift
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$ctl" \
-    "$wheels"/*.whl
+  controller "$wheels"
   for c in "${@:-$default_study}"; do prepare "$c"; done
 }
 
@@ -119,7 +127,7 @@ train() {
     PYTHONPATH=$pp timeout "${HYBRIDRL_RUN_TIMEOUT_S:-1800}" python3 -m hybridrl train --run-config "$cfg" --model "$model" \
       --data "$ref/data" --out "$out" --done "$out/done.json" --no-progress ) > "$out/train.log" 2>&1 || rc=$?
   barrier_release "$rid"
-  say "train $name exit $rc ($(wc -l < "$out/steps.jsonl" 2>/dev/null || echo 0) steps)"
+  say "train $name exit $rc ($( { wc -l < "$out/steps.jsonl"; } 2>/dev/null || echo 0) steps)"
 }
 
 # barrier_release RUN_ID: a run that never reached the start barrier (already done, or died before the loop
@@ -202,6 +210,14 @@ plan_moe4() {
   p3=("0,1|train vllm-inprocess-split-megatron")
 }
 
+plan_moe2full() {
+  # the 48-layer study on a two-GPU machine: only colocate fits (split needs two GPUs for each side), one
+  # run at a time; vLLM first, since its TP 2 start is the one no lease has kept a record of
+  study=config/gpu-4xh200-moe.yaml
+  phases=(p1)
+  p1=("0,1|train vllm-colocate-megatron;train sglang-colocate-megatron;train vllm-inprocess-colocate-megatron")
+}
+
 plan_moe4full() {
   # config/gpu-4xh200-moe.yaml (issue 6 at the write-up's shape, engines at TP 2; about 15 min a run): the
   # colocate pair side by side on the two GPU pairs, then split on all four, then in-process vLLM
@@ -258,6 +274,7 @@ run_plans() {  # run_plans PLAN...: one after the other; studies not yet set up 
       > "$root/prepare-$(basename "$c" .yaml).log" 2>&1 &
     preps+=($!)
   done
+  wait_for_envs
   for p in "$@"; do
     c=$(study_of "$p")
     # a study being prepared is waited for (its log says why, if it fails)
@@ -265,6 +282,19 @@ run_plans() {  # run_plans PLAN...: one after the other; studies not yet set up 
     ( all "$p" ) || say "plan $p stopped (exit $?)"
   done
   say "plans done: $*"
+}
+
+# With HYBRIDRL_ENVS_READY=FILE, `start` may come before the engine overlays are installed: the studies are
+# prepared (the 48-layer model takes minutes) while the overlays travel, and the runs wait for FILE, which the
+# lease's last transfer call touches after `gpu-env install`; HYBRIDRL_ENVS_WAIT_S (default 1200) at most.
+wait_for_envs() {
+  local f=${HYBRIDRL_ENVS_READY:-} limit=${HYBRIDRL_ENVS_WAIT_S:-1200} waited=0
+  [ -n "$f" ] || return 0
+  [ -e "$f" ] || say "waiting for the engine overlays ($f)"
+  while [ ! -e "$f" ]; do
+    [ "$waited" -lt "$limit" ] || { say "no $f after ${limit} s: the engine overlays were never installed"; exit 1; }
+    sleep 1; waited=$((waited + 1))
+  done
 }
 
 known_plans() { declare -F | awk '$3 ~ /^plan_/ {sub("plan_", "", $3); printf "%s ", $3}'; }
@@ -312,8 +342,9 @@ status() {
   done
   for d in "$root"/*/runs/*/; do
     [ -d "$d" ] || continue
-    printf '%-60s %s steps  ' "$(basename "$d")" "$(wc -l < "$d/steps.jsonl" 2>/dev/null || echo 0)"
-    tail -n 1 "$d/train.log" 2>/dev/null | cut -c1-200
+    # before a run's first step there is no steps.jsonl: say 0, quietly
+    printf '%-60s %s steps  ' "$(basename "$d")" "$( { wc -l < "$d/steps.jsonl"; } 2>/dev/null || echo 0)"
+    { tail -n 1 "$d/train.log" 2>/dev/null || echo; } | cut -c1-200
   done
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader || true
 }
@@ -366,6 +397,7 @@ pack() {  # pack OUT_FILE: small files only (no adapters, no models); long logs 
 
 cmd=${1:-}; shift || true
 case "$cmd" in
+  controller) controller "$@" ;;
   setup) setup "$@" ;;
   start)
     [ $# -gt 0 ] || { echo "usage: run_reference.sh start PLAN [PLAN...] ($(known_plans))" >&2; exit 2; }
@@ -384,5 +416,5 @@ case "$cmd" in
   train|bench) use_study "${HYBRIDRL_STUDY:-$default_study}"; "$cmd" "$@" ;;
   status) status ;;
   pack) pack "$@" ;;
-  *) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

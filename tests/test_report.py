@@ -192,6 +192,24 @@ def test_steps_hours_apart_fall_into_separate_sittings() -> None:
     assert sittings(start, stop, gap_s=1e6).tolist() == [0] * 6
 
 
+def test_timeline_says_where_a_sitting_lacks_host_cpu_load() -> None:
+    from hybridrl.report.plots import timeline_figure
+
+    same = {"placement": "colocate", "trainer": "megatron", "model": "m", "tp": 2}
+    rows = [{"run_id": "old-run", "engine": "sglang", **same, "step": s,
+             "time_unix": 1000.0 + 30 * s, "timing_s/step": 30.0, "perf/throughput": 7000.0}
+            for s in (1, 2)]  # recorded before host CPU load was
+    rows += [{"run_id": "new-run", "engine": "vllm", **same, "step": s,
+              "time_unix": 90_000.0 + 30 * s, "timing_s/step": 30.0, "perf/throughput": 7200.0,
+              "host/cpu_busy_pct_gen": 14.0} for s in (1, 2)]
+    fig = timeline_figure(pd.DataFrame(rows))
+    axes = fig.axes
+    texts = [[t.get_text() for t in ax.texts] for ax in axes]
+    # panels row by row: throughput (old, new), CPU load (old, new)
+    assert texts == [[], [], ["not recorded in this sitting"], []]
+    assert len(axes[3].collections) == 1  # the new run's bars are drawn
+
+
 def test_memory_plot_when_memory_recorded(tmp_path: Path) -> None:
     run = write_run(tmp_path / "results", "sglang-colocate-cccc3333", "sglang", "colocate", mem=True)
     written = make_all(gather([run]), tmp_path / "plots")
@@ -351,6 +369,27 @@ def test_headline_says_what_peak_memory_compares() -> None:
         gpu_memory_utilization=0.9)))
     assert other.caveats == ("the engines were given different shares of each GPU's memory (0.5 SGLang, 0.9 "
                              "vLLM), which peak GPU memory follows",)
+
+
+def test_headline_says_when_the_pair_ran_hours_apart_or_kept_weights_resident() -> None:
+    from hybridrl.report.headline import headlines
+
+    sglang = headline_run("sglang-colocate-aaaa", "sglang").assign(time_unix=1_795_348_323.0)
+    vllm = headline_run("vllm-colocate-bbbb", "vllm").assign(time_unix=1_795_348_323.0 + 19 * 3600)
+    [apart] = headlines(headline_study(sglang, vllm))
+    assert apart.caveats == ("recorded 19 h apart (2026-11-22 11:52 UTC SGLang, 2026-11-23 06:52 UTC vLLM), "
+                             "perhaps on different machines of the same kind",)
+    [near] = headlines(headline_study(sglang, vllm.assign(time_unix=1_795_348_323.0 + 900)))
+    assert near.caveats == ()  # one sitting: runs one after the other on one machine
+    [resident] = headlines(headline_study(sglang.assign(sglang_release="kv_cache"),
+                                          vllm.assign(time_unix=1_795_348_323.0, vllm_sleep_level=1)))
+    assert resident.caveats == ("colocated, SGLang kept its weights on the GPU while the trainer ran (it released "
+                                "only its KV cache) and vLLM slept at level 1, moving its weights to CPU memory: "
+                                "peak GPU memory follows that setting",)
+    split = [h for h in headlines(headline_study(
+        headline_run("sglang-split-aaaa", "sglang", "split").assign(sglang_release="kv_cache"),
+        headline_run("vllm-split-bbbb", "vllm", "split")))]
+    assert split[0].caveats == ()  # nothing sleeps in split
 
 
 def test_headline_says_when_the_pair_ran_different_code(tmp_path: Path) -> None:

@@ -37,9 +37,10 @@ CHECKS = [
     "check/kv_capacity_ok", "check/logprob_agreement_ok", "errors/engine_restarts",
 ]
 # From each run's provenance.json: which code and which GPU recorded it (comparisons across them get a caveat),
-# and the share of each GPU the engine was given, which sets most of its memory
-PROVENANCE = ["git_commit", "gpu"]
-CONFIGURED = ["gpu_memory_utilization"]
+# the share of each GPU the engine was given, which sets most of its memory, and what a colocated engine gives
+# back while the trainer runs (SGLang: kv_cache keeps the weights resident; vLLM level 1 moves them to CPU)
+PROVENANCE = ["git_commit", "gpu", "sglang_release"]
+CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level"]
 KNOWN = (IDENTITY + TIMING + ROLLOUT + TRAINING + MEMORY + LEARNING + HOST + CHECKS + ["time_unix"]
          + PROVENANCE + CONFIGURED)
 STRINGS = ["run_id", "engine", "placement", "trainer", "model"] + PROVENANCE
@@ -113,13 +114,14 @@ def commit_label(git: dict[str, Any]) -> str | None:
 
 
 def provenance_fields(prov: dict[str, Any] | None) -> dict[str, Any]:
-    """The commit, the GPU name and the engine's memory fraction a run recorded; None where unknown."""
+    """The commit, the GPU name and the engine's memory settings a run recorded; None where unknown."""
     if prov is None:
-        return {"git_commit": None, "gpu": None, "gpu_memory_utilization": None}
+        return dict.fromkeys(PROVENANCE + CONFIGURED)
     devices = (prov.get("gpu") or {}).get("devices") or []
     names = sorted({d.get("name") for d in devices if d.get("name")})
+    run = prov.get("run_config") or {}
     return {"git_commit": commit_label(prov.get("git") or {}), "gpu": " + ".join(names) or None,
-            "gpu_memory_utilization": (prov.get("run_config") or {}).get("gpu_memory_utilization")}
+            **{k: run.get(k) for k in ["sglang_release"] + CONFIGURED}}
 
 
 def _missing(value: Any) -> bool:

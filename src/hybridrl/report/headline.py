@@ -20,6 +20,7 @@ VLLM_VARIANTS = {"vllm": "vLLM server", "vllm-inprocess": "vLLM in-process"}
 PLACEMENTS = ("colocate", "split", "restart")
 # Two runs are compared only where these match; the request set depends on the seed.
 PAIR_KEY = ("trainer", "model", "tp", "seed")
+APART_S = 3600.0  # two runs' first steps further apart than this get a caveat
 DIRECTIONS = {"x": "SGLang / vLLM", "inv": "vLLM / SGLang", "pct": "SGLang vs vLLM"}
 
 
@@ -134,6 +135,20 @@ def caveats(sglang: pd.Series, vllm: pd.Series) -> tuple[str, ...]:
         a, b = sglang.get(col), vllm.get(col)
         if not (pd.isna(a) or pd.isna(b)) and a != b:
             out.append(f"recorded by different {what}: {a} (SGLang) vs {b}")
+    # runs hours apart (two GPU leases, say) may have run on other machines of the same kind
+    a, b = sglang.get("time_unix"), vllm.get("time_unix")
+    if not (pd.isna(a) or pd.isna(b)) and abs(a - b) > APART_S:
+        when = [pd.Timestamp(t, unit="s").strftime("%Y-%m-%d %H:%M") for t in (a, b)]
+        out.append(f"recorded {abs(a - b) / 3600:.0f} h apart ({when[0]} UTC SGLang, {when[1]} UTC vLLM), "
+                   "perhaps on different machines of the same kind")
+    # in colocate the trainer's peak comes on top of what the engine keeps while asleep
+    release, level = sglang.get("sglang_release"), vllm.get("vllm_sleep_level")
+    if sglang.get("placement") == "colocate" and isinstance(release, str) and release == "kv_cache":
+        out.append("colocated, SGLang kept its weights on the GPU while the trainer ran (it released only its KV "
+                   f"cache) and vLLM slept at level {level:g}, moving its weights to CPU memory: peak GPU memory "
+                   "follows that setting" if not pd.isna(level) else
+                   "colocated, SGLang kept its weights on the GPU while the trainer ran (it released only its KV "
+                   "cache): peak GPU memory includes them")
     # both engines reserve their share of the GPU up front (weights, KV cache, graphs), so peak memory
     # mostly reports that configured share: an engine "using less" may only have been given less
     a, b = sglang.get("gpu_memory_utilization"), vllm.get("gpu_memory_utilization")

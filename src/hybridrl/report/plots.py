@@ -205,6 +205,12 @@ def plot_timeline(df: pd.DataFrame, out: Path) -> Path | None:
     """Each step as a bar on the wall clock, from its start to its end, at its rollout throughput (and the
     host's CPU load, where recorded): which runs overlapped in time, and what that did to them. Sittings
     hours apart (two leases) get a panel each."""
+    fig = timeline_figure(df)
+    return None if fig is None else _save(fig, out)
+
+
+def timeline_figure(df: pd.DataFrame) -> Figure | None:
+    """The figure of plot_timeline, unsaved; None without wall-clock times, step times or throughput."""
     if not _has(df, ["time_unix"]) or not _has(df, ["timing_s/step"]) or not _has(df, ["perf/throughput"]):
         return None
     panels = [("perf/throughput", "rollout throughput (tok/s)")]
@@ -222,6 +228,11 @@ def plot_timeline(df: pd.DataFrame, out: Path) -> Path | None:
         here = df[df["_sitting"] == k]
         t0 = here["_start"].min()
         for ax, (metric, ylabel) in zip(axes[:, k], panels, strict=True):
+            if pd.to_numeric(here[metric], errors="coerce").isna().all():
+                # e.g. host CPU load, which older runs did not record: say so rather than draw empty axes
+                ax.text(0.5, 0.5, "not recorded in this sitting", ha="center", va="center",
+                        transform=ax.transAxes, color="0.4")
+                ax.set_xticks([])
             for rid, run in _runs(here):
                 ax.hlines(pd.to_numeric(run[metric], errors="coerce"), (run["_start"] - t0) / 60,
                           (run["_stop"] - t0) / 60, color=colors[rid], lw=3, label=labels[rid])
@@ -236,7 +247,7 @@ def plot_timeline(df: pd.DataFrame, out: Path) -> Path | None:
     axes[0][-1].legend([handles[n] for n in names], names, fontsize=8, loc="upper left",
                        bbox_to_anchor=(1.01, 1.0))
     fig.suptitle("Steps on the wall clock: runs that overlapped in time")
-    return _save(fig, out)
+    return fig
 
 
 PLOTS: dict[str, tuple[str, Callable[[pd.DataFrame, Path], Path | None]]] = {

@@ -327,3 +327,27 @@ def test_vllm_inprocess_keeps_allreduce_off_multicast_where_the_host_does(model_
     monkeypatch.setenv("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "mnnvl")  # the host's own choice is left alone
     eng = VLLMInProcess(model_dir, _run(engine="vllm-inprocess", tp=2), {}, tmp_path)
     assert "VLLM_FLASHINFER_ALLREDUCE_BACKEND" not in eng._env
+
+
+# -- preflight: a missing engine is named before the trainer is built ------------------------------
+def test_preflight_names_an_engine_missing_from_its_environment(model_dir: Path, tmp_path: Path):
+    import sys
+
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    engine = SGLangServer(model_dir, _run(), {"python": sys.executable, "env": {"PYTHONPATH": str(overlay)}},
+                          tmp_path / "logs")
+    with pytest.raises(EngineError, match=f"sglang is not installed for {sys.executable} with "
+                                          f"PYTHONPATH={overlay}: none of sglang is importable there"):
+        engine.preflight()
+    # the overlay that holds it (here only its metadata) makes the same engine pass, with its version
+    (overlay / "sglang-0.5.16.dist-info").mkdir()
+    (overlay / "sglang-0.5.16.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\n"
+                                                                 "Version: 0.5.16\n")
+    assert engine.preflight() == "0.5.16"
+
+
+def test_preflight_names_a_missing_interpreter(model_dir: Path, tmp_path: Path):
+    engine = SGLangServer(model_dir, _run(), {"python": "/nonexistent/bin/python3"}, tmp_path / "logs")
+    with pytest.raises(EngineError, match="no Python interpreter '/nonexistent/bin/python3' for the engine"):
+        engine.preflight()

@@ -12,7 +12,7 @@ import yaml
 
 from hybridrl import data, models
 from hybridrl.config import resolve
-from hybridrl.engines.base import Completion, EngineDied
+from hybridrl.engines.base import Completion, EngineDied, EngineError
 from hybridrl.loop import RunFailed, run_loop, step_requests
 
 REPO = Path(__file__).resolve().parents[1]
@@ -231,6 +231,24 @@ def test_a_run_that_fails_to_start_releases_the_start_barrier(assets, tmp_path, 
         run_loop(_run(), "r10", assets / "model", assets / "data", tmp_path / "run", {}, progress=False,
                  engine=WontStart())
     assert (tmp_path / "barrier" / "r10.gone").exists()
+
+
+def test_a_missing_engine_fails_before_the_trainer_is_built(assets, tmp_path, monkeypatch):
+    class NotInstalled(ScriptedEngine):
+        def preflight(self):
+            raise EngineError("sglang is not installed for python3")
+
+    import hybridrl.loop as loop
+
+    built = []
+    monkeypatch.setattr(loop, "make_trainer", lambda *a: built.append(a))
+    monkeypatch.setenv("HYBRIDRL_START_BARRIER", f"{tmp_path / 'barrier'}:2")
+    engine = NotInstalled()
+    with pytest.raises(EngineError, match="sglang is not installed"):
+        run_loop(_run(), "r12", assets / "model", assets / "data", tmp_path / "run", {}, progress=False,
+                 engine=engine)
+    assert built == [] and engine.starts == 0
+    assert (tmp_path / "barrier" / "r12.gone").exists()  # the runs beside it do not wait for it
 
 
 def test_a_malformed_start_barrier_is_a_config_error_before_anything_starts(assets, tmp_path, monkeypatch):

@@ -154,6 +154,8 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
     engine = engine or make_engine(run, model_dir, env_spec, paths.logs)
     trainer = None
     try:
+        if hasattr(engine, "preflight"):  # a missing engine fails now, not after the trainer's build
+            engine.preflight()
         trainer = make_trainer(run, model_dir, paths.root)
         adapter = paths.adapter(first_step - 1) if first_step > 1 else None
         if adapter is not None:

@@ -305,6 +305,7 @@ class HTTPEngine:
     """
 
     name = "engine"
+    packages: tuple[str, ...] = ()  # distribution names, any one of which is the engine (for preflight, provenance)
     stream_cls: type[StreamingClient] = StreamingClient
     health_path = "/health"
     fatal_markers: tuple[str, ...] = ()  # startup log lines after which the server never gets healthy
@@ -321,6 +322,23 @@ class HTTPEngine:
 
     def command(self, port: int, adapter: tuple[str, Path] | None) -> list[str]:
         raise NotImplementedError
+
+    def preflight(self) -> str:
+        """The engine's installed version, before anything is built or started; EngineError where its interpreter
+        or its package is missing (a trainer can take minutes to build before the server would have said so)."""
+        import shutil
+
+        if shutil.which(self.python) is None:
+            raise EngineError(f"{self.name}: no Python interpreter {self.python!r} for the engine (its env's "
+                              "'python' in the study config)")
+        env = self.environment()
+        version = package_version(self.python, list(self.packages), env)
+        if version is None:
+            where = f" with PYTHONPATH={env['PYTHONPATH']}" if env.get("PYTHONPATH") else ""
+            raise EngineError(f"{self.name} is not installed for {self.python}{where}: none of "
+                              f"{', '.join(self.packages)} is importable there; install the engine's environment "
+                              "(on the leased GPU machine: its overlay, scripts/gpu/prepare-transfer.sh)")
+        return version
 
     def environment(self) -> dict[str, str]:
         raise NotImplementedError

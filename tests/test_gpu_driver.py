@@ -99,14 +99,14 @@ def test_full_shape_moe_plan_never_puts_two_runs_on_one_gpu(root: Path) -> None:
                                                           "train vllm-inprocess-split-megatron on GPU 0,1,2,3"]
 
 
-def test_full_shape_moe_on_two_gpus_runs_colocate_one_at_a_time_vllm_first(root: Path) -> None:
+def test_full_shape_moe_on_two_gpus_runs_colocate_one_at_a_time(root: Path) -> None:
     (root / "gpu-4xh200-moe").mkdir()
     (root / "gpu-4xh200-moe" / "setup.done").touch()
     done = _driver(root, "all", "moe2full")
     assert done.returncode == 0, done.stderr
     assert _items(root / "gpu-4xh200-moe" / "lane-moe2full-1.log") == [
-        "train vllm-colocate-megatron on GPU 0,1", "train sglang-colocate-megatron on GPU 0,1",
-        "train vllm-inprocess-colocate-megatron on GPU 0,1"]
+        "train sglang-colocate-megatron on GPU 0,1", "train vllm-inprocess-colocate-megatron on GPU 0,1",
+        "train vllm-colocate-megatron on GPU 0,1"]
     assert "start barrier" not in done.stdout and not (root / "gpu-4xh200-moe" / "lane-moe2full-2.log").exists()
 
 

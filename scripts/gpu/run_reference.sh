@@ -212,10 +212,11 @@ plan_moe4() {
 
 plan_moe2full() {
   # the 48-layer study on a two-GPU machine: only colocate fits (split needs two GPUs for each side), one
-  # run at a time; vLLM first, since its TP 2 start is the one no lease has kept a record of
+  # run at a time, those with the fewest committed steps first: on 2026-11-23 vLLM server ran 10 steps,
+  # in-process vLLM 7; SGLang has 7 from the 4-GPU lease of 2026-11-22
   study=config/gpu-4xh200-moe.yaml
   phases=(p1)
-  p1=("0,1|train vllm-colocate-megatron;train sglang-colocate-megatron;train vllm-inprocess-colocate-megatron")
+  p1=("0,1|train sglang-colocate-megatron;train vllm-inprocess-colocate-megatron;train vllm-colocate-megatron")
 }
 
 plan_moe4full() {

@@ -21,7 +21,7 @@ from hybridrl.trainers.megatron import (  # noqa: E402
 )
 
 METRICS = ("train/loss", "train/grad_norm", "train/kl", "train/clipfrac", "perf/train_tokens",
-           "check/rollout_logprob_abs_diff")
+           "check/rollout_logprob_abs_diff", "check/logprob_gap_sample_max", "check/logprob_gap_token_max")
 
 
 def _alive(pid: int) -> bool:
@@ -94,7 +94,8 @@ def test_tp2_resumes_tp1_adapter_and_reports_worker_errors(tp1_run: dict[str, An
             trainer.step(2, [parity.make_samples(1000, n=1, seed=0)[0]], root / "bad")
         res = trainer.step(2, tp1_run["batches"][1], root / "adapters-tp2/step2")
         ref = tp1_run["results"][1]
-        for k in ("train/loss", "train/grad_norm", "train/kl", "check/rollout_logprob_abs_diff"):
+        for k in ("train/loss", "train/grad_norm", "train/kl", "check/rollout_logprob_abs_diff",
+                  "check/logprob_gap_sample_max", "check/logprob_gap_token_max"):
             assert res.metrics[k] == pytest.approx(ref.metrics[k], rel=1e-4, abs=1e-6), k
         got = load_file(str(res.adapter_dir / "adapter_model.safetensors"))
         want = load_file(str(ref.adapter_dir / "adapter_model.safetensors"))

@@ -64,3 +64,24 @@ def test_kl_term_is_zero_at_reference_and_positive_away():
     loss, away = policy_loss(logp, logp, torch.tensor([0.0]), mask, ref_logp=ref, kl_coef=0.1)
     assert away["train/kl"] > 0
     assert loss.item() == pytest.approx(0.1 * away["train/kl"], rel=1e-5)
+
+
+def test_logprob_gaps_tell_whole_requests_from_stray_tokens():
+    from hybridrl.rl import LogprobGaps
+
+    trainer = torch.tensor([[-1.0, -2.0, -3.0, 0.0],    # 3 completion tokens, then padding
+                            [-1.0, -1.0, -1.0, -1.0]])
+    mask = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    gaps = LogprobGaps()
+    # row 0: one stray token off by 0.3; row 1: every token off by 0.05 (as a stale adapter would be)
+    gaps.add(trainer, mask, [[-1.0, -2.3, -3.0], [-1.05, -1.05, -1.05, -1.05]])
+    m = gaps.metrics(n_tokens=7)
+    assert m["check/rollout_logprob_abs_diff"] == pytest.approx((0.3 + 4 * 0.05) / 7)
+    assert m["check/logprob_gap_token_max"] == pytest.approx(0.3)
+    assert m["check/logprob_gap_sample_max"] == pytest.approx(0.1)  # row 0: 0.3 over 3 tokens
+    # the engine may return fewer logprobs than tokens (a cut stream): only those are compared
+    short = LogprobGaps()
+    short.add(trainer[:1], mask[:1], [[-1.5]])
+    assert short.metrics(3)["check/rollout_logprob_abs_diff"] == pytest.approx(0.5 / 3)
+    assert short.metrics(3)["check/logprob_gap_sample_max"] == pytest.approx(0.5)
+    assert math.isnan(LogprobGaps().metrics(0)["check/logprob_gap_token_max"])

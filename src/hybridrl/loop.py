@@ -270,7 +270,8 @@ def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
     record.update(rollout_stats(completions, gen_s))
     record.update({"perf/train_tokens": None, "perf/train_tok_s": None, "train/loss": None,
                    "train/grad_norm": None, "train/kl": None, "train/clipfrac": None,
-                   "check/rollout_logprob_abs_diff": None})
+                   "check/rollout_logprob_abs_diff": None, "check/logprob_gap_sample_max": None,
+                   "check/logprob_gap_token_max": None})
     record.update({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in train_metrics.items()})
     if record["perf/train_tokens"] and t.s.get("update_actor"):
         record["perf/train_tok_s"] = record["perf/train_tokens"] / t.s["update_actor"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -59,15 +60,32 @@ def policy_loss(
     return loss, {"train/kl": float(kl.detach()), "train/clipfrac": float(clipfrac.detach())}
 
 
-def engine_logprob_absdiff(trainer_logp: torch.Tensor, mask: torch.Tensor,
-                           engine_logprobs: Sequence[Sequence[float]]) -> float:
-    """Sum over completion tokens of |trainer logprob - engine logprob| (the rollout correctness signal).
+class LogprobGaps:
+    """Trainer-vs-engine logprob gaps over one batch, |trainer logprob - engine logprob| per completion token.
 
-    trainer_logp and mask are [B, T] over target positions; engine_logprobs holds one list per row.
+    The gate reads the mean per token; the worst token and the worst sample's mean say where an excess comes
+    from: a few tokens, or some requests as a whole (e.g. rolled out with a stale adapter).
     """
-    total = 0.0
-    for i, theirs_list in enumerate(engine_logprobs):
-        ours = trainer_logp[i][mask[i]].float().cpu()
-        theirs = torch.tensor(list(theirs_list[: len(ours)]), dtype=torch.float32)
-        total += (ours[: len(theirs)] - theirs).abs().sum().item()
-    return total
+
+    def __init__(self) -> None:
+        self.total, self.tokens, self.token_max, self.sample_max = 0.0, 0, 0.0, 0.0
+
+    def add(self, trainer_logp: torch.Tensor, mask: torch.Tensor,
+            engine_logprobs: Sequence[Sequence[float]]) -> None:
+        """trainer_logp and mask are [B, T] over target positions; engine_logprobs holds one list per row."""
+        for i, theirs_list in enumerate(engine_logprobs):
+            ours = trainer_logp[i][mask[i]].float().cpu()
+            theirs = torch.tensor(list(theirs_list[: len(ours)]), dtype=torch.float32)
+            gap = (ours[: len(theirs)] - theirs).abs()
+            if gap.numel():
+                self.total += gap.sum().item()
+                self.tokens += gap.numel()
+                self.token_max = max(self.token_max, gap.max().item())
+                self.sample_max = max(self.sample_max, gap.mean().item())
+
+    def metrics(self, n_tokens: int) -> dict[str, float]:
+        """The gate's mean over all n_tokens completion tokens, and the worst token and sample (NaN if none)."""
+        none = self.tokens == 0
+        return {"check/rollout_logprob_abs_diff": self.total / max(n_tokens, 1),
+                "check/logprob_gap_token_max": math.nan if none else self.token_max,
+                "check/logprob_gap_sample_max": math.nan if none else self.sample_max}

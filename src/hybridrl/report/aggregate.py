@@ -33,7 +33,8 @@ MEMORY = ["mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacit
 LEARNING = ["reward/mean", "reward/accuracy", "response_length/mean"]
 HOST = ["host/cpu_busy_pct_gen", "host/cpu_busy_pct_update_actor"]  # what else kept the host busy
 CHECKS = [
-    "check/rollout_logprob_abs_diff", "check/base_canary_ok", "check/adapter_applied",
+    "check/rollout_logprob_abs_diff", "check/logprob_gap_sample_max", "check/logprob_gap_token_max",
+    "check/base_canary_ok", "check/adapter_applied",
     "check/kv_capacity_ok", "check/logprob_agreement_ok", "errors/engine_restarts",
 ]
 # From each run's provenance.json: which code and which GPU recorded it (comparisons across them get a caveat),

@@ -48,7 +48,7 @@ RATIO_METRICS = [("perf/throughput", "Rollout throughput"), ("timing_s/step", "S
 WARMUP_METRICS = ["timing_s/step", "timing_s/gen", "timing_s/restart", "timing_s/update_weights",
                   "perf/throughput", "perf/ttft_s_p50"]
 DETAIL_METRICS = [c for c in TIMING + ROLLOUT + TRAINING + MEMORY + LEARNING + HOST + CHECKS
-                  if not c.startswith("check/") or c == "check/rollout_logprob_abs_diff"]
+                  if not c.startswith("check/") or c.startswith(("check/rollout_logprob", "check/logprob_gap"))]
 BOOL_CHECKS = [
     ("check/base_canary_ok", "Base canary unchanged"),
     ("check/adapter_applied", "Adapter applied"),
@@ -232,10 +232,13 @@ def _bool_cell(col: pd.Series, steps: pd.Series) -> Cell:
 
 def correctness_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     table = Table(["run"] + [h for _, h in BOOL_CHECKS] +
-                  ["|Δ logprob| median [95% CI]", "|Δ logprob| max", "failed requests", "engine restarts"])
+                  ["|Δ logprob| median [95% CI]", "|Δ logprob| max", "worst sample's |Δ logprob|", "failed requests",
+                   "engine restarts"])
     for run_id in stats.run_order(df):
         run = _select(df, run_id)
         diff = pd.to_numeric(run["check/rollout_logprob_abs_diff"], errors="coerce")
+        # recorded since 2026-11-23: a sample far above the mean points at whole requests, not stray tokens
+        worst = pd.to_numeric(run.get("check/logprob_gap_sample_max", pd.Series(dtype=float)), errors="coerce")
         failed = pd.to_numeric(run["errors/requests_failed"], errors="coerce")
         restarts = pd.to_numeric(run["errors/engine_restarts"], errors="coerce")
         table.rows.append([
@@ -243,6 +246,7 @@ def correctness_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
             *(_bool_cell(run[c], run["step"]) for c, _ in BOOL_CHECKS),
             Cell(fmt_est(stats.bootstrap_median(diff)), "num"),
             Cell(fmt(diff.max()), "num"),
+            Cell(fmt(worst.max()) if worst.notna().any() else "–", "num"),
             Cell(fmt(failed.sum()) if failed.notna().any() else "–", "fail" if failed.sum() > 0 else "num"),
             Cell(fmt(restarts.sum()) if restarts.notna().any() else "–", "num"),
         ])

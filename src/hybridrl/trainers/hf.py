@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from hybridrl.rl import engine_logprob_absdiff, policy_loss, token_logprobs
+from hybridrl.rl import LogprobGaps, policy_loss, token_logprobs
 from hybridrl.trainers.base import Sample, TrainResult
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -64,7 +64,8 @@ class HFTrainer:
         self.model.train()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         n_tokens = sum(len(s.completion_ids) for s in samples)
-        totals = {"loss": 0.0, "train/kl": 0.0, "train/clipfrac": 0.0, "absdiff": 0.0}
+        totals = {"loss": 0.0, "train/kl": 0.0, "train/clipfrac": 0.0}
+        gaps = LogprobGaps()
         self.optimizer.zero_grad(set_to_none=True)
         for lo in range(0, len(samples), self.micro_batch):
             chunk = samples[lo : lo + self.micro_batch]
@@ -82,7 +83,7 @@ class HFTrainer:
             totals["loss"] += loss.item() * weight
             totals["train/kl"] += stats["train/kl"] * weight
             totals["train/clipfrac"] += stats["train/clipfrac"] * weight
-            totals["absdiff"] += engine_logprob_absdiff(old, mask, [s.engine_logprobs for s in chunk])
+            gaps.add(old, mask, [s.engine_logprobs for s in chunk])
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.run["grad_clip"])
         self.optimizer.step()
         self.save(out_dir)
@@ -92,7 +93,7 @@ class HFTrainer:
             "train/kl": totals["train/kl"] if self.run["kl_coef"] > 0 else math.nan,
             "train/clipfrac": totals["train/clipfrac"],
             "perf/train_tokens": float(n_tokens),
-            "check/rollout_logprob_abs_diff": totals["absdiff"] / max(n_tokens, 1),
+            **gaps.metrics(n_tokens),
             "train/lora_norm": self.lora_norm(),
         })
 

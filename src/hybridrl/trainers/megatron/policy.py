@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-from hybridrl.rl import engine_logprob_absdiff, policy_loss, token_logprobs
+from hybridrl.rl import LogprobGaps, policy_loss, token_logprobs
 from hybridrl.trainers.base import Sample
 from hybridrl.trainers.megatron import export
 from hybridrl.trainers.megatron.lora import apply_lora, lora_disabled, lora_parameters
@@ -114,7 +114,8 @@ class MegatronPolicy:
         kl_coef = float(self.run.get("kl_coef", 0.0))
         clip_eps = float(self.run.get("clip_eps", 0.2))
         n_tokens = sum(len(s.completion_ids) for s in samples)
-        totals = {"loss": 0.0, "kl": 0.0, "clipfrac": 0.0, "absdiff": 0.0}
+        totals = {"loss": 0.0, "kl": 0.0, "clipfrac": 0.0}
+        gaps = LogprobGaps()
         self.optimizer.zero_grad(set_to_none=True)
         # sorting by length keeps padding low; the loss is a token mean over the whole batch either way
         order = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
@@ -134,13 +135,13 @@ class MegatronPolicy:
             totals["loss"] += loss.item() * weight
             totals["kl"] += stats["train/kl"] * weight
             totals["clipfrac"] += stats["train/clipfrac"] * weight
-            totals["absdiff"] += engine_logprob_absdiff(old, mask, [s.engine_logprobs for s in chunk])
+            gaps.add(old, mask, [s.engine_logprobs for s in chunk])
         return {
             "train/loss": totals["loss"],
             "train/kl": totals["kl"] if kl_coef > 0 else math.nan,
             "train/clipfrac": totals["clipfrac"],
             "perf/train_tokens": float(n_tokens),
-            "check/rollout_logprob_abs_diff": totals["absdiff"] / max(n_tokens, 1),
+            **gaps.metrics(n_tokens),
         }
 
     def optimizer_step(self) -> float:

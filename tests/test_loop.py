@@ -139,6 +139,55 @@ def test_dead_engine_is_restarted_and_counted(assets, tmp_path):
     assert records[1]["errors/engine_restarts"] == 1 and engine.starts == 2
 
 
+def test_engine_dead_at_the_adapter_load_is_restarted_with_the_new_adapter(assets, tmp_path):
+    class DiesAtFirstLoad(ScriptedEngine):
+        def load_adapter(self, name, path):
+            if "load" not in self.events and "died" not in self.events:
+                self.up = False  # killed between the rollout and the adapter load
+                self.events.append("died")
+                raise EngineError("POST /v1/unload_lora_adapter: ConnectError: [Errno 111] Connection refused")
+            super().load_adapter(name, path)
+
+        def start(self, adapter=None):
+            self.events.append(("start", adapter))
+            return super().start(adapter)
+
+    engine = DiesAtFirstLoad()
+    records = run_loop(_run(steps=2), "r13", assets / "model", assets / "data", tmp_path, {}, progress=False,
+                       engine=engine)
+    assert [r["errors/engine_restarts"] for r in records] == [1, 0]
+    starts = [e[1] for e in engine.events if isinstance(e, tuple)]
+    assert starts == [None, ("policy", tmp_path / "adapters" / "step-0001")]  # restarted with step 1's adapter
+    assert all(r["check/adapter_applied"] for r in records)
+
+
+def test_colocated_engine_dead_at_sleep_is_restarted_and_put_to_sleep(assets, tmp_path):
+    class DiesAtFirstSleep(ScriptedEngine):
+        def sleep(self):
+            self.events.append("sleep")
+            if self.events.count("sleep") == 1:
+                self.up = False
+                raise EngineError("POST /sleep: ConnectError: [Errno 111] Connection refused")
+
+    engine = DiesAtFirstSleep()
+    run = {**_run(steps=1), "placement": "colocate"}
+    records = run_loop(run, "r15", assets / "model", assets / "data", tmp_path, {}, progress=False, engine=engine)
+    assert records[0]["errors/engine_restarts"] == 1 and engine.starts == 2
+    assert engine.events.count("sleep") == 2  # the fresh engine slept before the trainer ran
+
+
+def test_a_live_engine_that_refuses_an_adapter_fails_the_run(assets, tmp_path):
+    class Refuses(ScriptedEngine):
+        def load_adapter(self, name, path):
+            raise EngineError("POST /v1/load_lora_adapter answered 400: bad adapter")
+
+    engine = Refuses()
+    with pytest.raises(EngineError, match="answered 400"):
+        run_loop(_run(steps=1), "r14", assets / "model", assets / "data", tmp_path, {}, progress=False,
+                 engine=engine)
+    assert engine.starts == 1  # not restarted: the engine is up and said no
+
+
 def test_engine_failing_every_retry_stops_the_run(assets, tmp_path):
     class AlwaysDies(ScriptedEngine):
         def generate(self, requests, progress=False):

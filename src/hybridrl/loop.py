@@ -7,6 +7,7 @@ import math
 import random
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,6 +221,29 @@ def _rollout_with_retries(run: dict[str, Any], engine: Engine, requests: list[Re
             engine.start((ADAPTER_NAME, adapter) if adapter else None)
 
 
+def _through_engine_death(run: dict[str, Any], engine: Engine, adapter: Path | None, restarts: int,
+                          transition: Callable[[], None], redo: bool) -> int:
+    """A placement transition (sleep, wake, adapter load); an engine found dead there is started again with
+    `adapter` and counted, as in a rollout (`redo`: run the transition again on the fresh engine). A live engine
+    that answers wrongly is a real error and is raised. Returns the step's restarts so far."""
+    while True:
+        try:
+            transition()
+            return restarts
+        except EngineError as exc:
+            if engine.alive():
+                raise
+            if restarts >= run["retries"]:
+                raise RunFailed(f"{engine.name} failed {restarts + 1} times in one step; giving up: {exc}") from exc
+            restarts += 1
+            console.print(f"[yellow]{engine.name} died ({str(exc).splitlines()[0]}); restart {restarts}"
+                          f"/{run['retries']}")
+            engine.stop()
+            engine.start((ADAPTER_NAME, adapter) if adapter else None)
+            if not redo:
+                return restarts
+
+
 def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement, canary, sampler,
              paths: RunPaths) -> dict[str, Any]:
     t = Timings()
@@ -245,7 +269,8 @@ def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
     _write_requests(paths.root / "requests" / f"step-{step:04d}.jsonl", requests, completions, rewards)
     samples = [Sample(r.prompt_ids, c.token_ids, c.logprobs, a)
                for r, c, a in zip(requests, completions, advantages, strict=True) if c.error is None and c.token_ids]
-    placement.before_train(t)
+    restarts = _through_engine_death(run, engine, prev_adapter, restarts, lambda: placement.before_train(t),
+                                     redo=True)  # a fresh engine must still sleep (colocate) before training
     adapter, train_metrics = None, {}
     with t.phase("update_actor", sampler):
         if trainer is not None:
@@ -253,7 +278,9 @@ def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
             adapter, train_metrics = result.adapter_dir, result.metrics
         else:
             _hold_ballast(run)
-    placement.after_train(t, adapter)
+    # started again, the engine already holds the new adapter: nothing to redo
+    restarts = _through_engine_death(run, engine, adapter or prev_adapter, restarts,
+                                     lambda: placement.after_train(t, adapter), redo=False)
     sampler.set_phase("check")
     # a zero adapter (e.g. all advantages zero so far) cannot change anything: the check does not apply
     nonzero = adapter is not None and train_metrics.get("train/lora_norm", 1.0) > 0

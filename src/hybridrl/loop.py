@@ -199,6 +199,17 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
         sampler.close()
 
 
+def _restart(run: dict[str, Any], engine: Engine, adapter: Path | None, restarts: int, exc: EngineError) -> int:
+    """Start a failed engine again (with `adapter`), or give up once the step has used run['retries']."""
+    if restarts >= run["retries"]:
+        raise RunFailed(f"{engine.name} failed {restarts + 1} times in one step; giving up: {exc}") from exc
+    restarts += 1
+    console.print(f"[yellow]{engine.name} failed ({str(exc).splitlines()[0]}); restart {restarts}/{run['retries']}")
+    engine.stop()
+    engine.start((ADAPTER_NAME, adapter) if adapter else None)
+    return restarts
+
+
 def _rollout_with_retries(run: dict[str, Any], engine: Engine, requests: list[Request],
                           adapter: Path | None) -> tuple[list[Completion], int]:
     """A dead or broken engine is restarted and the rollout retried, at most run['retries'] times."""
@@ -212,13 +223,7 @@ def _rollout_with_retries(run: dict[str, Any], engine: Engine, requests: list[Re
                 raise EngineError(f"every request failed, e.g. {completions[0].error}")
             return completions, restarts
         except EngineError as exc:
-            if restarts >= run["retries"]:
-                raise RunFailed(f"{engine.name} failed {restarts + 1} times in one step; giving up: {exc}") from exc
-            restarts += 1
-            console.print(f"[yellow]{engine.name} failed ({str(exc).splitlines()[0]}); restart {restarts}"
-                          f"/{run['retries']}")
-            engine.stop()
-            engine.start((ADAPTER_NAME, adapter) if adapter else None)
+            restarts = _restart(run, engine, adapter, restarts, exc)
 
 
 def _through_engine_death(run: dict[str, Any], engine: Engine, adapter: Path | None, restarts: int,
@@ -233,13 +238,7 @@ def _through_engine_death(run: dict[str, Any], engine: Engine, adapter: Path | N
         except EngineError as exc:
             if engine.alive():
                 raise
-            if restarts >= run["retries"]:
-                raise RunFailed(f"{engine.name} failed {restarts + 1} times in one step; giving up: {exc}") from exc
-            restarts += 1
-            console.print(f"[yellow]{engine.name} died ({str(exc).splitlines()[0]}); restart {restarts}"
-                          f"/{run['retries']}")
-            engine.stop()
-            engine.start((ADAPTER_NAME, adapter) if adapter else None)
+            restarts = _restart(run, engine, adapter, restarts, exc)
             if not redo:
                 return restarts
 

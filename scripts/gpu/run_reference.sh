@@ -127,7 +127,11 @@ train() {
     PYTHONPATH=$pp timeout "${HYBRIDRL_RUN_TIMEOUT_S:-1800}" python3 -m hybridrl train --run-config "$cfg" --model "$model" \
       --data "$ref/data" --out "$out" --done "$out/done.json" --no-progress ) > "$out/train.log" 2>&1 || rc=$?
   barrier_release "$rid"
-  say "train $name exit $rc ($( { wc -l < "$out/steps.jsonl"; } 2>/dev/null || echo 0) steps)"
+  say "train $name exit $rc ($(steps_in "$out") steps)"
+}
+
+steps_in() {  # steps_in RUN_DIR: how many steps the run recorded; 0, quietly, before its first
+  { wc -l < "$1/steps.jsonl"; } 2>/dev/null || echo 0
 }
 
 # barrier_release RUN_ID: a run that never reached the start barrier (already done, or died before the loop
@@ -343,8 +347,7 @@ status() {
   done
   for d in "$root"/*/runs/*/; do
     [ -d "$d" ] || continue
-    # before a run's first step there is no steps.jsonl: say 0, quietly
-    printf '%-60s %s steps  ' "$(basename "$d")" "$( { wc -l < "$d/steps.jsonl"; } 2>/dev/null || echo 0)"
+    printf '%-60s %s steps  ' "$(basename "$d")" "$(steps_in "$d")"
     { tail -n 1 "$d/train.log" 2>/dev/null || echo; } | cut -c1-200
   done
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader || true

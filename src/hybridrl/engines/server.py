@@ -319,6 +319,7 @@ class HTTPEngine:
         self.stream: StreamingClient | None = None
         self._loaded: set[str] = set()
         self._metrics: dict[str, float | None] = {}
+        self._version: str | None = None
 
     def command(self, port: int, adapter: tuple[str, Path] | None) -> list[str]:
         raise NotImplementedError
@@ -331,14 +332,20 @@ class HTTPEngine:
         if shutil.which(self.python) is None:
             raise EngineError(f"{self.name}: no Python interpreter {self.python!r} for the engine (its env's "
                               "'python' in the study config)")
-        env = self.environment()
-        version = package_version(self.python, list(self.packages), env)
+        version = self.installed_version()
         if version is None:
-            where = f" with PYTHONPATH={env['PYTHONPATH']}" if env.get("PYTHONPATH") else ""
+            pythonpath = self.environment().get("PYTHONPATH")
+            where = f" with PYTHONPATH={pythonpath}" if pythonpath else ""
             raise EngineError(f"{self.name} is not installed for {self.python}{where}: none of "
                               f"{', '.join(self.packages)} is importable there; install the engine's environment "
                               "(on the leased GPU machine: its overlay, scripts/gpu/prepare-transfer.sh)")
         return version
+
+    def installed_version(self) -> str | None:
+        """The engine package's version for its own interpreter and environment, asked once (a subprocess)."""
+        if self._version is None:
+            self._version = package_version(self.python, list(self.packages), self.environment())
+        return self._version
 
     def environment(self) -> dict[str, str]:
         raise NotImplementedError

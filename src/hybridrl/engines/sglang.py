@@ -14,7 +14,7 @@ from typing import Any
 
 from hybridrl.engines.base import EngineError, Request, Sampling
 from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
-from hybridrl.engines.server import HTTPEngine, StreamingClient, engine_environ, package_version, post_json
+from hybridrl.engines.server import HTTPEngine, StreamingClient, engine_environ, post_json
 
 BASE_NAME = "base"
 # torch_memory_saver tags as SGLang names them (sglang.srt.constants.GPU_MEMORY_TYPE_*)
@@ -176,7 +176,7 @@ class SGLangServer(HTTPEngine):
         return {"engine": self.name, "python": self.python, "command": self.command(port, None),
                 "release_tags": self.tags,
                 "env": {k: v for k, v in env.items() if k.startswith(("SGLANG_", "CUDA_", "PYTHONPATH"))},
-                "version": package_version(self.python, list(self.packages), env)}
+                "version": self.installed_version()}
 
     def _gpus(self) -> list[int] | None:
         return nvml_indices(self.environment())

@@ -10,7 +10,7 @@ from typing import Any
 
 from hybridrl.engines.base import EngineError, Request
 from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
-from hybridrl.engines.server import HTTPEngine, StreamingClient, engine_environ, package_version, post_json
+from hybridrl.engines.server import HTTPEngine, StreamingClient, engine_environ, post_json
 
 BASE_NAME = "base"
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.M)
@@ -167,7 +167,7 @@ class VLLMServer(HTTPEngine):
         port = self.server.port if self.server else 0
         return {"engine": self.name, "python": self.python, "command": self.command(port, None),
                 "env": {k: v for k, v in self.environment().items() if k.startswith(("VLLM_", "CUDA_"))},
-                "version": package_version(self.python, list(self.packages), self.environment())}
+                "version": self.installed_version()}
 
 
 def _lora_rank_bucket(rank: int) -> int:

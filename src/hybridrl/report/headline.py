@@ -144,11 +144,9 @@ def caveats(sglang: pd.Series, vllm: pd.Series) -> tuple[str, ...]:
     # in colocate the trainer's peak comes on top of what the engine keeps while asleep
     release, level = sglang.get("sglang_release"), vllm.get("vllm_sleep_level")
     if sglang.get("placement") == "colocate" and isinstance(release, str) and release == "kv_cache":
+        slept = "" if pd.isna(level) else f" and vLLM slept at level {level:g}, moving its weights to CPU memory"
         out.append("colocated, SGLang kept its weights on the GPU while the trainer ran (it released only its KV "
-                   f"cache) and vLLM slept at level {level:g}, moving its weights to CPU memory: peak GPU memory "
-                   "follows that setting" if not pd.isna(level) else
-                   "colocated, SGLang kept its weights on the GPU while the trainer ran (it released only its KV "
-                   "cache): peak GPU memory includes them")
+                   f"cache){slept}: peak GPU memory follows that setting")
     # both engines reserve their share of the GPU up front (weights, KV cache, graphs), so peak memory
     # mostly reports that configured share: an engine "using less" may only have been given less
     a, b = sglang.get("gpu_memory_utilization"), vllm.get("gpu_memory_utilization")

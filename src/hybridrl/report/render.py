@@ -238,7 +238,7 @@ def correctness_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
         run = _select(df, run_id)
         diff = pd.to_numeric(run["check/rollout_logprob_abs_diff"], errors="coerce")
         # recorded since 2026-11-23: a sample far above the mean points at whole requests, not stray tokens
-        worst = pd.to_numeric(run.get("check/logprob_gap_sample_max", pd.Series(dtype=float)), errors="coerce")
+        worst = pd.to_numeric(run["check/logprob_gap_sample_max"], errors="coerce")
         failed = pd.to_numeric(run["errors/requests_failed"], errors="coerce")
         restarts = pd.to_numeric(run["errors/engine_restarts"], errors="coerce")
         table.rows.append([

@@ -101,7 +101,7 @@ def test_engine_env_drops_controller_pythonpath(model_dir: Path, tmp_path: Path,
 # -- SGLang: request bodies and the stream ----------------------------------------------------------
 def test_generate_body_token_ids_logprobs_and_adapter():
     req = Request([1, 2, 3], Sampling(temperature=0.7, top_p=0.9, top_k=-1, max_new_tokens=5,
-                                      ignore_eos=True, seed=11), adapter="policy")
+                                      ignore_eos=True, seed=11), adapter="policy", stream=True)
     body = generate_body(req)
     assert body["input_ids"] == [1, 2, 3]
     assert body["stream"] is True and body["return_logprob"] is True
@@ -113,6 +113,7 @@ def test_generate_body_token_ids_logprobs_and_adapter():
 def test_generate_body_base_model_has_no_lora_path():
     body = generate_body(Request([4], Sampling()))
     assert "lora_path" not in body and "sampling_seed" not in body["sampling_params"]
+    assert body["stream"] is False  # a request answered whole: the rollout client's default
 
 
 def _chunk(ids, lps, total, finish=None):

@@ -110,6 +110,26 @@ def test_request_set_depends_only_on_seed_and_step(assets):
     first, _ = step_requests(problems, _run(), 1, tok)
     assert all(r.adapter is None for r in first) and all(r.adapter == "policy" for r in a)
     assert len({r.sampling.seed for r in a}) == len(a)
+    # the same requests are streamed for every engine: the run's share, by position
+    half = [[r.stream for r in step_requests(problems, _run(stream_fraction=0.5, **over), 2, tok)[0]]
+            for over in ({}, {"engine": "sglang", "device": "cuda"})]
+    assert half == [[False, True, False, True]] * 2
+    assert not any(r.stream for r in step_requests(problems, _run(stream_fraction=0.0), 2, tok)[0])
+
+
+def test_a_run_records_its_client_ceiling_and_headroom_each_step(assets, tmp_path):
+    class HTTPNamed(ScriptedEngine):
+        name = "vllm"  # an HTTP engine's answers: the run measures its client's ceiling before starting it
+
+    records = run_loop(_run(client_ceiling_s=0.01), "r0", assets / "model", assets / "data", tmp_path, {},
+                       progress=False, engine=HTTPNamed())
+    ceilings = {r["perf/client_ceiling_tok_s"] for r in records}
+    assert len(ceilings) == 1 and next(iter(ceilings)) > 0  # measured once, before the engine started
+    assert all(r["check/client_headroom_ok"] is (r["perf/throughput"] < 0.8 * r["perf/client_ceiling_tok_s"])
+               for r in records)
+    assert all(r["perf/client_ceiling_tok_s"] is None
+               for r in run_loop(_run(), "r00", assets / "model", assets / "data", tmp_path / "b", {},
+                                 progress=False, engine=ScriptedEngine()))
 
 
 def test_records_resume_and_adapters(assets, tmp_path):

@@ -408,3 +408,23 @@ def test_headline_says_when_the_pair_ran_different_code(tmp_path: Path) -> None:
     md = (out / "report.md").read_text()
     assert "\n\n- **Caveat:** recorded by different code versions: f095935 (SGLang) vs 90e50ca.\n" in md
     assert "| code | f095935 | 90e50ca |" in md
+
+
+def test_report_flags_rollouts_near_the_client_ceiling(study: list[Path], tmp_path: Path) -> None:
+    from hybridrl.client_ceiling import client_headroom_ok
+
+    df = gather(study)
+    first = df["run_id"] == "vllm-split-aaaa1111"
+    df.loc[first, "perf/client_ceiling_tok_s"] = 300.0  # its rollouts run at ~250 tok/s: above 80% of it
+    df.loc[first, "check/client_headroom_ok"] = [client_headroom_ok(t, 300.0)
+                                                 for t in df.loc[first, "perf/throughput"]]
+    df.loc[first, "host/controller_cpu_pct_gen"] = 97.0
+    table = tmp_path / "steps.parquet"
+    df.to_parquet(table, index=False)
+    report_main(table, tmp_path / "r.md", tmp_path / "r.html", tmp_path / "plots", "t")
+    client = (tmp_path / "r.md").read_text().split("## Rollout client")[1].split("## Plots")[0]
+    split_row = next(line for line in client.splitlines() if line.startswith("| split |"))
+    assert "1/8 ok (failed at step 2, 3, 4, 5, 6, …)" in split_row  # only the slow warm-up step is clear of it
+    assert "| 97.00 |" in split_row and "| 87% |" in split_row  # the fastest rollout against the ceiling
+    restart_row = next(line for line in client.splitlines() if line.startswith("| restart |"))
+    assert "not measured" in restart_row and "all (before 2026-11-23)" in restart_row

@@ -139,15 +139,15 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 
 def test_stream_events_are_split_at_line_feeds_only(tmp_path):
     from hybridrl.engines.base import Request, Sampling
-    from hybridrl.engines.vllm import _VLLMStream
+    from hybridrl.engines.vllm import _VLLMClient
 
     port = free_port()
     srv = ServerProcess("toy", [sys.executable, "-c", STREAM, str(port)], dict(os.environ), tmp_path / "s.log", port)
     srv.start()
     try:
         srv.wait_healthy(30)
-        stream = _VLLMStream(srv, timeout_s=30, max_concurrency=1)
-        [out] = stream.generate([Request([1, 2], Sampling(max_new_tokens=4))])
+        stream = _VLLMClient(srv, timeout_s=30, max_concurrency=1)
+        [out] = stream.generate([Request([1, 2], Sampling(max_new_tokens=4), stream=True)])
     finally:
         srv.stop()
     assert out.error is None

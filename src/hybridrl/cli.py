@@ -57,6 +57,13 @@ def _bench(args: argparse.Namespace) -> None:
                args.repeats, Path(args.out), probe=args.probe, overrides=overrides)
 
 
+def _client_ceiling(args: argparse.Namespace) -> None:
+    from hybridrl.client_ceiling import main as ceiling_main
+
+    ceiling_main(args.format, args.requests, args.tokens, args.concurrency, args.stream_fraction,
+                 args.tokens_per_event, args.seconds, args.procs, Path(args.out) if args.out else None)
+
+
 def _aggregate(args: argparse.Namespace) -> None:
     from hybridrl.report import aggregate_main
 
@@ -128,6 +135,20 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a string run key for the standalone engine, e.g. sglang_release=all")
     s.set_defaults(fn=_bench)
+
+    s = sub.add_parser("client-ceiling", help="the most tokens/s the rollout client absorbs here (fake engine, no GPU)")
+    s.add_argument("--format", choices=["sglang", "vllm"], nargs="+", default=["sglang", "vllm"])
+    s.add_argument("--requests", type=int, default=128)
+    s.add_argument("--tokens", type=int, default=256, help="tokens per request")
+    s.add_argument("--concurrency", type=int, default=128)
+    s.add_argument("--stream-fraction", type=float, nargs="+", default=[1.0, 0.125, 0.0],
+                   help="shares of requests streamed (1: every request, the old path)")
+    s.add_argument("--tokens-per-event", type=int, nargs="+", default=[1, 20],
+                   help="stream granularity: SGLang sends 1, vLLM about 20 under load")
+    s.add_argument("--seconds", type=float, default=3.0, help="per setting: batches until this much time passed")
+    s.add_argument("--procs", type=int, default=1, help="fake engine processes")
+    s.add_argument("--out", help="JSON with every setting's figures")
+    s.set_defaults(fn=_client_ceiling)
 
     s = sub.add_parser("aggregate", help="gather runs into one tidy table")
     s.add_argument("--runs", nargs="+", required=True)

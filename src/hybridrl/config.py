@@ -45,6 +45,8 @@ BUILTIN_RUN: dict[str, Any] = {
     "grad_clip": 1.0,
     "seed": 0,
     "retries": 2,
+    "stream_fraction": 0.125,
+    "client_ceiling_s": 2.0,
     "request_timeout_s": 600.0,
     "startup_timeout_s": 900.0,
     "engine_args": [],

@@ -17,8 +17,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hybridrl import data as gsm8k
 from hybridrl.barrier import StartBarrier
+from hybridrl.client_ceiling import client_headroom_ok, run_ceiling
 from hybridrl.engines import make_engine
-from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling
+from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling, stream_flags
 from hybridrl.engines.gpus import process_used_gb
 from hybridrl.placement import ADAPTER_NAME, make_placement
 from hybridrl.provenance import collect
@@ -64,13 +65,15 @@ def step_requests(problems: list[dict], run: dict[str, Any], step: int, tokenize
     picked = rng.sample(range(len(problems)), min(run["prompts_per_step"], len(problems)))
     s = run["sampling"]
     requests, answers = [], []
+    streamed = iter(stream_flags(len(picked) * run["group_size"], run["stream_fraction"]))
     for p_i, idx in enumerate(picked):
         ids = tokenizer(gsm8k.prompt_text(problems[idx]["question"]))["input_ids"]
         for g in range(run["group_size"]):
             sampling = Sampling(temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
                                 max_new_tokens=run["max_new_tokens"], ignore_eos=s["ignore_eos"],
                                 seed=(run["seed"] * 1_000_003 + step * 10_007 + p_i * 101 + g) % 2**31)
-            requests.append(Request(ids, sampling, adapter=ADAPTER_NAME if step > 1 else None))
+            adapter = ADAPTER_NAME if step > 1 else None
+            requests.append(Request(ids, sampling, adapter=adapter, stream=next(streamed)))
             answers.append(problems[idx]["answer"])
     return requests, answers
 
@@ -167,6 +170,9 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
             console.print(f"{run_id}: resuming at step {first_step} from {adapter}")
         if trainer and run["placement"] in ("colocate", "restart"):  # the engine starts on a shared GPU
             trainer.offload()
+        # before the engine starts, so that nothing else loads the host while the client is measured
+        ceiling = run_ceiling(engine.name, run["prompts_per_step"] * run["group_size"], run["max_new_tokens"],
+                              run["max_concurrency"], run["stream_fraction"], run["client_ceiling_s"])
         sampler.set_phase("start")
         t0 = time.perf_counter()
         engine.start((ADAPTER_NAME, adapter) if adapter else None)
@@ -185,6 +191,8 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
                                   canary, sampler, paths)
                 record["timing_s/engine_start"] = startup_s if step == first_step else None
                 record["timing_s/start_barrier"] = waited_s if step == first_step else None
+                record["perf/client_ceiling_tok_s"] = ceiling
+                record["check/client_headroom_ok"] = client_headroom_ok(record["perf/throughput"], ceiling)
                 append_record(paths.steps, record)
                 records.append(record)
                 bar.advance(task)
@@ -342,7 +350,8 @@ def _write_requests(path: Path, requests: list[Request], completions: list[Compl
                     rewards: list[float]) -> None:
     """Per-request audit trail: which adapter each request named, its timings, tokens and reward."""
     rows = [{"i": i, "adapter": r.adapter, "seed": r.sampling.seed, "prompt_tokens": len(r.prompt_ids),
-             "tokens": len(c.token_ids), "ttft_s": c.ttft_s, "latency_s": c.latency_s,
+             "streamed": r.stream, "events": c.events, "tokens": len(c.token_ids), "ttft_s": c.ttft_s,
+             "latency_s": c.latency_s,
              "finish_reason": c.finish_reason, "error": c.error, "reward": w}
             for i, (r, c, w) in enumerate(zip(requests, completions, rewards, strict=True))]
     gsm8k.write_jsonl_atomic(path, rows)

@@ -21,6 +21,9 @@ from hybridrl.engines.base import Completion
 TIMING_KEYS = ("gen", "reward", "sleep", "update_actor", "wake", "update_weights", "restart", "step")
 # Phases whose host CPU load is recorded: a busy host (another run starting beside this one) slows them.
 HOST_LOAD_PHASES = ("gen", "update_actor")
+# Phases whose controller CPU use is recorded (% of one core, all its threads): a rollout client near 100%
+# of a core limits the throughput it measures.
+CONTROLLER_CPU_PHASES = ("gen",)
 
 
 def host_cpu_jiffies(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
@@ -42,27 +45,35 @@ def busy_pct(before: tuple[int, int] | None, after: tuple[int, int] | None) -> f
 
 
 class Timings:
-    def __init__(self, cpu_reader: Callable[[], tuple[int, int] | None] = host_cpu_jiffies) -> None:
+    def __init__(self, cpu_reader: Callable[[], tuple[int, int] | None] = host_cpu_jiffies,
+                 own_cpu: Callable[[], float] = time.process_time) -> None:
         self.s: dict[str, float] = {}
         self.busy: dict[str, float | None] = {}
+        self.own: dict[str, float] = {}
         self._cpu = cpu_reader
+        self._own_cpu = own_cpu
 
     @contextlib.contextmanager
     def phase(self, name: str, sampler: MemorySampler | None = None) -> Iterator[None]:
         if sampler:
             sampler.set_phase(name)
         cpu0 = self._cpu() if name in HOST_LOAD_PHASES else None
+        own0 = self._own_cpu()
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t0
+            wall = time.perf_counter() - t0
+            self.s[name] = self.s.get(name, 0.0) + wall
             if name in HOST_LOAD_PHASES:
                 self.busy[name] = busy_pct(cpu0, self._cpu())
+            if name in CONTROLLER_CPU_PHASES and wall > 0:
+                self.own[name] = 100.0 * (self._own_cpu() - own0) / wall
 
     def record(self) -> dict[str, float | None]:
         out: dict[str, float | None] = {f"timing_s/{k}": self.s.get(k) for k in TIMING_KEYS}
         out.update({f"host/cpu_busy_pct_{k}": self.busy.get(k) for k in HOST_LOAD_PHASES})
+        out.update({f"host/controller_cpu_pct_{k}": self.own.get(k) for k in CONTROLLER_CPU_PHASES})
         return out
 
 
@@ -75,7 +86,11 @@ def _mean(values: list[float]) -> float | None:
 
 
 def rollout_stats(completions: list[Completion], gen_s: float) -> dict[str, float | None]:
+    """Throughput over every request; TTFT, inter-token and TPOT statistics over the streamed ones only
+    (a request answered whole has no token timings), end-to-end latency over all."""
     ok = [c for c in completions if c.error is None]
+    streamed = [c for c in ok if c.streamed]
+    streamed_tokens = sum(len(c.token_ids) for c in streamed)
     ttft = [c.ttft_s for c in ok if not math.isnan(c.ttft_s)]
     itl_ms = [x * 1000 for c in ok for x in c.itl_s]
     latency = [c.latency_s for c in ok if not math.isnan(c.latency_s)]
@@ -91,6 +106,9 @@ def rollout_stats(completions: list[Completion], gen_s: float) -> dict[str, floa
         "perf/tpot_ms_p99": _pct(tpot_ms, 99),
         "perf/latency_s_p50": _pct(latency, 50), "perf/latency_s_p99": _pct(latency, 99),
         "errors/requests_failed": float(len(completions) - len(ok)),
+        "perf/streamed_requests": float(len(streamed)),
+        # 1 for SGLang's token-by-token stream; how much per-event work the client does per token
+        "perf/events_per_token": sum(c.events for c in streamed) / streamed_tokens if streamed_tokens else None,
         "response_length/mean": _mean([len(c.token_ids) for c in ok]),
     }
 

@@ -31,6 +31,9 @@ class Request:
     prompt_ids: list[int]
     sampling: Sampling
     adapter: str | None = None  # adapter name loaded in the engine, None = base model
+    # streamed requests are timed token by token (TTFT, TPOT); the others come back in one response, so
+    # that the controller's per-event work cannot cap the throughput it measures (see stream_flags)
+    stream: bool = False
 
 
 @dataclass
@@ -42,6 +45,8 @@ class Completion:
     latency_s: float = float("nan")
     finish_reason: str | None = None
     error: str | None = None  # set when the request failed; the other fields are then partial
+    streamed: bool = False
+    events: int = 0  # stream events that carried tokens (0 for a request answered in one response)
     last_arrival_s: float = field(default=float("nan"), repr=False)
 
     def add_tokens(self, ids: list[int], logprobs: list[float], now: float, sent_at: float) -> None:
@@ -53,6 +58,7 @@ class Completion:
         """
         if not ids:
             return
+        self.events += 1
         if not self.token_ids:
             self.ttft_s = now - sent_at
         else:
@@ -70,6 +76,12 @@ class Completion:
         return (self.latency_s - self.ttft_s) / (n - 1)
 
 
+def stream_flags(n: int, fraction: float) -> list[bool]:
+    """Which of `n` requests are streamed: `fraction` of them, spread evenly and fixed by position, so
+    that every engine streams the same requests of a request set (0: none, 1: all)."""
+    return [int((i + 1) * fraction) > int(i * fraction) for i in range(n)]
+
+
 class Engine(Protocol):
     """One inference engine. Server engines speak HTTP to a child process on 127.0.0.1."""
 
@@ -85,7 +97,11 @@ class Engine(Protocol):
     def alive(self) -> bool: ...
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Completion]:
-        """Run all requests concurrently (streamed) and return them in order."""
+        """Run all requests concurrently and return them in order (those with `stream` set token by token)."""
+
+    def generate_raw(self, requests: list[Request]) -> list[Completion]:
+        """The same requests by the shortest path the engine has, none streamed: the raw throughput that
+        in-loop rollouts are held against. Server engines bypass the rollout client."""
 
     def load_adapter(self, name: str, path: Path) -> None:
         """Hot-load (or replace in place) a LoRA adapter under `name`."""

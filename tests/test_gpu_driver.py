@@ -79,7 +79,7 @@ def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) ->
 
 def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
-    assert bad.returncode == 2 and "no plan named nope (full moe moe2full moe4 moe4full rest rest4" in bad.stderr
+    assert bad.returncode == 2 and "no plan named nope (client full moe moe2full moe4 moe4full rest rest4" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
     assert "run setup first" in _driver(root, "all", "rest").stderr
@@ -183,3 +183,16 @@ def test_a_run_already_done_releases_the_start_barrier(root: Path, tmp_path: Pat
     assert done.returncode == 0, done.stderr
     assert "train x already done" in done.stdout
     assert [p.name for p in (tmp_path / "b").iterdir()] == ["rid.gone"]
+
+
+def test_client_plan_measures_the_ceiling_then_each_engine_new_path_bench_then_old(root: Path) -> None:
+    (root / "gpu-h200-client").mkdir()
+    (root / "gpu-h200-client" / "setup.done").touch()
+    done = _driver(root, "all", "client")
+    assert done.returncode == 0, done.stderr
+    assert _items(root / "gpu-h200-client" / "lane-client-1.log") == [
+        "client ceiling",
+        "train sglang-new on GPU 0", "bench sglang-new step 3 on GPU 0",
+        "train vllm-new on GPU 0", "bench vllm-new step 3 on GPU 0",
+        "train vllm-inprocess-new on GPU 0", "bench vllm-inprocess-new step 3 on GPU 0",
+        "train sglang-old on GPU 0", "train vllm-old on GPU 0", "train vllm-inprocess-old on GPU 0"]

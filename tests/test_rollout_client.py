@@ -35,10 +35,12 @@ def test_stream_flags_pick_the_same_evenly_spread_share():
 
 @pytest.mark.parametrize("fmt", ["sglang", "vllm"])
 @pytest.mark.parametrize("per_event", [1, 3])
-def test_client_reads_streamed_and_whole_answers_alike(fmt, per_event):
+@pytest.mark.parametrize("shared_pool", [False, True])
+def test_client_reads_streamed_and_whole_answers_alike(fmt, per_event, shared_pool):
     requests = fake_requests(8, 7, 0.25)  # requests 3 and 7 streamed
     with FakeEngine(fmt, tokens_per_event=per_event) as server:
-        out = client_class(fmt)(server, timeout_s=30, max_concurrency=4).generate(requests)
+        client = client_class(fmt)(server, timeout_s=30, max_concurrency=4, shared_pool=shared_pool)
+        out = client.generate(requests)
     assert [c.error for c in out] == [None] * 8
     assert all(len(c.token_ids) == 7 and len(c.logprobs) == 7 for c in out)
     assert [c.streamed for c in out] == [r.stream for r in requests]
@@ -139,7 +141,8 @@ def test_run_ceiling_only_for_http_engines():
 
 
 def test_settings_skip_granularity_where_nothing_streams():
-    assert settings([1.0, 0.0], [1, 20]) == [(1.0, 1), (1.0, 20), (0.0, 1)]
+    assert settings([1.0, 0.0], [1, 20], False) == [(1.0, 1, False), (1.0, 20, False), (0.0, 1, False)]
+    assert settings([0.0], [1, 20], True) == [(1.0, 1, True), (1.0, 20, True), (0.0, 1, False)]
 
 
 def test_client_ceiling_command_writes_every_setting(tmp_path):
@@ -147,5 +150,49 @@ def test_client_ceiling_command_writes_every_setting(tmp_path):
     cli.main(["client-ceiling", "--format", "vllm", "--requests", "4", "--tokens", "8", "--concurrency", "4",
               "--stream-fraction", "1", "0", "--tokens-per-event", "1", "--seconds", "0", "--out", str(out)])
     rows = json.loads(out.read_text())["settings"]
-    assert [(r["format"], r["stream_fraction"]) for r in rows] == [("vllm", 1.0), ("vllm", 0.0)]
+    assert [(r["stream_fraction"], r["client"]) for r in rows] == [
+        (1.0, "shared pool (before 2026-11-23)"), (1.0, "one connection per slot"), (0.0, "one connection per slot")]
     assert all(r["ceiling_tok_s"] > 0 for r in rows)
+
+
+def test_bench_measures_every_path_on_one_engine_start(tmp_path, monkeypatch):
+    """bench's four paths, interleaved, against the fake engine standing in for a vLLM server."""
+    import yaml
+
+    from hybridrl import bench, data, models
+    from hybridrl.config import REPO, resolve
+    from hybridrl.engines.vllm import VLLMServer
+
+    data.write_synthetic(tmp_path / "data", 32, 4, seed=0)
+    spec = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    models.build_random(spec["models"]["tiny-qwen3"], tmp_path / "data" / "train.jsonl", tmp_path / "model")
+    spec["defaults"].update({"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 5, "stream_fraction": 0.25})
+    spec["runs"] = [{"placement": "split"}]
+    [(run_id, run)] = resolve(spec).runs.items()
+    starts = []
+
+    class OnFakeEngine(VLLMServer):
+        def start(self, adapter=None):
+            starts.append(adapter)
+            self.server = fake
+            self.stream = self.stream_cls(fake, 30, self.run["max_concurrency"])
+            return 0.0
+
+        def stop(self):
+            self.server = None
+
+        def flush_cache(self):
+            pass
+
+    monkeypatch.setattr(bench, "make_engine", lambda run, model, env, logs: OnFakeEngine(model, run, env, logs))
+    with FakeEngine("vllm") as fake:
+        result = bench.run_bench({"run": run, "run_id": run_id}, tmp_path / "model", tmp_path / "data",
+                                 tmp_path / "run", step=1, repeats=2, log_dir=tmp_path / "logs")
+    assert starts == [None]  # one engine start for every pass; step 1 rolls out the base model
+    assert [(r["repeat"], r["path"]) for r in result["repeats"]] == [
+        (0, "raw"), (0, "client"), (0, "stream_all"), (0, "old_client"),
+        (1, "client"), (1, "stream_all"), (1, "old_client"), (1, "raw")]  # the order rotates
+    streamed = {r["path"]: r["perf/streamed_requests"] for r in result["repeats"]}
+    assert streamed == {"raw": 0, "client": 2, "stream_all": 8, "old_client": 8}
+    assert all(r["perf/gen_tokens"] == 8 * 5 and r["errors/requests_failed"] == 0 for r in result["repeats"])
+    assert result["over_raw"]["raw"] == 1.0 and result["in_loop_over_raw"] is None  # no run recorded here

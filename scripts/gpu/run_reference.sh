@@ -154,7 +154,8 @@ bench() {
   say "bench $name step $step on GPU $gpu $*"
   local rc=0
   CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$pp timeout 600 python3 -m hybridrl bench --run-config "$cfg" \
-    --model "$model" --data "$ref/data" --run-dir "$ref/runs/$rid" --step "$step" --repeats 3 --probe "$@" \
+    --model "$model" --data "$ref/data" --run-dir "$ref/runs/$rid" --step "$step" \
+    --repeats "${HYBRIDRL_BENCH_REPEATS:-3}" --probe "$@" \
     --out "$ref/bench/$name.json" > "$ref/bench/$name.log" 2>&1 || rc=$?
   say "bench $name exit $rc"
 }
@@ -164,6 +165,15 @@ bench() {
 # samples only those with NVML). An item is "train NAME [GPUS]" or "bench NAME STEP [ARGS]"; it gets its
 # lane's GPUs unless it names its own. A plan may set `study` (a config under config/) and `gpus` (how many
 # it needs). Order within a lane is priority: a lease that ends early keeps the runs that matter most.
+# ceiling: the rollout client's ceiling on this host (python -m hybridrl client-ceiling), while nothing else runs
+ceiling() {
+  [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: client ceiling"; return 0; }
+  [ -f "$ref/bench/client-ceiling.json" ] && { say "client ceiling already measured"; return 0; }
+  say "client ceiling"
+  PYTHONPATH=$ctl_path python3 -m hybridrl client-ceiling --out "$ref/bench/client-ceiling.json" \
+    > "$ref/bench/client-ceiling.log" 2>&1 || say "client ceiling exit $?"
+}
+
 plan_full() {
   # the split pair first, side by side with their GPUs crossed so that no GPU holds two engines (the
   # engine takes the last visible GPU, the trainer cuda:0); it also fills the compile caches
@@ -233,12 +243,23 @@ plan_moe4full() {
   p2=("0,1,2,3|train sglang-split-megatron;train vllm-split-megatron;train vllm-inprocess-colocate-megatron 0,1;train vllm-inprocess-split-megatron")
 }
 
+plan_client() {
+  # issue 20 on one GPU: the client's ceiling on this host, then per engine the new-path colocate run and the
+  # benchmark of raw, new, stream-everything and old paths on its step 3, then the old-path runs
+  study=config/gpu-h200-client.yaml
+  gpus=1
+  export HYBRIDRL_BENCH_REPEATS=5
+  phases=(p1)
+  p1=("0|ceiling;train sglang-new;bench sglang-new 3;train vllm-new;bench vllm-new 3;train vllm-inprocess-new;bench vllm-inprocess-new 3;train sglang-old;train vllm-old;train vllm-inprocess-old")
+}
+
 item() {  # item GPUS WORDS...: one plan item; GPUS is the lane's, used where the item names none
   local gpu=$1 what=$2 name=${3:-}
   shift $(($# < 3 ? $# : 3))
   case $what in
     train) train "$name" "${1:-$gpu}" ;;
     bench) bench "$name" "$gpu" "$@" ;;
+    ceiling) ceiling ;;
     *) echo "unknown plan item: $what" >&2; return 2 ;;
   esac
 }

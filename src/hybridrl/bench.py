@@ -104,20 +104,24 @@ def probe_http(engine: Any, prompt: list[int], adapter: Path | None) -> dict[str
 
 
 # the paths a rollout can take, measured interleaved on one engine start so that a drift hits them alike:
-# raw (no rollout client), the run's own mix of streamed requests, and every request streamed (the old path)
-PATHS = ("raw", "client", "stream_all")
-
-
-def _path_requests(requests: list[Request], path: str) -> list[Request]:
-    if path == "stream_all":
-        return [dataclasses.replace(r, stream=True) for r in requests]
-    return requests
+# raw (no rollout client), the run's own client and mix of streamed requests, the same client streaming every
+# request, and the client every committed result before 2026-11-23 went through (one shared connection pool,
+# every request streamed; server engines only)
+PATHS = ("raw", "client", "stream_all", "old_client")
 
 
 def _one_pass(engine: Any, requests: list[Request], path: str) -> tuple[list[Any], float]:
     engine.flush_cache()  # as in the loop after an adapter load: no prefix hits from the last pass
+    streamed = [dataclasses.replace(r, stream=True) for r in requests]
     t0 = time.perf_counter()
-    completions = engine.generate_raw(requests) if path == "raw" else engine.generate(_path_requests(requests, path))
+    if path == "raw":
+        completions = engine.generate_raw(requests)
+    elif path == "old_client":
+        old = type(engine.stream)(engine.server, engine.stream.timeout_s, engine.stream.max_concurrency,
+                                  shared_pool=True)
+        completions = old.generate(streamed)
+    else:
+        completions = engine.generate(streamed if path == "stream_all" else requests)
     return completions, time.perf_counter() - t0
 
 
@@ -135,6 +139,8 @@ def run_bench(cfg: dict[str, Any], model_dir: Path, data_dir: Path, run_dir: Pat
         if not adapter.exists():
             raise FileNotFoundError(f"adapter {adapter} (written by step {step - 1} of the run)")
     engine = make_engine(run, model_dir, cfg.get("engine_env", {}), log_dir)
+    if not hasattr(engine, "stream"):  # in-process vLLM has no HTTP client, old or new
+        paths = tuple(p for p in paths if p != "old_client")
     reps: list[dict[str, Any]] = []
     try:
         t0 = time.perf_counter()

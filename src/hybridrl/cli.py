@@ -61,7 +61,8 @@ def _client_ceiling(args: argparse.Namespace) -> None:
     from hybridrl.client_ceiling import main as ceiling_main
 
     ceiling_main(args.format, args.requests, args.tokens, args.concurrency, args.stream_fraction,
-                 args.tokens_per_event, args.seconds, args.procs, Path(args.out) if args.out else None)
+                 args.tokens_per_event, args.seconds, args.procs, Path(args.out) if args.out else None,
+                 old_client=not args.no_old_client)
 
 
 def _aggregate(args: argparse.Namespace) -> None:
@@ -147,6 +148,8 @@ def parser() -> argparse.ArgumentParser:
                    help="stream granularity: SGLang sends 1, vLLM about 20 under load")
     s.add_argument("--seconds", type=float, default=3.0, help="per setting: batches until this much time passed")
     s.add_argument("--procs", type=int, default=1, help="fake engine processes")
+    s.add_argument("--no-old-client", action="store_true",
+                   help="leave out the client before 2026-11-23 (one shared pool, every request streamed)")
     s.add_argument("--out", help="JSON with every setting's figures")
     s.set_defaults(fn=_client_ceiling)
 

@@ -182,12 +182,13 @@ def _check(completions: list[Completion], tokens: int) -> None:
 
 def measure(fmt: str, requests: int = 128, tokens: int = 256, concurrency: int = 128, stream_fraction: float = 1.0,
             tokens_per_event: int = 1, event_interval_s: float = 0.0, seconds: float = 3.0, procs: int = 1,
-            max_batches: int = 50) -> dict[str, Any]:
-    """Batches of the same request set against the fake engine until `seconds` pass; the best batch's figures."""
+            max_batches: int = 50, shared_pool: bool = False) -> dict[str, Any]:
+    """Batches of the same request set against the fake engine until `seconds` pass; the best batch's figures.
+    `shared_pool`: the client as it was before 2026-11-23 (one connection pool for all requests)."""
     reqs = fake_requests(requests, tokens, stream_fraction)
     batches = []
     with FakeEngine(fmt, tokens_per_event, event_interval_s, procs) as server:
-        client = client_class(fmt)(server, timeout_s=120.0, max_concurrency=concurrency)
+        client = client_class(fmt)(server, timeout_s=120.0, max_concurrency=concurrency, shared_pool=shared_pool)
         t_end = time.perf_counter() + seconds
         while not batches or (time.perf_counter() < t_end and len(batches) < max_batches):
             cpu0, t0 = time.process_time(), time.perf_counter()
@@ -198,7 +199,8 @@ def measure(fmt: str, requests: int = 128, tokens: int = 256, concurrency: int =
             batches.append({"wall_s": wall, "tok_s": requests * tokens / wall, "events_s": events / wall,
                             "controller_cpu_pct": 100.0 * (time.process_time() - cpu0) / wall})
     best = max(batches, key=lambda b: b["tok_s"])
-    return {"format": fmt, "requests": requests, "tokens": tokens, "concurrency": concurrency,
+    return {"format": fmt, "client": "shared pool (before 2026-11-23)" if shared_pool else "one connection per slot",
+            "requests": requests, "tokens": tokens, "concurrency": concurrency,
             "stream_fraction": stream_fraction, "streamed_requests": sum(r.stream for r in reqs),
             "tokens_per_event": tokens_per_event, "event_interval_s": event_interval_s, "server_procs": procs,
             "batches": len(batches), "ceiling_tok_s": best["tok_s"], "events_s": best["events_s"],
@@ -207,13 +209,14 @@ def measure(fmt: str, requests: int = 128, tokens: int = 256, concurrency: int =
 
 
 def run_ceiling(engine: str, requests: int, tokens: int, concurrency: int, stream_fraction: float,
-                seconds: float) -> float | None:
+                seconds: float, shared_pool: bool = False) -> float | None:
     """A run's own ceiling, before its engine starts: its request shape and stream share, one token per event
     (SGLang's granularity, the client's worst case). None for in-process vLLM, which has no HTTP client."""
     fmt = {"sglang": "sglang", "vllm": "vllm"}.get(engine)
     if fmt is None or seconds <= 0:
         return None
-    return measure(fmt, requests, tokens, concurrency, stream_fraction, seconds=seconds)["ceiling_tok_s"]
+    return measure(fmt, requests, tokens, concurrency, stream_fraction, seconds=seconds,
+                   shared_pool=shared_pool)["ceiling_tok_s"]
 
 
 def client_headroom_ok(throughput: float | None, ceiling: float | None) -> bool | None:
@@ -223,26 +226,29 @@ def client_headroom_ok(throughput: float | None, ceiling: float | None) -> bool 
     return throughput < HEADROOM * ceiling
 
 
-def settings(fractions: list[float], tokens_per_event: list[int]) -> list[tuple[float, int]]:
-    """(stream fraction, tokens per event) pairs; granularity means nothing where nothing is streamed."""
-    return [(f, k) for f in fractions for k in (tokens_per_event if f > 0 else tokens_per_event[:1])]
+def settings(fractions: list[float], tokens_per_event: list[int], old_client: bool) -> list[tuple[float, int, bool]]:
+    """(stream fraction, tokens per event, shared pool) triples: granularity means nothing where nothing is
+    streamed, and the old client streamed every request."""
+    grid = [(f, k, False) for f in fractions for k in (tokens_per_event if f > 0 else tokens_per_event[:1])]
+    return [(1.0, k, True) for k in tokens_per_event] * old_client + grid
 
 
 def main(formats: list[str], requests: int, tokens: int, concurrency: int, fractions: list[float],
-         tokens_per_event: list[int], seconds: float, procs: int, out: Path | None) -> list[dict[str, Any]]:
+         tokens_per_event: list[int], seconds: float, procs: int, out: Path | None,
+         old_client: bool = True) -> list[dict[str, Any]]:
     from rich.console import Console
     from rich.progress import track
     from rich.table import Table
 
-    grid = [(fmt, f, k) for fmt in formats for f, k in settings(fractions, tokens_per_event)]
-    rows = [measure(fmt, requests, tokens, concurrency, f, k, seconds=seconds, procs=procs)
-            for fmt, f, k in track(grid, description="client ceiling", transient=True)]
+    grid = [(fmt, *setting) for fmt in formats for setting in settings(fractions, tokens_per_event, old_client)]
+    rows = [measure(fmt, requests, tokens, concurrency, f, k, seconds=seconds, procs=procs, shared_pool=old)
+            for fmt, f, k, old in track(grid, description="client ceiling", transient=True)]
     table = Table(title=f"rollout client ceiling: {requests} requests x {tokens} tokens, {concurrency} concurrent, "
                         f"{os.cpu_count()} CPUs")
-    for col in ("answers", "streamed", "tokens/event", "ceiling tok/s", "events/s", "controller CPU %"):
+    for col in ("answers", "client", "streamed", "tokens/event", "ceiling tok/s", "events/s", "controller CPU %"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["format"], f"{r['streamed_requests']}/{r['requests']}",
+        table.add_row(r["format"], r["client"], f"{r['streamed_requests']}/{r['requests']}",
                       str(r["tokens_per_event"]) if r["streamed_requests"] else "-", f"{r['ceiling_tok_s']:,.0f}",
                       f"{r['events_s']:,.0f}", f"{r['controller_cpu_pct']:.0f}")
     Console().print(table)

@@ -46,6 +46,7 @@ BUILTIN_RUN: dict[str, Any] = {
     "seed": 0,
     "retries": 2,
     "stream_fraction": 0.125,
+    "shared_pool": False,
     "client_ceiling_s": 2.0,
     "request_timeout_s": 600.0,
     "startup_timeout_s": 900.0,

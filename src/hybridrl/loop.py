@@ -172,7 +172,8 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
             trainer.offload()
         # before the engine starts, so that nothing else loads the host while the client is measured
         ceiling = run_ceiling(engine.name, run["prompts_per_step"] * run["group_size"], run["max_new_tokens"],
-                              run["max_concurrency"], run["stream_fraction"], run["client_ceiling_s"])
+                              run["max_concurrency"], run["stream_fraction"], run["client_ceiling_s"],
+                              run["shared_pool"])
         sampler.set_phase("start")
         t0 = time.perf_counter()
         engine.start((ADAPTER_NAME, adapter) if adapter else None)

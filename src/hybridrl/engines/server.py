@@ -198,8 +198,12 @@ class RolloutClient:
 
     url_path = "/v1/completions"
 
-    def __init__(self, server: ServerProcess, timeout_s: float, max_concurrency: int) -> None:
+    def __init__(self, server: ServerProcess, timeout_s: float, max_concurrency: int,
+                 shared_pool: bool = False) -> None:
         self.server, self.timeout_s, self.max_concurrency = server, timeout_s, max_concurrency
+        # the client before 2026-11-23 (one pool for every connection), kept so that the benchmarks can
+        # measure what the committed results were recorded through
+        self.shared_pool = shared_pool
 
     def body(self, req: Request) -> dict[str, Any]:
         raise NotImplementedError
@@ -254,22 +258,29 @@ class RolloutClient:
     async def _all(self, requests: list[Request], tick) -> list[Completion]:
         """`max_concurrency` workers, each with its own one-connection client, take the requests in order.
 
-        Not one shared pool: httpcore scans every pooled connection for each request it places, so with 128
-        connections one client spent about 10 ms of CPU per request on that scan alone (profiled here).
+        Not one shared pool (`shared_pool`, the old way): httpcore scans every pooled connection for each
+        request it places, so with 128 connections that scan alone took about 10 ms of CPU per request.
         """
         results: list[Completion] = [Completion()] * len(requests)
         todo = iter(range(len(requests)))
-        timeout = httpx.Timeout(self.timeout_s, connect=10.0)
+        slots = max(1, min(self.max_concurrency, len(requests)))
 
-        async def worker() -> None:
+        def client(connections: int) -> httpx.AsyncClient:
             # verify=False: plain HTTP on 127.0.0.1, and loading the CA bundle costs ~40 ms per client
-            async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1),
-                                         verify=False) as client:
+            return httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=10.0), verify=False,
+                                     limits=httpx.Limits(max_connections=connections))
+
+        async def worker(shared: httpx.AsyncClient | None) -> None:
+            async with contextlib.nullcontext(shared) if shared else client(1) as c:
                 for i in todo:
-                    results[i] = await self._one(client, requests[i])
+                    results[i] = await self._one(c, requests[i])
                     tick()
 
-        await asyncio.gather(*(worker() for _ in range(max(1, min(self.max_concurrency, len(requests))))))
+        if self.shared_pool:
+            async with client(slots) as shared:
+                await asyncio.gather(*(worker(shared) for _ in range(slots)))
+        else:
+            await asyncio.gather(*(worker(None) for _ in range(slots)))
         return results
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Completion]:
@@ -415,7 +426,8 @@ class HTTPEngine:
                                     self.log_dir / "engine.log", port, self.fatal_markers)
         self.server.start()
         elapsed = self.server.wait_healthy(self.run["startup_timeout_s"], health_path=self.health_path)
-        self.stream = self.stream_cls(self.server, self.run["request_timeout_s"], self.run["max_concurrency"])
+        self.stream = self.stream_cls(self.server, self.run["request_timeout_s"], self.run["max_concurrency"],
+                                      shared_pool=self.run["shared_pool"])
         # the first request pays one-off kernel compilation; count it as start-up, not as rollout
         t0 = time.perf_counter()
         warm = self.stream.generate([Request([1, 2, 3], Sampling(max_new_tokens=2, temperature=0.0))])[0]

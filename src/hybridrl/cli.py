@@ -57,6 +57,14 @@ def _bench(args: argparse.Namespace) -> None:
                args.repeats, Path(args.out), probe=args.probe, overrides=overrides)
 
 
+def _bench_parse(args: argparse.Namespace) -> None:
+    from hybridrl.answer import bench
+
+    print(f"{'case':36} {'chars':>8} {'ms':>8} {'Mchar/s':>8}")
+    for name, chars, seconds in bench(args.repeats):
+        print(f"{name:36} {chars:8d} {seconds * 1e3:8.2f} {chars / seconds / 1e6:8.2f}")
+
+
 def _aggregate(args: argparse.Namespace) -> None:
     from hybridrl.report import aggregate_main
 
@@ -128,6 +136,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a string run key for the standalone engine, e.g. sglang_release=all")
     s.set_defaults(fn=_bench)
+
+    s = sub.add_parser("bench-parse", help="answer parsing on its worst cases (whitespace runs, long digit runs)")
+    s.add_argument("--repeats", type=int, default=5, help="best of this many runs per case")
+    s.set_defaults(fn=_bench_parse)
 
     s = sub.add_parser("aggregate", help="gather runs into one tidy table")
     s.add_argument("--runs", nargs="+", required=True)

@@ -7,7 +7,9 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import tempfile
+import urllib.error
 import urllib.request
 from collections.abc import Iterable
 from decimal import Decimal
@@ -25,6 +27,10 @@ GSM8K_SHA256 = {
     "test": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
 }
 GSM8K_ROWS = {"train": 7473, "test": 1319}
+# Another location of the same files (a mirror), as a template with {split}; the checksums still hold.
+GSM8K_URL_ENV = "HYBRIDRL_GSM8K_URL"
+# Seconds the connect, and each read, may wait.
+DOWNLOAD_TIMEOUT_S = 60.0
 
 
 def write_jsonl_atomic(path: Path, rows: Iterable[dict]) -> None:
@@ -122,8 +128,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def download_gsm8k(out_dir: Path, url_template: str = GSM8K_URL) -> None:
+def _fetch(url: str, target: str, timeout_s: float) -> None:
+    """Copy url to target. The timeout bounds the connect and every read, so a network that drops
+    packets fails the download instead of hanging it (urlretrieve has no timeout at all)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response, open(target, "wb") as out:
+        shutil.copyfileobj(response, out, 1 << 20)
+
+
+def download_gsm8k(out_dir: Path, url_template: str | None = None, timeout_s: float = DOWNLOAD_TIMEOUT_S) -> None:
     """Fetch both splits once; keep a file only when its checksum and row count match."""
+    url_template = url_template or os.environ.get(GSM8K_URL_ENV) or GSM8K_URL
     out_dir.mkdir(parents=True, exist_ok=True)
     for split, digest in GSM8K_SHA256.items():
         target = out_dir / f"{split}.jsonl"
@@ -131,11 +145,14 @@ def download_gsm8k(out_dir: Path, url_template: str = GSM8K_URL) -> None:
             continue
         fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{split}.")
         os.close(fd)
+        url = url_template.format(split=split)
         try:
-            urllib.request.urlretrieve(url_template.format(split=split), tmp)
-        except OSError as exc:
+            _fetch(url, tmp, timeout_s)
+        except (OSError, ValueError) as exc:  # URLError, a timeout, HTTP errors; ValueError: a malformed URL
             os.unlink(tmp)
-            raise RuntimeError(f"GSM8K {split}: download failed ({exc}); use data.source: synthetic "
+            # URLError's own text is "<urlopen error ...>"; an HTTPError's says its status
+            reason = exc.reason if type(exc) is urllib.error.URLError else exc
+            raise RuntimeError(f"GSM8K {split}: download failed from {url}: {reason}; use data.source: synthetic "
                                "on machines without network") from exc
         got = _sha256(Path(tmp))
         if got != digest:

@@ -175,3 +175,19 @@ def test_profile_is_where_snakemake_looks():
     assert "slurm_account" in profile["default-resources"]
     assert "attempt" in profile["default-resources"]["runtime"] and "attempt" in profile["default-resources"]["mem_mb"]
     assert (REPO / "slurm" / "ci" / "config.v8+.yaml").exists()
+
+
+def test_profile_defaults_are_judged_for_a_dry_run():
+    # what `snakemake --profile slurm` hands the Snakefile with HYBRIDRL_SLURM_ACCOUNT/PARTITION unset
+    unset = ["tmpdir=system_tmpdir", "mem_mb=128000 * attempt", "slurm_account=None", "slurm_partition=None",
+             "runtime=240 * attempt"]
+    problems = cluster.check_profile_defaults(unset)
+    assert len(problems) == 2
+    assert cluster.ENV_ACCOUNT in problems[0] and cluster.ENV_PARTITION in problems[1]
+    given = [a.replace("=None", "=x") for a in unset]
+    assert cluster.check_profile_defaults(given) == []
+    (unknown,) = cluster.check_profile_defaults(given, lambda: ["gpu"])
+    assert "'x' does not exist" in unknown
+    # no SLURM profile: nothing to judge
+    assert cluster.check_profile_defaults(None) == []
+    assert cluster.check_profile_defaults(["mem_mb=1000"]) == []

@@ -1,5 +1,6 @@
 import hashlib
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,42 @@ def test_download_accepts_matching_file(tmp_path, monkeypatch):
 def test_download_failure_names_the_cause(tmp_path):
     with pytest.raises(RuntimeError, match="download failed"):
         data.download_gsm8k(tmp_path, url_template=f"file://{tmp_path}/missing-{{split}}.jsonl")
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_server_is_named(tmp_path):
+    url = f"http://127.0.0.1:{_closed_port()}/{{split}}.jsonl"
+    with pytest.raises(RuntimeError, match=r"GSM8K train: download failed from http://127.0.0.1:\d+/train.jsonl: "
+                                           r".*Connection refused; use data.source: synthetic"):
+        data.download_gsm8k(tmp_path, url_template=url)
+    assert list(tmp_path.iterdir()) == []  # no partial file is left
+
+
+def test_download_times_out_on_a_server_that_never_answers(tmp_path):
+    # the kernel completes the connection from the listen backlog; nothing is ever sent back
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/{{split}}.jsonl"
+        with pytest.raises(RuntimeError, match="download failed .*timed out"):
+            data.download_gsm8k(tmp_path, url_template=url, timeout_s=0.2)
+
+
+def test_download_url_from_the_environment(tmp_path, monkeypatch):
+    src = tmp_path / "mirror"
+    src.mkdir()
+    for split in ("train", "test"):
+        (src / f"{split}.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
+        monkeypatch.setitem(data.GSM8K_SHA256, split, hashlib.sha256((src / f"{split}.jsonl").read_bytes()).hexdigest())
+        monkeypatch.setitem(data.GSM8K_ROWS, split, 1)
+    monkeypatch.setenv(data.GSM8K_URL_ENV, f"file://{src}/{{split}}.jsonl")
+    data.download_gsm8k(tmp_path / "out")
+    assert (tmp_path / "out" / "test.jsonl").exists()
 
 
 def test_random_moe_model_pads_its_vocab_and_keeps_norm_topk_prob(tmp_path):

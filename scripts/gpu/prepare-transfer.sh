@@ -10,7 +10,13 @@
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 shared=${HYBRIDRL_SHARED_GPU:-$repo/../shared/gpu}
-[ -x "$shared/gpu-env" ] || { echo "prepare-transfer: no gpu-env in $shared" >&2; exit 2; }
+if [ ! -x "$shared/gpu-env" ]; then
+  echo "prepare-transfer: no gpu-env in $shared. It is not in this repository: it comes with the project's" \
+    "shared folder (shared/gpu: gpu-env and its sglang.txt, vllm.txt, trainer.txt), which lies beside the" \
+    "steering checkout as ../shared/gpu. From another clone, point HYBRIDRL_SHARED_GPU at that folder" \
+    "(see docs/gpu.md)." >&2
+  exit 2
+fi
 sets=(sglang vllm trainer)
 [ $# -eq 0 ] || sets=("$@")
 cd "$repo"

@@ -329,7 +329,8 @@ all() {
   local plan=${1:-full} study gpus phases n=0 have
   load_plan "$plan"
   use_study "$study"
-  [ -f "$ref/setup.done" ] || { echo "run setup first ($ref/setup.done is missing)" >&2; exit 1; }
+  [ -f "$ref/setup.done" ] || { echo "run setup first ($ref/setup.done is missing): \`$0 setup WHEELS_DIR" \
+    "$study\` builds its data and models; a dry run checks only that the marker is there (docs/gpu.md)" >&2; exit 1; }
   if [ -z "${HYBRIDRL_DRY_RUN:-}" ]; then
     have=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
     [ "$have" -ge "$gpus" ] || { echo "plan $plan needs $gpus GPUs, this machine has $have" >&2; exit 2; }

@@ -65,6 +65,14 @@ def _client_ceiling(args: argparse.Namespace) -> None:
                  old_client=not args.no_old_client)
 
 
+def _bench_parse(args: argparse.Namespace) -> None:
+    from hybridrl.answer import bench
+
+    print(f"{'case':36} {'chars':>8} {'ms':>8} {'Mchar/s':>8}")
+    for name, chars, seconds in bench(args.repeats):
+        print(f"{name:36} {chars:8d} {seconds * 1e3:8.2f} {chars / seconds / 1e6:8.2f}")
+
+
 def _aggregate(args: argparse.Namespace) -> None:
     from hybridrl.report import aggregate_main
 
@@ -152,6 +160,10 @@ def parser() -> argparse.ArgumentParser:
                    help="leave out the client before 2026-11-23 (one shared pool, every request streamed)")
     s.add_argument("--out", help="JSON with every setting's figures")
     s.set_defaults(fn=_client_ceiling)
+
+    s = sub.add_parser("bench-parse", help="answer parsing on its worst cases (whitespace runs, long digit runs)")
+    s.add_argument("--repeats", type=int, default=5, help="best of this many runs per case")
+    s.set_defaults(fn=_bench_parse)
 
     s = sub.add_parser("aggregate", help="gather runs into one tidy table")
     s.add_argument("--runs", nargs="+", required=True)

@@ -202,6 +202,17 @@ def check_job_resources(resources: Mapping[str, Any], partitions: Iterable[str] 
     return problems
 
 
+def check_profile_defaults(default_resources: Iterable[str] | None,
+                           partitions: Callable[[], list[str] | None] | None = None) -> list[str]:
+    """Account, partition and time limit as the profile's default-resources give them (`key=value`), for
+    a dry run: Snakemake calls `onstart`, where a real run checks each job's resources, only when it
+    runs. Nothing without a slurm_* key, i.e. without a SLURM profile."""
+    values = dict(arg.split("=", 1) for arg in default_resources or () if "=" in arg)
+    if not any(key.startswith("slurm_") for key in values):
+        return []
+    return check_job_resources(values, partitions() if partitions else None)
+
+
 def group_problems(by_rule: Mapping[str, Iterable[str]]) -> list[str]:
     """One line per problem, naming the rules it hits, instead of one line per job."""
     rules: dict[str, list[str]] = {}

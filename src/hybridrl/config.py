@@ -142,15 +142,49 @@ def check_model_sources(models: dict[str, dict[str, Any]], source: str = "config
             raise ConfigError(f"{source}: models.{name}.path: {spec['path']} does not exist")
 
 
+def _line_column(text: str | bytes, offset: int) -> tuple[int, int]:
+    newline = "\n" if isinstance(text, str) else b"\n"
+    return text.count(newline, 0, offset) + 1, offset - text.rfind(newline, 0, offset)
+
+
+def yaml_error_line(path: str | Path, exc: yaml.YAMLError, text: str) -> str:
+    """One line for a YAML syntax error, FILE:LINE:COLUMN: what, as a compiler prints it (PyYAML's own
+    message spans four to six lines)."""
+    if isinstance(exc, yaml.reader.ReaderError):  # a character YAML forbids, found before parsing
+        line, column = _line_column(text, exc.position)
+        char = exc.character if isinstance(exc.character, str) else chr(exc.character)
+        return f"{path}:{line}:{column}: not valid YAML: character U+{ord(char):04X}: {exc.reason}"
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    what = getattr(exc, "problem", None) or getattr(exc, "context", None)
+    if mark is None or what is None:
+        return f"{path}: not valid YAML: {' '.join(str(exc).split())}"
+    context, cmark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    # PyYAML's context names the construct the problem broke ("while parsing a flow sequence")
+    where = f" ({context} that starts at line {cmark.line + 1}, column {cmark.column + 1})" \
+        if context and cmark and context != what else ""
+    return f"{path}:{mark.line + 1}:{mark.column + 1}: not valid YAML: {what}{where}"
+
+
+def load_yaml(path: str | Path) -> Any:
+    """Parse a YAML file; a syntax error raises ConfigError with one line naming file, line and column."""
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line, column = _line_column(data, exc.start)
+        raise ConfigError(f"{path}:{line}:{column}: not UTF-8 text (byte {data[exc.start]:#04x})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(yaml_error_line(path, exc, text)) from None
+
+
 def load_study(path: str | Path, overrides: dict[str, Any] | None = None) -> Study:
     """Read, validate and resolve a study file; raises ConfigError with one clear message."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    raw = load_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     if overrides:

@@ -1,4 +1,5 @@
-"""GSM8K: download once with a checksum, or synthesise GSM8K-format problems offline; answer parsing."""
+"""GSM8K: download once with a checksum, or synthesise GSM8K-format problems offline; the reward (its answer
+parsing is hybridrl.answer)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,18 @@ import hashlib
 import json
 import os
 import random
-import re
+import shutil
 import tempfile
+import urllib.error
 import urllib.request
 from collections.abc import Iterable
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
+
+# extract_answer is read from here by callers and tests; the rule lives in answer.py
+from hybridrl.answer import answer_value, format_number
+from hybridrl.answer import extract_answer as extract_answer
 
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
 # sha256 of the upstream files; a mismatch means a corrupt or changed download.
@@ -20,8 +27,10 @@ GSM8K_SHA256 = {
     "test": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
 }
 GSM8K_ROWS = {"train": 7473, "test": 1319}
-
-_NUMBER = re.compile(r"-?\$?\s*-?\d[\d,]*(?:\.\d+)?|-?\$?\s*-?\.\d+")
+# Another location of the same files (a mirror), as a template with {split}; the checksums still hold.
+GSM8K_URL_ENV = "HYBRIDRL_GSM8K_URL"
+# Seconds the connect, and each read, may wait.
+DOWNLOAD_TIMEOUT_S = 60.0
 
 
 def write_jsonl_atomic(path: Path, rows: Iterable[dict]) -> None:
@@ -38,36 +47,10 @@ def read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def normalize_number(text: str) -> str | None:
-    """Canonical form of a number as written in an answer: '$1,234.50' -> '1234.5', '-3.0' -> '-3'."""
-    cleaned = text.replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
-    if cleaned.startswith("--"):
-        return None
-    try:
-        value = Decimal(cleaned)
-    except InvalidOperation:
-        return None
-    # plain digits, no rounding: a random-init policy writes numbers longer than Decimal's 28-digit
-    # context, which quantize() and normalize() refuse or round
-    digits = format(value, "f")
-    return digits.rstrip("0").rstrip(".") if "." in digits else digits
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer: the number after the last '####', else the last number in the text."""
-    if "####" in text:
-        tail = text.rsplit("####", 1)[1]
-        match = _NUMBER.search(tail)
-        return normalize_number(match.group(0)) if match else None
-    matches = _NUMBER.findall(text)
-    return normalize_number(matches[-1]) if matches else None
-
-
 def reward(completion: str, reference_answer: str) -> float:
-    """1.0 when the completion's final number equals the reference's, else 0.0."""
-    expected = extract_answer(reference_answer)
-    got = extract_answer(completion)
-    return float(expected is not None and got == expected)
+    """1.0 when the completion's final number equals the reference's exactly, else 0.0."""
+    expected = answer_value(reference_answer)
+    return float(expected is not None and answer_value(completion) == expected)
 
 
 def shaped_reward(completion: str, reference_answer: str, format_bonus: float = 0.0) -> float:
@@ -78,15 +61,15 @@ def shaped_reward(completion: str, reference_answer: str, format_bonus: float = 
     a random policy writes some number in nearly every long completion (on the GPU study's
     tokenizer 42% of tokens hold a digit), so every member of a group would get the same reward.
     """
-    if reward(completion, reference_answer):
-        return 1.0
-    got, expected = extract_answer(completion), extract_answer(reference_answer)
+    got, expected = answer_value(completion), answer_value(reference_answer)
     if got is None:
         return 0.0
     if expected is None:
         return format_bonus
-    distance = abs(Decimal(got) - Decimal(expected)) / max(abs(Decimal(expected)), Decimal(1))
-    return format_bonus / (1.0 + float(min(distance, Decimal(10**6))))
+    if got == expected:
+        return 1.0
+    distance = abs(got - expected) / max(abs(expected), 1)
+    return format_bonus / (1.0 + float(min(distance, Fraction(10**6))))
 
 
 def prompt_text(question: str) -> str:
@@ -122,7 +105,7 @@ def _problem(rng: random.Random) -> dict:
         q = f"One pack of {item} costs ${price / 100:.2f}. How much do {c} packs cost in dollars?"
         ans = Decimal(price * c) / 100
         work = f"{c} packs cost {c} * {price / 100:.2f} = <<{c}*{price / 100:.2f}={ans}>>{ans} dollars."
-    return {"question": q, "answer": f"{work}\n#### {normalize_number(str(ans))}"}
+    return {"question": q, "answer": f"{work}\n#### {format_number(Fraction(ans))}"}
 
 
 def synthesize(n: int, seed: int) -> list[dict]:
@@ -145,8 +128,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def download_gsm8k(out_dir: Path, url_template: str = GSM8K_URL) -> None:
+def _fetch(url: str, target: str, timeout_s: float) -> None:
+    """Copy url to target. The timeout bounds the connect and every read, so a network that drops
+    packets fails the download instead of hanging it (urlretrieve has no timeout at all)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response, open(target, "wb") as out:
+        shutil.copyfileobj(response, out, 1 << 20)
+
+
+def download_gsm8k(out_dir: Path, url_template: str | None = None, timeout_s: float = DOWNLOAD_TIMEOUT_S) -> None:
     """Fetch both splits once; keep a file only when its checksum and row count match."""
+    url_template = url_template or os.environ.get(GSM8K_URL_ENV) or GSM8K_URL
     out_dir.mkdir(parents=True, exist_ok=True)
     for split, digest in GSM8K_SHA256.items():
         target = out_dir / f"{split}.jsonl"
@@ -154,11 +145,14 @@ def download_gsm8k(out_dir: Path, url_template: str = GSM8K_URL) -> None:
             continue
         fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{split}.")
         os.close(fd)
+        url = url_template.format(split=split)
         try:
-            urllib.request.urlretrieve(url_template.format(split=split), tmp)
-        except OSError as exc:
+            _fetch(url, tmp, timeout_s)
+        except (OSError, ValueError) as exc:  # URLError, a timeout, HTTP errors; ValueError: a malformed URL
             os.unlink(tmp)
-            raise RuntimeError(f"GSM8K {split}: download failed ({exc}); use data.source: synthetic "
+            # URLError's own text is "<urlopen error ...>"; an HTTPError's says its status
+            reason = exc.reason if type(exc) is urllib.error.URLError else exc
+            raise RuntimeError(f"GSM8K {split}: download failed from {url}: {reason}; use data.source: synthetic "
                                "on machines without network") from exc
         got = _sha256(Path(tmp))
         if got != digest:

@@ -3,7 +3,9 @@
 # profile allows, a missing or unknown account or partition, and a status source that cannot work.
 # The first two need only the config and run while the Snakefile is parsed (a dry run only warns);
 # the SLURM ones need the executor and the jobs' resources, so they run in `onstart`, which Snakemake
-# calls after building the DAG and before it schedules the first job. Job steps (inside SLURM) skip all.
+# calls after building the DAG and before it schedules the first job. A dry run never calls `onstart`,
+# so it warns about the account and partition from the profile's default-resources instead. Job steps
+# (inside SLURM) skip all.
 
 
 def _gpu_limit() -> int | None:
@@ -23,10 +25,16 @@ def _parse_time_problems() -> list[str]:
     return problems
 
 
+def _profile_problems() -> list[str]:
+    """A dry run never calls `onstart` (below), so it judges the account and partition the profile gives."""
+    defaults = getattr(workflow.resource_settings.default_resources, "args", None)
+    return cluster.check_profile_defaults(defaults, cluster.cluster_partitions)
+
+
 if workflow.is_main_process:
     _problems = _parse_time_problems()
-    if _problems and cluster.dry_run_requested(sys.argv):
-        for _p in _problems:
+    if cluster.dry_run_requested(sys.argv):
+        for _p in _problems + _profile_problems():
             logger.warning(f"hybridrl (dry run; a real run stops here): {_p}")
     elif _problems:
         raise WorkflowError("hybridrl: nothing was submitted:\n" + "\n".join(f"  - {p}" for p in _problems))

@@ -12,6 +12,7 @@ rule data:
         f"logs/data/{DATASET}.log",
     conda:
         "../envs/hybridrl.yaml"
+    # tee: a failure's cause (no network, a checksum) shows on the console, not only in the log
     shell:
         "python -m hybridrl data --source {params.source} --n-train {params.n_train}"
-        " --n-test {params.n_test} --seed {params.seed} --out {params.out} > {log} 2>&1"
+        " --n-test {params.n_test} --seed {params.seed} --out {params.out} 2>&1 | tee {log}"

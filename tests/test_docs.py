@@ -1,0 +1,48 @@
+"""Commands and ids the docs give, checked against what they really do."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from hybridrl.config import load_study
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# Snakemake options that take every following word as a value: a target written after one is swallowed.
+GREEDY = {"--configfile", "--configfiles", "--forcerun", "-R", "--until", "-U", "--omit-from", "-O", "--config",
+          "-C", "--set-resources", "--set-threads", "--default-resources"}
+
+
+def _snakemake_commands(path: Path) -> list[list[str]]:
+    """Each `snakemake ...` command in the file's fenced code blocks, continued lines joined."""
+    commands = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", path.read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["snakemake"] or words[1:2] == ["snakemake"]:
+                commands.append(words[words.index("snakemake"):])
+    return commands
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_no_target_is_swallowed_by_an_option(path):
+    for words in _snakemake_commands(path):
+        for i, word in enumerate(words):
+            if word in GREEDY:
+                values = []
+                for value in words[i + 1:]:
+                    if value.startswith("-"):
+                        break
+                    values.append(value)
+                assert len(values) == 1, f"{path.name}: {' '.join(words)}: {word} takes {values}"
+
+
+def test_readme_example_run_id_is_a_run_of_the_smoke_study():
+    ids = re.findall(r"`(vllm-\w+-hf-tiny-qwen3-[0-9a-f]{8})`", (REPO / "README.md").read_text())
+    assert ids
+    runs = load_study(REPO / "config" / "smoke.yaml").runs
+    for rid in ids:
+        assert rid in runs, f"README names {rid}; `python -m hybridrl validate --config config/smoke.yaml` " \
+                            f"lists {', '.join(runs)}"

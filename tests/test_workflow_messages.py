@@ -1,0 +1,69 @@
+"""What Snakemake itself prints for a bad day: a broken study file, a SLURM profile without an account
+or partition, a GSM8K download that fails. Each runs the real workflow in a scratch copy (a dry run, or
+the data rule alone: a few seconds)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEMAKE = Path(sys.executable).with_name("snakemake")
+
+
+@pytest.fixture
+def workflow_copy(tmp_path) -> Path:
+    for name in ("workflow", "config", "slurm", "containers"):
+        shutil.copytree(REPO / name, tmp_path / name)
+    shutil.copy(REPO / "Snakefile", tmp_path)
+    (tmp_path / "src").symlink_to(REPO / "src")
+    return tmp_path
+
+
+def _snakemake(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDRL_SLURM_")}
+    environ.update(PATH=f"{SNAKEMAKE.parent}:{os.environ['PATH']}", PYTHONPATH=str(REPO / "src"), **env)
+    return subprocess.run([str(SNAKEMAKE), *args], cwd=cwd, env=environ, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_broken_default_study_is_one_line(workflow_copy):
+    study = workflow_copy / "config" / "config.yaml"
+    lines = study.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  n_train:"))
+    lines[at] = "  n_train: [1, 2"  # an unclosed flow sequence, broken by the next key's colon
+    study.write_text("\n".join(lines) + "\n")
+    out = _snakemake(workflow_copy, "-n")
+    assert out.returncode == 1
+    assert out.stdout == ""
+    assert out.stderr.startswith(f"hybridrl: config error: config/config.yaml:{at + 2}:9: not valid YAML: "
+                                 "expected ',' or ']', but got ':'")
+    assert out.stderr.count("\n") == 1, out.stderr
+
+
+def test_slurm_dry_run_warns_without_account_and_partition(workflow_copy):
+    out = _snakemake(workflow_copy, "--profile", "slurm", "-n")
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    assert "hybridrl (dry run; a real run stops here): no SLURM account: set HYBRIDRL_SLURM_ACCOUNT" in text
+    assert "hybridrl (dry run; a real run stops here): no SLURM partition: set HYBRIDRL_SLURM_PARTITION" in text
+    given = _snakemake(workflow_copy, "--profile", "slurm", "-n", HYBRIDRL_SLURM_ACCOUNT="acct",
+                       HYBRIDRL_SLURM_PARTITION="gpu")
+    assert given.returncode == 0 and "no SLURM" not in given.stdout + given.stderr
+
+
+def test_failed_download_shows_its_cause_on_the_console(workflow_copy):
+    study = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    study["data"] = {"source": "gsm8k"}
+    (workflow_copy / "gsm8k.yaml").write_text(yaml.safe_dump(study))
+    # port 9 (discard) on the loopback: refused at once, and no network is needed
+    out = _snakemake(workflow_copy, "resources/data/gsm8k/train.jsonl", "--cores", "1", "--configfile", "gsm8k.yaml",
+                     HYBRIDRL_GSM8K_URL="http://127.0.0.1:9/{split}.jsonl")
+    assert out.returncode != 0
+    console = out.stdout + out.stderr
+    assert "GSM8K train: download failed from http://127.0.0.1:9/train.jsonl" in console, console[-3000:]
+    assert "download failed" in (workflow_copy / "logs" / "data" / "gsm8k.log").read_text()

@@ -151,7 +151,7 @@ def test_client_ceiling_command_writes_every_setting(tmp_path):
               "--stream-fraction", "1", "0", "--tokens-per-event", "1", "--seconds", "0", "--out", str(out)])
     rows = json.loads(out.read_text())["settings"]
     assert [(r["stream_fraction"], r["client"]) for r in rows] == [
-        (1.0, "shared pool (before 2026-11-23)"), (1.0, "one connection per slot"), (0.0, "one connection per slot")]
+        (1.0, "old (one shared pool)"), (1.0, "new (a connection per slot)"), (0.0, "new (a connection per slot)")]
     assert all(r["ceiling_tok_s"] > 0 for r in rows)
 
 

@@ -199,7 +199,7 @@ def measure(fmt: str, requests: int = 128, tokens: int = 256, concurrency: int =
             batches.append({"wall_s": wall, "tok_s": requests * tokens / wall, "events_s": events / wall,
                             "controller_cpu_pct": 100.0 * (time.process_time() - cpu0) / wall})
     best = max(batches, key=lambda b: b["tok_s"])
-    return {"format": fmt, "client": "shared pool (before 2026-11-23)" if shared_pool else "one connection per slot",
+    return {"format": fmt, "client": "old (one shared pool)" if shared_pool else "new (a connection per slot)",
             "requests": requests, "tokens": tokens, "concurrency": concurrency,
             "stream_fraction": stream_fraction, "streamed_requests": sum(r.stream for r in reqs),
             "tokens_per_event": tokens_per_event, "event_interval_s": event_interval_s, "server_procs": procs,
@@ -233,6 +233,17 @@ def settings(fractions: list[float], tokens_per_event: list[int], old_client: bo
     return [(1.0, k, True) for k in tokens_per_event] * old_client + grid
 
 
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The benchmark's rows as the Markdown table the READMEs quote (a test holds them to the committed JSON)."""
+    lines = ["| answers | client | streamed | tokens/event | ceiling tok/s | events/s | controller CPU |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        per_event = str(r["tokens_per_event"]) if r["streamed_requests"] else "-"
+        lines.append(f"| {r['format']} | {r['client']} | {r['streamed_requests']}/{r['requests']} | {per_event} | "
+                     f"{r['ceiling_tok_s']:,.0f} | {r['events_s']:,.0f} | {r['controller_cpu_pct']:.0f}% |")
+    return "\n".join(lines) + "\n"
+
+
 def main(formats: list[str], requests: int, tokens: int, concurrency: int, fractions: list[float],
          tokens_per_event: list[int], seconds: float, procs: int, out: Path | None,
          old_client: bool = True) -> list[dict[str, Any]]:
@@ -245,12 +256,11 @@ def main(formats: list[str], requests: int, tokens: int, concurrency: int, fract
             for fmt, f, k, old in track(grid, description="client ceiling", transient=True)]
     table = Table(title=f"rollout client ceiling: {requests} requests x {tokens} tokens, {concurrency} concurrent, "
                         f"{os.cpu_count()} CPUs")
-    for col in ("answers", "client", "streamed", "tokens/event", "ceiling tok/s", "events/s", "controller CPU %"):
+    header, _, *body = markdown_table(rows).splitlines()
+    for col in header.strip("| ").split(" | "):
         table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(r["format"], r["client"], f"{r['streamed_requests']}/{r['requests']}",
-                      str(r["tokens_per_event"]) if r["streamed_requests"] else "-", f"{r['ceiling_tok_s']:,.0f}",
-                      f"{r['events_s']:,.0f}", f"{r['controller_cpu_pct']:.0f}")
+    for line in body:
+        table.add_row(*line.strip("| ").split(" | "))
     Console().print(table)
     if out is not None:
         from hybridrl.provenance import write as write_json

@@ -14,6 +14,7 @@ from hybridrl import data, models
 from hybridrl.config import resolve
 from hybridrl.engines.base import Completion, EngineDied, EngineError
 from hybridrl.loop import RunFailed, run_loop, step_requests
+from hybridrl.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,7 +93,7 @@ def assets(tmp_path_factory):
     return root
 
 
-def _run(**over) -> dict:
+def _run(**over) -> RunConfig:
     spec = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
     spec["defaults"].update({"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, **over})
     spec["runs"] = [{"placement": "split"}]
@@ -170,7 +171,7 @@ def test_colocated_engine_dead_at_sleep_is_restarted_and_put_to_sleep(assets, tm
                 raise EngineError("POST /sleep: ConnectError: [Errno 111] Connection refused")
 
     engine = DiesAtFirstSleep()
-    run = {**_run(steps=1), "placement": "colocate"}
+    run = _run(steps=1).model_copy(update={"placement": "colocate"})  # the study refuses colocate on a CPU
     records = run_loop(run, "r15", assets / "model", assets / "data", tmp_path, {}, progress=False, engine=engine)
     assert records[0]["errors/engine_restarts"] == 1 and engine.starts == 2
     assert engine.events.count("sleep") == 2  # the fresh engine slept before the trainer ran
@@ -238,12 +239,12 @@ def test_split_flushes_the_prefix_cache_after_each_adapter_load(assets, tmp_path
 
 
 def test_logprob_gate_uses_the_runs_limit_or_the_default():
-    from hybridrl.loop import MAX_LOGPROB_GAP, logprob_gate
+    from hybridrl.loop import logprob_gate
 
-    assert logprob_gate(0.007, {}) == {"check/logprob_gap_max": MAX_LOGPROB_GAP, "check/logprob_agreement_ok": True}
-    assert logprob_gate(0.026, {})["check/logprob_agreement_ok"] is False  # stale prefixes on the H200
-    assert logprob_gate(2e-3, {"max_logprob_gap": 1e-3})["check/logprob_agreement_ok"] is False
-    assert logprob_gate(None, {})["check/logprob_agreement_ok"] is None  # no training step, nothing to compare
+    assert logprob_gate(0.007, _run()) == {"check/logprob_gap_max": 0.02, "check/logprob_agreement_ok": True}
+    assert logprob_gate(0.026, _run())["check/logprob_agreement_ok"] is False  # stale prefixes on the H200
+    assert logprob_gate(2e-3, _run(max_logprob_gap=1e-3))["check/logprob_agreement_ok"] is False
+    assert logprob_gate(None, _run())["check/logprob_agreement_ok"] is None  # no training step, nothing to compare
 
 
 def test_a_failed_request_is_counted_logged_and_kept_with_its_cause(assets, tmp_path, capsys):

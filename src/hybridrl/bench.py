@@ -22,6 +22,7 @@ from hybridrl.engines import make_engine
 from hybridrl.engines.base import EngineError, Request, Sampling
 from hybridrl.loop import step_requests
 from hybridrl.placement import ADAPTER_NAME
+from hybridrl.run_config import RunConfig
 from hybridrl.telemetry import read_records, rollout_stats
 
 
@@ -141,7 +142,7 @@ def run_bench(cfg: dict[str, Any], model_dir: Path, data_dir: Path, run_dir: Pat
     standalone = statistics.median(tok_s) if tok_s else None
     in_loop = in_loop_throughput(run_dir, step)
     return {
-        "run_id": cfg["run_id"], "engine": run["engine"], "placement": run["placement"], "step": step,
+        "run_id": cfg["run_id"], "engine": run.engine, "placement": run.placement, "step": step,
         "requests": len(requests), "repeats": reps, "engine_start_s": start_s,
         "standalone_tok_s_median": standalone, "in_loop_tok_s": in_loop,
         "in_loop_over_standalone": (in_loop / standalone) if in_loop and standalone else None,
@@ -152,7 +153,8 @@ def run_bench(cfg: dict[str, Any], model_dir: Path, data_dir: Path, run_dir: Pat
 def main(run_config: Path, model_dir: Path, data_dir: Path, run_dir: Path, step: int, repeats: int,
          out: Path, probe: bool = False, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     cfg = json.loads(Path(run_config).read_text())
-    cfg["run"].update(overrides or {})  # e.g. sglang_release=all: start with the CPU weight backup to probe it
+    # e.g. sglang_release=all: start with the CPU weight backup to probe it
+    cfg["run"] = RunConfig.model_validate({**cfg["run"], **(overrides or {})})
     result = run_bench(cfg, Path(model_dir), Path(data_dir), Path(run_dir), step, repeats,
                        Path(out).parent / f"bench-logs-{cfg['run_id']}", probe)
     result["overrides"] = overrides or {}

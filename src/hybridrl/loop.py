@@ -24,6 +24,7 @@ from hybridrl.placement import ADAPTER_NAME, make_placement
 from hybridrl.provenance import collect
 from hybridrl.provenance import write as write_provenance
 from hybridrl.rl import group_advantages
+from hybridrl.run_config import RunConfig
 from hybridrl.telemetry import MemorySampler, Timings, append_record, read_records, rollout_stats
 from hybridrl.trainers import make_trainer
 from hybridrl.trainers.base import Sample
@@ -58,18 +59,18 @@ class RunPaths:
         return self.root / "logs"
 
 
-def step_requests(problems: list[dict], run: dict[str, Any], step: int, tokenizer) -> tuple[list[Request], list[str]]:
+def step_requests(problems: list[dict], run: RunConfig, step: int, tokenizer) -> tuple[list[Request], list[str]]:
     """The same prompts, seeds and sampling for every engine: they depend only on (seed, step)."""
-    rng = random.Random(run["seed"] * 1_000_003 + step)
-    picked = rng.sample(range(len(problems)), min(run["prompts_per_step"], len(problems)))
-    s = run["sampling"]
+    rng = random.Random(run.seed * 1_000_003 + step)
+    picked = rng.sample(range(len(problems)), min(run.prompts_per_step, len(problems)))
+    s = run.sampling
     requests, answers = [], []
     for p_i, idx in enumerate(picked):
         ids = tokenizer(gsm8k.prompt_text(problems[idx]["question"]))["input_ids"]
-        for g in range(run["group_size"]):
-            sampling = Sampling(temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
-                                max_new_tokens=run["max_new_tokens"], ignore_eos=s["ignore_eos"],
-                                seed=(run["seed"] * 1_000_003 + step * 10_007 + p_i * 101 + g) % 2**31)
+        for g in range(run.group_size):
+            sampling = Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                max_new_tokens=run.max_new_tokens, ignore_eos=s.ignore_eos,
+                                seed=(run.seed * 1_000_003 + step * 10_007 + p_i * 101 + g) % 2**31)
             requests.append(Request(ids, sampling, adapter=ADAPTER_NAME if step > 1 else None))
             answers.append(problems[idx]["answer"])
     return requests, answers
@@ -132,7 +133,7 @@ def _install_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, out_dir: Path,
+def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_dir: Path,
              env_spec: dict[str, Any], progress: bool = True, engine: Engine | None = None) -> list[dict[str, Any]]:
     """Run (or resume) all steps of one configuration; returns the records of every step.
 
@@ -145,8 +146,8 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
     paths.root.mkdir(parents=True, exist_ok=True)
     done = read_records(paths.steps)
     first_step = len(done) + 1
-    if first_step > run["steps"]:
-        console.print(f"[green]{run_id}: all {run['steps']} steps already recorded")
+    if first_step > run.steps:
+        console.print(f"[green]{run_id}: all {run.steps} steps already recorded")
         return done
     problems = gsm8k.read_jsonl(data_dir / "train.jsonl")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -165,7 +166,7 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
             if trainer:
                 trainer.resume(adapter)
             console.print(f"{run_id}: resuming at step {first_step} from {adapter}")
-        if trainer and run["placement"] in ("colocate", "restart"):  # the engine starts on a shared GPU
+        if trainer and run.placement in ("colocate", "restart"):  # the engine starts on a shared GPU
             trainer.offload()
         sampler.set_phase("start")
         t0 = time.perf_counter()
@@ -174,13 +175,13 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
         write_provenance(paths.root / "provenance.json", collect(run, engine.describe()))
         canary = Canary(tokenizer, paths.canary)
         canary.record_baseline(engine)
-        placement = make_placement(run["placement"], engine, trainer, sampler)
+        placement = make_placement(run.placement, engine, trainer, sampler)
         waited_s = barrier.wait(run_id, console.print) if barrier else None
         records = list(done)
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         with Progress(*columns, console=console, disable=not progress) as bar:
-            task = bar.add_task(run_id, total=run["steps"], completed=first_step - 1)
-            for step in range(first_step, run["steps"] + 1):
+            task = bar.add_task(run_id, total=run.steps, completed=first_step - 1)
+            for step in range(first_step, run.steps + 1):
                 record = one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
                                   canary, sampler, paths)
                 record["timing_s/engine_start"] = startup_s if step == first_step else None
@@ -199,20 +200,20 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
         sampler.close()
 
 
-def _restart(run: dict[str, Any], engine: Engine, adapter: Path | None, restarts: int, exc: EngineError) -> int:
-    """Start a failed engine again (with `adapter`), or give up once the step has used run['retries']."""
-    if restarts >= run["retries"]:
+def _restart(run: RunConfig, engine: Engine, adapter: Path | None, restarts: int, exc: EngineError) -> int:
+    """Start a failed engine again (with `adapter`), or give up once the step has used run.retries."""
+    if restarts >= run.retries:
         raise RunFailed(f"{engine.name} failed {restarts + 1} times in one step; giving up: {exc}") from exc
     restarts += 1
-    console.print(f"[yellow]{engine.name} failed ({str(exc).splitlines()[0]}); restart {restarts}/{run['retries']}")
+    console.print(f"[yellow]{engine.name} failed ({str(exc).splitlines()[0]}); restart {restarts}/{run.retries}")
     engine.stop()
     engine.start((ADAPTER_NAME, adapter) if adapter else None)
     return restarts
 
 
-def _rollout_with_retries(run: dict[str, Any], engine: Engine, requests: list[Request],
+def _rollout_with_retries(run: RunConfig, engine: Engine, requests: list[Request],
                           adapter: Path | None) -> tuple[list[Completion], int]:
-    """A dead or broken engine is restarted and the rollout retried, at most run['retries'] times."""
+    """A dead or broken engine is restarted and the rollout retried, at most run.retries times."""
     restarts = 0
     while True:
         try:
@@ -226,7 +227,7 @@ def _rollout_with_retries(run: dict[str, Any], engine: Engine, requests: list[Re
             restarts = _restart(run, engine, adapter, restarts, exc)
 
 
-def _through_engine_death(run: dict[str, Any], engine: Engine, adapter: Path | None, restarts: int,
+def _through_engine_death(run: RunConfig, engine: Engine, adapter: Path | None, restarts: int,
                           transition: Callable[[], None], redo: bool) -> int:
     """A placement transition (sleep, wake, adapter load); an engine found dead there is started again with
     `adapter` and counted, as in a rollout (`redo`: run the transition again on the fresh engine). A live engine
@@ -262,9 +263,9 @@ def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         ok = [c.error is None for c in completions]
         correct = [gsm8k.reward(x, a) if good else 0.0 for x, a, good in zip(texts, answers, ok, strict=True)]
-        rewards = [gsm8k.shaped_reward(x, a, run["format_reward"]) if good else 0.0
+        rewards = [gsm8k.shaped_reward(x, a, run.format_reward) if good else 0.0
                    for x, a, good in zip(texts, answers, ok, strict=True)]
-        advantages = group_advantages(rewards, run["group_size"])
+        advantages = group_advantages(rewards, run.group_size)
     _write_requests(paths.root / "requests" / f"step-{step:04d}.jsonl", requests, completions, rewards)
     samples = [Sample(r.prompt_ids, c.token_ids, c.logprobs, a)
                for r, c, a in zip(requests, completions, advantages, strict=True) if c.error is None and c.token_ids]
@@ -289,8 +290,8 @@ def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
                         "base weights were corrupted (e.g. SGLang released weights without a CPU backup)")
     t.s["step"] = time.perf_counter() - step_t0
     record: dict[str, Any] = {
-        "run_id": run_id, "engine": run["engine"], "placement": run["placement"], "trainer": run["trainer"],
-        "model": run["model"], "tp": run["tp"], "seed": run["seed"], "step": step, "time_unix": time.time(),
+        "run_id": run_id, "engine": run.engine, "placement": run.placement, "trainer": run.trainer,
+        "model": run.model, "tp": run.tp, "seed": run.seed, "step": step, "time_unix": time.time(),
     }
     record.update(t.record())
     record.update(rollout_stats(completions, gen_s))
@@ -318,14 +319,9 @@ def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
     return record
 
 
-# bf16 engines and trainers differ by ~0.007 per token (H200 reference); a wrong or stale adapter, or stale
-# cached prefixes, shows up well above this (0.026 on the H200 when split vLLM reused the old adapter's KV)
-MAX_LOGPROB_GAP = 0.02
-
-
-def logprob_gate(gap: float | None, run: dict[str, Any]) -> dict[str, Any]:
+def logprob_gate(gap: float | None, run: RunConfig) -> dict[str, Any]:
     """Trainer-vs-engine agreement: did the engine sample with the weights the trainer thinks it had?"""
-    limit = float(run.get("max_logprob_gap", MAX_LOGPROB_GAP))
+    limit = run.max_logprob_gap
     return {"check/logprob_gap_max": limit, "check/logprob_agreement_ok": None if gap is None else gap <= limit}
 
 
@@ -348,15 +344,15 @@ def _write_requests(path: Path, requests: list[Request], completions: list[Compl
     gsm8k.write_jsonl_atomic(path, rows)
 
 
-def _hold_ballast(run: dict[str, Any]) -> None:
+def _hold_ballast(run: RunConfig) -> None:
     """trainer: none — hold ballast_gb of GPU memory for ballast_s seconds in place of training."""
     import torch
 
     ballast = None
-    if run["ballast_gb"] > 0 and torch.cuda.is_available():
-        ballast = torch.empty(int(run["ballast_gb"] * 1e9), dtype=torch.uint8, device="cuda")
+    if run.ballast_gb > 0 and torch.cuda.is_available():
+        ballast = torch.empty(int(run.ballast_gb * 1e9), dtype=torch.uint8, device="cuda")
         ballast.fill_(1)
-    time.sleep(run["ballast_s"])
+    time.sleep(run.ballast_s)
     del ballast
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

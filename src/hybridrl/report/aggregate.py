@@ -120,9 +120,9 @@ def provenance_fields(prov: dict[str, Any] | None) -> dict[str, Any]:
         return dict.fromkeys(PROVENANCE + CONFIGURED)
     devices = (prov.get("gpu") or {}).get("devices") or []
     names = sorted({d.get("name") for d in devices if d.get("name")})
-    run = prov.get("run_config") or {}
+    recorded = prov.get("run_config") or {}  # as that run wrote it: older runs may lack a key
     return {"git_commit": commit_label(prov.get("git") or {}), "gpu": " + ".join(names) or None,
-            **{k: run.get(k) for k in ["sglang_release"] + CONFIGURED}}
+            **{k: recorded.get(k) for k in ["sglang_release"] + CONFIGURED}}
 
 
 def _missing(value: Any) -> bool:

@@ -239,7 +239,7 @@ def test_split_flushes_the_prefix_cache_after_each_adapter_load(assets, tmp_path
 
 
 def test_logprob_gate_uses_the_runs_limit_or_the_default():
-    from hybridrl.loop import logprob_gate
+    from hybridrl.checks import logprob_gate
 
     assert logprob_gate(0.007, _run()) == {"check/logprob_gap_max": 0.02, "check/logprob_agreement_ok": True}
     assert logprob_gate(0.026, _run())["check/logprob_agreement_ok"] is False  # stale prefixes on the H200
@@ -310,3 +310,22 @@ def test_a_malformed_start_barrier_is_a_config_error_before_anything_starts(asse
         run_loop(_run(), "r11", assets / "model", assets / "data", tmp_path / "run", {}, progress=False,
                  engine=engine)
     assert engine.starts == 0
+
+
+@pytest.mark.parametrize("placement", ["split", "colocate", "restart"])
+def test_the_named_phases_add_up_to_the_step(assets, tmp_path, placement):
+    from hybridrl.record import PHASE_KEYS, RECORD_KEYS
+
+    engine = ScriptedEngine()
+    run = _run(steps=2, max_new_tokens=24).model_copy(update={"placement": placement})  # colocate: CPU no-ops
+    records = run_loop(run, "r16", assets / "model", assets / "data", tmp_path, {}, progress=False, engine=engine)
+    for r in records:
+        assert set(RECORD_KEYS) <= set(r)
+        named = sum(r[k] for k in PHASE_KEYS if r[k] is not None)
+        assert abs(named - r["timing_s/step"]) <= 0.02 * r["timing_s/step"], (named, r["timing_s/step"])
+        assert r["timing_s/save_adapter"] > 0 and r["timing_s/check"] > 0 and r["timing_s/update_actor"] > 0
+        shared = placement != "split"  # the trainer moves off the GPU only where the engine shares it
+        assert (r["timing_s/trainer_onload"] is not None) == shared == (r["timing_s/trainer_offload"] is not None)
+        assert (r["timing_s/restart"] is not None) == (placement == "restart")
+        assert (r["timing_s/wake"] is not None) == (placement == "colocate")
+        assert r["timing_s/recover"] is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -86,7 +87,9 @@ class HFTrainer:
             gaps.add(old, mask, [s.engine_logprobs for s in chunk])
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.run.grad_clip)
         self.optimizer.step()
+        t0 = time.perf_counter()
         self.save(out_dir)
+        save_s = time.perf_counter() - t0
         return TrainResult(out_dir, {
             "train/loss": totals["loss"],
             "train/grad_norm": float(grad_norm),
@@ -95,6 +98,7 @@ class HFTrainer:
             "perf/train_tokens": float(n_tokens),
             **gaps.metrics(n_tokens),
             "train/lora_norm": self.lora_norm(),
+            "timing_s/save_adapter": save_s,
         })
 
     def lora_norm(self) -> float:

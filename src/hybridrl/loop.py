@@ -89,7 +89,8 @@ class RunContext:
     paths: RunPaths
 
 
-def step_requests(problems: list[dict], run: RunConfig, step: int, tokenizer) -> tuple[list[Request], list[str]]:
+def step_requests(problems: list[dict[str, Any]], run: RunConfig, step: int,
+                  tokenizer: Any) -> tuple[list[Request], list[str]]:
     """The same prompts, seeds and sampling for every engine: they depend only on (seed, step)."""
     rng = random.Random(run.seed * 1_000_003 + step)
     picked = rng.sample(range(len(problems)), min(run.prompts_per_step, len(problems)))

@@ -80,6 +80,8 @@ class RunConfig(_Frozen):
                                                   "over the step's whole batch")
     train_dtype: Literal["bf16", "fp32"] | None = Field(
         None, description="megatron trainer: dtype of the base weights (default bf16 on cuda, fp32 on cpu)")
+    # bf16 engines and trainers differ by ~0.007 per token (H200 reference); a wrong or stale adapter, or stale
+    # cached prefixes, shows up well above it (0.026 on the H200 when split vLLM reused the old adapter's KV)
     max_logprob_gap: float = Field(
         0.02, gt=0, description="gate: mean |trainer - engine| logprob per token at most this (fp32 runs can use "
                                 "1e-3); bf16 engines and trainers differ by ~0.007, a stale adapter by more")

@@ -14,6 +14,7 @@ import pytest
 
 from hybridrl import provenance
 from hybridrl.archive import MANIFEST, pack, verify
+from hybridrl.run_config import RunConfig
 
 RUN = "results/runs/vllm-split-aaaa1111"
 
@@ -149,7 +150,8 @@ def test_pack_rejects_missing_inputs(repo: Path, tmp_path: Path) -> None:
 
 def test_provenance_collect_and_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HYBRIDRL_IMAGE_DIGEST", "sha256:feedface")
-    prov = provenance.collect({"engine": "vllm", "lr": 1e-4}, {"flags": ["--enable-lora"]})
+    run = RunConfig(model="tiny", engine="vllm", lr=1e-4)
+    prov = provenance.collect(run, {"flags": ["--enable-lora"]})
     for key in ("git", "python", "packages", "host", "gpu", "container", "engine", "run_config"):
         assert key in prov
     assert set(prov["git"]) == {"commit", "dirty", "source_sha256"}
@@ -159,7 +161,8 @@ def test_provenance_collect_and_write(tmp_path: Path, monkeypatch: pytest.Monkey
     assert prov["engine"] == {"flags": ["--enable-lora"]}
     path = tmp_path / "run" / "provenance.json"
     provenance.write(path, prov)
-    assert json.loads(path.read_text())["run_config"] == {"engine": "vllm", "lr": 1e-4}
+    recorded = json.loads(path.read_text())["run_config"]
+    assert RunConfig.model_validate(recorded) == run and recorded["micro_batch"] == 8  # every key, resolved
     assert [p.name for p in path.parent.iterdir()] == ["provenance.json"]
 
 

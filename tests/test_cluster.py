@@ -10,6 +10,7 @@ import yaml
 
 from hybridrl import cluster
 from hybridrl.config import resolve
+from hybridrl.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 SCONTROL_LINE = (
@@ -29,7 +30,7 @@ def test_gpu_study_gets_one_rule_per_gpu_count():
     rules = cluster.shapes(runs)
     assert sorted(rules) == ["train_gpu1", "train_gpu2"]
     for rid in rules["train_gpu2"]:
-        assert runs[rid]["placement"] == "split" and cluster.job_gpus(runs[rid]) == 2
+        assert runs[rid].placement == "split" and cluster.job_gpus(runs[rid]) == 2
     assert sum(len(ids) for ids in rules.values()) == len(runs)
 
 
@@ -37,15 +38,15 @@ def test_cpu_runs_ask_for_no_gpu_unless_faked():
     runs = _runs("smoke.yaml")
     assert cluster.shapes(runs) == {"train_cpu": sorted(runs)}
     assert all(cluster.job_gpus(r) == 0 for r in runs.values())
-    faked = {r["placement"]: cluster.job_gpus(r, fake=True) for r in runs.values()}
+    faked = {r.placement: cluster.job_gpus(r, fake=True) for r in runs.values()}
     assert faked == {"split": 2, "restart": 1}
     assert sorted(cluster.shapes(runs, fake=True)) == ["train_cpu_gpu1", "train_cpu_gpu2"]
 
 
 def test_gpu_count_is_tp_plus_trainer_gpus_for_split():
-    run = {"device": "cuda", "tp": 2, "train_gpus": 3, "placement": "split"}
+    run = RunConfig(model="m", device="cuda", tp=2, train_gpus=3, placement="split")
     assert cluster.job_gpus(run) == 5
-    assert cluster.job_gpus({**run, "placement": "colocate"}) == 2
+    assert cluster.job_gpus(run.model_copy(update={"placement": "colocate"})) == 2
 
 
 def test_backends():

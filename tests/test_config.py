@@ -1,10 +1,14 @@
 import copy
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from hybridrl import config
 from hybridrl.config import ConfigError, load_study, resolve, run_id
+from hybridrl.run_config import RunConfig, run_schema
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,8 +28,8 @@ def test_shipped_configs_validate(name):
 
 def test_smoke_compares_split_and_restart(smoke):
     study = resolve(smoke)
-    assert sorted(r["placement"] for r in study.runs.values()) == ["restart", "split"]
-    assert all(r["steps"] >= 3 for r in study.runs.values())
+    assert sorted(r.placement for r in study.runs.values()) == ["restart", "split"]
+    assert all(r.steps >= 3 for r in study.runs.values())
 
 
 def test_misspelt_key_is_named_with_a_suggestion(smoke):
@@ -92,3 +96,84 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("study: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_study(bad)
+
+
+@pytest.mark.parametrize(("key", "value"), [("steps", 3.0), ("group_size", 4.0), ("seed", 0.0), ("steps", 2.5),
+                                            ("micro_batch", 8.0), ("lora", {"rank": 8.0})])
+def test_a_float_for_an_integer_is_refused_with_one_line_naming_the_key(smoke, key, value):
+    # JSON Schema counts 3.0 as an integer; a run must not: it crashed inside the run and changed the run id
+    smoke["runs"][0][key] = value
+    with pytest.raises(ConfigError) as err:
+        resolve(smoke)
+    where = "runs.0." + (f"{key}.rank" if isinstance(value, dict) else key)
+    assert str(err.value).startswith(f"config: {where}: ") and "integer" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_validate_cli_prints_one_line_for_steps_3_0(smoke, tmp_path):
+    smoke["runs"][0]["steps"] = 3.0
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(smoke))
+    out = subprocess.run([sys.executable, "-m", "hybridrl", "validate", "--config", str(path)],
+                         capture_output=True, text=True, cwd=REPO, env={"PYTHONPATH": str(REPO / "src")})
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines() == [f"hybridrl: config error: {path}: runs.0.steps: 3.0 is not of type 'integer'"]
+
+
+def test_every_key_a_component_reads_can_be_set(smoke):
+    smoke["defaults"].update(micro_batch=2, train_dtype="fp32", max_logprob_gap=1e-3)
+    run = next(iter(resolve(smoke).runs.values()))
+    assert (run.micro_batch, run.train_dtype, run.max_logprob_gap) == (2, "fp32", 1e-3)
+    default = RunConfig(model="m")
+    assert (default.micro_batch, default.train_dtype, default.max_logprob_gap) == (8, None, 0.02)
+
+
+def test_unknown_nested_key_is_named_with_a_suggestion(smoke):
+    smoke["defaults"]["lora"]["rnak"] = 4
+    with pytest.raises(ConfigError, match=r"unknown key 'rnak' in defaults\.lora; did you mean 'rank'"):
+        resolve(smoke)
+
+
+def test_run_config_is_frozen_and_typed(smoke):
+    run = next(iter(resolve(smoke).runs.values()))
+    assert isinstance(run, RunConfig) and run.lora.alpha == 16.0 and isinstance(run.lora.alpha, float)
+    with pytest.raises(ValueError, match="frozen"):
+        run.steps = 4  # type: ignore[misc]
+    # an int for a float key is the same run as the float: one id for `alpha: 16` and `alpha: 16.0`
+    a = copy.deepcopy(smoke)
+    a["defaults"]["lora"]["alpha"] = 16.0
+    assert list(resolve(a).runs) == list(resolve(smoke).runs)
+
+
+def test_run_json_round_trips_to_the_same_run_and_id(smoke):
+    for rid, run in resolve(smoke).runs.items():
+        again = RunConfig.model_validate_json(run.model_dump_json())
+        assert again == run and run_id(again) == rid
+
+
+def test_the_model_refuses_what_the_schema_would_let_through():
+    # the second gate: a merged run that the schema did not see (e.g. a JSON run file edited by hand)
+    with pytest.raises(ConfigError, match=r"^x\.steps: Input should be a valid integer"):
+        config.run_config({"model": "m", "steps": 3.0}, {"m": {}}, "x")
+    with pytest.raises(ConfigError, match=r"^x\.model: None is not defined under models \(defined: m\)"):
+        config.run_config({}, {"m": {}}, "x")
+
+
+def test_schema_run_part_equals_the_model():
+    """Fails when workflow/schemas/config.schema.yaml and RunConfig disagree: run `python -m hybridrl schema`."""
+    committed = config.SCHEMA.read_text()
+    assert yaml.safe_load(committed)["$defs"]["run"] == run_schema()
+    assert config.schema_text(committed) == committed
+
+
+def test_schema_gives_every_key_a_default_and_a_description():
+    def keys(props: dict, prefix: str = ""):
+        for name, node in props.items():
+            yield prefix + name, node
+            yield from keys(node.get("properties", {}), f"{prefix}{name}.")
+
+    required = {name for name, f in RunConfig.model_fields.items() if f.is_required()}
+    for name, node in keys(run_schema()["properties"]):
+        assert node.get("description"), name
+        assert "default" in node or name in required, name
+    assert required == {"model"}  # named per study: no default could be right

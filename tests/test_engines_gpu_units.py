@@ -17,15 +17,15 @@ from hybridrl.engines.sglang import (
     release_tags,
 )
 from hybridrl.engines.vllm_inprocess import engine_cli_args, sampled_logprobs, sampling_kwargs
+from hybridrl.run_config import RunConfig
 
 
-def _run(**over) -> dict:
-    run = {"engine": "sglang", "placement": "colocate", "device": "cuda", "tp": 1, "seed": 7,
+def _run(**over) -> RunConfig:
+    run = {"engine": "sglang", "placement": "colocate", "device": "cuda", "tp": 1, "seed": 7, "model": "m",
            "gpu_memory_utilization": 0.5, "max_concurrency": 64, "sglang_release": "kv_cache",
            "vllm_sleep_level": 1, "engine_args": [], "startup_timeout_s": 60, "request_timeout_s": 60,
            "lora": {"rank": 8, "target_modules": ["q_proj", "v_proj"]}}
-    run.update(over)
-    return run
+    return RunConfig.model_validate({**run, **over})
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from hybridrl import data, models
 from hybridrl.config import resolve
 from hybridrl.engines.base import Completion, EngineDied, EngineError
 from hybridrl.loop import RunFailed, run_loop, step_requests
+from hybridrl.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,7 +93,7 @@ def assets(tmp_path_factory):
     return root
 
 
-def _run(**over) -> dict:
+def _run(**over) -> RunConfig:
     spec = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
     spec["defaults"].update({"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, **over})
     spec["runs"] = [{"placement": "split"}]
@@ -190,7 +191,7 @@ def test_colocated_engine_dead_at_sleep_is_restarted_and_put_to_sleep(assets, tm
                 raise EngineError("POST /sleep: ConnectError: [Errno 111] Connection refused")
 
     engine = DiesAtFirstSleep()
-    run = {**_run(steps=1), "placement": "colocate"}
+    run = _run(steps=1).model_copy(update={"placement": "colocate"})  # the study refuses colocate on a CPU
     records = run_loop(run, "r15", assets / "model", assets / "data", tmp_path, {}, progress=False, engine=engine)
     assert records[0]["errors/engine_restarts"] == 1 and engine.starts == 2
     assert engine.events.count("sleep") == 2  # the fresh engine slept before the trainer ran
@@ -258,12 +259,12 @@ def test_split_flushes_the_prefix_cache_after_each_adapter_load(assets, tmp_path
 
 
 def test_logprob_gate_uses_the_runs_limit_or_the_default():
-    from hybridrl.loop import MAX_LOGPROB_GAP, logprob_gate
+    from hybridrl.checks import logprob_gate
 
-    assert logprob_gate(0.007, {}) == {"check/logprob_gap_max": MAX_LOGPROB_GAP, "check/logprob_agreement_ok": True}
-    assert logprob_gate(0.026, {})["check/logprob_agreement_ok"] is False  # stale prefixes on the H200
-    assert logprob_gate(2e-3, {"max_logprob_gap": 1e-3})["check/logprob_agreement_ok"] is False
-    assert logprob_gate(None, {})["check/logprob_agreement_ok"] is None  # no training step, nothing to compare
+    assert logprob_gate(0.007, _run()) == {"check/logprob_gap_max": 0.02, "check/logprob_agreement_ok": True}
+    assert logprob_gate(0.026, _run())["check/logprob_agreement_ok"] is False  # stale prefixes on the H200
+    assert logprob_gate(2e-3, _run(max_logprob_gap=1e-3))["check/logprob_agreement_ok"] is False
+    assert logprob_gate(None, _run())["check/logprob_agreement_ok"] is None  # no training step, nothing to compare
 
 
 def test_a_failed_request_is_counted_logged_and_kept_with_its_cause(assets, tmp_path, capsys):
@@ -329,3 +330,22 @@ def test_a_malformed_start_barrier_is_a_config_error_before_anything_starts(asse
         run_loop(_run(), "r11", assets / "model", assets / "data", tmp_path / "run", {}, progress=False,
                  engine=engine)
     assert engine.starts == 0
+
+
+@pytest.mark.parametrize("placement", ["split", "colocate", "restart"])
+def test_the_named_phases_add_up_to_the_step(assets, tmp_path, placement):
+    from hybridrl.record import PHASE_KEYS, RECORD_KEYS
+
+    engine = ScriptedEngine()
+    run = _run(steps=2, max_new_tokens=24).model_copy(update={"placement": placement})  # colocate: CPU no-ops
+    records = run_loop(run, "r16", assets / "model", assets / "data", tmp_path, {}, progress=False, engine=engine)
+    for r in records:
+        assert set(RECORD_KEYS) <= set(r)
+        named = sum(r[k] for k in PHASE_KEYS if r[k] is not None)
+        assert abs(named - r["timing_s/step"]) <= 0.02 * r["timing_s/step"], (named, r["timing_s/step"])
+        assert r["timing_s/save_adapter"] > 0 and r["timing_s/check"] > 0 and r["timing_s/update_actor"] > 0
+        shared = placement != "split"  # the trainer moves off the GPU only where the engine shares it
+        assert (r["timing_s/trainer_onload"] is not None) == shared == (r["timing_s/trainer_offload"] is not None)
+        assert (r["timing_s/restart"] is not None) == (placement == "restart")
+        assert (r["timing_s/wake"] is not None) == (placement == "colocate")
+        assert r["timing_s/recover"] is None

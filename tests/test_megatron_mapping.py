@@ -179,11 +179,11 @@ def test_trainer_rejects_bad_input_before_starting(checkpoints: dict[str, Path],
     from hybridrl.trainers.megatron import MegatronTrainer
     from hybridrl.trainers.megatron.parity import default_run
 
+    lora = default_run().lora.model_dump()
     with pytest.raises(MegatronSetupError, match="not divisible by train_tp"):
-        MegatronTrainer(checkpoints["llama"], default_run(2, lora={**default_run()["lora"], "rank": 3}), tmp_path)
+        MegatronTrainer(checkpoints["llama"], default_run(2, lora={**lora, "rank": 3}), tmp_path)
     with pytest.raises(MegatronSetupError, match="dropout must be 0"):
-        MegatronTrainer(checkpoints["llama"], default_run(1, lora={**default_run()["lora"], "dropout": 0.1}),
-                        tmp_path)
+        MegatronTrainer(checkpoints["llama"], default_run(1, lora={**lora, "dropout": 0.1}), tmp_path)
     assert not (tmp_path / "megatron").exists()  # nothing started, nothing written
 
 

@@ -41,7 +41,7 @@ def _check(case: dict[str, Any], got: dict[str, Any], export_dir: Path) -> None:
     assert gaps["grad_norm_rel"] < GRAD_TOL, (name, gaps)
     assert gaps["loss"] < 1e-6, (name, gaps)
     # AdamW's first step is ~lr * sign(g): entries with g near 0 amplify fp32 noise, so scale by lr
-    assert gaps["weights_after"] < 1e-2 * case["run"]["lr"], (name, gaps)
+    assert gaps["weights_after"] < 1e-2 * case["run"].lr, (name, gaps)
     assert gaps["logp_after"] < LOGP_TOL, (name, gaps)
     # the update moved the policy, so the after-step check is not vacuous
     moved = max(float((a - b).abs().max()) for a, b in zip(case["ref"]["logp"], got["logp_after"], strict=True))

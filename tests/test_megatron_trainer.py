@@ -100,7 +100,7 @@ def test_tp2_resumes_tp1_adapter_and_reports_worker_errors(tp1_run: dict[str, An
         got = load_file(str(res.adapter_dir / "adapter_model.safetensors"))
         want = load_file(str(ref.adapter_dir / "adapter_model.safetensors"))
         assert set(got) == set(want)
-        assert max(float((got[k] - want[k]).abs().max()) for k in want) < 1e-2 * run["lr"]
+        assert max(float((got[k] - want[k]).abs().max()) for k in want) < 1e-2 * run.lr
         # a failing job: the worker's own message comes back, and the group is gone
         with pytest.raises(MegatronWorkerError, match="no adapter_model.safetensors"):
             trainer.resume(root / "missing-adapter")

@@ -22,6 +22,7 @@ from hybridrl.report.stats import (
     steady_state,
     summarise,
 )
+from hybridrl.run_config import RunConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 WARMUP_THROUGHPUT = 3.0  # step 1 is far slower than every later step
@@ -66,7 +67,8 @@ def write_run(results: Path, run_id: str, engine: str, placement: str, steps: in
     lines = [json.dumps(record(run_id, engine, placement, s, rng, speed, mem)) for s in range(1, steps + 1)]
     (run_dir / "steps.jsonl").write_text("\n".join(lines) + "\n")
     provenance.write(run_dir / "provenance.json",
-                     provenance.collect({"engine": engine, "placement": placement}, {"flags": ["--x", "1"]}))
+                     provenance.collect(RunConfig(model="tiny", engine=engine, placement=placement),
+                                        {"flags": ["--x", "1"]}))
     return run_dir
 
 
@@ -348,11 +350,11 @@ def test_aggregate_records_each_runs_commit_and_gpu(tmp_path: Path) -> None:
     prov = json.loads((run_dir / "provenance.json").read_text())
     prov["git"] = {"commit": "f095935ace4e53eda7574c565f41b580f6b33f27-dirty", "dirty": None}
     prov["gpu"] = {"devices": [{"index": 0, "name": "NVIDIA H200"}, {"index": 1, "name": "NVIDIA H200"}]}
-    prov["run_config"]["gpu_memory_utilization"] = 0.5
+    prov["run_config"]["gpu_memory_utilization"] = 0.35  # not the default: read from the provenance
     (run_dir / "provenance.json").write_text(json.dumps(prov))
     df = gather([run_dir])
     assert set(df["git_commit"]) == {"f095935-dirty"} and set(df["gpu"]) == {"NVIDIA H200"}
-    assert set(df["gpu_memory_utilization"]) == {0.5}
+    assert set(df["gpu_memory_utilization"]) == {0.35}
     (run_dir / "provenance.json").unlink()
     assert gather([run_dir])["git_commit"].isna().all()  # unknown, not guessed
 

@@ -97,10 +97,10 @@ def test_raw_path_posts_whole_requests_and_names_failures():
 
 
 def test_engine_generate_raw_bypasses_the_rollout_client(tmp_path):
-    from hybridrl.config import BUILTIN_RUN
     from hybridrl.engines.vllm import VLLMServer
+    from hybridrl.run_config import RunConfig
 
-    eng = VLLMServer(tmp_path, {**BUILTIN_RUN, "device": "cpu"}, {}, tmp_path)
+    eng = VLLMServer(tmp_path, RunConfig(model="m", device="cpu"), {}, tmp_path)
     with FakeEngine("vllm") as server:
         eng.server = server
         eng.stream = client_class("vllm")(server, timeout_s=30, max_concurrency=2)
@@ -175,7 +175,7 @@ def test_bench_measures_every_path_on_one_engine_start(tmp_path, monkeypatch):
         def start(self, adapter=None):
             starts.append(adapter)
             self.server = fake
-            self.stream = self.stream_cls(fake, 30, self.run["max_concurrency"])
+            self.stream = self.stream_cls(fake, 30, self.run.max_concurrency)
             return 0.0
 
         def stop(self):

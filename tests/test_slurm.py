@@ -159,7 +159,7 @@ def study(tmp_path_factory):
     workdir = _workdir(tmp_path_factory.mktemp("slurm"))
     smoke = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
     runs = resolve({**smoke, "runs": RUNS}).runs
-    ids = {(r["placement"], r["seed"]): rid for rid, r in runs.items()}
+    ids = {(r.placement, r.seed): rid for rid, r in runs.items()}
     preempted, retried = workdir / "results" / "runs" / ids["split", 0], workdir / "results" / "runs" / ids["split", 1]
     events: dict[str, str] = {}
     steps_before: dict[str, int] = {}  # steps recorded when the event was sent (more may finish before it lands)
@@ -201,7 +201,7 @@ def _steps(run_dir: Path) -> list[int]:
 
 def test_gpu_flags_reached_sbatch(study):
     for rid, run in study["runs"].items():
-        want = 2 if run["placement"] == "split" else 1
+        want = 2 if run.placement == "split" else 1
         jobs = _jobs(study["workdir"] / "results" / "runs" / rid)
         assert jobs, rid
         for job in jobs:

@@ -25,12 +25,13 @@ parts=.gpu/parts-$(IFS=-; echo "${sets[*]}")
 if ! ls "$parts"/part.* > /dev/null 2>&1; then
   bash "$shared/gpu-env" pack "$parts" "${sets[@]}"   # about 3 minutes; 943 MB for all three sets
 fi
-# the controller's wheels that the GPU image lacks (jsonschema and its dependencies; typing_extensions and the
-# rest come with torch there), for `run_reference.sh controller|setup .gpu/ctl`
-if ! ls .gpu/ctl/jsonschema-*.whl > /dev/null 2>&1; then
+# the controller's wheels that the GPU image lacks (jsonschema, pydantic for the typed run config, and their
+# dependencies; pydantic needs a newer typing_extensions than torch may bring, so that one is kept too), for
+# `run_reference.sh controller|setup .gpu/ctl`
+if ! ls .gpu/ctl/jsonschema-*.whl .gpu/ctl/pydantic-*.whl > /dev/null 2>&1; then
   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d .gpu/ctl jsonschema
-  rm -f .gpu/ctl/typing_extensions-*.whl
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d .gpu/ctl \
+    jsonschema "$(grep -m1 '^pydantic==' requirements/controller.lock.txt)"
 fi
 rm -rf .gpu/x[0-9][0-9]
 for part in "$parts"/part.*; do

@@ -72,9 +72,9 @@ from hybridrl.config import load_study
 study, ref = load_study(sys.argv[1]), Path(sys.argv[2])
 (ref / "study.json").write_text(json.dumps({"data": study.data, "models": study.models}))
 for rid, run in study.runs.items():
-    short = run.get("name") or "-".join([run["engine"], run["placement"]]
-                                        + (["megatron"] if run["trainer"] == "megatron" else []))
-    cfg = {"run_id": rid, "run": run, "study": study.name, "engine_env": study.engine_envs.get(run["engine"], {})}
+    short = run.name or "-".join([run.engine, run.placement] + (["megatron"] if run.trainer == "megatron" else []))
+    cfg = {"run_id": rid, "run": run.model_dump(mode="json"), "study": study.name,
+           "engine_env": study.engine_envs.get(run.engine, {})}
     (ref / "cfg" / f"{short}.json").write_text(json.dumps(cfg, sort_keys=True))
     print(short, rid)
 EOF

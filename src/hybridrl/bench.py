@@ -25,6 +25,7 @@ from hybridrl.engines import make_engine
 from hybridrl.engines.base import EngineError, Request, Sampling
 from hybridrl.loop import step_requests
 from hybridrl.placement import ADAPTER_NAME
+from hybridrl.run_config import RunConfig
 from hybridrl.telemetry import read_records, rollout_stats
 
 
@@ -169,7 +170,7 @@ def run_bench(cfg: dict[str, Any], model_dir: Path, data_dir: Path, run_dir: Pat
     in_loop = in_loop_throughput(run_dir, step)
     raw = medians.get("raw")
     return {
-        "run_id": cfg["run_id"], "engine": run["engine"], "placement": run["placement"], "step": step,
+        "run_id": cfg["run_id"], "engine": run.engine, "placement": run.placement, "step": step,
         "requests": len(requests), "streamed_requests": sum(r.stream for r in requests), "repeats": reps,
         "engine_start_s": start_s, "tok_s_median": medians, "raw_tok_s_median": raw,
         "over_raw": {p: (m / raw if m and raw else None) for p, m in medians.items()},
@@ -186,7 +187,8 @@ def _median(values: list[float | None]) -> float | None:
 def main(run_config: Path, model_dir: Path, data_dir: Path, run_dir: Path, step: int, repeats: int,
          out: Path, probe: bool = False, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     cfg = json.loads(Path(run_config).read_text())
-    cfg["run"].update(overrides or {})  # e.g. sglang_release=all: start with the CPU weight backup to probe it
+    # e.g. sglang_release=all: start with the CPU weight backup to probe it
+    cfg["run"] = RunConfig.model_validate({**cfg["run"], **(overrides or {})})
     result = run_bench(cfg, Path(model_dir), Path(data_dir), Path(run_dir), step, repeats,
                        Path(out).parent / f"bench-logs-{cfg['run_id']}", probe)
     result["overrides"] = overrides or {}

@@ -8,13 +8,27 @@ import json
 import sys
 from pathlib import Path
 
-from hybridrl.config import ConfigError, load_study
+from hybridrl.config import ConfigError, load_study, read_run_spec
 
 
 def _validate(args: argparse.Namespace) -> None:
     study = load_study(args.config)
     for rid, run in study.runs.items():
-        print(f"{rid}\t{run['engine']}\t{run['placement']}\t{run['trainer']}\t{run['model']}\t{run['steps']} steps")
+        print(f"{rid}\t{run.engine}\t{run.placement}\t{run.trainer}\t{run.model}\t{run.steps} steps")
+
+
+def _schema(args: argparse.Namespace) -> None:
+    from hybridrl.config import SCHEMA, schema_text
+
+    current = SCHEMA.read_text()
+    wanted = schema_text(current)
+    if args.check:
+        if wanted != current:
+            raise SystemExit(f"{SCHEMA} is out of date with hybridrl.run_config: run `python -m hybridrl schema`")
+        print(f"{SCHEMA}: up to date")
+        return
+    SCHEMA.write_text(wanted)
+    print(f"{SCHEMA}: {'unchanged' if wanted == current else 'written'}")
 
 
 def _data(args: argparse.Namespace) -> None:
@@ -36,14 +50,14 @@ def _model(args: argparse.Namespace) -> None:
 def _train(args: argparse.Namespace) -> None:
     from hybridrl.loop import run_loop
 
-    cfg = json.loads(Path(args.run_config).read_text())
+    spec = read_run_spec(Path(args.run_config))
     model_dir, data_dir, out = Path(args.model), Path(args.data), Path(args.out)
     for what, path in (("model", model_dir), ("data", data_dir)):
         if not path.exists():
             raise FileNotFoundError(f"{what} directory {path} does not exist")
-    records = run_loop(cfg["run"], cfg["run_id"], model_dir, data_dir, out, cfg.get("engine_env", {}),
+    records = run_loop(spec.run, spec.run_id, model_dir, data_dir, out, spec.engine_env,
                        progress=not args.no_progress)
-    summary = {"run_id": cfg["run_id"], "steps": len(records)}
+    summary = {"run_id": spec.run_id, "steps": len(records)}
     tmp = Path(args.done).with_suffix(".tmp")
     tmp.write_text(json.dumps(summary))
     tmp.replace(args.done)
@@ -108,6 +122,10 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("validate", help="check a study config and list its runs")
     s.add_argument("--config", required=True)
     s.set_defaults(fn=_validate)
+
+    s = sub.add_parser("schema", help="write the run part of workflow/schemas/config.schema.yaml from RunConfig")
+    s.add_argument("--check", action="store_true", help="fail if the committed schema differs, write nothing")
+    s.set_defaults(fn=_schema)
 
     s = sub.add_parser("data", help="download GSM8K or synthesise GSM8K-format problems")
     s.add_argument("--source", choices=["gsm8k", "synthetic"], required=True)

@@ -17,7 +17,10 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # only a type here: this glue also runs inside images, before any run
+    from hybridrl.run_config import RunConfig
 
 # One image per serving stack: the in-process vLLM baseline runs in the vLLM image.
 BACKENDS = {"sglang": "sglang", "vllm": "vllm", "vllm-inprocess": "vllm"}
@@ -56,27 +59,27 @@ def backend(engine: str) -> str:
         raise ValueError(f"engine {engine!r} has no container backend; known: {', '.join(BACKENDS)}") from None
 
 
-def needs_gpus(run: Mapping[str, Any]) -> int:
+def needs_gpus(run: RunConfig) -> int:
     """GPUs a run needs on CUDA: the engine's TP plus, for split, the trainer's own GPUs."""
-    return int(run["tp"]) + (int(run["train_gpus"]) if run["placement"] == "split" else 0)
+    return run.tp + (run.train_gpus if run.placement == "split" else 0)
 
 
-def job_gpus(run: Mapping[str, Any], fake: bool = False) -> int:
+def job_gpus(run: RunConfig, fake: bool = False) -> int:
     """GPUs to request from SLURM. CPU runs ask for none, unless `fake` (CI with fake GRES) asks them
     to request what they would need on CUDA, so that --gpus is exercised for real."""
-    if run["device"] == "cuda" or fake:
+    if run.device == "cuda" or fake:
         return needs_gpus(run)
     return 0
 
 
-def uses_container(run: Mapping[str, Any]) -> bool:
+def uses_container(run: RunConfig) -> bool:
     """The images carry the CUDA stacks; CPU runs use the CPU engine environment from the config."""
-    return run["device"] == "cuda"
+    return run.device == "cuda"
 
 
-def job_threads(run: Mapping[str, Any], cores: int) -> int:
+def job_threads(run: RunConfig, cores: int) -> int:
     """CPU runs take all cores they are given, so that two runs never share cores and skew timings."""
-    return cores if run["device"] == "cpu" else GPU_RUN_THREADS
+    return cores if run.device == "cpu" else GPU_RUN_THREADS
 
 
 def rule_name(gpus: int, device: str) -> str:
@@ -87,7 +90,7 @@ def rule_name(gpus: int, device: str) -> str:
     return f"train_cpu_gpu{gpus}" if gpus else "train_cpu"
 
 
-def shapes(runs: Mapping[str, Mapping[str, Any]], fake: bool = False) -> dict[str, list[str]]:
+def shapes(runs: Mapping[str, RunConfig], fake: bool = False) -> dict[str, list[str]]:
     """Rule name -> run ids, one rule per job shape.
 
     The SLURM plugin submits the ready jobs of one rule as one array and gives every task the first
@@ -97,7 +100,7 @@ def shapes(runs: Mapping[str, Mapping[str, Any]], fake: bool = False) -> dict[st
     """
     out: dict[str, list[str]] = {}
     for rid, run in sorted(runs.items()):
-        out.setdefault(rule_name(job_gpus(run, fake), run["device"]), []).append(rid)
+        out.setdefault(rule_name(job_gpus(run, fake), run.device), []).append(rid)
     return out
 
 

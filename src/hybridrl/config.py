@@ -1,62 +1,49 @@
-"""Study config: schema validation, defaults, one resolved dict per run and its run id."""
+"""Study config: schema validation, one typed RunConfig per run (hybridrl.run_config) and its run id."""
 
 from __future__ import annotations
 
 import copy
 import difflib
-import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jsonschema
+import pydantic
 import yaml
+
+from hybridrl.run_config import RunConfig, RunSpec, run_id, run_schema
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
+# The run part of SCHEMA sits between these lines and is written from RunConfig (`python -m hybridrl schema`)
+SCHEMA_BEGIN = "  # BEGIN run: generated from hybridrl.run_config.RunConfig by `python -m hybridrl schema`; edit that"
+SCHEMA_END = "  # END run"
+_KEY_ORDER = ("type", "enum", "anyOf", "items", "minItems", "minimum", "exclusiveMinimum", "maximum", "pattern",
+              "default", "description", "additionalProperties", "properties")
 
-# Filled in under every run before the study's own `defaults` and the run's overrides.
-BUILTIN_RUN: dict[str, Any] = {
-    "engine": "vllm",
-    "placement": "split",
-    "trainer": "hf",
-    "device": "cuda",
-    "tp": 1,
-    "train_tp": 1,
-    "train_gpus": 1,
-    "steps": 5,
-    "prompts_per_step": 8,
-    "group_size": 4,
-    "max_new_tokens": 128,
-    "max_concurrency": 64,
-    "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": False},
-    "lora": {
-        "rank": 8,
-        "alpha": 16,
-        "dropout": 0.0,
-        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    },
-    "lr": 1e-4,
-    "weight_decay": 0.0,
-    "clip_eps": 0.2,
-    "format_reward": 0.1,
-    "kl_coef": 0.0,
-    "grad_clip": 1.0,
-    "seed": 0,
-    "retries": 2,
-    "stream_fraction": 0.125,
-    "shared_pool": False,
-    "client_ceiling_s": 2.0,
-    "request_timeout_s": 600.0,
-    "startup_timeout_s": 900.0,
-    "engine_args": [],
-    "sglang_release": "kv_cache",
-    "vllm_sleep_level": 1,
-    "gpu_memory_utilization": 0.5,
-    "ballast_gb": 0.0,
-    "ballast_s": 0.0,
-}
+
+def _yaml_lines(key: str, node: Any, indent: int, width: int = 118) -> list[str]:
+    """`key: node` in flow style where it fits on one line, else a block of such lines."""
+    if isinstance(node, dict):
+        node = dict(sorted(node.items(), key=lambda kv: _KEY_ORDER.index(kv[0]) if kv[0] in _KEY_ORDER else 99))
+    line = " " * indent + yaml.safe_dump({key: node}, default_flow_style=True, sort_keys=False,
+                                         width=10**9).strip()[1:-1]
+    if len(line) <= width or not isinstance(node, dict) or key == "properties" and not node:
+        return [line]
+    out = [" " * indent + f"{key}:"]
+    for k, v in node.items():
+        out += _yaml_lines(k, v, indent + 2, width)
+    return out
+
+
+def schema_text(current: str) -> str:
+    """SCHEMA's text with the run part written again from RunConfig; the rest is kept as written by hand."""
+    head, sep, rest = current.partition(SCHEMA_BEGIN + "\n")
+    _, sep2, tail = rest.partition(SCHEMA_END + "\n")
+    if not sep or not sep2:
+        raise ValueError(f"{SCHEMA}: the generated run part's marker lines are missing")
+    return head + "\n".join([SCHEMA_BEGIN, *_yaml_lines("run", run_schema(), 2), SCHEMA_END, tail])
 
 
 class ConfigError(ValueError):
@@ -69,7 +56,7 @@ class Study:
     data: dict[str, Any]
     models: dict[str, dict[str, Any]]
     engine_envs: dict[str, dict[str, Any]]
-    runs: dict[str, dict[str, Any]] = field(default_factory=dict)  # run_id -> resolved run
+    runs: dict[str, RunConfig] = field(default_factory=dict)  # run_id -> resolved run
 
 
 def _key_path(error: jsonschema.ValidationError) -> str:
@@ -87,10 +74,20 @@ def _describe(error: jsonschema.ValidationError) -> str:
     return f"{where}: {error.message}"
 
 
+def _is_int(checker: Any, instance: Any) -> bool:
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+# JSON Schema counts 3.0 as an integer; a study must not (RunConfig refuses it too, and it would change the run id)
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_int))
+
+
 def validate(raw: dict[str, Any], source: str = "config") -> None:
     """Raise ConfigError naming the first offending key, before anything runs."""
     schema = yaml.safe_load(SCHEMA.read_text())
-    validator = jsonschema.Draft202012Validator(schema)
+    validator = _Validator(schema)
     errors = sorted(validator.iter_errors(raw), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
     if errors:
         # the deepest error names the key most precisely
@@ -108,32 +105,48 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run_id(run: dict[str, Any]) -> str:
-    """Readable prefix plus a short hash of the resolved run, so one changed parameter changes one id."""
-    digest = hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()[:8]
-    prefix = run.get("name") or f"{run['engine']}-{run['placement']}-{run['trainer']}-{run['model']}"
-    return f"{prefix}-{digest}"
-
-
-def _check_run(run: dict[str, Any], models: dict[str, Any], where: str) -> None:
-    if run.get("model") not in models:
-        raise ConfigError(f"{where}.model: {run.get('model')!r} is not defined under models "
+def run_config(raw: dict[str, Any], models: dict[str, Any], where: str) -> RunConfig:
+    """A merged `defaults` + run entry as a RunConfig; raises ConfigError naming the key."""
+    if raw.get("model") not in models:
+        raise ConfigError(f"{where}.model: {raw.get('model')!r} is not defined under models "
                           f"(defined: {', '.join(models)})")
-    if run["placement"] == "colocate" and run["device"] != "cuda":
+    try:
+        run = RunConfig.model_validate(raw)
+    except pydantic.ValidationError as exc:  # the schema let it through: still one line, naming the key
+        raise ConfigError(f"{where}.{_first_error(exc)}") from None
+    _check_run(run, where)
+    return run
+
+
+def read_run_spec(path: Path) -> RunSpec:
+    """A run_config rule's JSON file as a RunSpec; ConfigError naming the key if it does not hold one."""
+    try:
+        return RunSpec.model_validate_json(Path(path).read_text())
+    except pydantic.ValidationError as exc:
+        raise ConfigError(f"{path}: {_first_error(exc)}") from None
+
+
+def _first_error(exc: pydantic.ValidationError) -> str:
+    err = exc.errors()[0]
+    return f"{'.'.join(str(p) for p in err['loc']) or '<top level>'}: {err['msg']}"
+
+
+def _check_run(run: RunConfig, where: str) -> None:
+    """What no single key can say: combinations that cannot run."""
+    if run.placement == "colocate" and run.device != "cuda":
         raise ConfigError(f"{where}.placement: colocate needs device: cuda (sleep mode is GPU-only)")
-    if run["engine"] == "sglang" and run["device"] != "cuda":
+    if run.engine == "sglang" and run.device != "cuda":
         raise ConfigError(f"{where}.engine: sglang has no CPU build; use device: cuda")
-    if run["trainer"] == "none" and run["placement"] != "colocate":
+    if run.trainer == "none" and run.placement != "colocate":
         raise ConfigError(f"{where}.trainer: 'none' (memory ballast) only makes sense with placement: colocate")
-    if run["engine"] in ("vllm", "vllm-inprocess") and run["vllm_sleep_level"] == 2:
+    if run.engine in ("vllm", "vllm-inprocess") and run.vllm_sleep_level == 2:
         # seen on the H200 (results/reference/2026-11-22-h200, bench probe): reload_weights looks up
         # checkpoint names that LoRA wrapping moved under base_layer (vllm-project/vllm#39934)
         raise ConfigError(f"{where}.vllm_sleep_level: 2 does not work with LoRA in vLLM 0.26: waking from it "
                           "reloads the weights, which fails on LoRA-wrapped layers (vllm-project/vllm#39934); "
                           "use 1")
-    if run["trainer"] == "megatron" and run["lora"]["rank"] % run["train_tp"]:
-        raise ConfigError(f"{where}.lora.rank: {run['lora']['rank']} is not divisible by train_tp "
-                          f"{run['train_tp']}")
+    if run.trainer == "megatron" and run.lora.rank % run.train_tp:
+        raise ConfigError(f"{where}.lora.rank: {run.lora.rank} is not divisible by train_tp {run.train_tp}")
 
 
 def check_model_sources(models: dict[str, dict[str, Any]], source: str = "config") -> None:
@@ -195,10 +208,9 @@ def load_study(path: str | Path, overrides: dict[str, Any] | None = None) -> Stu
 def resolve(raw: dict[str, Any], source: str = "config") -> Study:
     validate(raw, source)
     check_model_sources(raw["models"], source)
-    runs: dict[str, dict[str, Any]] = {}
+    runs: dict[str, RunConfig] = {}
     for i, over in enumerate(raw["runs"]):
-        run = _merge(_merge(BUILTIN_RUN, raw["defaults"]), over)
-        _check_run(run, raw["models"], f"{source}: runs[{i}]")
+        run = run_config(_merge(raw["defaults"], over), raw["models"], f"{source}: runs[{i}]")
         rid = run_id(run)
         if rid in runs:
             raise ConfigError(f"{source}: runs[{i}] resolves to the same run as an earlier entry ({rid})")

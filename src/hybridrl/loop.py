@@ -1,8 +1,20 @@
-"""The step loop of one run: rollout, reward, train, sync, check, record; resumable and retrying."""
+"""The step loop of one run: resumable, retrying, and each step a list of short named parts.
+
+    part        timed as (timing_s/*, hybridrl.record.PHASES)
+    rollout     prepare, gen                         the step's requests; the engine generates them
+    reward      reward                               rewards, group advantages, the per-request audit file
+    transition  sleep | restart, trainer_onload      the placement makes room for training
+    train       update_actor, save_adapter           one GRPO step; a PEFT adapter on disk
+    transition  trainer_offload, wake | restart,     the engine gets its memory back and the new adapter
+                update_weights
+    checks      check                                base canary, adapter applied, KV capacity (hybridrl.checks)
+    record      -                                    one JSON line of hybridrl.record's keys
+
+An engine found dead in any of them is started again (timing_s/recover, errors/engine_restarts).
+"""
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import signal
@@ -17,22 +29,22 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hybridrl import data as gsm8k
 from hybridrl.barrier import StartBarrier
+from hybridrl.checks import Canary, logprob_gate
 from hybridrl.client_ceiling import client_headroom_ok, run_ceiling
 from hybridrl.engines import make_engine
 from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling, stream_flags
 from hybridrl.engines.gpus import process_used_gb
-from hybridrl.placement import ADAPTER_NAME, make_placement
+from hybridrl.placement import ADAPTER_NAME, Placement, make_placement
 from hybridrl.provenance import collect
 from hybridrl.provenance import write as write_provenance
+from hybridrl.record import new_record
 from hybridrl.rl import group_advantages
+from hybridrl.run_config import RunConfig
 from hybridrl.telemetry import MemorySampler, Timings, append_record, read_records, rollout_stats
 from hybridrl.trainers import make_trainer
-from hybridrl.trainers.base import Sample
+from hybridrl.trainers.base import Sample, Trainer
 
 console = Console(stderr=True, soft_wrap=True)  # one line per step, also in log files
-CANARY_QUESTION = "Ava has 12 apples. Ben gives Ava 7 more. How many apples does Ava have now?"
-CANARY_TOKENS = 16
-KV_TOLERANCE = 0.01
 
 
 class RunFailed(RuntimeError):
@@ -54,77 +66,48 @@ class RunPaths:
     def adapter(self, step: int) -> Path:
         return self.root / "adapters" / f"step-{step:04d}"
 
+    def requests(self, step: int) -> Path:
+        return self.root / "requests" / f"step-{step:04d}.jsonl"
+
     @property
     def logs(self) -> Path:
         return self.root / "logs"
 
 
-def step_requests(problems: list[dict], run: dict[str, Any], step: int, tokenizer) -> tuple[list[Request], list[str]]:
+@dataclass
+class RunContext:
+    """What every step of one run works with."""
+
+    run: RunConfig
+    run_id: str
+    problems: list[dict[str, Any]]
+    tokenizer: Any
+    engine: Engine
+    trainer: Trainer | None
+    placement: Placement
+    canary: Canary
+    sampler: MemorySampler
+    paths: RunPaths
+
+
+def step_requests(problems: list[dict[str, Any]], run: RunConfig, step: int,
+                  tokenizer: Any) -> tuple[list[Request], list[str]]:
     """The same prompts, seeds and sampling for every engine: they depend only on (seed, step)."""
-    rng = random.Random(run["seed"] * 1_000_003 + step)
-    picked = rng.sample(range(len(problems)), min(run["prompts_per_step"], len(problems)))
-    s = run["sampling"]
+    rng = random.Random(run.seed * 1_000_003 + step)
+    picked = rng.sample(range(len(problems)), min(run.prompts_per_step, len(problems)))
+    s = run.sampling
     requests, answers = [], []
-    streamed = iter(stream_flags(len(picked) * run["group_size"], run["stream_fraction"]))
+    streamed = iter(stream_flags(len(picked) * run.group_size, run.stream_fraction))
     for p_i, idx in enumerate(picked):
         ids = tokenizer(gsm8k.prompt_text(problems[idx]["question"]))["input_ids"]
-        for g in range(run["group_size"]):
-            sampling = Sampling(temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
-                                max_new_tokens=run["max_new_tokens"], ignore_eos=s["ignore_eos"],
-                                seed=(run["seed"] * 1_000_003 + step * 10_007 + p_i * 101 + g) % 2**31)
+        for g in range(run.group_size):
+            sampling = Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                max_new_tokens=run.max_new_tokens, ignore_eos=s.ignore_eos,
+                                seed=(run.seed * 1_000_003 + step * 10_007 + p_i * 101 + g) % 2**31)
             adapter = ADAPTER_NAME if step > 1 else None
             requests.append(Request(ids, sampling, adapter=adapter, stream=next(streamed)))
             answers.append(problems[idx]["answer"])
     return requests, answers
-
-
-class Canary:
-    """A greedy probe: the base model must answer as at step 0, and the adapter must change the answer."""
-
-    def __init__(self, tokenizer, path: Path) -> None:
-        self.prompt = tokenizer(gsm8k.prompt_text(CANARY_QUESTION))["input_ids"]
-        self.path = path
-        self.base: Completion | None = None
-        self.kv_capacity: int | None = None
-
-    def _probe(self, engine: Engine, adapter: str | None) -> Completion:
-        sampling = Sampling(temperature=0.0, max_new_tokens=CANARY_TOKENS, ignore_eos=True, seed=0)
-        out = engine.generate([Request(self.prompt, sampling, adapter)])[0]
-        if out.error:
-            raise EngineError(f"canary request failed: {out.error}")
-        return out
-
-    def record_baseline(self, engine: Engine) -> None:
-        if self.path.exists():  # a resumed run compares against the original step-0 answer
-            saved = json.loads(self.path.read_text())
-            self.base = Completion(token_ids=saved["token_ids"], logprobs=saved["logprobs"])
-            self.kv_capacity = saved.get("kv_capacity_tokens")
-            return
-        self.base = self._probe(engine, None)
-        self.kv_capacity = engine.kv_capacity_tokens()
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"token_ids": self.base.token_ids, "logprobs": self.base.logprobs,
-                                   "kv_capacity_tokens": self.kv_capacity}))
-        tmp.replace(self.path)
-
-    def check(self, engine: Engine, adapter_loaded: bool) -> dict[str, Any]:
-        base_now = self._probe(engine, None)
-        out: dict[str, Any] = {"check/base_canary_ok": base_now.token_ids == self.base.token_ids}
-        if adapter_loaded:
-            tuned = self._probe(engine, ADAPTER_NAME)
-            # a small update may keep the greedy tokens, but it must move their logprobs
-            shared = min(len(tuned.logprobs), len(base_now.logprobs))
-            moved = max((abs(a - b) for a, b in zip(tuned.logprobs[:shared], base_now.logprobs[:shared],
-                                                     strict=True)), default=0.0)
-            out["check/adapter_applied"] = tuned.token_ids != base_now.token_ids or moved > 1e-6
-            out["check/adapter_logprob_shift"] = moved
-        else:
-            out["check/adapter_applied"] = None
-        kv = engine.kv_capacity_tokens()
-        out["mem/kv_capacity_tokens"] = kv
-        out["check/kv_capacity_ok"] = (None if kv is None or not self.kv_capacity
-                                       else abs(kv - self.kv_capacity) <= KV_TOLERANCE * self.kv_capacity)
-        return out
 
 
 def _install_sigterm() -> None:
@@ -135,7 +118,7 @@ def _install_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, out_dir: Path,
+def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_dir: Path,
              env_spec: dict[str, Any], progress: bool = True, engine: Engine | None = None) -> list[dict[str, Any]]:
     """Run (or resume) all steps of one configuration; returns the records of every step.
 
@@ -148,8 +131,8 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
     paths.root.mkdir(parents=True, exist_ok=True)
     done = read_records(paths.steps)
     first_step = len(done) + 1
-    if first_step > run["steps"]:
-        console.print(f"[green]{run_id}: all {run['steps']} steps already recorded")
+    if first_step > run.steps:
+        console.print(f"[green]{run_id}: all {run.steps} steps already recorded")
         return done
     problems = gsm8k.read_jsonl(data_dir / "train.jsonl")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -168,32 +151,26 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
             if trainer:
                 trainer.resume(adapter)
             console.print(f"{run_id}: resuming at step {first_step} from {adapter}")
-        if trainer and run["placement"] in ("colocate", "restart"):  # the engine starts on a shared GPU
-            trainer.offload()
         # before the engine starts, so that nothing else loads the host while the client is measured
-        ceiling = run_ceiling(engine.name, run["prompts_per_step"] * run["group_size"], run["max_new_tokens"],
-                              run["max_concurrency"], run["stream_fraction"], run["client_ceiling_s"],
-                              run["shared_pool"])
-        sampler.set_phase("start")
-        t0 = time.perf_counter()
-        engine.start((ADAPTER_NAME, adapter) if adapter else None)
-        startup_s = time.perf_counter() - t0
+        ceiling = run_ceiling(engine.name, run.prompts_per_step * run.group_size, run.max_new_tokens,
+                              run.max_concurrency, run.stream_fraction, run.client_ceiling_s, run.shared_pool)
+        placement = make_placement(run.placement, engine, trainer, sampler)
+        startup_s = placement.start_engine(adapter)
         write_provenance(paths.root / "provenance.json", collect(run, engine.describe()))
         canary = Canary(tokenizer, paths.canary)
         canary.record_baseline(engine)
-        placement = make_placement(run["placement"], engine, trainer, sampler)
+        ctx = RunContext(run, run_id, problems, tokenizer, engine, trainer, placement, canary, sampler, paths)
         waited_s = barrier.wait(run_id, console.print) if barrier else None
         records = list(done)
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         with Progress(*columns, console=console, disable=not progress) as bar:
-            task = bar.add_task(run_id, total=run["steps"], completed=first_step - 1)
-            for step in range(first_step, run["steps"] + 1):
-                record = one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement,
-                                  canary, sampler, paths)
-                record["timing_s/engine_start"] = startup_s if step == first_step else None
-                record["timing_s/start_barrier"] = waited_s if step == first_step else None
+            task = bar.add_task(run_id, total=run.steps, completed=first_step - 1)
+            for step in range(first_step, run.steps + 1):
+                record = one_step(ctx, step)
                 record["perf/client_ceiling_tok_s"] = ceiling
                 record["check/client_headroom_ok"] = client_headroom_ok(record["perf/throughput"], ceiling)
+                if step == first_step:
+                    record.update({"timing_s/engine_start": startup_s, "timing_s/start_barrier": waited_s})
                 append_record(paths.steps, record)
                 records.append(record)
                 bar.advance(task)
@@ -208,137 +185,184 @@ def run_loop(run: dict[str, Any], run_id: str, model_dir: Path, data_dir: Path, 
         sampler.close()
 
 
-def _restart(run: dict[str, Any], engine: Engine, adapter: Path | None, restarts: int, exc: EngineError) -> int:
-    """Start a failed engine again (with `adapter`), or give up once the step has used run['retries']."""
-    if restarts >= run["retries"]:
-        raise RunFailed(f"{engine.name} failed {restarts + 1} times in one step; giving up: {exc}") from exc
-    restarts += 1
-    console.print(f"[yellow]{engine.name} failed ({str(exc).splitlines()[0]}); restart {restarts}/{run['retries']}")
-    engine.stop()
-    engine.start((ADAPTER_NAME, adapter) if adapter else None)
-    return restarts
+# -- one step ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Rollout:
+    requests: list[Request]
+    answers: list[str]
+    completions: list[Completion]
+    adapter: Path | None  # the adapter the requests named (step N uses step N-1's)
+    trainer_gb: float | None  # GPU memory the trainer held beside the engine (mem/trainer_gb_gen)
 
 
-def _rollout_with_retries(run: dict[str, Any], engine: Engine, requests: list[Request],
-                          adapter: Path | None) -> tuple[list[Completion], int]:
-    """A dead or broken engine is restarted and the rollout retried, at most run['retries'] times."""
-    restarts = 0
-    while True:
-        try:
-            if not engine.alive():
-                raise EngineError(f"{engine.name} is not running")
-            completions = engine.generate(requests, progress=True)
-            if all(c.error for c in completions):
-                raise EngineError(f"every request failed, e.g. {completions[0].error}")
-            return completions, restarts
-        except EngineError as exc:
-            restarts = _restart(run, engine, adapter, restarts, exc)
+@dataclass
+class Scored:
+    rewards: list[float]  # shaped: a parseable wrong answer gets format_reward
+    correct: list[float]
+    samples: list[Sample]  # what the trainer learns from: requests that succeeded and generated tokens
 
 
-def _through_engine_death(run: dict[str, Any], engine: Engine, adapter: Path | None, restarts: int,
-                          transition: Callable[[], None], redo: bool) -> int:
-    """A placement transition (sleep, wake, adapter load); an engine found dead there is started again with
-    `adapter` and counted, as in a rollout (`redo`: run the transition again on the fresh engine). A live engine
-    that answers wrongly is a real error and is raised. Returns the step's restarts so far."""
-    while True:
-        try:
-            transition()
-            return restarts
-        except EngineError as exc:
-            if engine.alive():
-                raise
-            restarts = _restart(run, engine, adapter, restarts, exc)
-            if not redo:
-                return restarts
+@dataclass
+class Trained:
+    adapter: Path | None  # None for trainer: none
+    metrics: dict[str, float]
 
 
-def one_step(run, run_id, step, problems, tokenizer, engine, trainer, placement, canary, sampler,
-             paths: RunPaths) -> dict[str, Any]:
+def one_step(ctx: RunContext, step: int) -> dict[str, Any]:
+    """One step, as the list of its parts; returns its record."""
     t = Timings()
-    step_t0 = time.perf_counter()
-    prev_adapter = paths.adapter(step - 1) if step > 1 else None
-    requests, answers = step_requests(problems, run, step, tokenizer)
-    sampler.take()  # memory of this step only
-    trainer_gb = trainer_gpu_gb(trainer)  # the trainer is idle (and offloaded in colocate) while the engine generates
-    with t.phase("gen", sampler):
-        completions, restarts = _rollout_with_retries(run, engine, requests, prev_adapter)
-    gen_s = t.s["gen"]
+    recovery = EngineRecovery(ctx.run, ctx.engine, t, ctx.sampler)
+    t0 = time.perf_counter()
+    ctx.sampler.take()  # memory of this step only
+    rollout = generate(ctx, step, t, recovery)
+    scored = score(ctx, step, rollout, t)
+    # a fresh engine must still sleep (colocate) before training: the transition is done again on it
+    recovery.transition(lambda: ctx.placement.before_train(t), rollout.adapter, redo=True)
+    trained = train(ctx, step, scored, t)
+    # started again, the engine already holds the new adapter: nothing to redo
+    recovery.transition(lambda: ctx.placement.after_train(t, trained.adapter), trained.adapter or rollout.adapter,
+                        redo=False)
+    checks = check(ctx, step, trained, t)
+    t.s["step"] = time.perf_counter() - t0
+    return make_record(ctx, step, t, rollout, scored, trained, checks, recovery.restarts)
+
+
+def generate(ctx: RunContext, step: int, t: Timings, recovery: EngineRecovery) -> Rollout:
+    """rollout: the step's requests (prepare), generated by the engine (gen; restarted and retried if it dies)."""
+    with t.phase("prepare", ctx.sampler):
+        requests, answers = step_requests(ctx.problems, ctx.run, step, ctx.tokenizer)
+        adapter = ctx.paths.adapter(step - 1) if step > 1 else None
+        trainer_gb = trainer_gpu_gb(ctx.trainer)  # the trainer is idle (offloaded in colocate) while the engine runs
+    completions = recovery.generate(requests, adapter)
     failed = [(i, c.error) for i, c in enumerate(completions) if c.error]
     if failed:  # the step goes on without them; the cause goes to the log and requests/step-NNNN.jsonl
         console.print(f"[yellow]step {step}: {len(failed)} of {len(completions)} requests failed; "
                       f"first (request {failed[0][0]}): {failed[0][1]}")
-    with t.phase("reward", sampler):
-        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        ok = [c.error is None for c in completions]
-        correct = [gsm8k.reward(x, a) if good else 0.0 for x, a, good in zip(texts, answers, ok, strict=True)]
-        rewards = [gsm8k.shaped_reward(x, a, run["format_reward"]) if good else 0.0
-                   for x, a, good in zip(texts, answers, ok, strict=True)]
-        advantages = group_advantages(rewards, run["group_size"])
-    _write_requests(paths.root / "requests" / f"step-{step:04d}.jsonl", requests, completions, rewards)
-    samples = [Sample(r.prompt_ids, c.token_ids, c.logprobs, a)
-               for r, c, a in zip(requests, completions, advantages, strict=True) if c.error is None and c.token_ids]
-    restarts = _through_engine_death(run, engine, prev_adapter, restarts, lambda: placement.before_train(t),
-                                     redo=True)  # a fresh engine must still sleep (colocate) before training
-    adapter, train_metrics = None, {}
-    with t.phase("update_actor", sampler):
-        if trainer is not None:
-            result = trainer.step(step, samples, paths.adapter(step))
-            adapter, train_metrics = result.adapter_dir, result.metrics
-        else:
-            _hold_ballast(run)
-    # started again, the engine already holds the new adapter: nothing to redo
-    restarts = _through_engine_death(run, engine, adapter or prev_adapter, restarts,
-                                     lambda: placement.after_train(t, adapter), redo=False)
-    sampler.set_phase("check")
+    return Rollout(requests, answers, completions, adapter, trainer_gb)
+
+
+def score(ctx: RunContext, step: int, rollout: Rollout, t: Timings) -> Scored:
+    """reward: GSM8K rewards, group-normalised advantages, the samples to train on, and the audit file."""
+    with t.phase("reward", ctx.sampler):
+        texts = [ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in rollout.completions]
+        ok = [c.error is None for c in rollout.completions]
+        pairs = list(zip(texts, rollout.answers, ok, strict=True))
+        correct = [gsm8k.reward(x, a) if good else 0.0 for x, a, good in pairs]
+        rewards = [gsm8k.shaped_reward(x, a, ctx.run.format_reward) if good else 0.0 for x, a, good in pairs]
+        advantages = group_advantages(rewards, ctx.run.group_size)
+        samples = [Sample(r.prompt_ids, c.token_ids, c.logprobs, a)
+                   for r, c, a in zip(rollout.requests, rollout.completions, advantages, strict=True)
+                   if c.error is None and c.token_ids]
+        _write_requests(ctx.paths.requests(step), rollout.requests, rollout.completions, rewards)
+    return Scored(rewards, correct, samples)
+
+
+def train(ctx: RunContext, step: int, scored: Scored, t: Timings) -> Trained:
+    """train: one GRPO step and its adapter on disk (trainer: none holds a memory ballast instead)."""
+    if ctx.trainer is None:
+        with t.phase("update_actor", ctx.sampler):
+            _hold_ballast(ctx.run)
+        return Trained(None, {})
+    with t.phase("update_actor", ctx.sampler):
+        result = ctx.trainer.step(step, scored.samples, ctx.paths.adapter(step))
+    metrics = dict(result.metrics)
+    save_s = metrics.pop("timing_s/save_adapter", None)  # timed inside the trainer's step: its own phase
+    if save_s is not None:
+        t.move(save_s, "update_actor", "save_adapter")
+    return Trained(result.adapter_dir, metrics)
+
+
+def check(ctx: RunContext, step: int, trained: Trained, t: Timings) -> dict[str, Any]:
+    """checks: the canary after the transition; a changed base model stops the run."""
     # a zero adapter (e.g. all advantages zero so far) cannot change anything: the check does not apply
-    nonzero = adapter is not None and train_metrics.get("train/lora_norm", 1.0) > 0
-    checks = canary.check(engine, adapter_loaded=nonzero)
+    nonzero = trained.adapter is not None and trained.metrics.get("train/lora_norm", 1.0) > 0
+    with t.phase("check", ctx.sampler):
+        checks = ctx.canary.check(ctx.engine, adapter_loaded=nonzero)
     if checks["check/base_canary_ok"] is False:
-        raise RunFailed(f"{run_id} step {step}: the base model's greedy canary changed after the transition: "
+        raise RunFailed(f"{ctx.run_id} step {step}: the base model's greedy canary changed after the transition: "
                         "base weights were corrupted (e.g. SGLang released weights without a CPU backup)")
-    t.s["step"] = time.perf_counter() - step_t0
-    record: dict[str, Any] = {
-        "run_id": run_id, "engine": run["engine"], "placement": run["placement"], "trainer": run["trainer"],
-        "model": run["model"], "tp": run["tp"], "seed": run["seed"], "step": step, "time_unix": time.time(),
-    }
+    return checks
+
+
+def make_record(ctx: RunContext, step: int, t: Timings, rollout: Rollout, scored: Scored, trained: Trained,
+                checks: dict[str, Any], restarts: int) -> dict[str, Any]:
+    """record: every key of hybridrl.record (None where this step has no value), plus per-GPU readings."""
+    run = ctx.run
+    record = new_record()
+    record.update({"run_id": ctx.run_id, "engine": run.engine, "placement": run.placement, "trainer": run.trainer,
+                   "model": run.model, "tp": run.tp, "seed": run.seed, "step": step, "time_unix": time.time()})
     record.update(t.record())
-    record.update(rollout_stats(completions, gen_s))
-    record.update({"perf/train_tokens": None, "perf/train_tok_s": None, "train/loss": None,
-                   "train/grad_norm": None, "train/kl": None, "train/clipfrac": None,
-                   "check/rollout_logprob_abs_diff": None, "check/logprob_gap_sample_max": None,
-                   "check/logprob_gap_token_max": None})
-    record.update({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in train_metrics.items()})
+    record.update(rollout_stats(rollout.completions, t.s["gen"]))
+    record.update({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in trained.metrics.items()})
     if record["perf/train_tokens"] and t.s.get("update_actor"):
         record["perf/train_tok_s"] = record["perf/train_tokens"] / t.s["update_actor"]
-    record["reward/mean"] = sum(rewards) / len(rewards)
-    record["reward/accuracy"] = sum(correct) / len(correct)
+    record["reward/mean"] = sum(scored.rewards) / len(scored.rewards)
+    record["reward/accuracy"] = sum(scored.correct) / len(scored.correct)
     record["errors/engine_restarts"] = restarts
-    record.update({"mem/used_gb_gen": None, "mem/used_gb_train": None, "mem/peak_gb": None,
-                   "mem/trainer_gb_gen": trainer_gb})
-    mem = sampler.take()
+    record["mem/trainer_gb_gen"] = rollout.trainer_gb
+    mem = ctx.sampler.take()
     if mem:
         mem["mem/used_gb_train"] = mem.get("mem/used_gb_update_actor")
     record.update(mem)
     record.update(checks)
-    record.update(logprob_gate(record.get("check/rollout_logprob_abs_diff"), run))
-    step_metrics = getattr(engine, "step_metrics", None)  # engine-side readings, e.g. NVML after sleep/wake
+    record.update(logprob_gate(record["check/rollout_logprob_abs_diff"], run))
+    step_metrics = getattr(ctx.engine, "step_metrics", None)  # engine-side readings, e.g. NVML after sleep/wake
     if step_metrics:
         record.update(step_metrics())
     return record
 
 
-# bf16 engines and trainers differ by ~0.007 per token (H200 reference); a wrong or stale adapter, or stale
-# cached prefixes, shows up well above this (0.026 on the H200 when split vLLM reused the old adapter's KV)
-MAX_LOGPROB_GAP = 0.02
+class EngineRecovery:
+    """One step's engine restarts: an engine found dead is started again with the newest adapter, at most
+    run.retries times a step; each counts in errors/engine_restarts and its time in timing_s/recover."""
+
+    def __init__(self, run: RunConfig, engine: Engine, t: Timings, sampler: MemorySampler) -> None:
+        self.run, self.engine, self.t, self.sampler = run, engine, t, sampler
+        self.restarts = 0
+
+    def restart(self, adapter: Path | None, exc: EngineError) -> None:
+        if self.restarts >= self.run.retries:
+            raise RunFailed(f"{self.engine.name} failed {self.restarts + 1} times in one step; giving up: {exc}") \
+                from exc
+        self.restarts += 1
+        console.print(f"[yellow]{self.engine.name} failed ({str(exc).splitlines()[0]}); "
+                      f"restart {self.restarts}/{self.run.retries}")
+        with self.t.phase("recover", self.sampler):
+            self.engine.stop()
+            self.engine.start((ADAPTER_NAME, adapter) if adapter else None)
+
+    def generate(self, requests: list[Request], adapter: Path | None) -> list[Completion]:
+        """The rollout (timing_s/gen); a dead or broken engine is restarted and the rollout retried."""
+        while True:
+            try:
+                with self.t.phase("gen", self.sampler):
+                    if not self.engine.alive():
+                        raise EngineError(f"{self.engine.name} is not running")
+                    completions = self.engine.generate(requests, progress=True)
+                    if all(c.error for c in completions):
+                        raise EngineError(f"every request failed, e.g. {completions[0].error}")
+                return completions
+            except EngineError as exc:
+                self.restart(adapter, exc)
+
+    def transition(self, change: Callable[[], None], adapter: Path | None, redo: bool) -> None:
+        """A placement transition (sleep, wake, adapter load). An engine found dead there is started again with
+        `adapter` (`redo`: and the transition done again on it); a live engine that answers wrongly is a real
+        error and is raised."""
+        while True:
+            try:
+                change()
+                return
+            except EngineError as exc:
+                if self.engine.alive():
+                    raise
+                self.restart(adapter, exc)
+                if not redo:
+                    return
 
 
-def logprob_gate(gap: float | None, run: dict[str, Any]) -> dict[str, Any]:
-    """Trainer-vs-engine agreement: did the engine sample with the weights the trainer thinks it had?"""
-    limit = float(run.get("max_logprob_gap", MAX_LOGPROB_GAP))
-    return {"check/logprob_gap_max": limit, "check/logprob_agreement_ok": None if gap is None else gap <= limit}
-
-
-def trainer_gpu_gb(trainer: Any) -> float | None:
+def trainer_gpu_gb(trainer: Trainer | None) -> float | None:
     """GPU memory (GB, NVML) charged to the trainer's processes: in colocate, what it leaves beside the engine."""
     if trainer is None:
         return None
@@ -358,15 +382,15 @@ def _write_requests(path: Path, requests: list[Request], completions: list[Compl
     gsm8k.write_jsonl_atomic(path, rows)
 
 
-def _hold_ballast(run: dict[str, Any]) -> None:
+def _hold_ballast(run: RunConfig) -> None:
     """trainer: none — hold ballast_gb of GPU memory for ballast_s seconds in place of training."""
     import torch
 
     ballast = None
-    if run["ballast_gb"] > 0 and torch.cuda.is_available():
-        ballast = torch.empty(int(run["ballast_gb"] * 1e9), dtype=torch.uint8, device="cuda")
+    if run.ballast_gb > 0 and torch.cuda.is_available():
+        ballast = torch.empty(int(run.ballast_gb * 1e9), dtype=torch.uint8, device="cuda")
         ballast.fill_(1)
-    time.sleep(run["ballast_s"])
+    time.sleep(run.ballast_s)
     del ballast
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

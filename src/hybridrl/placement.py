@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from hybridrl.engines.base import Engine
@@ -15,9 +16,19 @@ class Placement:
     """split: the engine stays up on its own devices and hot-loads each new adapter."""
 
     name = "split"
+    shares_gpus = False  # does the engine run on the trainer's GPUs?
 
     def __init__(self, engine: Engine, trainer: Trainer | None, sampler: MemorySampler) -> None:
         self.engine, self.trainer, self.sampler = engine, trainer, sampler
+
+    def start_engine(self, adapter: Path | None) -> float:
+        """The run's first engine start (with the newest adapter on a resume); returns its seconds."""
+        if self.trainer and self.shares_gpus:
+            self.trainer.offload()  # the engine sizes its memory from what it finds free
+        self.sampler.set_phase("start")
+        t0 = time.perf_counter()
+        self.engine.start((ADAPTER_NAME, adapter) if adapter is not None else None)
+        return time.perf_counter() - t0
 
     def before_train(self, t: Timings) -> None:
         pass
@@ -34,21 +45,30 @@ class Placement:
             # trainer-vs-engine logprob gap of 0.026 against 0.007 colocated. A step's group still shares prefixes.
             self.engine.flush_cache()
 
+    def onload_trainer(self, t: Timings) -> None:
+        if self.trainer:
+            with t.phase("trainer_onload", self.sampler):
+                self.trainer.onload()
+
+    def offload_trainer(self, t: Timings) -> None:
+        if self.trainer:
+            with t.phase("trainer_offload", self.sampler):
+                self.trainer.offload()
+
 
 class Colocate(Placement):
     """Engine and trainer share GPUs: the engine sleeps while the trainer runs, then wakes."""
 
     name = "colocate"
+    shares_gpus = True
 
     def before_train(self, t: Timings) -> None:
         with t.phase("sleep", self.sampler):
             self.engine.sleep()
-        if self.trainer:
-            self.trainer.onload()
+        self.onload_trainer(t)
 
     def after_train(self, t: Timings, adapter: Path | None) -> None:
-        if self.trainer:
-            self.trainer.offload()  # before wake, so the engine gets its memory back
+        self.offload_trainer(t)  # before wake, so the engine gets its memory back
         with t.phase("wake", self.sampler):
             self.engine.wake()
         if adapter is not None:
@@ -59,18 +79,17 @@ class Restart(Placement):
     """Stop the engine before training and start it again with the new adapter (one public benchmark's way)."""
 
     name = "restart"
+    shares_gpus = True
 
     def before_train(self, t: Timings) -> None:
         with t.phase("restart", self.sampler):
             self.engine.stop()
-        if self.trainer:
-            self.trainer.onload()
+        self.onload_trainer(t)
 
     def after_train(self, t: Timings, adapter: Path | None) -> None:
-        if self.trainer:
-            # the engine sizes its KV cache from the free memory it finds: give it back what training
-            # cached (on the H200 run, without this the restarted engine had 3.7% less KV capacity)
-            self.trainer.offload()
+        # the engine sizes its KV cache from the free memory it finds: give it back what training
+        # cached (on the H200 run, without this the restarted engine had 3.7% less KV capacity)
+        self.offload_trainer(t)
         with t.phase("restart", self.sampler):
             self.engine.start((ADAPTER_NAME, adapter) if adapter is not None else None)
 

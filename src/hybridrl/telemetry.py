@@ -16,14 +16,7 @@ from typing import Any
 import numpy as np
 
 from hybridrl.engines.base import Completion
-
-# Every record carries these keys (null where a placement has no such phase), so tables line up.
-TIMING_KEYS = ("gen", "reward", "sleep", "update_actor", "wake", "update_weights", "restart", "step")
-# Phases whose host CPU load is recorded: a busy host (another run starting beside this one) slows them.
-HOST_LOAD_PHASES = ("gen", "update_actor")
-# Phases whose controller CPU use is recorded (% of one core, all its threads): a rollout client near 100%
-# of a core limits the throughput it measures.
-CONTROLLER_CPU_PHASES = ("gen",)
+from hybridrl.record import CONTROLLER_CPU_PHASES, HOST_LOAD_PHASES, PHASES
 
 
 def host_cpu_jiffies(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
@@ -55,23 +48,31 @@ class Timings:
 
     @contextlib.contextmanager
     def phase(self, name: str, sampler: MemorySampler | None = None) -> Iterator[None]:
+        t0 = time.perf_counter()  # first and last: all of the phase's own work counts in it
         if sampler:
             sampler.set_phase(name)
         cpu0 = self._cpu() if name in HOST_LOAD_PHASES else None
         own0 = self._own_cpu()
-        t0 = time.perf_counter()
         try:
             yield
         finally:
-            wall = time.perf_counter() - t0
-            self.s[name] = self.s.get(name, 0.0) + wall
             if name in HOST_LOAD_PHASES:
                 self.busy[name] = busy_pct(cpu0, self._cpu())
+            own = self._own_cpu() - own0
+            wall = time.perf_counter() - t0
             if name in CONTROLLER_CPU_PHASES and wall > 0:
-                self.own[name] = 100.0 * (self._own_cpu() - own0) / wall
+                self.own[name] = 100.0 * own / wall
+            self.s[name] = self.s.get(name, 0.0) + wall
+
+    def move(self, seconds: float, source: str, to: str) -> None:
+        """Count `seconds` of phase `source` as phase `to`: a part that was timed inside it (the adapter save
+        inside the trainer's step)."""
+        self.s[source] = self.s.get(source, 0.0) - seconds
+        self.s[to] = self.s.get(to, 0.0) + seconds
 
     def record(self) -> dict[str, float | None]:
-        out: dict[str, float | None] = {f"timing_s/{k}": self.s.get(k) for k in TIMING_KEYS}
+        """timing_s/* of every phase and the step (null where this step had no such phase), host CPU load."""
+        out: dict[str, float | None] = {f"timing_s/{k}": self.s.get(k) for k in (*PHASES, "step")}
         out.update({f"host/cpu_busy_pct_{k}": self.busy.get(k) for k in HOST_LOAD_PHASES})
         out.update({f"host/controller_cpu_pct_{k}": self.own.get(k) for k in CONTROLLER_CPU_PHASES})
         return out

@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from hybridrl import cluster  # noqa: E402
 from hybridrl.config import ConfigError, dataset_name, resolve  # noqa: E402
+from hybridrl.run_config import RunSpec  # noqa: E402
 
 try:
     STUDY = resolve(config, source="config")
@@ -28,12 +29,12 @@ def run_spec(wildcards) -> str:
     if rid not in RUNS:
         raise WorkflowError(f"run {rid} is not in this study; known runs: {', '.join(RUNS)}")
     run = RUNS[rid]
-    return json.dumps({"run_id": rid, "run": run, "study": STUDY.name,
-                       "engine_env": STUDY.engine_envs.get(run["engine"], {})}, sort_keys=True)
+    spec = RunSpec(run_id=rid, run=run, study=STUDY.name, engine_env=STUDY.engine_envs.get(run.engine, {}))
+    return spec.model_dump_json()
 
 
 def run_model(wildcards) -> str:
-    return f"resources/models/{RUNS[wildcards.run_id]['model']}"
+    return f"resources/models/{RUNS[wildcards.run_id].model}"
 
 
 # --- resources, deployment and containers (SLURM: slurm/config.v8+.yaml, docs/cluster.md) ---
@@ -72,7 +73,7 @@ def run_threads(wildcards) -> int:
 def image_of(run_id: str) -> str | None:
     if run_id not in CONTAINER_RUNS:
         return None
-    return f"resources/containers/{cluster.backend(RUNS[run_id]['engine'])}.sif"
+    return f"resources/containers/{cluster.backend(RUNS[run_id].engine)}.sif"
 
 
 def run_image(wildcards) -> list[str]:
@@ -98,8 +99,8 @@ def run_prelude(wildcards) -> str:
     if image:
         return (f"export PYTHONPATH={SRC}${{PYTHONPATH:+:$PYTHONPATH}}; "
                 f"export HYBRIDRL_IMAGE_DIGEST=$(python -m hybridrl.cluster digest {image}.json); ")
-    if DEPLOY == "venv" and run["device"] == "cuda":
-        venv = cluster.venv_python(Path(workflow.basedir), cluster.backend(run["engine"])).parent
+    if DEPLOY == "venv" and run.device == "cuda":
+        venv = cluster.venv_python(Path(workflow.basedir), cluster.backend(run.engine)).parent
         return f"export PATH={venv}:$PATH PYTHONPATH={SRC}${{PYTHONPATH:+:$PYTHONPATH}}; "
     return ""
 

@@ -6,20 +6,21 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.base import Engine
+from hybridrl.run_config import RunConfig
 
 
-def make_engine(run: dict[str, Any], model_dir: Path, env_spec: dict[str, Any], log_dir: Path) -> Engine:
+def make_engine(run: RunConfig, model_dir: Path, env_spec: dict[str, Any], log_dir: Path) -> Engine:
     """Import only the chosen engine: each lives in its own environment."""
-    if run["engine"] == "vllm":
+    if run.engine == "vllm":
         from hybridrl.engines.vllm import VLLMServer
 
         return VLLMServer(model_dir, run, env_spec, log_dir)
-    if run["engine"] == "sglang":
+    if run.engine == "sglang":
         from hybridrl.engines.sglang import SGLangServer
 
         return SGLangServer(model_dir, run, env_spec, log_dir)
-    if run["engine"] == "vllm-inprocess":
+    if run.engine == "vllm-inprocess":
         from hybridrl.engines.vllm_inprocess import VLLMInProcess
 
         return VLLMInProcess(model_dir, run, env_spec, log_dir)
-    raise ValueError(f"unknown engine {run['engine']!r}")
+    raise ValueError(f"unknown engine {run.engine!r}")

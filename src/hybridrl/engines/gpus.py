@@ -11,6 +11,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from hybridrl.run_config import RunConfig
+
 
 def visible_devices(env: dict[str, str] | None = None) -> list[str] | None:
     """The CUDA_VISIBLE_DEVICES entries, or None where it is unset (every GPU is visible)."""
@@ -20,19 +22,19 @@ def visible_devices(env: dict[str, str] | None = None) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def split_engine_devices(run: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, str]:
+def split_engine_devices(run: RunConfig, env: dict[str, str] | None = None) -> dict[str, str]:
     """In split placement the engine takes the LAST `tp` visible GPUs and the trainer keeps cuda:0.
 
     The trainer builds on cuda:0 of the controller's devices, so giving the engine the tail of the
     list keeps the two apart without the trainer knowing. Returns the env entries to set (none
     outside split, or where the engine's env already names its devices).
     """
-    if run.get("placement") != "split" or run.get("device") != "cuda":
+    if run.placement != "split" or run.device != "cuda":
         return {}
     devices = visible_devices(env)
     if devices is None:
         devices = [str(i) for i in range(_device_count())]
-    tp = int(run.get("tp", 1))
+    tp = run.tp
     if len(devices) < tp + 1:
         return {}  # one GPU only: share it rather than fail; the report shows the memory
     return {"CUDA_VISIBLE_DEVICES": ",".join(devices[-tp:])}

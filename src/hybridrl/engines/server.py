@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from hybridrl.engines.base import Completion, EngineDied, EngineError, Request
+from hybridrl.run_config import RunConfig
 
 LOG_TAIL_LINES = 40
 FATAL_GRACE_S = 30.0  # after a fatal startup line, how long the server gets to exit by itself
@@ -356,11 +357,11 @@ class HTTPEngine:
     health_path = "/health"
     fatal_markers: tuple[str, ...] = ()  # startup log lines after which the server never gets healthy
 
-    def __init__(self, model: Path, run: dict[str, Any], env_spec: dict[str, Any], log_dir: Path) -> None:
+    def __init__(self, model: Path, run: RunConfig, env_spec: dict[str, Any], log_dir: Path) -> None:
         self.model, self.run, self.log_dir = model, run, log_dir
         self.python = resolve_python(env_spec.get("python", "python"))
         self.extra_env = dict(env_spec.get("env", {}))
-        self.supports_sleep = run["device"] == "cuda"
+        self.supports_sleep = run.device == "cuda"
         self.server: ServerProcess | None = None
         self.stream: RolloutClient | None = None
         self._loaded: set[str] = set()
@@ -425,9 +426,9 @@ class HTTPEngine:
         self.server = ServerProcess(self.name, self.command(port, adapter), self.environment(),
                                     self.log_dir / "engine.log", port, self.fatal_markers)
         self.server.start()
-        elapsed = self.server.wait_healthy(self.run["startup_timeout_s"], health_path=self.health_path)
-        self.stream = self.stream_cls(self.server, self.run["request_timeout_s"], self.run["max_concurrency"],
-                                      shared_pool=self.run["shared_pool"])
+        elapsed = self.server.wait_healthy(self.run.startup_timeout_s, health_path=self.health_path)
+        self.stream = self.stream_cls(self.server, self.run.request_timeout_s, self.run.max_concurrency,
+                                      shared_pool=self.run.shared_pool)
         # the first request pays one-off kernel compilation; count it as start-up, not as rollout
         t0 = time.perf_counter()
         warm = self.stream.generate([Request([1, 2, 3], Sampling(max_new_tokens=2, temperature=0.0))])[0]
@@ -461,8 +462,8 @@ class HTTPEngine:
         if not self.stream:
             raise EngineError(f"{self.name}: generate_raw() before start()")
         bodies = [self.stream.body(dataclasses.replace(r, stream=False)) for r in requests]
-        answers = post_all(self._url(), self.stream.url_path, bodies, self.run["max_concurrency"],
-                           self.run["request_timeout_s"])
+        answers = post_all(self._url(), self.stream.url_path, bodies, self.run.max_concurrency,
+                           self.run.request_timeout_s)
         return [Completion(error=a) if isinstance(a, str) else self.stream.completion(a, t) for t, a in answers]
 
     def step_metrics(self) -> dict[str, float | None]:

@@ -15,6 +15,7 @@ from typing import Any
 from hybridrl.engines.base import EngineError, Request, Sampling
 from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
 from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, post_json
+from hybridrl.run_config import RunConfig
 
 BASE_NAME = "base"
 # torch_memory_saver tags as SGLang names them (sglang.srt.constants.GPU_MEMORY_TYPE_*)
@@ -100,36 +101,36 @@ class SGLangServer(HTTPEngine):
     stream_cls = _SGLangClient
     fatal_markers = ("Scheduler hit an exception",)
 
-    def __init__(self, model: Path, run: dict[str, Any], env_spec: dict[str, Any], log_dir: Path) -> None:
-        if run["device"] != "cuda":
+    def __init__(self, model: Path, run: RunConfig, env_spec: dict[str, Any], log_dir: Path) -> None:
+        if run.device != "cuda":
             raise EngineError("sglang: no CPU build; use device: cuda")
         super().__init__(model, run, env_spec, log_dir)
-        self.tags = release_tags(run["sglang_release"])
+        self.tags = release_tags(run.sglang_release)
 
     # -- process ---------------------------------------------------------------------------------
     def command(self, port: int, adapter: tuple[str, Path] | None) -> list[str]:
-        run, lora = self.run, self.run["lora"]
+        run, lora = self.run, self.run.lora
         cmd = [
             self.python, "-m", "sglang.launch_server",
             "--model-path", str(self.model), "--served-model-name", BASE_NAME,
             "--host", "127.0.0.1", "--port", str(port),
-            "--random-seed", str(run["seed"]), "--dtype", self._dtype(),
+            "--random-seed", str(run.seed), "--dtype", self._dtype(),
             "--context-length", str(self._max_len()),
-            "--tp-size", str(run["tp"]),
-            "--mem-fraction-static", str(run["gpu_memory_utilization"]),
-            "--max-running-requests", str(run["max_concurrency"]),
+            "--tp-size", str(run.tp),
+            "--mem-fraction-static", str(run.gpu_memory_utilization),
+            "--max-running-requests", str(run.max_concurrency),
             "--enable-memory-saver",
-            "--enable-lora", "--max-lora-rank", str(lora["rank"]),
-            "--lora-target-modules", *lora["target_modules"],
+            "--enable-lora", "--max-lora-rank", str(lora.rank),
+            "--lora-target-modules", *lora.target_modules,
             "--max-loras-per-batch", "2",  # base + the policy adapter in one batch
             # each event carries only its new tokens (parse_chunk also reads cumulative events)
             "--incremental-streaming-output",
         ]
-        if run["sglang_release"] == "all":
+        if run.sglang_release == "all":
             cmd.append("--enable-weights-cpu-backup")
         if adapter:
             cmd += ["--lora-paths", f"{adapter[0]}={adapter[1]}"]
-        return cmd + list(run["engine_args"])
+        return cmd + list(run.engine_args)
 
     def environment(self) -> dict[str, str]:
         env = engine_environ()

@@ -88,26 +88,26 @@ class VLLMServer(HTTPEngine):
 
     # -- process ---------------------------------------------------------------------------------
     def command(self, port: int, adapter: tuple[str, Path] | None) -> list[str]:
-        run, lora = self.run, self.run["lora"]
+        run, lora = self.run, self.run.lora
         cmd = [
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model), "--served-model-name", BASE_NAME,
             "--host", "127.0.0.1", "--port", str(port),
-            "--seed", str(run["seed"]), "--dtype", self._dtype(),
+            "--seed", str(run.seed), "--dtype", self._dtype(),
             "--max-model-len", str(self._max_len()),
-            "--enable-lora", "--max-lora-rank", str(_lora_rank_bucket(lora["rank"])), "--max-loras", "1",
+            "--enable-lora", "--max-lora-rank", str(_lora_rank_bucket(lora.rank)), "--max-loras", "1",
             # only the trained projections: vLLM 0.26 otherwise also wraps the (tied) embedding, and its
             # warm-up dummy adapter for that layer fails when vocab_size != hidden_size
-            "--lora-target-modules", *lora["target_modules"],
-            "--max-num-seqs", str(run["max_concurrency"]),
+            "--lora-target-modules", *lora.target_modules,
+            "--max-num-seqs", str(run.max_concurrency),
         ]
-        if run["device"] == "cuda":
-            cmd += ["--tensor-parallel-size", str(run["tp"]),
-                    "--gpu-memory-utilization", str(run["gpu_memory_utilization"]),
+        if run.device == "cuda":
+            cmd += ["--tensor-parallel-size", str(run.tp),
+                    "--gpu-memory-utilization", str(run.gpu_memory_utilization),
                     "--enable-sleep-mode"]
         if adapter:
             cmd += ["--lora-modules", f"{adapter[0]}={adapter[1]}"]
-        return cmd + list(run["engine_args"])
+        return cmd + list(run.engine_args)
 
     def environment(self) -> dict[str, str]:
         env = engine_environ()
@@ -118,7 +118,7 @@ class VLLMServer(HTTPEngine):
             "DO_NOT_TRACK": "1",
             "HF_HUB_OFFLINE": "1",
         })
-        if self.run["device"] == "cpu":
+        if self.run.device == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a large slice of RAM
         env.update(split_engine_devices(self.run, env))  # split: the engine takes the last GPUs
         for key, value in multicast_off_env(env).items():
@@ -136,7 +136,7 @@ class VLLMServer(HTTPEngine):
 
     # -- sleep mode (GPU) ------------------------------------------------------------------------
     def sleep(self) -> None:
-        post_json(self._url(), f"/sleep?level={self.run['vllm_sleep_level']}")
+        post_json(self._url(), f"/sleep?level={self.run.vllm_sleep_level}")
         self._metrics["mem/engine_asleep_gb"] = used_gb(nvml_indices(self.environment()))
 
     def wake(self) -> None:

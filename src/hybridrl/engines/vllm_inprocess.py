@@ -23,26 +23,27 @@ from typing import Any
 from hybridrl.engines.base import Completion, EngineDied, EngineError, Request, Sampling
 from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
 from hybridrl.engines.vllm import multicast_off_env, reset_until_done
+from hybridrl.run_config import RunConfig
 
 BASE_NAME = "base"
 CONTROL_TIMEOUT_S = 300.0
 
 
-def engine_cli_args(model: Path, run: dict[str, Any], max_len: int, dtype: str) -> list[str]:
+def engine_cli_args(model: Path, run: RunConfig, max_len: int, dtype: str) -> list[str]:
     """The same flags as the vllm server gets, so one `engine_args` list means the same for both."""
     from hybridrl.engines.vllm import _lora_rank_bucket
 
     args = [
         "--model", str(model), "--served-model-name", BASE_NAME,
-        "--seed", str(run["seed"]), "--dtype", dtype, "--max-model-len", str(max_len),
-        "--enable-lora", "--max-lora-rank", str(_lora_rank_bucket(run["lora"]["rank"])), "--max-loras", "1",
-        "--lora-target-modules", *run["lora"]["target_modules"],  # see VLLMServer.command
-        "--max-num-seqs", str(run["max_concurrency"]),
+        "--seed", str(run.seed), "--dtype", dtype, "--max-model-len", str(max_len),
+        "--enable-lora", "--max-lora-rank", str(_lora_rank_bucket(run.lora.rank)), "--max-loras", "1",
+        "--lora-target-modules", *run.lora.target_modules,  # see VLLMServer.command
+        "--max-num-seqs", str(run.max_concurrency),
     ]
-    if run["device"] == "cuda":
-        args += ["--tensor-parallel-size", str(run["tp"]),
-                 "--gpu-memory-utilization", str(run["gpu_memory_utilization"]), "--enable-sleep-mode"]
-    return args + list(run["engine_args"])
+    if run.device == "cuda":
+        args += ["--tensor-parallel-size", str(run.tp),
+                 "--gpu-memory-utilization", str(run.gpu_memory_utilization), "--enable-sleep-mode"]
+    return args + list(run.engine_args)
 
 
 def sampling_kwargs(s: Sampling) -> dict[str, Any]:
@@ -70,9 +71,9 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
 class VLLMInProcess:
     name = "vllm-inprocess"
 
-    def __init__(self, model: Path, run: dict[str, Any], env_spec: dict[str, Any], log_dir: Path) -> None:
+    def __init__(self, model: Path, run: RunConfig, env_spec: dict[str, Any], log_dir: Path) -> None:
         self.model, self.run, self.log_dir = model, run, log_dir
-        self.supports_sleep = run["device"] == "cuda"
+        self.supports_sleep = run.device == "cuda"
         # The engine shares this process's environment: apply the env spec here, before vLLM starts.
         env = dict(env_spec.get("env", {}))
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -146,7 +147,7 @@ class VLLMInProcess:
             return AsyncLLM.from_engine_args(args)
 
         try:
-            self.llm = self._call(build(), timeout_s=self.run["startup_timeout_s"])
+            self.llm = self._call(build(), timeout_s=self.run.startup_timeout_s)
         except EngineError:
             raise
         except Exception as exc:
@@ -219,13 +220,13 @@ class VLLMInProcess:
         return out
 
     async def _all(self, requests: list[Request]) -> list[Completion]:
-        sem = asyncio.Semaphore(self.run["max_concurrency"])
+        sem = asyncio.Semaphore(self.run.max_concurrency)
         return list(await asyncio.gather(*(self._one(r, sem) for r in requests)))
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Completion]:
         if self.llm is None:
             raise EngineError("vllm-inprocess: generate() before start()")
-        return self._call(self._all(requests), timeout_s=self.run["request_timeout_s"])
+        return self._call(self._all(requests), timeout_s=self.run.request_timeout_s)
 
     def generate_raw(self, requests: list[Request]) -> list[Completion]:
         """In process there is no client to bypass: the same path with no request streamed."""
@@ -241,7 +242,7 @@ class VLLMInProcess:
 
     # -- sleep mode ------------------------------------------------------------------------------
     def sleep(self) -> None:
-        self._call(self.llm.sleep(self.run["vllm_sleep_level"]))
+        self._call(self.llm.sleep(self.run.vllm_sleep_level))
         self._metrics["mem/engine_asleep_gb"] = used_gb(self._gpus())
 
     def wake(self) -> None:

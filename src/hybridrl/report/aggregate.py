@@ -14,41 +14,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-IDENTITY = ["run_id", "engine", "placement", "trainer", "model", "tp", "seed", "step"]
-TIMING = [
-    "timing_s/gen", "timing_s/reward", "timing_s/sleep", "timing_s/update_actor",
-    "timing_s/wake", "timing_s/update_weights", "timing_s/restart", "timing_s/step",
-]
-# The phases that make up a step, in the order they happen (timing_s/step is their total).
-PHASES = TIMING[:-1]
-ROLLOUT = [
-    "perf/gen_tokens", "perf/throughput", "perf/ttft_s_mean", "perf/ttft_s_p50", "perf/ttft_s_p99",
-    "perf/itl_ms_mean", "perf/itl_ms_p50", "perf/itl_ms_p99", "perf/tpot_ms_mean", "perf/tpot_ms_p50",
-    "perf/tpot_ms_p99", "perf/latency_s_p50", "perf/latency_s_p99", "errors/requests_failed",
-    "perf/streamed_requests", "perf/events_per_token", "perf/client_ceiling_tok_s",
-]
-TRAINING = [
-    "perf/train_tokens", "perf/train_tok_s", "train/loss", "train/grad_norm", "train/kl", "train/clipfrac",
-]
-MEMORY = ["mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacity_tokens"]
-LEARNING = ["reward/mean", "reward/accuracy", "response_length/mean"]
-# what else kept the host busy, and how busy the controller itself was while it collected the rollout
-HOST = ["host/cpu_busy_pct_gen", "host/cpu_busy_pct_update_actor", "host/controller_cpu_pct_gen"]
-CHECKS = [
-    "check/rollout_logprob_abs_diff", "check/logprob_gap_sample_max", "check/logprob_gap_token_max",
-    "check/base_canary_ok", "check/adapter_applied",
-    "check/kv_capacity_ok", "check/logprob_agreement_ok", "check/client_headroom_ok", "errors/engine_restarts",
-]
+from hybridrl import record
+
 # From each run's provenance.json: which code and which GPU recorded it (comparisons across them get a caveat),
 # the share of each GPU the engine was given, which sets most of its memory, and what a colocated engine gives
 # back while the trainer runs (SGLang: kv_cache keeps the weights resident; vLLM level 1 moves them to CPU)
 PROVENANCE = ["git_commit", "gpu", "sglang_release"]
 CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level"]
-KNOWN = (IDENTITY + TIMING + ROLLOUT + TRAINING + MEMORY + LEARNING + HOST + CHECKS + ["time_unix"]
-         + PROVENANCE + CONFIGURED)
-STRINGS = ["run_id", "engine", "placement", "trainer", "model"] + PROVENANCE
-BOOLS = ["check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok", "check/logprob_agreement_ok",
-         "check/client_headroom_ok"]
+# The record's keys (hybridrl.record), then what each run's provenance adds
+KNOWN = [*record.RECORD_KEYS, *PROVENANCE, *CONFIGURED]
+STRINGS = [*record.STRINGS, *PROVENANCE]
+BOOLS = list(record.BOOLS)
 NUMBERS = [c for c in KNOWN if c not in STRINGS and c not in BOOLS]
 # Two rows compare as the same configuration when these match (run_id keeps seeds/repeats apart).
 CONFIG_KEY = ["engine", "placement", "trainer", "model", "tp", "run_id"]
@@ -123,9 +99,9 @@ def provenance_fields(prov: dict[str, Any] | None) -> dict[str, Any]:
         return dict.fromkeys(PROVENANCE + CONFIGURED)
     devices = (prov.get("gpu") or {}).get("devices") or []
     names = sorted({d.get("name") for d in devices if d.get("name")})
-    run = prov.get("run_config") or {}
+    recorded = prov.get("run_config") or {}  # as that run wrote it: older runs may lack a key
     return {"git_commit": commit_label(prov.get("git") or {}), "gpu": " + ".join(names) or None,
-            **{k: run.get(k) for k in ["sglang_release"] + CONFIGURED}}
+            **{k: recorded.get(k) for k in ["sglang_release"] + CONFIGURED}}
 
 
 def _missing(value: Any) -> bool:

@@ -14,14 +14,17 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from hybridrl.report.aggregate import PHASES, atomic_path  # noqa: E402
+from hybridrl.record import PHASE_KEYS as PHASES  # noqa: E402
+from hybridrl.report.aggregate import atomic_path  # noqa: E402
 from hybridrl.report.stats import WARMUP_STEPS, run_order, steady_state  # noqa: E402
 
 LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp"]
 PHASE_COLORS = {
-    "timing_s/gen": "#4C72B0", "timing_s/reward": "#DD8452", "timing_s/sleep": "#937860",
-    "timing_s/update_actor": "#55A868", "timing_s/wake": "#DA8BC3", "timing_s/update_weights": "#C44E52",
-    "timing_s/restart": "#8172B3", "other": "#BBBBBB",
+    "timing_s/prepare": "#A6C8E0", "timing_s/gen": "#4C72B0", "timing_s/reward": "#DD8452", "timing_s/sleep": "#937860",
+    "timing_s/trainer_onload": "#8C8C3C", "timing_s/update_actor": "#55A868", "timing_s/save_adapter": "#64B5CD",
+    "timing_s/trainer_offload": "#CCB974", "timing_s/wake": "#DA8BC3", "timing_s/restart": "#8172B3",
+    "timing_s/update_weights": "#C44E52", "timing_s/check": "#4A4A4A", "timing_s/recover": "#E5AE38",
+    "other": "#BBBBBB",
 }
 LATENCY = [
     ("perf/ttft_s_p50", "TTFT p50 (s)"), ("perf/itl_ms_p50", "ITL p50 (ms)"),

@@ -13,20 +13,9 @@ import jinja2
 import pandas as pd
 
 from hybridrl.client_ceiling import HEADROOM
+from hybridrl.record import CHECKS, HOST, LEARNING, MEMORY, ROLLOUT, TIMING, TRAINING
 from hybridrl.report import headline, stats
-from hybridrl.report.aggregate import (
-    CHECKS,
-    CONFIG_KEY,
-    HOST,
-    LEARNING,
-    MEMORY,
-    ROLLOUT,
-    TIMING,
-    TRAINING,
-    atomic_path,
-    commit_label,
-    read_provenance,
-)
+from hybridrl.report.aggregate import CONFIG_KEY, atomic_path, commit_label, read_provenance
 from hybridrl.report.plots import PLOTS, run_labels
 
 TEMPLATES = Path(__file__).resolve().parents[3] / "workflow" / "report"
@@ -48,8 +37,9 @@ RATIO_METRICS = [("perf/throughput", "Rollout throughput"), ("timing_s/step", "S
                  ("timing_s/gen", "Generation time")]
 WARMUP_METRICS = ["timing_s/step", "timing_s/gen", "timing_s/restart", "timing_s/update_weights",
                   "perf/throughput", "perf/ttft_s_p50"]
-DETAIL_METRICS = [c for c in TIMING + ROLLOUT + TRAINING + MEMORY + LEARNING + HOST + CHECKS
-                  if not c.startswith("check/") or c.startswith(("check/rollout_logprob", "check/logprob_gap"))]
+DETAIL_METRICS = [c for c in (*TIMING, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS)
+                  if not c.startswith("check/") or (c.startswith(("check/rollout_logprob", "check/logprob_gap_"))
+                                                     and c != "check/logprob_gap_max")]  # a setting, not a reading
 BOOL_CHECKS = [
     ("check/base_canary_ok", "Base canary unchanged"),
     ("check/adapter_applied", "Adapter applied"),

@@ -19,7 +19,8 @@ class Sample:
 class TrainResult:
     adapter_dir: Path
     metrics: dict[str, float]  # train/loss, train/grad_norm, train/kl, train/clipfrac, perf/train_tokens,
-    # check/rollout_logprob_abs_diff (trainer logprobs before the update vs engine logprobs)
+    # check/rollout_logprob_abs_diff (trainer logprobs before the update vs engine logprobs), and
+    # timing_s/save_adapter: seconds of step() spent writing the adapter (the loop records it as its own phase)
 
 
 class Trainer(Protocol):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from hybridrl.rl import LogprobGaps, policy_loss, token_logprobs
+from hybridrl.run_config import RunConfig
 from hybridrl.trainers.base import Sample, TrainResult
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -32,27 +33,27 @@ def pad_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.T
 
 
 class HFTrainer:
-    def __init__(self, model_dir: Path, run: dict[str, Any], device: str | None = None) -> None:
+    def __init__(self, model_dir: Path, run: RunConfig, device: str | None = None) -> None:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.run = run
-        self.device = torch.device(device or ("cuda" if run["device"] == "cuda" else "cpu"))
+        self.device = torch.device(device or ("cuda" if run.device == "cuda" else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        lora = run["lora"]
-        cfg = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                         target_modules=list(lora["target_modules"]), task_type="CAUSAL_LM")
-        torch.manual_seed(run["seed"])
+        lora = run.lora
+        cfg = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+        torch.manual_seed(run.seed)
         self.model = get_peft_model(base, cfg).to(self.device)
         # LoRA weights train in fp32 even when the frozen base is bf16
         for p in self.model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=run["lr"], weight_decay=run["weight_decay"])
-        self.micro_batch = int(run.get("micro_batch", 8))
+        self.optimizer = torch.optim.AdamW(self.params, lr=run.lr, weight_decay=run.weight_decay)
+        self.micro_batch = run.micro_batch
 
     # -- the step --------------------------------------------------------------------------------
     def _logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -73,28 +74,31 @@ class HFTrainer:
             logp = self._logprobs(ids, attn)
             old = logp.detach()  # one update per batch: the sampling policy is the current one
             ref = None
-            if self.run["kl_coef"] > 0:
+            if self.run.kl_coef > 0:
                 with torch.no_grad(), self.model.disable_adapter():
                     ref = self._logprobs(ids, attn)
             adv = torch.tensor([s.advantage for s in chunk], device=self.device)
-            loss, stats = policy_loss(logp, old, adv, mask, self.run["clip_eps"], ref, self.run["kl_coef"])
+            loss, stats = policy_loss(logp, old, adv, mask, self.run.clip_eps, ref, self.run.kl_coef)
             weight = mask.sum().item() / max(n_tokens, 1)  # token-level mean over the whole batch
             (loss * weight).backward()
             totals["loss"] += loss.item() * weight
             totals["train/kl"] += stats["train/kl"] * weight
             totals["train/clipfrac"] += stats["train/clipfrac"] * weight
             gaps.add(old, mask, [s.engine_logprobs for s in chunk])
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.run["grad_clip"])
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.run.grad_clip)
         self.optimizer.step()
+        t0 = time.perf_counter()
         self.save(out_dir)
+        save_s = time.perf_counter() - t0
         return TrainResult(out_dir, {
             "train/loss": totals["loss"],
             "train/grad_norm": float(grad_norm),
-            "train/kl": totals["train/kl"] if self.run["kl_coef"] > 0 else math.nan,
+            "train/kl": totals["train/kl"] if self.run.kl_coef > 0 else math.nan,
             "train/clipfrac": totals["train/clipfrac"],
             "perf/train_tokens": float(n_tokens),
             **gaps.metrics(n_tokens),
             "train/lora_norm": self.lora_norm(),
+            "timing_s/save_adapter": save_s,
         })
 
     def lora_norm(self) -> float:

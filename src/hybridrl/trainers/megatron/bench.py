@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hybridrl.run_config import RunConfig, RunLora
 from hybridrl.trainers.base import Sample
 
 
@@ -84,10 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or random_qwen3(args.workdir / "model")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     samples = batch(vocab, args.samples, args.prompt, args.completion)
-    run = {"lora": {"rank": 8, "alpha": 16, "dropout": 0.0,
-                    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
-           "lr": 1e-5, "weight_decay": 0.0, "clip_eps": 0.2, "kl_coef": 0.0, "grad_clip": 1.0, "seed": 0,
-           "train_tp": args.tp, "device": "cuda", "micro_batch": args.micro_batch}
+    run = RunConfig(model="bench", lora=RunLora(rank=8, alpha=16.0, dropout=0.0), lr=1e-5, weight_decay=0.0,
+                    clip_eps=0.2, kl_coef=0.0, grad_clip=1.0, seed=0, train_tp=args.tp, device="cuda",
+                    micro_batch=args.micro_batch)
     report: dict[str, Any] = {"tp": args.tp, "samples": args.samples, "prompt": args.prompt,
                               "completion": args.completion, "micro_batch": args.micro_batch}
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from hybridrl.rl import policy_loss, token_logprobs
+from hybridrl.run_config import RunConfig
 from hybridrl.trainers.base import Sample
 from hybridrl.trainers.hf import pad_batch
 
@@ -59,16 +60,14 @@ def tiny_checkpoint(kind: str, path: Path, seed: int = 0, **overrides: Any) -> P
     return path
 
 
-def default_run(tp: int = 1, **over: Any) -> dict[str, Any]:
-    run = {"lora": {"rank": 4, "alpha": 8, "dropout": 0.0,
-                    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
-           "lr": 1e-2, "weight_decay": 0.01, "clip_eps": 0.2, "kl_coef": 0.05, "grad_clip": 1.0, "seed": 0,
-           "train_tp": tp, "device": "cpu", "micro_batch": 4}
-    run.update(over)
-    return run
+def default_run(tp: int = 1, **over: Any) -> RunConfig:
+    return RunConfig.model_validate({
+        "model": "parity", "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0}, "lr": 1e-2, "weight_decay": 0.01,
+        "clip_eps": 0.2, "kl_coef": 0.05, "grad_clip": 1.0, "seed": 0, "train_tp": tp, "device": "cpu",
+        "micro_batch": 4, **over})
 
 
-def random_adapter(model_dir: Path, adapter_dir: Path, run: dict[str, Any], seed: int = 1) -> Path:
+def random_adapter(model_dir: Path, adapter_dir: Path, run: RunConfig, seed: int = 1) -> Path:
     """A PEFT adapter with random A and B (B = 0 would hide A's gradients), on the projections the Megatron
     trainer adapts for this model."""
     from peft import LoraConfig, get_peft_model
@@ -77,10 +76,10 @@ def random_adapter(model_dir: Path, adapter_dir: Path, run: dict[str, Any], seed
     from hybridrl.trainers.megatron.spec import effective_targets, read_spec
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    lora = run["lora"]
+    lora = run.lora
     torch.manual_seed(seed)
-    targets = effective_targets(read_spec(model_dir), list(lora["target_modules"]))
-    cfg = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=0.0,
+    targets = effective_targets(read_spec(model_dir), list(lora.target_modules))
+    cfg = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
                      target_modules=targets, init_lora_weights=False, task_type="CAUSAL_LM")
     model = get_peft_model(base, cfg)
     with torch.no_grad():
@@ -123,7 +122,7 @@ def hf_logits(model_dir: Path, adapter_dir: Path, samples: list[Sample]) -> torc
         return model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
 
 
-def hf_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run: dict[str, Any]) -> dict[str, Any]:
+def hf_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run: RunConfig) -> dict[str, Any]:
     """The reference: HF + PEFT, whole batch at once, torch AdamW."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -131,7 +130,7 @@ def hf_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run: dict
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
     params = {_peft_name(n): p for n, p in model.named_parameters() if p.requires_grad}
-    opt = torch.optim.AdamW(params.values(), lr=run["lr"], weight_decay=run["weight_decay"])
+    opt = torch.optim.AdamW(params.values(), lr=run.lr, weight_decay=run.weight_decay)
     ids, attn, mask = pad_batch(samples, 0)
 
     def logprobs() -> torch.Tensor:
@@ -140,14 +139,14 @@ def hf_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run: dict
     model.train()
     logp = logprobs()
     ref = None
-    if run["kl_coef"] > 0:
+    if run.kl_coef > 0:
         with torch.no_grad(), model.disable_adapter():
             ref = logprobs()
     adv = torch.tensor([s.advantage for s in samples])
-    loss, stats = policy_loss(logp, logp.detach(), adv, mask, run["clip_eps"], ref, run["kl_coef"])
+    loss, stats = policy_loss(logp, logp.detach(), adv, mask, run.clip_eps, ref, run.kl_coef)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in params.items()}
-    norm = float(torch.nn.utils.clip_grad_norm_(list(params.values()), run["grad_clip"]))
+    norm = float(torch.nn.utils.clip_grad_norm_(list(params.values()), run.grad_clip))
     opt.step()
     with torch.no_grad():
         after = logprobs()
@@ -156,7 +155,7 @@ def hf_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run: dict
             "logp_after": _per_sample(after, mask)}
 
 
-def megatron_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run: dict[str, Any],
+def megatron_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run: RunConfig,
                   export_dir: Path, device: torch.device | None = None) -> dict[str, Any]:
     """Same as hf_side on Megatron (parallel state must be initialised); every rank returns full tensors."""
     import torch.distributed as dist
@@ -166,7 +165,7 @@ def megatron_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run
     from hybridrl.trainers.megatron.policy import MegatronPolicy, pad_batch
 
     device = device or torch.device("cpu")
-    policy = MegatronPolicy(model_dir, {**run, "train_dtype": "fp32"}, device)
+    policy = MegatronPolicy(model_dir, run.model_copy(update={"train_dtype": "fp32"}), device)
     policy.resume(adapter_dir)
     inputs, targets, mask = (t.to(device) for t in pad_batch(samples))
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,6 +13,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from hybridrl.rl import LogprobGaps, policy_loss, token_logprobs
+from hybridrl.run_config import RunConfig
 from hybridrl.trainers.base import Sample
 from hybridrl.trainers.megatron import export
 from hybridrl.trainers.megatron.lora import apply_lora, lora_disabled, lora_parameters
@@ -47,34 +47,33 @@ def pad_batch(samples: list[Sample], pad_id: int = 0) -> tuple[torch.Tensor, tor
 
 
 class MegatronPolicy:
-    def __init__(self, model_dir: str | Path, run: dict[str, Any], device: torch.device) -> None:
-        lora = run["lora"]
-        if float(lora.get("dropout", 0.0)) != 0.0:
+    def __init__(self, model_dir: str | Path, run: RunConfig, device: torch.device) -> None:
+        lora = run.lora
+        if lora.dropout != 0.0:
             raise MegatronSetupError("lora.dropout must be 0 for the Megatron trainer")
         self.run = run
         self.device = device
         self.model_dir = str(model_dir)
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.spec = read_spec(model_dir)
-        check_parallel(self.spec, self.tp, int(lora["rank"]), list(lora["target_modules"]))
-        self.targets = effective_targets(self.spec, list(lora["target_modules"]))
-        dropped = sorted(set(lora["target_modules"]) - set(self.targets))
+        check_parallel(self.spec, self.tp, lora.rank, list(lora.target_modules))
+        self.targets = effective_targets(self.spec, list(lora.target_modules))
+        dropped = sorted(set(lora.target_modules) - set(self.targets))
         if dropped and parallel_state.get_tensor_model_parallel_rank() == 0:
             print(f"hybridrl megatron: {self.spec.model_type} is MoE; LoRA on {', '.join(self.targets)} only, "
                   f"{', '.join(dropped)} not adapted", flush=True)
-        self.rank, self.alpha = int(lora["rank"]), float(lora["alpha"])
+        self.rank, self.alpha = lora.rank, lora.alpha
         # bf16 base on the GPU (LoRA weights stay fp32); fp32 on the CPU. train_dtype overrides (parity checks).
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
-            run.get("train_dtype") or ("bf16" if device.type == "cuda" else "fp32")]
+            run.train_dtype or ("bf16" if device.type == "cuda" else "fp32")]
         self.model = build_model(self.spec, self.tp, dtype)
         load_hf_weights(self.model, self.spec, model_dir, parallel_state.get_tensor_model_parallel_rank(), self.tp)
         self.adapters = apply_lora(self.model, self.spec, self.rank, self.alpha, self.targets,
-                                   seed=int(run.get("seed", 0)))
+                                   seed=run.seed)
         self.model.to(device)  # after the adapters exist, so they move too
         self.params = lora_parameters(self.adapters)
-        self.optimizer = torch.optim.AdamW(self.params, lr=float(run["lr"]),
-                                           weight_decay=float(run.get("weight_decay", 0.0)))
-        self.micro_batch = int(run.get("micro_batch", 8))
+        self.optimizer = torch.optim.AdamW(self.params, lr=run.lr, weight_decay=run.weight_decay)
+        self.micro_batch = run.micro_batch
         # built once here: importing peft costs seconds, which should not land in the first step
         self.adapter_config = export.adapter_config(self.rank, self.alpha, self.targets, self.model_dir)
         self._pinned: dict[int, torch.Tensor] = {}
@@ -111,8 +110,7 @@ class MegatronPolicy:
         if self.offloaded:
             self.onload()
         self.model.train()
-        kl_coef = float(self.run.get("kl_coef", 0.0))
-        clip_eps = float(self.run.get("clip_eps", 0.2))
+        kl_coef, clip_eps = self.run.kl_coef, self.run.clip_eps
         n_tokens = sum(len(s.completion_ids) for s in samples)
         totals = {"loss": 0.0, "kl": 0.0, "clipfrac": 0.0}
         gaps = LogprobGaps()
@@ -146,7 +144,7 @@ class MegatronPolicy:
 
     def optimizer_step(self) -> float:
         """Clip by the global grad norm, one AdamW step, drop the gradients; returns the pre-clip norm."""
-        norm = self.clip_grads(float(self.run.get("grad_clip", 1.0)))
+        norm = self.clip_grads(self.run.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from hybridrl.run_config import RunConfig
 from hybridrl.trainers.base import Sample, TrainResult
 from hybridrl.trainers.megatron.spec import MegatronSetupError, check_parallel, read_spec
 from hybridrl.trainers.megatron.worker import pid_alive, write_json
@@ -37,28 +38,28 @@ SMALL_NCCL_BUFFERS = {"NCCL_BUFFSIZE": str(1 << 20), "NCCL_MAX_NCHANNELS": "2"}
 
 
 class MegatronTrainer:
-    """GRPO + LoRA on megatron-core, TP = run["train_tp"] processes under torchrun.
+    """GRPO + LoRA on megatron-core, TP = run.train_tp processes under torchrun.
 
-    run: the resolved run dict (lora.{rank,alpha,dropout,target_modules}, lr, weight_decay, clip_eps, kl_coef,
-    grad_clip, seed, train_tp, device, optional micro_batch, startup_timeout_s). work_dir: the run's directory;
+    run: the run's config (the workers read lora, lr, weight_decay, clip_eps, kl_coef, grad_clip, seed, train_tp,
+    micro_batch, train_dtype; this side device and startup_timeout_s). work_dir: the run's directory;
     the job protocol files and worker.log go to work_dir/megatron (a temp dir if not given).
     offload_after_step: move weights and optimizer state to pinned CPU memory at the end of every step
     (colocate) without a separate offload() call. env: extra environment for the workers.
     """
 
-    def __init__(self, model_dir: str | Path, run: dict[str, Any], work_dir: str | Path | None = None, *,
+    def __init__(self, model_dir: str | Path, run: RunConfig, work_dir: str | Path | None = None, *,
                  device: str | None = None, env: dict[str, str] | None = None,
                  offload_after_step: bool = False, step_timeout_s: float = 3600.0,
                  resume_from: str | Path | None = None) -> None:
         self.model_dir = Path(model_dir)
         self.run = run
-        self.device = device or ("cuda" if run.get("device") == "cuda" else "cpu")
-        self.tp = int(run.get("train_tp", 1))
-        lora = run["lora"]
+        self.device = device or ("cuda" if run.device == "cuda" else "cpu")
+        self.tp = run.train_tp
+        lora = run.lora
         spec = read_spec(self.model_dir)  # raises MegatronSetupError with the cause
         self.vocab_size = spec.vocab_size
-        check_parallel(spec, self.tp, int(lora["rank"]), list(lora["target_modules"]))
-        if float(lora.get("dropout", 0.0)) != 0.0:
+        check_parallel(spec, self.tp, lora.rank, list(lora.target_modules))
+        if lora.dropout != 0.0:
             raise MegatronSetupError("lora.dropout must be 0 for the Megatron trainer")
         if self.device == "cuda":
             import torch
@@ -79,7 +80,7 @@ class MegatronTrainer:
                       *self.workdir.glob("pid-rank*")]:
             stale.unlink(missing_ok=True)
         write_json(self.workdir / "config.json", {
-            "model_dir": str(self.model_dir), "run": run, "device": self.device,
+            "model_dir": str(self.model_dir), "run": run.model_dump(mode="json"), "device": self.device,
             "controller_pid": os.getpid(), "resume_from": str(resume_from) if resume_from else None})
         self.log_path = self.workdir / "worker.log"
         self.last_memory: dict[str, float] = {}
@@ -89,7 +90,7 @@ class MegatronTrainer:
         self.proc = self._launch(env)
         atexit.register(self.close)
         try:
-            info = self._wait(self.workdir / "ready.json", float(run.get("startup_timeout_s", 900.0)),
+            info = self._wait(self.workdir / "ready.json", run.startup_timeout_s,
                               "startup", error_glob="startup.error-rank*.json")
         except BaseException:
             self.close()

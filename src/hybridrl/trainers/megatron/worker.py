@@ -118,18 +118,19 @@ def _start(cfg: dict[str, Any], rank: int) -> Any:
     warnings.filterwarnings("ignore", module=r"megatron\..*")
     import torch
 
+    from hybridrl.run_config import RunConfig
     from hybridrl.trainers.megatron.policy import MegatronPolicy, init_parallel
 
     t0 = time.perf_counter()
-    run = cfg["run"]
+    run = RunConfig.model_validate(cfg["run"])
     if cfg["device"] == "cuda":
         local = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
-    torch.manual_seed(int(run.get("seed", 0)))
-    init_parallel(int(run.get("train_tp", 1)), device)
+    torch.manual_seed(run.seed)
+    init_parallel(run.train_tp, device)
     policy = MegatronPolicy(cfg["model_dir"], run, device)
     if cfg.get("resume_from"):
         policy.resume(Path(cfg["resume_from"]))

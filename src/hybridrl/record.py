@@ -1,0 +1,56 @@
+"""The per-step record's keys, defined once: the loop fills them, telemetry times them, the report reads them.
+
+verl's names where one exists. Every record carries every key of RECORD_KEYS (null where a run has no such
+value, e.g. no sleep in split), so tables line up; a record may add keys of its own (per-GPU memory, engine
+readings), which the report keeps as extra columns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+IDENTITY = ("run_id", "engine", "placement", "trainer", "model", "tp", "seed", "step")
+# The phases of a step, in the order they happen. Each is timed as timing_s/<phase>, and together they make up
+# timing_s/step (a test holds them to 2%): prepare builds and tokenizes the requests and reads the trainer's GPU
+# memory; reward includes the per-request audit file; restart is the engine's stop before training plus its start
+# after; save_adapter is timed by the trainer inside its step; recover is starting an engine found dead again
+# (errors/engine_restarts counts those).
+PHASES = ("prepare", "gen", "reward", "sleep", "trainer_onload", "update_actor", "save_adapter", "trainer_offload",
+          "wake", "restart", "update_weights", "check", "recover")
+PHASE_KEYS = tuple(f"timing_s/{p}" for p in PHASES)
+TIMING = (*PHASE_KEYS, "timing_s/step")
+# A run's first step only: the engine's first start and the wait for runs beside it; not part of the step
+RUN_START = ("timing_s/engine_start", "timing_s/start_barrier")
+# Phases whose host CPU load is recorded: a busy host (another run starting beside this one) slows them.
+HOST_LOAD_PHASES = ("gen", "update_actor")
+# Phases whose controller CPU use is recorded (% of one core, all its threads): a rollout client near 100% of a
+# core limits the throughput it measures.
+CONTROLLER_CPU_PHASES = ("gen",)
+HOST = (*(f"host/cpu_busy_pct_{p}" for p in HOST_LOAD_PHASES),
+        *(f"host/controller_cpu_pct_{p}" for p in CONTROLLER_CPU_PHASES))
+ROLLOUT = (
+    "perf/gen_tokens", "perf/throughput", "perf/ttft_s_mean", "perf/ttft_s_p50", "perf/ttft_s_p99",
+    "perf/itl_ms_mean", "perf/itl_ms_p50", "perf/itl_ms_p99", "perf/tpot_ms_mean", "perf/tpot_ms_p50",
+    "perf/tpot_ms_p99", "perf/latency_s_p50", "perf/latency_s_p99", "errors/requests_failed",
+    # the rollout client: how many requests it streamed and how finely, and the most it can absorb on this host
+    "perf/streamed_requests", "perf/events_per_token", "perf/client_ceiling_tok_s",
+)
+TRAINING = ("perf/train_tokens", "perf/train_tok_s", "train/loss", "train/grad_norm", "train/kl", "train/clipfrac")
+# mem/used_gb_train is the sampler's update_actor phase; mem/trainer_gb_gen is NVML over the trainer's processes
+MEMORY = ("mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacity_tokens", "mem/trainer_gb_gen")
+LEARNING = ("reward/mean", "reward/accuracy", "response_length/mean")
+CHECKS = (
+    "check/rollout_logprob_abs_diff", "check/logprob_gap_sample_max", "check/logprob_gap_token_max",
+    "check/logprob_gap_max", "check/base_canary_ok", "check/adapter_applied", "check/adapter_logprob_shift",
+    "check/kv_capacity_ok", "check/logprob_agreement_ok", "check/client_headroom_ok", "errors/engine_restarts",
+)
+BOOLS = ("check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok", "check/logprob_agreement_ok",
+         "check/client_headroom_ok")
+STRINGS = ("run_id", "engine", "placement", "trainer", "model")
+RECORD_KEYS = (*IDENTITY, *TIMING, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS, *RUN_START,
+               "time_unix")
+
+
+def new_record() -> dict[str, Any]:
+    """A step's record before anything is known: every key, each None."""
+    return dict.fromkeys(RECORD_KEYS)

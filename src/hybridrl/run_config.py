@@ -1,0 +1,147 @@
+"""One run's configuration: every key with its type, default and meaning, in one place.
+
+A study's `defaults` and `runs` entries are partial overrides of this model; `config.resolve` merges them and
+validates the result here. The run part of workflow/schemas/config.schema.yaml is generated from this model
+(`python -m hybridrl schema`), and a test keeps the committed file equal to what it generates.
+
+Integers are strict: a YAML `3.0` for `steps` is refused, not silently taken as 3 (it would also change the run
+id). Floats take integers (`alpha: 16` is 16.0), so a written default and an explicit equal value give one id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ENGINES = ("vllm", "sglang", "vllm-inprocess")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class _Frozen(BaseModel):
+    # strict: no "3" -> 3 or 3.0 -> 3 coercion; validate_default: defaults get the same types as given values
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid", validate_default=True)
+
+
+class RunSampling(_Frozen):
+    """How the engine samples each rollout request."""
+
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollout")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: keep the most likely tokens up to this mass")
+    top_k: int = Field(-1, ge=-1, description="keep the k most likely tokens; -1 keeps all")
+    ignore_eos: bool = Field(False, description="generate max_new_tokens even past end-of-sequence")
+
+
+class RunLora(_Frozen):
+    """The LoRA adapter the trainer trains and the engine loads."""
+
+    rank: int = Field(8, ge=1, description="LoRA rank r (megatron: divisible by train_tp)")
+    alpha: float = Field(16.0, gt=0, description="LoRA scale: the update is multiplied by alpha / rank")
+    dropout: float = Field(0.0, ge=0, le=1, description="LoRA dropout (the megatron trainer needs 0)")
+    # lists in YAML and JSON, a tuple here so that the frozen config cannot be changed in place
+    target_modules: tuple[Literal[LORA_TARGETS], ...] = Field(
+        LORA_TARGETS, strict=False, min_length=1, description="projections that get an adapter")
+
+
+class RunConfig(_Frozen):
+    """One configuration of a study: engine, placement, trainer, model and every setting they read."""
+
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$",
+                             description="readable prefix of the run id (default: engine-placement-trainer-model)")
+    engine: Literal[ENGINES] = Field(
+        "vllm", description="rollout engine: vllm or sglang (HTTP servers), vllm-inprocess (in the controller)")
+    placement: Literal["colocate", "restart", "split"] = Field(
+        "split", description="colocate: the engine sleeps while the trainer runs on its GPUs; restart: the engine "
+                             "stops and starts again each step; split: the engine keeps GPUs of its own")
+    trainer: Literal["hf", "megatron", "none"] = Field(
+        "hf", description="hf (transformers + PEFT), megatron (megatron-core under torchrun), or none "
+                          "(inference only: a memory ballast in place of training)")
+    model: str = Field(description="name of an entry under the study's models")
+    device: Literal["cpu", "cuda"] = Field("cuda", description="where the engine and the trainer run")
+    tp: int = Field(1, ge=1, description="tensor parallel size of the engine")
+    train_tp: int = Field(1, ge=1, description="tensor parallel size of the megatron trainer")
+    train_gpus: int = Field(1, ge=0, description="GPUs of the trainer in split placement")
+    steps: int = Field(5, ge=1, description="training steps of the run")
+    prompts_per_step: int = Field(8, ge=1, description="distinct prompts per step")
+    group_size: int = Field(4, ge=2, description="rollouts per prompt (the GRPO group)")
+    max_new_tokens: int = Field(128, ge=1, description="most tokens generated per rollout")
+    max_concurrency: int = Field(64, ge=1, description="most requests the engine runs at once")
+    sampling: RunSampling = Field(RunSampling(), description="sampling of the rollout requests")
+    lora: RunLora = Field(RunLora(), description="the trained LoRA adapter")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate of the adapter")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip epsilon of the GRPO loss")
+    format_reward: float = Field(0.1, ge=0, le=1, description="reward for a parseable but wrong answer")
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL penalty to the base model (0: none)")
+    grad_clip: float = Field(1.0, gt=0, description="clip the adapter's gradient norm to this")
+    micro_batch: int = Field(8, ge=1, description="samples per trainer forward/backward; gradients accumulate "
+                                                  "over the step's whole batch")
+    train_dtype: Literal["bf16", "fp32"] | None = Field(
+        None, description="megatron trainer: dtype of the base weights (default bf16 on cuda, fp32 on cpu)")
+    # bf16 engines and trainers differ by ~0.007 per token (H200 reference); a wrong or stale adapter, or stale
+    # cached prefixes, shows up well above it (0.026 on the H200 when split vLLM reused the old adapter's KV)
+    max_logprob_gap: float = Field(
+        0.02, gt=0, description="gate: mean |trainer - engine| logprob per token at most this (fp32 runs can use "
+                                "1e-3); bf16 engines and trainers differ by ~0.007, a stale adapter by more")
+    seed: int = Field(0, ge=0, description="seed of the prompts, the sampling and the adapter's initialisation")
+    retries: int = Field(2, ge=0, description="engine restarts allowed per step")
+    stream_fraction: float = Field(
+        0.125, ge=0, le=1, description="share of each step's requests streamed for TTFT/TPOT; the rest come back "
+        "whole, so the controller's client cannot cap the throughput it measures (1: every request, the old path)")
+    shared_pool: bool = Field(
+        False, description="the rollout client before 2026-11-23, one connection pool for every request (with "
+        "stream_fraction 1: the old path), to compare with results recorded through it")
+    client_ceiling_s: float = Field(
+        2.0, ge=0, description="seconds spent before the engine starts on measuring the rollout client's ceiling "
+        "against a fake engine (perf/client_ceiling_tok_s); 0 skips it")
+    request_timeout_s: float = Field(600.0, gt=0, description="timeout of one rollout request")
+    startup_timeout_s: float = Field(900.0, gt=0, description="timeout of an engine's or trainer's start")
+    engine_args: tuple[str, ...] = Field((), strict=False,
+                                         description="extra command-line flags passed to the engine server")
+    sglang_release: Literal["kv_cache", "all"] = Field(
+        "kv_cache", description="what SGLang releases on sleep: kv_cache keeps LoRA base weights resident")
+    vllm_sleep_level: Literal[1, 2] = Field(
+        1, description="level 2 is refused while vLLM cannot reload LoRA-wrapped weights (vllm#39934)")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of each GPU the engine may use")
+    ballast_gb: float = Field(0.0, ge=0, description="trainer none: GPU memory held in place of training")
+    ballast_s: float = Field(0.0, ge=0, description="trainer none: seconds the ballast is held each step")
+
+
+class RunSpec(_Frozen):
+    """One run as the `run_config` rule hands it to `python -m hybridrl train` (results/runs/<id>/config.json)."""
+
+    run_id: str = Field(description="the run's id: readable prefix and a hash of `run`")
+    run: RunConfig = Field(description="the resolved run")
+    study: str = Field(description="name of the study the run belongs to")
+    engine_env: dict[str, Any] = Field({}, description="the engine's Python and extra environment (engine_envs)")
+
+
+def run_id(run: RunConfig) -> str:
+    """Readable prefix plus a short hash of the resolved run, so one changed parameter changes one id."""
+    canonical = json.dumps(run.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    digest = hashlib.sha256(canonical.encode()).hexdigest()[:8]
+    prefix = run.name or f"{run.engine}-{run.placement}-{run.trainer}-{run.model}"
+    return f"{prefix}-{digest}"
+
+
+def run_schema() -> dict[str, Any]:
+    """The JSON schema of a study's `defaults` and `runs` entries, as workflow/schemas/ holds it."""
+    raw = RunConfig.model_json_schema()
+    defs = raw.pop("$defs", {})
+
+    def clean(node: Any, is_properties: bool = False) -> Any:
+        if isinstance(node, list):
+            return [clean(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        if "$ref" in node:  # nested models inline: the study schema keeps one `run` definition
+            node = {**defs[node["$ref"].rsplit("/", 1)[-1]], **{k: v for k, v in node.items() if k != "$ref"}}
+        return {k: clean(v, is_properties=k == "properties" and not is_properties) for k, v in node.items()
+                if is_properties or k != "title"}
+
+    schema = clean(raw)
+    # every key may be left out of one entry: the merged run is checked by the model, where `model` is required
+    schema.pop("required", None)
+    return schema

@@ -46,3 +46,19 @@ def test_readme_example_run_id_is_a_run_of_the_smoke_study():
     for rid in ids:
         assert rid in runs, f"README names {rid}; `python -m hybridrl validate --config config/smoke.yaml` " \
                             f"lists {', '.join(runs)}"
+
+
+def test_client_ceiling_tables_are_the_committed_benchmark():
+    """A client-ceiling table in a README is the table its committed JSON gives, figure for figure."""
+    import json
+
+    from hybridrl.client_ceiling import markdown_table
+
+    found = 0
+    for path in [*DOCS, *sorted((REPO / "results" / "reference").glob("*/README.md"))]:
+        text = path.read_text()
+        for source, table in re.findall(r"<!-- client-ceiling: (\S+) -->\n(.*?)<!-- /client-ceiling -->", text, re.S):
+            rows = json.loads((REPO / source).read_text())["settings"]
+            assert table == markdown_table(rows), f"{path.name}: the table differs from {source}"
+            found += 1
+    assert found, "no client-ceiling table found in the READMEs"

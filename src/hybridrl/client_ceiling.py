@@ -252,6 +252,7 @@ def main(formats: list[str], requests: int, tokens: int, concurrency: int, fract
     from rich.table import Table
 
     grid = [(fmt, *setting) for fmt in formats for setting in settings(fractions, tokens_per_event, old_client)]
+    load_before = os.getloadavg()  # a busy host lowers the ceiling: the figures say how busy this one was
     rows = [measure(fmt, requests, tokens, concurrency, f, k, seconds=seconds, procs=procs, shared_pool=old)
             for fmt, f, k, old in track(grid, description="client ceiling", transient=True)]
     table = Table(title=f"rollout client ceiling: {requests} requests x {tokens} tokens, {concurrency} concurrent, "
@@ -266,5 +267,7 @@ def main(formats: list[str], requests: int, tokens: int, concurrency: int, fract
         from hybridrl.provenance import write as write_json
 
         write_json(out, {"cpus": os.cpu_count(), "host": platform.node(), "processor": platform.processor(),
-                         "python": platform.python_version(), "settings": rows})
+                         "python": platform.python_version(), "loadavg_1_5_15_before": load_before,
+                         "loadavg_1_5_15_after": os.getloadavg(), "seconds_per_setting": seconds,
+                         "settings": rows})
     return rows

@@ -349,3 +349,27 @@ def test_the_named_phases_add_up_to_the_step(assets, tmp_path, placement):
         assert (r["timing_s/restart"] is not None) == (placement == "restart")
         assert (r["timing_s/wake"] is not None) == (placement == "colocate")
         assert r["timing_s/recover"] is None
+
+
+def test_an_engine_that_keeps_more_memory_asleep_each_cycle_fails_the_run(assets, tmp_path):
+    class Leaky(ScriptedEngine):
+        """Gives back less memory at every sleep: 1.6 GB asleep at first, 0.7 GB more each cycle."""
+
+        def step_metrics(self):
+            return {"mem/engine_asleep_gb": 1.6 + 0.7 * (self.rollouts - 1), "mem/engine_awake_gb": 70.0}
+
+    out = tmp_path / "leaky"
+    with pytest.raises(RunFailed, match=r"step 3: scripted holds 1.40 GB more GPU memory asleep than at its first "
+                                        r"sleep \(bound: max_asleep_growth_gb 1.0\): it leaks"):
+        run_loop(_run(steps=5), "r-leak", assets / "model", assets / "data", out, {}, progress=False,
+                 engine=Leaky())
+    recorded = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [r["check/asleep_memory_ok"] for r in recorded] == [True, True, False]  # the failing step is kept
+    assert recorded[1]["check/asleep_growth_gb"] == pytest.approx(0.7)
+    # a bound it stays within: the run goes on; an engine that never sleeps is not judged
+    ok = run_loop(_run(steps=3, max_asleep_growth_gb=2.0), "r-ok", assets / "model", assets / "data",
+                  tmp_path / "ok", {}, progress=False, engine=Leaky())
+    assert [r["check/asleep_memory_ok"] for r in ok] == [True, True, True]
+    plain = run_loop(_run(steps=2), "r-plain", assets / "model", assets / "data", tmp_path / "plain", {},
+                     progress=False, engine=ScriptedEngine())
+    assert all(r["check/asleep_memory_ok"] is None for r in plain)

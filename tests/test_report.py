@@ -430,3 +430,37 @@ def test_report_flags_rollouts_near_the_client_ceiling(study: list[Path], tmp_pa
     assert "| 97.00 |" in split_row and "| 87% |" in split_row  # the fastest rollout against the ceiling
     restart_row = next(line for line in client.splitlines() if line.startswith("| restart |"))
     assert "not measured" in restart_row and "all (before 2026-11-23)" in restart_row
+
+
+def test_slope_interval_calls_growth_only_where_it_excludes_zero() -> None:
+    from hybridrl.report.trend import bootstrap_slope, trend_words
+
+    steps = np.arange(1, 21)
+    growing = bootstrap_slope(steps, 1.5 + 0.2 * steps + np.random.default_rng(0).normal(0, 0.05, 20))
+    assert growing.value == pytest.approx(0.2, abs=0.01) and growing.lo > 0
+    assert trend_words(growing, "GB").startswith("grows +0.199 GB a step [+0.195, +0.201]")
+    flat = bootstrap_slope(steps, 1.5 + np.random.default_rng(1).normal(0, 0.05, 20))
+    assert flat.contains(0.0) and trend_words(flat, "GB").startswith("no trend shown")
+    assert trend_words(bootstrap_slope([1, 2], [1.0, 2.0]), "GB") == "too few readings for a trend (n = 2)"
+    assert bootstrap_slope([1, 1, 1], [1.0, 2.0, 3.0]).n == 3  # no spread in steps: no slope, no crash
+
+
+def test_report_shows_engine_memory_across_sleeps(study: list[Path], tmp_path: Path) -> None:
+    df = gather(study)
+    first = (df["run_id"] == "vllm-split-aaaa1111").to_numpy()
+    df.loc[first, "mem/engine_asleep_gb"] = 1.6 + 0.5 * df.loc[first, "step"]  # a leak of 0.5 GB a cycle
+    df.loc[first, "mem/engine_awake_gb"] = 70.0
+    df.loc[first, "check/asleep_memory_ok"] = df.loc[first, "step"] < 4
+    table = tmp_path / "steps.parquet"
+    df.to_parquet(table, index=False)
+    report_main(table, tmp_path / "r.md", tmp_path / "r.html", tmp_path / "plots", "t")
+    section = (tmp_path / "r.md").read_text().split("## Engine memory across sleep and wake")[1].split("## ")[0]
+    row = next(line for line in section.splitlines() if line.startswith("| split |"))
+    assert "| 8 |" in row and "2.10 / 5.60" in row and "grows +0.5 GB a step" in row
+    assert "3/8 ok (failed at step 4, 5, 6, 7, 8)" in row
+    assert "restart" not in section  # a run whose engine never slept has no row
+    # a study where no engine slept has no such section
+    plain = gather(study)
+    plain.to_parquet(tmp_path / "plain.parquet", index=False)
+    report_main(tmp_path / "plain.parquet", tmp_path / "p.md", tmp_path / "p.html", tmp_path / "plots", "t")
+    assert "Engine memory across sleep and wake" not in (tmp_path / "p.md").read_text()

@@ -70,3 +70,14 @@ def logprob_gate(gap: float | None, run: RunConfig) -> dict[str, Any]:
     """Trainer-vs-engine agreement: did the engine sample with the weights the trainer thinks it had?"""
     return {"check/logprob_gap_max": run.max_logprob_gap,
             "check/logprob_agreement_ok": None if gap is None else gap <= run.max_logprob_gap}
+
+
+def asleep_memory_gate(earlier: list[dict[str, Any]], record: dict[str, Any], bound_gb: float) -> dict[str, Any]:
+    """Does a sleeping engine give its memory back every time? This step's NVML reading after sleep against the
+    run's first one (`earlier` records, a resumed run's included); None where the engine never slept."""
+    readings = [r.get("mem/engine_asleep_gb") for r in (*earlier, record)]
+    readings = [r for r in readings if r is not None]
+    if record.get("mem/engine_asleep_gb") is None or not readings:
+        return {"check/asleep_growth_gb": None, "check/asleep_memory_ok": None}
+    growth = record["mem/engine_asleep_gb"] - readings[0]
+    return {"check/asleep_growth_gb": growth, "check/asleep_memory_ok": growth <= bound_gb}

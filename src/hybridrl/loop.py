@@ -29,7 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hybridrl import data as gsm8k
 from hybridrl.barrier import StartBarrier
-from hybridrl.checks import Canary, logprob_gate
+from hybridrl.checks import Canary, asleep_memory_gate, logprob_gate
 from hybridrl.client_ceiling import client_headroom_ok, run_ceiling
 from hybridrl.engines import make_engine
 from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling, stream_flags
@@ -169,10 +169,15 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
                 record = one_step(ctx, step)
                 record["perf/client_ceiling_tok_s"] = ceiling
                 record["check/client_headroom_ok"] = client_headroom_ok(record["perf/throughput"], ceiling)
+                record.update(asleep_memory_gate(records, record, run.max_asleep_growth_gb))
                 if step == first_step:
                     record.update({"timing_s/engine_start": startup_s, "timing_s/start_barrier": waited_s})
-                append_record(paths.steps, record)
+                append_record(paths.steps, record)  # kept even when the gate below stops the run: the evidence
                 records.append(record)
+                if record["check/asleep_memory_ok"] is False:
+                    raise RunFailed(f"{run_id} step {step}: {engine.name} holds "
+                                    f"{record['check/asleep_growth_gb']:.2f} GB more GPU memory asleep than at its "
+                                    f"first sleep (bound: max_asleep_growth_gb {run.max_asleep_growth_gb}): it leaks")
                 bar.advance(task)
                 console.print(_summary(record))
         return records

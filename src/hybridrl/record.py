@@ -37,15 +37,18 @@ ROLLOUT = (
 )
 TRAINING = ("perf/train_tokens", "perf/train_tok_s", "train/loss", "train/grad_norm", "train/kl", "train/clipfrac")
 # mem/used_gb_train is the sampler's update_actor phase; mem/trainer_gb_gen is NVML over the trainer's processes
-MEMORY = ("mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacity_tokens", "mem/trainer_gb_gen")
+MEMORY = ("mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacity_tokens", "mem/trainer_gb_gen",
+          # NVML on the engine's GPUs right after its sleep and its wake, and what the controller holds there
+          "mem/engine_asleep_gb", "mem/engine_awake_gb", "mem/controller_gb")
 LEARNING = ("reward/mean", "reward/accuracy", "response_length/mean")
 CHECKS = (
     "check/rollout_logprob_abs_diff", "check/logprob_gap_sample_max", "check/logprob_gap_token_max",
     "check/logprob_gap_max", "check/base_canary_ok", "check/adapter_applied", "check/adapter_logprob_shift",
-    "check/kv_capacity_ok", "check/logprob_agreement_ok", "check/client_headroom_ok", "errors/engine_restarts",
+    "check/kv_capacity_ok", "check/logprob_agreement_ok", "check/client_headroom_ok",
+    "check/asleep_growth_gb", "check/asleep_memory_ok", "errors/engine_restarts",
 )
 BOOLS = ("check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok", "check/logprob_agreement_ok",
-         "check/client_headroom_ok")
+         "check/client_headroom_ok", "check/asleep_memory_ok")
 STRINGS = ("run_id", "engine", "placement", "trainer", "model")
 RECORD_KEYS = (*IDENTITY, *TIMING, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS, *RUN_START,
                "time_unix")

@@ -80,6 +80,9 @@ class RunConfig(_Frozen):
                                                   "over the step's whole batch")
     train_dtype: Literal["bf16", "fp32"] | None = Field(
         None, description="megatron trainer: dtype of the base weights (default bf16 on cuda, fp32 on cpu)")
+    max_asleep_growth_gb: float = Field(
+        1.0, ge=0, description="a sleeping engine's GPU memory (NVML, 10^9 bytes) may grow at most this much over "
+        "its first sleep of the run; more fails the run (a leak, as vLLM issues 21336 and 32714 report)")
     # bf16 engines and trainers differ by ~0.007 per token (H200 reference); a wrong or stale adapter, or stale
     # cached prefixes, shows up well above it (0.026 on the H200 when split vLLM reused the old adapter's KV)
     max_logprob_gap: float = Field(

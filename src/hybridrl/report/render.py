@@ -14,7 +14,7 @@ import pandas as pd
 
 from hybridrl.client_ceiling import HEADROOM
 from hybridrl.record import CHECKS, HOST, LEARNING, MEMORY, ROLLOUT, TIMING, TRAINING
-from hybridrl.report import headline, stats
+from hybridrl.report import headline, stats, trend
 from hybridrl.report.aggregate import CONFIG_KEY, atomic_path, commit_label, read_provenance
 from hybridrl.report.plots import PLOTS, run_labels
 
@@ -272,6 +272,28 @@ def client_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     return table
 
 
+def memory_trend_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
+    """Per run whose engine slept: its GPU memory after each sleep and wake, and the trend over steps."""
+    table = Table(["run", "sleeps", "asleep GB, first / last", "asleep: trend (GB a step, 95% CI)",
+                   "awake GB, first / last", "asleep memory gate"])
+    for run_id in stats.run_order(df):
+        run = _select(df, run_id).sort_values("step")
+        if "mem/engine_asleep_gb" not in run.columns:
+            continue
+        asleep = pd.to_numeric(run["mem/engine_asleep_gb"], errors="coerce")
+        if not asleep.notna().any():
+            continue
+        awake = pd.to_numeric(run.get("mem/engine_awake_gb", pd.Series(dtype=float)), errors="coerce").dropna()
+        first_last = f"{fmt(asleep.dropna().iloc[0])} / {fmt(asleep.dropna().iloc[-1])}"
+        woke = f"{fmt(awake.iloc[0])} / {fmt(awake.iloc[-1])}" if len(awake) else "–"
+        est = trend.bootstrap_slope(run["step"], asleep)
+        gate = (_bool_cell(run["check/asleep_memory_ok"], run["step"]) if "check/asleep_memory_ok" in run.columns
+                else Cell("not checked", "na"))
+        table.rows.append([Cell(labels[run_id]), Cell(str(int(asleep.notna().sum())), "num"), Cell(first_last, "num"),
+                           Cell(trend.trend_words(est, "GB"), "num"), Cell(woke, "num"), gate])
+    return table if table.rows else None
+
+
 def detail_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     """Every numeric metric (rows) of every configuration (columns), with n where it differs."""
     metrics = [m for m in DETAIL_METRICS if _has(df, m)]
@@ -344,6 +366,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "warmup": warmup_table(df, labels),
         "correctness": correctness_table(df, labels),
         "client": client_table(df, labels),
+        "memory_trend": memory_trend_table(df, labels),
         "client_headroom": f"{HEADROOM:.0%}",
         "detail": detail_table(df, labels),
         "provenance": provenance_rows(df, labels, runs_dir),

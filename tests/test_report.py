@@ -464,3 +464,12 @@ def test_report_shows_engine_memory_across_sleeps(study: list[Path], tmp_path: P
     plain.to_parquet(tmp_path / "plain.parquet", index=False)
     report_main(tmp_path / "plain.parquet", tmp_path / "p.md", tmp_path / "p.html", tmp_path / "plots", "t")
     assert "Engine memory across sleep and wake" not in (tmp_path / "p.md").read_text()
+
+
+def test_a_commit_that_looks_like_a_number_stays_text_in_the_csv(study: list[Path], tmp_path: Path) -> None:
+    from hybridrl.report.aggregate import write_table
+
+    df = gather(study)
+    df["git_commit"] = "33439e1"  # a short sha that pandas would read as 3.3439e5
+    write_table(df, tmp_path / "steps.csv", tmp_path / "steps.parquet")
+    assert set(read_table(tmp_path / "steps.csv")["git_commit"]) == {"33439e1"}

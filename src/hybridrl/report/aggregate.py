@@ -190,7 +190,9 @@ def read_table(path: Path) -> pd.DataFrame:
     if path.suffix == ".parquet":
         df = pd.read_parquet(path)
     elif path.suffix == ".csv":
-        df = pd.read_csv(path)
+        # text columns stay text: a commit such as 33439e1 would otherwise read as the number 334390.0
+        header = pd.read_csv(path, nrows=0).columns
+        df = pd.read_csv(path, dtype={c: str for c in STRINGS if c in header})
     else:
         raise ValueError(f"{path}: expected a .parquet or .csv table")
     return normalise(df)

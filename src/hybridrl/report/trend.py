@@ -28,7 +28,7 @@ def bootstrap_slope(steps: Iterable[float], values: Iterable[float], n_boot: int
     if len(x) < 2:
         return Estimate(float("nan"), float("nan"), float("nan"), len(x))
     value = float(_slopes(x, y))
-    if len(x) < 3:
+    if len(x) < 3 or not np.isfinite(value):  # too few pairs, or every reading at one step
         return Estimate(value, float("nan"), float("nan"), len(x))
     idx = np.random.default_rng(seed).integers(0, len(x), size=(n_boot, len(x)))
     boot = _slopes(x[idx], y[idx])

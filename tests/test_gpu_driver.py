@@ -79,7 +79,7 @@ def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) ->
 
 def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
-    assert bad.returncode == 2 and "no plan named nope (client full moe moe2full moe4 moe4full rest rest4" in bad.stderr
+    assert bad.returncode == 2 and "no plan named nope (client full moe moe2full moe4 moe4full rest rest4 soak" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
     assert "run setup first" in _driver(root, "all", "rest").stderr
@@ -196,3 +196,16 @@ def test_client_plan_measures_the_ceiling_then_each_engine_new_path_bench_then_o
         "train vllm-new on GPU 0", "bench vllm-new step 3 on GPU 0",
         "train vllm-inprocess-new on GPU 0", "bench vllm-inprocess-new step 3 on GPU 0",
         "train sglang-old on GPU 0", "train vllm-old on GPU 0", "train vllm-inprocess-old on GPU 0"]
+
+
+def test_soak_plan_runs_each_engine_for_fifty_steps_one_after_another(root: Path) -> None:
+    import yaml
+
+    (root / "gpu-h200-soak").mkdir()
+    (root / "gpu-h200-soak" / "setup.done").touch()
+    done = _driver(root, "all", "soak")
+    assert done.returncode == 0, done.stderr
+    assert _items(root / "gpu-h200-soak" / "lane-soak-1.log") == [
+        "train sglang-soak on GPU 0", "train vllm-soak on GPU 0", "train vllm-inprocess-soak on GPU 0"]
+    study = yaml.safe_load((REPO / "config" / "gpu-h200-soak.yaml").read_text())
+    assert study["defaults"]["steps"] >= 50 and study["defaults"]["placement"] == "colocate"

@@ -253,6 +253,14 @@ plan_client() {
   p1=("0|ceiling;train sglang-new;bench sglang-new 3;train vllm-new;bench vllm-new 3;train vllm-inprocess-new;bench vllm-inprocess-new 3;train sglang-old;train vllm-old;train vllm-inprocess-old")
 }
 
+plan_soak() {
+  # issue 19 on one GPU: 50 colocate steps per engine, the asleep-memory gate on; about 10 minutes a run
+  study=config/gpu-h200-soak.yaml
+  gpus=1
+  phases=(p1)
+  p1=("0|train sglang-soak;train vllm-soak;train vllm-inprocess-soak")
+}
+
 item() {  # item GPUS WORDS...: one plan item; GPUS is the lane's, used where the item names none
   local gpu=$1 what=$2 name=${3:-}
   shift $(($# < 3 ? $# : 3))

@@ -24,6 +24,15 @@ def _items(log: Path) -> list[str]:
     return [line.split("dry run: ", 1)[1].strip() for line in log.read_text().splitlines() if "dry run: " in line]
 
 
+def _one_lane_plan(root: Path, study: str, plan: str) -> list[str]:
+    """The items of a one-lane plan's dry run, its study marked as set up."""
+    (root / study).mkdir(exist_ok=True)
+    (root / study / "setup.done").touch()
+    done = _driver(root, "all", plan)
+    assert done.returncode == 0, done.stderr
+    return _items(root / study / f"lane-{plan}-1.log")
+
+
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     """Two studies set up, one finished run in the dense one."""
@@ -186,11 +195,7 @@ def test_a_run_already_done_releases_the_start_barrier(root: Path, tmp_path: Pat
 
 
 def test_client_plan_measures_the_ceiling_then_each_engine_new_path_bench_then_old(root: Path) -> None:
-    (root / "gpu-h200-client").mkdir()
-    (root / "gpu-h200-client" / "setup.done").touch()
-    done = _driver(root, "all", "client")
-    assert done.returncode == 0, done.stderr
-    assert _items(root / "gpu-h200-client" / "lane-client-1.log") == [
+    assert _one_lane_plan(root, "gpu-h200-client", "client") == [
         "client ceiling",
         "train sglang-new on GPU 0", "bench sglang-new step 3 on GPU 0",
         "train vllm-new on GPU 0", "bench vllm-new step 3 on GPU 0",
@@ -201,11 +206,7 @@ def test_client_plan_measures_the_ceiling_then_each_engine_new_path_bench_then_o
 def test_soak_plan_runs_each_engine_for_fifty_steps_one_after_another(root: Path) -> None:
     import yaml
 
-    (root / "gpu-h200-soak").mkdir()
-    (root / "gpu-h200-soak" / "setup.done").touch()
-    done = _driver(root, "all", "soak")
-    assert done.returncode == 0, done.stderr
-    assert _items(root / "gpu-h200-soak" / "lane-soak-1.log") == [
+    assert _one_lane_plan(root, "gpu-h200-soak", "soak") == [
         "train sglang-soak on GPU 0", "train vllm-soak on GPU 0", "train vllm-inprocess-soak on GPU 0"]
     study = yaml.safe_load((REPO / "config" / "gpu-h200-soak.yaml").read_text())
     assert study["defaults"]["steps"] >= 50 and study["defaults"]["placement"] == "colocate"

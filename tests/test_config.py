@@ -121,11 +121,11 @@ def test_validate_cli_prints_one_line_for_steps_3_0(smoke, tmp_path):
 
 
 def test_every_key_a_component_reads_can_be_set(smoke):
-    smoke["defaults"].update(micro_batch=2, train_dtype="fp32", max_logprob_gap=1e-3)
+    smoke["defaults"].update(micro_batch=2, train_dtype="fp32", max_logprob_gap=1e-3, logprob_gap_fail=0.01)
     run = next(iter(resolve(smoke).runs.values()))
-    assert (run.micro_batch, run.train_dtype, run.max_logprob_gap) == (2, "fp32", 1e-3)
-    default = RunConfig(model="m")
-    assert (default.micro_batch, default.train_dtype, default.max_logprob_gap) == (8, None, 0.02)
+    assert (run.micro_batch, run.train_dtype, run.max_logprob_gap, run.logprob_gap_fail) == (2, "fp32", 1e-3, 0.01)
+    default = RunConfig(model="m")  # the gap limits default to the model family's (hybridrl.checks.GAP_LIMITS)
+    assert (default.micro_batch, default.train_dtype, default.max_logprob_gap) == (8, None, None)
 
 
 def test_unknown_nested_key_is_named_with_a_suggestion(smoke):

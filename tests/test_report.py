@@ -473,3 +473,20 @@ def test_a_commit_that_looks_like_a_number_stays_text_in_the_csv(study: list[Pat
     df["git_commit"] = "33439e1"  # a short sha that pandas would read as 3.3439e5
     write_table(df, tmp_path / "steps.csv", tmp_path / "steps.parquet")
     assert set(read_table(tmp_path / "steps.csv")["git_commit"]) == {"33439e1"}
+
+
+def test_report_shows_the_logprob_gap_floor_tiers_and_drift(study: list[Path], tmp_path: Path) -> None:
+    df = gather(study)
+    first = (df["run_id"] == "vllm-split-aaaa1111").to_numpy()
+    df.loc[first, "check/rollout_logprob_abs_diff"] = 0.004 + 0.003 * (df.loc[first, "step"] - 1)  # drifts up
+    df.loc[first, "check/logprob_gap_tier"] = ["pass"] * 6 + ["warn"] * 2
+    table = tmp_path / "steps.parquet"
+    df.to_parquet(table, index=False)
+    report_main(table, tmp_path / "r.md", tmp_path / "r.html", tmp_path / "plots", "t")
+    md = (tmp_path / "r.md").read_text()
+    section = md.split("### The trainer-vs-engine logprob gap")[1].split("## ")[0]
+    assert "default 0.02 dense, 0.05 moe" in section and "default 0.1; the run stops" in section
+    split = next(line for line in section.splitlines() if line.startswith("| split |"))
+    assert "| 0.00400 |" in split and "6 pass, 2 warn" in split and "grows +0.003 a step" in split
+    restart = next(line for line in section.splitlines() if line.startswith("| restart |"))
+    assert "not tiered (recorded before the tiers)" in restart and "no trend shown" in restart

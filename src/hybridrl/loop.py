@@ -15,6 +15,7 @@ An engine found dead in any of them is started again (timing_s/recover, errors/e
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import signal
@@ -29,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hybridrl import data as gsm8k
 from hybridrl.barrier import StartBarrier
-from hybridrl.checks import Canary, asleep_memory_gate, logprob_gate
+from hybridrl.checks import Canary, asleep_memory_gate, gap_limits, logprob_gate, model_family
 from hybridrl.client_ceiling import client_headroom_ok, run_ceiling
 from hybridrl.engines import make_engine
 from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling, stream_flags
@@ -136,6 +137,7 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
         return done
     problems = gsm8k.read_jsonl(data_dir / "train.jsonl")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    limits = gap_limits(run, model_family(json.loads((model_dir / "config.json").read_text())))
     barrier = StartBarrier.from_env()
     sampler = MemorySampler().start()
     engine = engine or make_engine(run, model_dir, env_spec, paths.logs)
@@ -170,10 +172,16 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
                 record["perf/client_ceiling_tok_s"] = ceiling
                 record["check/client_headroom_ok"] = client_headroom_ok(record["perf/throughput"], ceiling)
                 record.update(asleep_memory_gate(records, record, run.max_asleep_growth_gb))
+                record.update(logprob_gate(record["check/rollout_logprob_abs_diff"], limits))
                 if step == first_step:
                     record.update({"timing_s/engine_start": startup_s, "timing_s/start_barrier": waited_s})
                 append_record(paths.steps, record)  # kept even when the gate below stops the run: the evidence
                 records.append(record)
+                if record["check/logprob_gap_tier"] == "fail":
+                    raise RunFailed(f"{run_id} step {step}: the trainer's and the engine's logprobs differ by "
+                                    f"{record['check/rollout_logprob_abs_diff']:.4f} a token on average, above the "
+                                    f"fail limit {limits[1]} (logprob_gap_fail): the engine did not sample with the "
+                                    "weights the trainer holds (a stale or wrong adapter, or corrupted weights)")
                 if record["check/asleep_memory_ok"] is False:
                     raise RunFailed(f"{run_id} step {step}: {engine.name} holds "
                                     f"{record['check/asleep_growth_gb']:.2f} GB more GPU memory asleep than at its "
@@ -311,7 +319,6 @@ def make_record(ctx: RunContext, step: int, t: Timings, rollout: Rollout, scored
         mem["mem/used_gb_train"] = mem.get("mem/used_gb_update_actor")
     record.update(mem)
     record.update(checks)
-    record.update(logprob_gate(record["check/rollout_logprob_abs_diff"], run))
     step_metrics = getattr(ctx.engine, "step_metrics", None)  # engine-side readings, e.g. NVML after sleep/wake
     if step_metrics:
         record.update(step_metrics())

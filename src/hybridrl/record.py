@@ -43,13 +43,14 @@ MEMORY = ("mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacit
 LEARNING = ("reward/mean", "reward/accuracy", "response_length/mean")
 CHECKS = (
     "check/rollout_logprob_abs_diff", "check/logprob_gap_sample_max", "check/logprob_gap_token_max",
-    "check/logprob_gap_max", "check/base_canary_ok", "check/adapter_applied", "check/adapter_logprob_shift",
+    "check/logprob_gap_max", "check/logprob_gap_fail_at", "check/logprob_gap_tier",
+    "check/base_canary_ok", "check/adapter_applied", "check/adapter_logprob_shift",
     "check/kv_capacity_ok", "check/logprob_agreement_ok", "check/client_headroom_ok",
     "check/asleep_growth_gb", "check/asleep_memory_ok", "errors/engine_restarts",
 )
 BOOLS = ("check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok", "check/logprob_agreement_ok",
          "check/client_headroom_ok", "check/asleep_memory_ok")
-STRINGS = ("run_id", "engine", "placement", "trainer", "model")
+STRINGS = ("run_id", "engine", "placement", "trainer", "model", "check/logprob_gap_tier")
 RECORD_KEYS = (*IDENTITY, *TIMING, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS, *RUN_START,
                "time_unix")
 

@@ -83,11 +83,15 @@ class RunConfig(_Frozen):
     max_asleep_growth_gb: float = Field(
         1.0, ge=0, description="a sleeping engine's GPU memory (NVML, 10^9 bytes) may grow at most this much over "
         "its first sleep of the run; more fails the run (a leak, as vLLM issues 21336 and 32714 report)")
-    # bf16 engines and trainers differ by ~0.007 per token (H200 reference); a wrong or stale adapter, or stale
-    # cached prefixes, shows up well above it (0.026 on the H200 when split vLLM reused the old adapter's KV)
-    max_logprob_gap: float = Field(
-        0.02, gt=0, description="gate: mean |trainer - engine| logprob per token at most this (fp32 runs can use "
-                                "1e-3); bf16 engines and trainers differ by ~0.007, a stale adapter by more")
+    # bf16 engines and trainers differ by ~0.007 per token on the dense H200 reference; a wrong or stale adapter, or
+    # stale cached prefixes, shows up above 0.02 (0.026 on the H200 when split vLLM reused the old adapter's KV)
+    max_logprob_gap: float | None = Field(
+        None, gt=0, description="gate, warn tier: mean |trainer - engine| logprob per token above this is recorded "
+        "and reported (check/logprob_gap_tier warn); default by model family: 0.02 dense, 0.05 MoE (fp32 runs "
+        "can use 1e-3)")
+    logprob_gap_fail: float | None = Field(
+        None, gt=0, description="gate, fail tier: a mean gap above this stops the run; default 0.1 (slime's "
+        "rollout-logprob gate in its CI)")
     seed: int = Field(0, ge=0, description="seed of the prompts, the sampling and the adapter's initialisation")
     retries: int = Field(2, ge=0, description="engine restarts allowed per step")
     stream_fraction: float = Field(

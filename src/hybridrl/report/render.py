@@ -12,6 +12,7 @@ from typing import Any
 import jinja2
 import pandas as pd
 
+from hybridrl.checks import GAP_LIMITS
 from hybridrl.client_ceiling import HEADROOM
 from hybridrl.record import CHECKS, HOST, LEARNING, MEMORY, ROLLOUT, TIMING, TRAINING
 from hybridrl.report import headline, stats, trend
@@ -272,6 +273,29 @@ def client_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     return table
 
 
+def gap_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
+    """Per run: the trainer-vs-engine logprob gap at step 1 (identical weights: the numeric noise floor), its
+    tiers over the run, and its drift over the steps after the first."""
+    table = Table(["run", "step 1: identical weights", "later steps: median [95% CI]", "max", "tiers",
+                   "drift over steps (a step, 95% CI)"])
+    for run_id in stats.run_order(df):
+        run = _select(df, run_id).sort_values("step")
+        gap = pd.to_numeric(run["check/rollout_logprob_abs_diff"], errors="coerce")
+        if not gap.notna().any():
+            continue
+        first = gap[run["step"] == 1]
+        later = run["step"] > 1
+        tiers = run["check/logprob_gap_tier"].dropna() if "check/logprob_gap_tier" in run.columns else []
+        counts = ", ".join(f"{n} {t}" for t in ("pass", "warn", "fail") if (n := int((tiers == t).sum())))
+        drift = trend.bootstrap_slope(run.loc[later, "step"], gap[later])
+        table.rows.append([Cell(labels[run_id]), Cell(fmt(first.iloc[0]) if first.notna().any() else "–", "num"),
+                           Cell(fmt_est(stats.bootstrap_median(gap[later])), "num"), Cell(fmt(gap.max()), "num"),
+                           Cell(counts or "not tiered (recorded before the tiers)",
+                                "fail" if "fail" in counts else "na" if not counts else "num"),
+                           Cell(trend.trend_words(drift, ""), "num")])
+    return table if table.rows else None
+
+
 def memory_trend_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
     """Per run whose engine slept: its GPU memory after each sleep and wake, and the trend over steps."""
     table = Table(["run", "sleeps", "asleep GB, first / last", "asleep: trend (GB a step, 95% CI)",
@@ -367,6 +391,9 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "correctness": correctness_table(df, labels),
         "client": client_table(df, labels),
         "memory_trend": memory_trend_table(df, labels),
+        "gap": gap_table(df, labels),
+        "gap_warn": ", ".join(f"{w:g} {fam}" for fam, (w, _) in GAP_LIMITS.items()),
+        "gap_fail": ", ".join(sorted({f"{f:g}" for _, f in GAP_LIMITS.values()})),
         "client_headroom": f"{HEADROOM:.0%}",
         "detail": detail_table(df, labels),
         "provenance": provenance_rows(df, labels, runs_dir),

@@ -40,8 +40,9 @@ def trend_words(est: Estimate, unit: str) -> str:
     """The slope as a finding, worded from its interval: growth or decline only where the interval excludes 0."""
     if est.n < 3 or not np.isfinite(est.lo):
         return f"too few readings for a trend (n = {est.n})"
+    per = f"{unit} a step" if unit else "a step"
     if est.lo > 0:
-        return f"grows {est.value:+.3g} {unit} a step [{est.lo:+.3g}, {est.hi:+.3g}]"
+        return f"grows {est.value:+.3g} {per} [{est.lo:+.3g}, {est.hi:+.3g}]"
     if est.hi < 0:
-        return f"falls {est.value:+.3g} {unit} a step [{est.lo:+.3g}, {est.hi:+.3g}]"
-    return f"no trend shown: {est.value:+.3g} {unit} a step [{est.lo:+.3g}, {est.hi:+.3g}] contains 0"
+        return f"falls {est.value:+.3g} {per} [{est.lo:+.3g}, {est.hi:+.3g}]"
+    return f"no trend shown: {est.value:+.3g} {per} [{est.lo:+.3g}, {est.hi:+.3g}] contains 0"

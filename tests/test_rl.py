@@ -85,3 +85,42 @@ def test_logprob_gaps_tell_whole_requests_from_stray_tokens():
     assert short.metrics(3)["check/rollout_logprob_abs_diff"] == pytest.approx(0.5 / 3)
     assert short.metrics(3)["check/logprob_gap_sample_max"] == pytest.approx(0.5)
     assert math.isnan(LogprobGaps().metrics(0)["check/logprob_gap_token_max"])
+
+
+def test_mismatch_metrics_of_agreeing_and_disagreeing_policies():
+    from hybridrl.rl import LogprobGaps
+
+    mask = torch.tensor([[True, True, False]])
+    same = LogprobGaps()
+    same.add(torch.tensor([[-1.0, -2.0, 0.0]]), mask, [[-1.0, -2.0]])
+    m = same.metrics(2)
+    assert (m["mismatch/kl_k3"], m["mismatch/is_weight_mean"], m["mismatch/ess"]) == pytest.approx((0.0, 1.0, 1.0))
+    off = LogprobGaps()
+    off.add(torch.tensor([[-1.0, -2.0, 0.0]]), mask, [[-1.5, -1.0]])  # log ratios +0.5 and -1.0
+    m = off.metrics(2)
+    w = [math.exp(0.5), math.exp(-1.0)]
+    assert m["mismatch/is_weight_mean"] == pytest.approx(sum(w) / 2)
+    assert m["mismatch/kl_k3"] == pytest.approx(((w[0] - 1 - 0.5) + (w[1] - 1 + 1.0)) / 2)
+    assert m["mismatch/ess"] == pytest.approx(sum(w) ** 2 / (2 * sum(x * x for x in w)))
+    assert 0 < m["mismatch/ess"] < 1 and m["mismatch/kl_k3"] > 0
+    assert math.isnan(LogprobGaps().metrics(0)["mismatch/ess"])
+
+
+def test_rollout_is_weights_truncate_or_mask_and_reweight_the_loss():
+    from hybridrl.rl import engine_logprob_tensor, rollout_is_weights
+
+    mask = torch.tensor([[True, True, True, False]])
+    old = torch.tensor([[-1.0, -1.0, -1.0, 0.0]])
+    engine = engine_logprob_tensor([[-1.0, -3.0, -0.5]], mask)  # weights 1, e^2 (stale), e^-0.5
+    assert engine.tolist() == [[-1.0, -3.0, -0.5, 0.0]]
+    truncated = rollout_is_weights(old, engine, mask, threshold=2.0, mode="truncate")
+    assert truncated[0].tolist() == pytest.approx([1.0, 2.0, math.exp(-0.5), 0.0])
+    masked = rollout_is_weights(old, engine, mask, threshold=2.0, mode="mask")
+    assert masked[0].tolist() == pytest.approx([1.0, 0.0, math.exp(-0.5), 0.0])  # the stale token is dropped
+    with pytest.raises(ValueError, match="truncate or mask"):
+        rollout_is_weights(old, engine, mask, 2.0, "clip")
+    # the weights scale each token's term: a token weighted 0 leaves no gradient
+    logp = old.clone().requires_grad_(True)
+    loss, _ = policy_loss(logp, old, torch.tensor([1.0]), mask, is_weights=masked)
+    loss.backward()
+    assert logp.grad[0, 1] == 0 and logp.grad[0, 0] != 0

@@ -50,8 +50,10 @@ CHECKS = (
 )
 BOOLS = ("check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok", "check/logprob_agreement_ok",
          "check/client_headroom_ok", "check/asleep_memory_ok")
+# engine-vs-trainer mismatch per token over the batch (hybridrl.rl.LogprobGaps), verl's rollout_is metrics
+MISMATCH = ("mismatch/kl_k3", "mismatch/is_weight_mean", "mismatch/ess")
 STRINGS = ("run_id", "engine", "placement", "trainer", "model", "check/logprob_gap_tier")
-RECORD_KEYS = (*IDENTITY, *TIMING, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS, *RUN_START,
+RECORD_KEYS = (*IDENTITY, *TIMING, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS, *MISMATCH, *RUN_START,
                "time_unix")
 
 

@@ -35,11 +35,13 @@ def policy_loss(
     clip_eps: float = 0.2,
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped-ratio GRPO loss, averaged over valid tokens.
 
-    logp/old_logp/ref_logp/mask: [B, T]; advantages: [B] (one per completion).
+    logp/old_logp/ref_logp/mask/is_weights: [B, T]; advantages: [B] (one per completion).
     KL uses the k3 estimator exp(ref - logp) - (ref - logp) - 1, which is >= 0 and unbiased.
+    is_weights (rollout_is_weights) correct for samples the engine drew from another policy than old_logp's.
     """
     mask = mask.to(logp.dtype)
     n_tokens = mask.sum().clamp(min=1.0)
@@ -48,6 +50,8 @@ def policy_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights.to(logp.dtype)
     kl = torch.zeros((), dtype=logp.dtype, device=logp.device)
     if ref_logp is not None:
         delta = ref_logp - logp
@@ -60,6 +64,28 @@ def policy_loss(
     return loss, {"train/kl": float(kl.detach()), "train/clipfrac": float(clipfrac.detach())}
 
 
+def rollout_is_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, threshold: float,
+                       mode: str) -> torch.Tensor:
+    """Token-level importance weights pi_old / pi_engine for samples the engine drew (behaviour policy), as
+    verl's rollout_is and slime's TIS: "truncate" caps each weight at `threshold`; "mask" drops the tokens whose
+    weight exceeds it (weight 0) and keeps the others' weights. Padding gets 0. No gradient flows through them."""
+    if mode not in ("truncate", "mask"):
+        raise ValueError(f"rollout_is mode {mode!r}: truncate or mask")
+    w = torch.exp((old_logp - engine_logp).detach().float())
+    w = w.clamp(max=threshold) if mode == "truncate" else w * (w <= threshold)
+    return w * mask.float()
+
+
+def engine_logprob_tensor(engine_logprobs: Sequence[Sequence[float]], mask: torch.Tensor) -> torch.Tensor:
+    """The engine's sampled-token logprobs laid out like `mask` ([B, T]; each row's completion positions)."""
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    for i, row in enumerate(engine_logprobs):
+        positions = mask[i].nonzero().flatten().cpu()
+        n = min(len(positions), len(row))
+        out[i, positions[:n]] = torch.tensor(list(row[:n]), dtype=torch.float32)
+    return out.to(mask.device)
+
+
 class LogprobGaps:
     """Trainer-vs-engine logprob gaps over one batch, |trainer logprob - engine logprob| per completion token.
 
@@ -69,6 +95,8 @@ class LogprobGaps:
 
     def __init__(self) -> None:
         self.total, self.tokens, self.token_max, self.sample_max = 0.0, 0, 0.0, 0.0
+        # importance weights w = pi_trainer / pi_engine per token: their k3 KL, sum and sum of squares
+        self.k3, self.w_sum, self.w_sq = 0.0, 0.0, 0.0
 
     def add(self, trainer_logp: torch.Tensor, mask: torch.Tensor,
             engine_logprobs: Sequence[Sequence[float]]) -> None:
@@ -76,8 +104,13 @@ class LogprobGaps:
         for i, theirs_list in enumerate(engine_logprobs):
             ours = trainer_logp[i][mask[i]].float().cpu()
             theirs = torch.tensor(list(theirs_list[: len(ours)]), dtype=torch.float32)
-            gap = (ours[: len(theirs)] - theirs).abs()
+            delta = ours[: len(theirs)] - theirs  # log(pi_trainer / pi_engine)
+            gap = delta.abs()
             if gap.numel():
+                w = torch.exp(delta.double())
+                self.k3 += (w - 1.0 - delta.double()).sum().item()  # KL(engine || trainer), k3 estimator
+                self.w_sum += w.sum().item()
+                self.w_sq += (w * w).sum().item()
                 self.total += gap.sum().item()
                 self.tokens += gap.numel()
                 self.token_max = max(self.token_max, gap.max().item())
@@ -88,4 +121,8 @@ class LogprobGaps:
         none = self.tokens == 0
         return {"check/rollout_logprob_abs_diff": self.total / max(n_tokens, 1),
                 "check/logprob_gap_token_max": math.nan if none else self.token_max,
-                "check/logprob_gap_sample_max": math.nan if none else self.sample_max}
+                "check/logprob_gap_sample_max": math.nan if none else self.sample_max,
+                "mismatch/kl_k3": math.nan if none else self.k3 / self.tokens,
+                "mismatch/is_weight_mean": math.nan if none else self.w_sum / self.tokens,
+                # Kish's effective sample size over the tokens, as a share of them: 1 when engine and trainer agree
+                "mismatch/ess": math.nan if none or not self.w_sq else self.w_sum ** 2 / (self.tokens * self.w_sq)}

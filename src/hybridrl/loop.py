@@ -21,7 +21,7 @@ import random
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from hybridrl.client_ceiling import client_headroom_ok, run_ceiling
 from hybridrl.engines import make_engine
 from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling, stream_flags
 from hybridrl.engines.gpus import process_used_gb
+from hybridrl.overlap import AheadRollouts, InFlight, overlap_s
 from hybridrl.placement import ADAPTER_NAME, Placement, make_placement
 from hybridrl.provenance import collect
 from hybridrl.provenance import write as write_provenance
@@ -89,11 +90,15 @@ class RunContext:
     canary: Canary
     sampler: MemorySampler
     paths: RunPaths
+    engine_adapter_step: int = 0  # the step whose adapter the engine holds (0: the base model)
+    ahead: AheadRollouts = field(default_factory=AheadRollouts)  # overlap: the next step's rollout in flight
 
 
-def step_requests(problems: list[dict[str, Any]], run: RunConfig, step: int,
-                  tokenizer: Any) -> tuple[list[Request], list[str]]:
-    """The same prompts, seeds and sampling for every engine: they depend only on (seed, step)."""
+def step_requests(problems: list[dict[str, Any]], run: RunConfig, step: int, tokenizer: Any,
+                  adapter_step: int | None = None) -> tuple[list[Request], list[str]]:
+    """The same prompts, seeds and sampling for every engine: they depend only on (seed, step). The requests
+    name the policy adapter once there is one: the engine holds step `adapter_step`'s (default: the last step's)."""
+    has_adapter = (step - 1 if adapter_step is None else adapter_step) > 0
     rng = random.Random(run.seed * 1_000_003 + step)
     picked = rng.sample(range(len(problems)), min(run.prompts_per_step, len(problems)))
     s = run.sampling
@@ -105,7 +110,7 @@ def step_requests(problems: list[dict[str, Any]], run: RunConfig, step: int,
             sampling = Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                 max_new_tokens=run.max_new_tokens, ignore_eos=s.ignore_eos,
                                 seed=(run.seed * 1_000_003 + step * 10_007 + p_i * 101 + g) % 2**31)
-            adapter = ADAPTER_NAME if step > 1 else None
+            adapter = ADAPTER_NAME if has_adapter else None
             requests.append(Request(ids, sampling, adapter=adapter, stream=next(streamed)))
             answers.append(problems[idx]["answer"])
     return requests, answers
@@ -141,7 +146,7 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
     barrier = StartBarrier.from_env()
     sampler = MemorySampler().start()
     engine = engine or make_engine(run, model_dir, env_spec, paths.logs)
-    trainer = None
+    trainer, ctx = None, None
     try:
         if hasattr(engine, "preflight"):  # a missing engine fails now, not after the trainer's build
             engine.preflight()
@@ -161,7 +166,8 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
         write_provenance(paths.root / "provenance.json", collect(run, engine.describe()))
         canary = Canary(tokenizer, paths.canary)
         canary.record_baseline(engine)
-        ctx = RunContext(run, run_id, problems, tokenizer, engine, trainer, placement, canary, sampler, paths)
+        ctx = RunContext(run, run_id, problems, tokenizer, engine, trainer, placement, canary, sampler, paths,
+                         engine_adapter_step=first_step - 1)
         waited_s = barrier.wait(run_id, console.print) if barrier else None
         records = list(done)
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -172,7 +178,9 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
                 record["perf/client_ceiling_tok_s"] = ceiling
                 record["check/client_headroom_ok"] = client_headroom_ok(record["perf/throughput"], ceiling)
                 record.update(asleep_memory_gate(records, record, run.max_asleep_growth_gb))
-                record.update(logprob_gate(record["check/rollout_logprob_abs_diff"], limits))
+                # a rollout from an older adapter (overlap) differs from the trainer by design: not judged
+                fresh = record["rollout/staleness"] == 0
+                record.update(logprob_gate(record["check/rollout_logprob_abs_diff"] if fresh else None, limits))
                 if step == first_step:
                     record.update({"timing_s/engine_start": startup_s, "timing_s/start_barrier": waited_s})
                 append_record(paths.steps, record)  # kept even when the gate below stops the run: the evidence
@@ -192,7 +200,9 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
     finally:
         if barrier:
             barrier.leave(run_id)
-        engine.stop()
+        engine.stop()  # a rollout still in flight ends with its engine
+        if ctx is not None:
+            ctx.ahead.close()
         if trainer:
             trainer.close()
         sampler.close()
@@ -205,7 +215,9 @@ class Rollout:
     requests: list[Request]
     answers: list[str]
     completions: list[Completion]
-    adapter: Path | None  # the adapter the requests named (step N uses step N-1's)
+    adapter_step: int  # the step whose adapter the engine rolled out with (step N-1's, or N-2's when run ahead)
+    staleness: int  # steps between that adapter and the trainer's (0 on-policy)
+    gen_s: float  # the engine's own time on the rollout (for throughput), waited for or not
     trainer_gb: float | None  # GPU memory the trainer held beside the engine (mem/trainer_gb_gen)
 
 
@@ -231,28 +243,86 @@ def one_step(ctx: RunContext, step: int) -> dict[str, Any]:
     rollout = generate(ctx, step, t, recovery)
     scored = score(ctx, step, rollout, t)
     # a fresh engine must still sleep (colocate) before training: the transition is done again on it
-    recovery.transition(lambda: ctx.placement.before_train(t), rollout.adapter, redo=True)
+    recovery.transition(lambda: ctx.placement.before_train(t), engine_adapter(ctx), redo=True)
+    ahead = start_next_rollout(ctx, step, t)
+    train_t0 = time.perf_counter()
     trained = train(ctx, step, scored, t)
+    train_span = (train_t0, time.perf_counter())
+    with t.phase("await_rollout", ctx.sampler):
+        ctx.ahead.settle()  # adapters change only between batches
     # started again, the engine already holds the new adapter: nothing to redo
-    recovery.transition(lambda: ctx.placement.after_train(t, trained.adapter), trained.adapter or rollout.adapter,
-                        redo=False)
+    recovery.transition(lambda: ctx.placement.after_train(t, trained.adapter),
+                        trained.adapter or engine_adapter(ctx), redo=False)
+    if trained.adapter is not None:
+        ctx.engine_adapter_step = step
     checks = check(ctx, step, trained, t)
     t.s["step"] = time.perf_counter() - t0
-    return make_record(ctx, step, t, rollout, scored, trained, checks, recovery.restarts)
+    record = make_record(ctx, step, t, rollout, scored, trained, checks, recovery.restarts)
+    record.update(concurrency(t, t0, rollout, ahead, train_span))
+    return record
+
+
+def engine_adapter(ctx: RunContext) -> Path | None:
+    """The adapter the engine holds, for starting it again: the step's of ctx.engine_adapter_step."""
+    return ctx.paths.adapter(ctx.engine_adapter_step) if ctx.engine_adapter_step else None
+
+
+def start_next_rollout(ctx: RunContext, step: int, t: Timings) -> InFlight | None:
+    """overlap: the next step's rollout starts now, against the adapter the engine holds, while the trainer trains."""
+    if not ctx.run.overlap or step >= ctx.run.steps:
+        return None
+    with t.phase("prepare", ctx.sampler):
+        requests, answers = step_requests(ctx.problems, ctx.run, step + 1, ctx.tokenizer, ctx.engine_adapter_step)
+    return ctx.ahead.start(ctx.engine, step + 1, requests, answers, ctx.engine_adapter_step)
+
+
+def concurrency(t: Timings, t0: float, rollout: Rollout, ahead: InFlight | None,
+                train_span: tuple[float, float]) -> dict[str, float]:
+    """How much of the step the engine and the trainer worked at once, and how long each sat idle."""
+    step_s, end = t.s["step"], t0 + t.s["step"]
+    ahead_span = (ahead.started, min(ahead.ended or end, end)) if ahead else None
+    engine_busy = t.s.get("gen", 0.0) + (ahead_span[1] - ahead_span[0] if ahead_span else 0.0)
+    trainer_busy = sum(t.s.get(p, 0.0) for p in ("trainer_onload", "update_actor", "save_adapter", "trainer_offload"))
+    return {"timing_s/overlap": overlap_s(train_span, ahead_span),
+            "timing_s/engine_idle": max(0.0, step_s - engine_busy),
+            "timing_s/trainer_idle": max(0.0, step_s - trainer_busy),
+            "rollout/adapter_step": float(rollout.adapter_step),
+            "rollout/staleness": float(rollout.staleness)}
 
 
 def generate(ctx: RunContext, step: int, t: Timings, recovery: EngineRecovery) -> Rollout:
-    """rollout: the step's requests (prepare), generated by the engine (gen; restarted and retried if it dies)."""
+    """rollout: the step's requests (prepare), generated by the engine (gen; restarted and retried if it dies), or
+    the rollout that ran ahead during the last step's training (overlap: gen is then the wait for its end)."""
     with t.phase("prepare", ctx.sampler):
-        requests, answers = step_requests(ctx.problems, ctx.run, step, ctx.tokenizer)
-        adapter = ctx.paths.adapter(step - 1) if step > 1 else None
         trainer_gb = trainer_gpu_gb(ctx.trainer)  # the trainer is idle (offloaded in colocate) while the engine runs
-    completions = recovery.generate(requests, adapter)
+    flight = ctx.ahead.take(step)
+    if flight is not None:
+        try:
+            with t.phase("gen", ctx.sampler):
+                completions = flight.result()
+            if all(c.error for c in completions):
+                raise EngineError(f"every request failed, e.g. {completions[0].error}")
+            return _rolled_out(step, flight.requests, flight.answers, completions, flight.adapter_step, flight.gen_s,
+                               trainer_gb)
+        except EngineError as exc:  # it failed while running ahead: roll out again now, on a live engine
+            if not ctx.engine.alive():
+                recovery.restart(engine_adapter(ctx), exc)
+    with t.phase("prepare", ctx.sampler):
+        requests, answers = step_requests(ctx.problems, ctx.run, step, ctx.tokenizer, ctx.engine_adapter_step)
+    waited = t.s.get("gen", 0.0)
+    completions = recovery.generate(requests, engine_adapter(ctx))
+    return _rolled_out(step, requests, answers, completions, ctx.engine_adapter_step, t.s["gen"] - waited,
+                       trainer_gb)
+
+
+def _rolled_out(step: int, requests: list[Request], answers: list[str], completions: list[Completion],
+                adapter_step: int, gen_s: float, trainer_gb: float | None) -> Rollout:
     failed = [(i, c.error) for i, c in enumerate(completions) if c.error]
     if failed:  # the step goes on without them; the cause goes to the log and requests/step-NNNN.jsonl
         console.print(f"[yellow]step {step}: {len(failed)} of {len(completions)} requests failed; "
                       f"first (request {failed[0][0]}): {failed[0][1]}")
-    return Rollout(requests, answers, completions, adapter, trainer_gb)
+    # step N's trainer holds step N-1's adapter: a rollout from an older one is that many steps stale
+    return Rollout(requests, answers, completions, adapter_step, step - 1 - adapter_step, gen_s, trainer_gb)
 
 
 def score(ctx: RunContext, step: int, rollout: Rollout, t: Timings) -> Scored:
@@ -267,7 +337,7 @@ def score(ctx: RunContext, step: int, rollout: Rollout, t: Timings) -> Scored:
         samples = [Sample(r.prompt_ids, c.token_ids, c.logprobs, a)
                    for r, c, a in zip(rollout.requests, rollout.completions, advantages, strict=True)
                    if c.error is None and c.token_ids]
-        _write_requests(ctx.paths.requests(step), rollout.requests, rollout.completions, rewards)
+        _write_requests(ctx.paths.requests(step), rollout, rewards)
     return Scored(rewards, correct, samples)
 
 
@@ -306,7 +376,7 @@ def make_record(ctx: RunContext, step: int, t: Timings, rollout: Rollout, scored
     record.update({"run_id": ctx.run_id, "engine": run.engine, "placement": run.placement, "trainer": run.trainer,
                    "model": run.model, "tp": run.tp, "seed": run.seed, "step": step, "time_unix": time.time()})
     record.update(t.record())
-    record.update(rollout_stats(rollout.completions, t.s["gen"]))
+    record.update(rollout_stats(rollout.completions, rollout.gen_s))
     record.update({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in trained.metrics.items()})
     if record["perf/train_tokens"] and t.s.get("update_actor"):
         record["perf/train_tok_s"] = record["perf/train_tokens"] / t.s["update_actor"]
@@ -383,10 +453,12 @@ def trainer_gpu_gb(trainer: Trainer | None) -> float | None:
     return sum(readings) if readings else None
 
 
-def _write_requests(path: Path, requests: list[Request], completions: list[Completion],
-                    rewards: list[float]) -> None:
-    """Per-request audit trail: which adapter each request named, its timings, tokens and reward."""
-    rows = [{"i": i, "adapter": r.adapter, "seed": r.sampling.seed, "prompt_tokens": len(r.prompt_ids),
+def _write_requests(path: Path, rollout: Rollout, rewards: list[float]) -> None:
+    """Per-request audit trail: which adapter (name, and the step that trained it) each request ran with, its
+    timings, tokens and reward."""
+    requests, completions = rollout.requests, rollout.completions
+    rows = [{"i": i, "adapter": r.adapter, "adapter_step": rollout.adapter_step, "seed": r.sampling.seed,
+             "prompt_tokens": len(r.prompt_ids),
              "streamed": r.stream, "events": c.events, "tokens": len(c.token_ids), "ttft_s": c.ttft_s,
              "latency_s": c.latency_s,
              "finish_reason": c.finish_reason, "error": c.error, "reward": w}

@@ -13,12 +13,16 @@ IDENTITY = ("run_id", "engine", "placement", "trainer", "model", "tp", "seed", "
 # The phases of a step, in the order they happen. Each is timed as timing_s/<phase>, and together they make up
 # timing_s/step (a test holds them to 2%): prepare builds and tokenizes the requests and reads the trainer's GPU
 # memory; reward includes the per-request audit file; restart is the engine's stop before training plus its start
-# after; save_adapter is timed by the trainer inside its step; recover is starting an engine found dead again
-# (errors/engine_restarts counts those).
+# after; save_adapter is timed by the trainer inside its step; await_rollout is the wait, after training, for a
+# rollout running ahead (overlap) to end before the new adapter is loaded; recover is starting an engine found dead
+# again (errors/engine_restarts counts those).
 PHASES = ("prepare", "gen", "reward", "sleep", "trainer_onload", "update_actor", "save_adapter", "trainer_offload",
-          "wake", "restart", "update_weights", "check", "recover")
+          "await_rollout", "wake", "restart", "update_weights", "check", "recover")
 PHASE_KEYS = tuple(f"timing_s/{p}" for p in PHASES)
 TIMING = (*PHASE_KEYS, "timing_s/step")
+# overlap: seconds of the step in which engine and trainer both worked, and each one's idle time (not phases:
+# the overlapped part is counted in both sides' time)
+CONCURRENCY = ("timing_s/overlap", "timing_s/engine_idle", "timing_s/trainer_idle")
 # A run's first step only: the engine's first start and the wait for runs beside it; not part of the step
 RUN_START = ("timing_s/engine_start", "timing_s/start_barrier")
 # Phases whose host CPU load is recorded: a busy host (another run starting beside this one) slows them.
@@ -34,6 +38,8 @@ ROLLOUT = (
     "perf/tpot_ms_p99", "perf/latency_s_p50", "perf/latency_s_p99", "errors/requests_failed",
     # the rollout client: how many requests it streamed and how finely, and the most it can absorb on this host
     "perf/streamed_requests", "perf/events_per_token", "perf/client_ceiling_tok_s",
+    # the step whose adapter rolled out this step's samples, and how many steps older it is than the trainer's
+    "rollout/adapter_step", "rollout/staleness",
 )
 TRAINING = ("perf/train_tokens", "perf/train_tok_s", "train/loss", "train/grad_norm", "train/kl", "train/clipfrac")
 # mem/used_gb_train is the sampler's update_actor phase; mem/trainer_gb_gen is NVML over the trainer's processes
@@ -53,7 +59,8 @@ BOOLS = ("check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok"
 # engine-vs-trainer mismatch per token over the batch (hybridrl.rl.LogprobGaps), verl's rollout_is metrics
 MISMATCH = ("mismatch/kl_k3", "mismatch/is_weight_mean", "mismatch/ess")
 STRINGS = ("run_id", "engine", "placement", "trainer", "model", "check/logprob_gap_tier")
-RECORD_KEYS = (*IDENTITY, *TIMING, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS, *MISMATCH, *RUN_START,
+RECORD_KEYS = (*IDENTITY, *TIMING, *CONCURRENCY, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS, *MISMATCH,
+               *RUN_START,
                "time_unix")
 
 

@@ -55,6 +55,10 @@ class RunConfig(_Frozen):
     placement: Literal["colocate", "restart", "split"] = Field(
         "split", description="colocate: the engine sleeps while the trainer runs on its GPUs; restart: the engine "
                              "stops and starts again each step; split: the engine keeps GPUs of its own")
+    overlap: int = Field(
+        0, ge=0, le=1, description="split only: steps the rollout may run ahead of training. 1 rolls out step k+1 "
+        "with the newest adapter the engine has while the trainer trains step k (one step off-policy; adapters "
+        "swap only between batches); 0 alternates them")
     trainer: Literal["hf", "megatron", "none"] = Field(
         "hf", description="hf (transformers + PEFT), megatron (megatron-core under torchrun), or none "
                           "(inference only: a memory ballast in place of training)")

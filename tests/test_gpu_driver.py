@@ -196,3 +196,26 @@ def test_client_plan_measures_the_ceiling_then_each_engine_new_path_bench_then_o
         "train vllm-new on GPU 0", "bench vllm-new step 3 on GPU 0",
         "train vllm-inprocess-new on GPU 0", "bench vllm-inprocess-new step 3 on GPU 0",
         "train sglang-old on GPU 0", "train vllm-old on GPU 0", "train vllm-inprocess-old on GPU 0"]
+
+
+def test_verdict_plan_interleaves_the_arms_round_by_round_then_benchmarks(root: Path) -> None:
+    from hybridrl.config import load_study
+    from hybridrl.run_config import split_replicate
+
+    (root / "gpu-h200-verdict").mkdir()
+    (root / "gpu-h200-verdict" / "setup.done").touch()
+    done = _driver(root, "all", "verdict")
+    assert done.returncode == 0, done.stderr
+    items = _items(root / "gpu-h200-verdict" / "lane-verdict-1.log")
+    arms = ["sglang-full", "sglang-kv", "vllm-server", "vllm-inprocess"]
+    rounds = [f"train {a}{'' if k == 1 else f'-r{k}'} on GPU 0" for k in (1, 2, 3) for a in arms]
+    assert items[0] == "client ceiling"
+    assert items[1:13] == rounds  # A B C D A B C D A B C D: a drift of the host falls on every arm alike
+    assert [i.split(" on ")[0] for i in items[13:]] == [
+        "bench sglang-full step 3", "bench vllm-server step 3", "bench vllm-inprocess step 3"]
+    assert "start barrier" not in done.stdout  # one run at a time: nothing else on the host
+    # the names the plan trains are the run configs `prepare` writes: the arm's name, -rK for replicate k
+    study = load_study(REPO / "config" / "gpu-h200-verdict.yaml")
+    names = [run.name + (f"-r{k}" if k > 1 else "") for rid, run in study.runs.items()
+             for k in [split_replicate(rid)[1]]]
+    assert [f"train {n} on GPU 0" for n in names] == rounds

@@ -71,7 +71,7 @@ def comparisons_note(n: int, level: float = 0.95) -> str:
 
 def _sentences(text: str) -> list[str]:
     flat = re.sub(r"\s+", " ", text)
-    return [s for s in re.split(r"(?<=[.;:!?])\s+(?=[A-Z*(])", flat) if s]
+    return [s for s in re.split(r"(?<=[.;!?])\s+(?=[A-Z*(])", flat) if s]
 
 
 def _intervals(sentence: str) -> list[bool]:

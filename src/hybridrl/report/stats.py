@@ -172,7 +172,7 @@ def configs(df: pd.DataFrame) -> list[tuple]:
 def run_order(df: pd.DataFrame) -> list[str]:
     """run_ids in configuration order, then replicate, so every table and plot lists runs the same way."""
     df = with_ids(df)
-    runs = df.drop_duplicates("run_id")
+    runs = df.drop_duplicates("run_id").copy()  # a small frame of its own (the table may be fragmented)
     order = {c[-1]: i for i, c in enumerate(configs(df))}
     runs = runs.assign(_c=runs["config_id"].map(order)).sort_values(["_c", "replicate", "run_id"])
     return [str(r) for r in runs["run_id"]]

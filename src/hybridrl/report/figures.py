@@ -2,7 +2,8 @@
 
 A README figure that comes from data is written between two comments, invisible once rendered:
 
-    <!--fig ratio results/reference/2026-11-22-h200 sglang-colocate-hf vllm-colocate-hf perf/throughput-->0.83x [0.74, 0.89]<!--/fig-->
+    <!--fig ratio results/reference/2026-11-22-h200
+    sglang-colocate-hf vllm-colocate-hf perf/throughput-->0.77x [0.72, 0.89]<!--/fig-->
 
 The expression names a function of FIGURES, a study folder holding steps.csv (relative to the repository) and
 its arguments; a configuration is named by the start of its id (it must match exactly one). `check` lists each
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pandas as pd
@@ -26,7 +27,7 @@ REPO = Path(__file__).resolve().parents[3]
 MARK = re.compile(r"<!--fig (?P<expr>[^>]*?)-->(?P<text>.*?)<!--/fig-->", re.S)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _table(study: str) -> pd.DataFrame:
     return read_table(REPO / study / "steps.csv")
 

@@ -437,3 +437,27 @@ def test_report_flags_rollouts_near_the_client_ceiling(study: list[Path], tmp_pa
     assert "| 97.00 |" in split_row and "| 87% |" in split_row  # the fastest rollout against the ceiling
     restart_row = next(line for line in client.splitlines() if line.startswith("| restart |"))
     assert "not measured" in restart_row and "all (before 2026-11-23)" in restart_row
+
+
+def test_transition_times_are_compared_only_between_releases_that_move_the_same_bytes() -> None:
+    from hybridrl.report.plots import run_labels
+    from hybridrl.report.render import NO_VLLM_KV_ONLY, transitions
+
+    frames = []
+    for rid, engine, release, level in (("sglang-colocate-aaaa1111", "sglang", "kv_cache", None),
+                                        ("sglang-colocate-cccc3333", "sglang", "all", None),
+                                        ("vllm-colocate-bbbb2222", "vllm", None, 1)):
+        run = headline_run(rid, engine)
+        run["timing_s/sleep"], run["timing_s/wake"] = 0.5, 0.6
+        run["sglang_release"], run["vllm_sleep_level"] = release, level
+        frames.append(run)
+    df = headline_study(*frames)
+    labels = {c: lab for c, lab in zip(sorted(df["config_id"].unique()), [""] * 3, strict=True)}
+    labels = {**labels, **run_labels(df)}
+    found = transitions(df, labels)
+    groups = {g["moves"]: [row[0].text for row in g["table"].rows] for g in found["groups"]}
+    kv_only = groups.pop("KV cache only (weights stay on the GPU)")
+    assert len(kv_only) == 1 and "kv-only" in kv_only[0]  # alone: no ratio against a weights-moving release
+    [both] = groups.values()
+    assert sorted(both) == sorted(lab for lab in labels.values() if "full release" in lab or "level 1" in lab)
+    assert found["note"] == NO_VLLM_KV_ONLY and found["n_comparisons"] == 2  # sleep and wake, full vs level 1

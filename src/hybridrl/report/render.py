@@ -210,10 +210,11 @@ def transitions(df: pd.DataFrame, labels: dict[str, str]) -> dict[str, Any] | No
     groups: dict[str, list[tuple]] = {}
     for c in cfgs:
         groups.setdefault(MOVES[c[CONFIG_KEY.index("release")]], []).append(c)
-    table = Table(["moves", "configuration", *(f"{h}, s" for _, h in TRANSITIONS),
-                   *(f"{h} ratio to the group's first [95% CI]" for _, h in TRANSITIONS), "runs × steps"])
-    n = 0
+    tables, n = [], 0
     for moves, members in groups.items():
+        # one table per group: a KV-only release never stands in a table beside one that moves weights
+        table = Table(["configuration", *(f"{h}, s" for _, h in TRANSITIONS),
+                       *(f"{h} / {labels[members[0][-1]]} [95% CI]" for _, h in TRANSITIONS), "runs × steps"])
         first = stats.select(steady, members[0])
         for c in members:
             sub = stats.select(steady, c)
@@ -221,11 +222,12 @@ def transitions(df: pd.DataFrame, labels: dict[str, str]) -> dict[str, Any] | No
             ratios = [stats.hierarchical_ratio(stats.per_run(sub, m), stats.per_run(first, m))
                       if c != members[0] else None for m, _ in TRANSITIONS]
             n += sum(r is not None and math.isfinite(r.lo) for r in ratios)
-            table.rows.append([Cell(moves, "key"), Cell(labels[c[-1]]), *(Cell(fmt_est(e), "num") for e in ests),
+            table.rows.append([Cell(labels[c[-1]]), *(Cell(fmt_est(e), "num") for e in ests),
                                *(Cell(fmt_est(r) if r else "–", "num") for r in ratios),
                                Cell(fmt_n(ests[0]), "num")])
+        tables.append({"moves": moves, "table": table})
     kv_only = any(MOVES.get(c[CONFIG_KEY.index("release")]) == MOVES["kv-only"] for c in cfgs)
-    return {"table": table, "note": NO_VLLM_KV_ONLY if kv_only else "", "n_comparisons": n}
+    return {"groups": tables, "note": NO_VLLM_KV_ONLY if kv_only else "", "n_comparisons": n}
 
 
 def _fmt_change(x: float, kind: str) -> str:

@@ -8,7 +8,7 @@ import yaml
 
 from hybridrl import config
 from hybridrl.config import ConfigError, load_study, resolve, run_id
-from hybridrl.run_config import RunConfig, run_schema
+from hybridrl.run_config import RunConfig, run_schema, split_replicate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ def test_shipped_configs_validate(name):
     study = load_study(REPO / "config" / name)
     assert study.runs
     for rid, run in study.runs.items():
-        assert rid == run_id(run)
+        assert rid == run_id(run, split_replicate(rid)[1])  # replicates: <config id>-rK
 
 
 def test_smoke_compares_split_and_restart(smoke):

@@ -211,3 +211,22 @@ def test_soak_plan_runs_each_engine_for_fifty_steps_one_after_another(root: Path
         "train sglang-soak on GPU 0", "train vllm-soak on GPU 0", "train vllm-inprocess-soak on GPU 0"]
     study = yaml.safe_load((REPO / "config" / "gpu-h200-soak.yaml").read_text())
     assert study["defaults"]["steps"] >= 50 and study["defaults"]["placement"] == "colocate"
+
+
+def test_verdict_plan_interleaves_the_arms_round_by_round_then_benchmarks(root: Path) -> None:
+    from hybridrl.config import load_study
+    from hybridrl.run_config import split_replicate
+
+    items = _one_lane_plan(root, "gpu-h200-verdict", "verdict")
+    arms = ["sglang-full", "sglang-kv", "vllm-server", "vllm-inprocess"]
+    rounds = [f"train {a}{'' if k == 1 else f'-r{k}'} on GPU 0" for k in (1, 2, 3) for a in arms]
+    assert items[0] == "client ceiling"
+    assert items[1:13] == rounds  # A B C D A B C D A B C D: a drift of the host falls on every arm alike
+    assert [i.split(" on ")[0] for i in items[13:]] == [
+        "bench sglang-full step 3", "bench vllm-server step 3", "bench vllm-inprocess step 3"]
+    assert not (root / "gpu-h200-verdict" / "lane-verdict-2.log").exists()  # one run at a time, nothing beside it
+    # the names the plan trains are the run configs `prepare` writes: the arm's name, -rK for replicate k
+    study = load_study(REPO / "config" / "gpu-h200-verdict.yaml")
+    names = [run.name + (f"-r{k}" if k > 1 else "") for rid, run in study.runs.items()
+             for k in [split_replicate(rid)[1]]]
+    assert [f"train {n} on GPU 0" for n in names] == rounds

@@ -114,7 +114,7 @@ def test_ratio_of_medians_has_interval_around_true_ratio() -> None:
 def test_warmup_step_is_excluded_from_statistics(study: list[Path]) -> None:
     df = gather(study)
     table = summarise(df, ["perf/throughput"])
-    assert (table["n"] == 7).all()  # 8 steps, step 1 left out
+    assert (table["n"] == 6).all()  # 8 steps; step 1 (base model) and step 2 (first adapter) left out
     assert (table["ci_lo"] > 50).all()  # the slow first step would drag the interval down
     assert WARMUP_THROUGHPUT not in steady_state(df)["perf/throughput"].to_numpy()
 
@@ -122,8 +122,8 @@ def test_warmup_step_is_excluded_from_statistics(study: list[Path]) -> None:
 def test_steps_without_applied_adapter_do_not_count(study: list[Path]) -> None:
     df = gather(study)
     df.loc[(df["run_id"] == "vllm-split-aaaa1111") & (df["step"] == 3), "check/adapter_applied"] = False
-    n = summarise(df, ["perf/throughput"]).set_index("run_id")["n"]
-    assert n["vllm-split-aaaa1111"] == 6 and n["vllm-restart-bbbb2222"] == 7
+    n = summarise(df, ["perf/throughput"]).set_index("config_id")["n"]
+    assert n["vllm-split-aaaa1111"] == 5 and n["vllm-restart-bbbb2222"] == 6
 
 
 def test_compare_configs_ratio(study: list[Path]) -> None:
@@ -227,19 +227,21 @@ def test_report_renders_md_and_html(study: list[Path], tmp_path: Path) -> None:
     html = (results / "report.html").read_text()
     for text in (md, html):
         assert "Smoke study" in text
-        assert "Warm-up (step 1)" in text
+        assert "Warm-up (steps 1–2, each apart)" in text
         assert "Ratios against" in text
         assert "vllm-split-aaaa1111" in text and "vllm-restart-bbbb2222" in text
         assert "8/8 ok" in text  # canary held on every step
     assert "![Throughput per step](plots/throughput.png)" in md
     assert '<img src="plots/step_breakdown.png"' in html
     assert "<style>" in html and "http" not in html.split("<body>")[0]  # self-contained, no remote CSS
-    # the comparison table carries median [lo, hi] with n = 7 steady-state steps
+    # the comparison table carries median [lo, hi] with n = 6 steady-state steps of one run
     comparison = md.split("## Comparison")[1].split("###")[0]
-    assert "| 7 |" in comparison and "[" in comparison
+    assert "| n runs | 1 | 1 |" in comparison and "| 6 |" in comparison and "[" in comparison
     # step 1's throughput is shown in the warm-up table but is not any configuration's median
-    warm = md.split("## Warm-up (step 1)")[1].split("## Correctness")[0]
+    warm = md.split("## Warm-up (steps 1–2, each apart)")[1].split("## Correctness")[0]
     assert f"{WARMUP_THROUGHPUT:.2f}" in warm
+    # steps 1 and 2 of each run have rows of their own
+    assert [line.split("|")[2].strip() for line in warm.splitlines() if line.startswith("| split")] == ["1", "2"]
 
 
 def test_report_flags_failed_checks_and_missing_provenance(study: list[Path], tmp_path: Path) -> None:
@@ -287,12 +289,13 @@ def test_headline_ratios_point_sglang_ahead_with_intervals() -> None:
     assert (h.placement, h.vllm_engine, h.sglang_run, h.vllm_run) == (
         "colocate", "vllm", "sglang-colocate-aaaa", "vllm-colocate-bbbb")
     rows = {r.metric.name: r for r in h.rows}
-    assert list(rows) == ["Rollout throughput", "ITL, mean", "p99 latency", "Peak GPU memory", "Engine startup"]
+    assert list(rows) == ["Rollout throughput", "ITL, mean", "TTFT p50", "p99 latency", "Peak GPU memory",
+                          "Tokens/s per GPU, whole step", "Engine startup"]  # GPU-hours: no rollouts per step
     tput = rows["Rollout throughput"]
     assert tput.column == "perf/throughput" and tput.metric.claimed == "3.9x"
     assert tput.est.value == pytest.approx(tput.sglang / tput.vllm)  # SGLang / vLLM
     assert tput.est.lo < tput.est.value < tput.est.hi and tput.est.contains(2.0)
-    assert (tput.n_sglang, tput.n_vllm) == (9, 9)  # step 1 is warm-up
+    assert (tput.n_sglang, tput.n_vllm) == (8, 8)  # steps 1 and 2 are warm-up
     itl = rows["ITL, mean"]
     assert itl.est.value == pytest.approx(itl.vllm / itl.sglang) and itl.est.contains(2.0)  # > 1: SGLang faster
     p99 = rows["p99 latency"]
@@ -311,8 +314,12 @@ def test_headline_leaves_out_missing_metrics() -> None:
     df = df.drop(columns=["perf/itl_ms_mean", "timing_s/engine_start"])
     df["mem/peak_gb"] = np.nan  # a CPU run: no NVML
     [h] = headlines(df)
-    assert [r.metric.name for r in h.rows] == ["Rollout throughput", "p99 latency"]
-    assert headlines(df.drop(columns=["perf/throughput", "perf/latency_s_p99"])) == []
+    assert [r.metric.name for r in h.rows] == ["Rollout throughput", "TTFT p50", "p99 latency",
+                                               "Tokens/s per GPU, whole step"]
+    from hybridrl.report.headline import METRICS
+
+    gone = {c for m in METRICS for c in m.columns} & set(df.columns)
+    assert headlines(df.drop(columns=sorted(gone))) == []
 
 
 def test_headline_pairs_only_runs_with_same_trainer_and_labels_several() -> None:
@@ -490,3 +497,25 @@ def test_report_shows_the_logprob_gap_floor_tiers_and_drift(study: list[Path], t
     assert "| 0.00400 |" in split and "6 pass, 2 warn" in split and "grows +0.003 a step" in split
     restart = next(line for line in section.splitlines() if line.startswith("| restart |"))
     assert "not tiered (recorded before the tiers)" in restart and "no trend shown" in restart
+def test_transition_times_are_compared_only_between_releases_that_move_the_same_bytes() -> None:
+    from hybridrl.report.plots import run_labels
+    from hybridrl.report.render import NO_VLLM_KV_ONLY, transitions
+
+    frames = []
+    for rid, engine, release, level in (("sglang-colocate-aaaa1111", "sglang", "kv_cache", None),
+                                        ("sglang-colocate-cccc3333", "sglang", "all", None),
+                                        ("vllm-colocate-bbbb2222", "vllm", None, 1)):
+        run = headline_run(rid, engine)
+        run["timing_s/sleep"], run["timing_s/wake"] = 0.5, 0.6
+        run["sglang_release"], run["vllm_sleep_level"] = release, level
+        frames.append(run)
+    df = headline_study(*frames)
+    labels = {c: lab for c, lab in zip(sorted(df["config_id"].unique()), [""] * 3, strict=True)}
+    labels = {**labels, **run_labels(df)}
+    found = transitions(df, labels)
+    groups = {g["moves"]: [row[0].text for row in g["table"].rows] for g in found["groups"]}
+    kv_only = groups.pop("KV cache only (weights stay on the GPU)")
+    assert len(kv_only) == 1 and "kv-only" in kv_only[0]  # alone: no ratio against a weights-moving release
+    [both] = groups.values()
+    assert sorted(both) == sorted(lab for lab in labels.values() if "full release" in lab or "level 1" in lab)
+    assert found["note"] == NO_VLLM_KV_ONLY and found["n_comparisons"] == 2  # sleep and wake, full vs level 1

@@ -19,7 +19,8 @@
 # one did, losing eleven finished runs that had not been copied out.
 #
 # Plans (see below): `full`, `rest`, `rest4` (rest on four GPUs) for gpu-h200; `moe`, `moe4` for the 8-layer
-# MoE study; `moe4full` (`moe2full` on two GPUs: colocate only) for the 48-layer one. A later plan's study is
+# MoE study; `moe4full` (`moe2full` on two GPUs: colocate only) for the 48-layer one; `verdict` (one GPU) for
+# the replicated, interleaved engine verdict (config/gpu-h200-verdict.yaml). A later plan's study is
 # prepared while the first plan runs. HYBRIDRL_RUN_TIMEOUT_S caps a run (default 1800). HYBRIDRL_ENVS_READY
 # lets `start` come before the overlays are installed (see wait_for_envs). Every process a run starts is in
 # its process group.
@@ -69,10 +70,13 @@ prepare() {  # prepare CONFIG: the study's run configs, data and random-init mod
 import json, sys
 from pathlib import Path
 from hybridrl.config import load_study
+from hybridrl.run_config import split_replicate
 study, ref = load_study(sys.argv[1]), Path(sys.argv[2])
 (ref / "study.json").write_text(json.dumps({"data": study.data, "models": study.models}))
 for rid, run in study.runs.items():
     short = run.name or "-".join([run.engine, run.placement] + (["megatron"] if run.trainer == "megatron" else []))
+    k = split_replicate(rid)[1]
+    short += f"-r{k}" if k > 1 else ""  # replicates: NAME, NAME-r2, NAME-r3 (the run ids' suffixes)
     cfg = {"run_id": rid, "run": run.model_dump(mode="json"), "study": study.name,
            "engine_env": study.engine_envs.get(run.engine, {})}
     (ref / "cfg" / f"{short}.json").write_text(json.dumps(cfg, sort_keys=True))
@@ -100,7 +104,7 @@ json.load(open('$ref/study.json'))['models'].items()]")
 # the controller's PYTHONPATH: in-process vLLM lives in the controller; Megatron's workers inherit it
 controller_path() {
   local p=$ctl_path
-  [[ $1 == vllm-inprocess-* ]] && p="/tmp/envs/vllm:$p"
+  [[ $1 == vllm-inprocess* ]] && p="/tmp/envs/vllm:$p"
   [[ $1 == *-megatron* ]] && p="/tmp/envs/trainer:$p"
   echo "$p"
 }
@@ -259,6 +263,28 @@ plan_soak() {
   gpus=1
   phases=(p1)
   p1=("0|train sglang-soak;train vllm-soak;train vllm-inprocess-soak")
+}
+
+# interleave ROUNDS ARM...: "train ARM" items round by round (A B C A B C ...), replicate k > 1 as ARM-rK, so
+# that a slow drift of the host falls on every arm alike and a lease that ends early keeps whole rounds
+interleave() {
+  local rounds=$1 k arm out=()
+  shift
+  for ((k = 1; k <= rounds; k++)); do
+    for arm in "$@"; do out+=("train $arm$( ((k > 1)) && echo "-r$k")"); done
+  done
+  (IFS=';'; echo "${out[*]}")
+}
+
+plan_verdict() {
+  # issue 16 on one GPU (config/gpu-h200-verdict.yaml): the client's ceiling, then the four colocate arms, three
+  # replicates each, interleaved, one run at a time with nothing else on the host; then the standalone
+  # benchmark of each engine, 5 repeats, on step 3's request set (the same in every replicate)
+  study=config/gpu-h200-verdict.yaml
+  gpus=1
+  export HYBRIDRL_BENCH_REPEATS=5
+  phases=(p1)
+  p1=("0|ceiling;$(interleave 3 sglang-full sglang-kv vllm-server vllm-inprocess);bench sglang-full 3;bench vllm-server 3;bench vllm-inprocess 3")
 }
 
 item() {  # item GPUS WORDS...: one plan item; GPUS is the lane's, used where the item names none

@@ -99,6 +99,13 @@ def _report(args: argparse.Namespace) -> None:
     report_main(Path(args.table), Path(args.md), Path(args.html), Path(args.plots), args.title)
 
 
+def _figures(args: argparse.Namespace) -> None:
+    from hybridrl.report.figures import main as figures_main
+
+    if figures_main([Path(f) for f in args.files], args.fix):
+        raise SystemExit(1)
+
+
 def _archive(args: argparse.Namespace) -> None:
     from hybridrl.archive import pack
 
@@ -196,6 +203,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--plots", required=True)
     s.add_argument("--title", default="hybridrl study")
     s.set_defaults(fn=_report)
+
+    s = sub.add_parser("figures", help="check the README figures marked <!--fig ...--> against the committed data")
+    s.add_argument("files", nargs="+")
+    s.add_argument("--fix", action="store_true", help="write the data's figures into the files")
+    s.set_defaults(fn=_figures)
 
     s = sub.add_parser("archive", help="pack results, configs, locks and provenance with a sha256 manifest")
     s.add_argument("--results", required=True)

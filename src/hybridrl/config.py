@@ -56,7 +56,8 @@ class Study:
     data: dict[str, Any]
     models: dict[str, dict[str, Any]]
     engine_envs: dict[str, dict[str, Any]]
-    runs: dict[str, RunConfig] = field(default_factory=dict)  # run_id -> resolved run
+    # run_id -> resolved run, in the order the study runs them (replicates interleaved: see `interleaved`)
+    runs: dict[str, RunConfig] = field(default_factory=dict)
 
 
 def _key_path(error: jsonschema.ValidationError) -> str:
@@ -211,15 +212,25 @@ def load_study(path: str | Path, overrides: dict[str, Any] | None = None) -> Stu
 def resolve(raw: dict[str, Any], source: str = "config") -> Study:
     validate(raw, source)
     check_model_sources(raw["models"], source)
-    runs: dict[str, RunConfig] = {}
+    configs: list[tuple[str, RunConfig]] = []
+    seen: set[str] = set()
     for i, over in enumerate(raw["runs"]):
         run = run_config(_merge(raw["defaults"], over), raw["models"], f"{source}: runs[{i}]")
         rid = run_id(run)
-        if rid in runs:
+        if rid in seen:
             raise ConfigError(f"{source}: runs[{i}] resolves to the same run as an earlier entry ({rid})")
-        runs[rid] = run
+        seen.add(rid)
+        configs.append((rid, run))
+    runs = {rid: run for rid, run in interleaved(configs)}
     return Study(name=raw["study"], data=raw["data"], models=raw["models"],
                  engine_envs=raw.get("engine_envs", {}), runs=runs)
+
+
+def interleaved(configs: list[tuple[str, RunConfig]]) -> list[tuple[str, RunConfig]]:
+    """Every replicate of every configuration, round by round (A1 B1 C1 A2 B2 C2 ...): the order in which the
+    study runs them, so that a slow drift of the host (thermals, caches, neighbours) falls on every arm alike."""
+    rounds = max((run.replicates for _, run in configs), default=0)
+    return [(run_id(run, k), run) for k in range(1, rounds + 1) for _, run in configs if k <= run.replicates]
 
 
 def dataset_name(data: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -97,6 +98,14 @@ class RunConfig(_Frozen):
         None, gt=0, description="gate, fail tier: a mean gap above this stops the run; default 0.1 (slime's "
         "rollout-logprob gate in its CI)")
     seed: int = Field(0, ge=0, description="seed of the prompts, the sampling and the adapter's initialisation")
+    # replicates repeat a configuration: same seed, hence the same request sets; only the run id differs
+    replicates: int = Field(
+        1, ge=1, description="independent runs of this configuration, each with its own run id (the first keeps the "
+        "plain id, the others end in -r2, -r3, ...) and the same seed, hence the same request sets; the study runs "
+        "them interleaved across configurations (A B C A B C); not part of the run's hash")
+    warmup_steps: int = Field(
+        2, ge=0, description="steps the report keeps out of the steady-state statistics and shows apart: step 1 "
+        "rolls out the base model, step 2 is the first rollout with an adapter")
     retries: int = Field(2, ge=0, description="engine restarts allowed per step")
     stream_fraction: float = Field(
         0.125, ge=0, le=1, description="share of each step's requests streamed for TTFT/TPOT; the rest come back "
@@ -129,12 +138,31 @@ class RunSpec(_Frozen):
     engine_env: dict[str, Any] = Field({}, description="the engine's Python and extra environment (engine_envs)")
 
 
-def run_id(run: RunConfig) -> str:
-    """Readable prefix plus a short hash of the resolved run, so one changed parameter changes one id."""
-    canonical = json.dumps(run.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+# a replicate's suffix: after the 8-hex hash, so no readable prefix (`name`) can look like one
+_REPLICATE = re.compile(r"^(?P<config>.+-[0-9a-f]{8})(?:-r(?P<k>[0-9]+))?$")
+
+
+def run_id(run: RunConfig, replicate: int = 1) -> str:
+    """Readable prefix plus a short hash of the resolved run, so one changed parameter changes one id.
+
+    `replicates` stays out of the hash: raising it adds runs and keeps those already measured. Replicate 1 has
+    the configuration's plain id, replicate k > 1 the suffix -r<k>.
+    """
+    if not 1 <= replicate <= run.replicates:
+        raise ValueError(f"replicate {replicate} is outside 1..{run.replicates}")
+    canonical = json.dumps(run.model_dump(mode="json", exclude={"replicates"}), sort_keys=True,
+                           separators=(",", ":"))
     digest = hashlib.sha256(canonical.encode()).hexdigest()[:8]
     prefix = run.name or f"{run.engine}-{run.placement}-{run.trainer}-{run.model}"
-    return f"{prefix}-{digest}"
+    return f"{prefix}-{digest}" + (f"-r{replicate}" if replicate > 1 else "")
+
+
+def split_replicate(rid: str) -> tuple[str, int]:
+    """(configuration id, replicate number) of a run id; ids without a suffix are replicate 1."""
+    match = _REPLICATE.match(rid)
+    if match is None:
+        return rid, 1
+    return match["config"], int(match["k"] or 1)
 
 
 def run_schema() -> dict[str, Any]:

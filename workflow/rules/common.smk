@@ -33,6 +33,16 @@ def run_spec(wildcards) -> str:
     return spec.model_dump_json()
 
 
+# RUNS lists the runs round by round (config.interleaved: A1 B1 C1 A2 B2 C2). Where jobs wait for a free GPU
+# or core, the scheduler starts the highest priority first, so replicates run interleaved across arms. A
+# priority, unlike a dependency between runs, never makes one run rerun because another changed.
+RUN_PRIORITY = {rid: len(RUNS) - i for i, rid in enumerate(RUNS)}
+
+
+def run_priority(wildcards) -> int:
+    return RUN_PRIORITY[wildcards.run_id]
+
+
 def run_model(wildcards) -> str:
     return f"resources/models/{RUNS[wildcards.run_id].model}"
 

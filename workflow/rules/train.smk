@@ -33,6 +33,7 @@ for _name, _run_ids in TRAIN_RULES.items():
         log:
             "logs/train/{run_id}.log",
         threads: run_threads
+        priority: run_priority
         resources:
             gpu=run_gpus,
             gpu_model=run_gpu_model,

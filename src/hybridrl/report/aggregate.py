@@ -15,19 +15,28 @@ import numpy as np
 import pandas as pd
 
 from hybridrl import record
+from hybridrl.run_config import split_replicate
 
 # From each run's provenance.json: which code and which GPU recorded it (comparisons across them get a caveat),
 # the share of each GPU the engine was given, which sets most of its memory, and what a colocated engine gives
 # back while the trainer runs (SGLang: kv_cache keeps the weights resident; vLLM level 1 moves them to CPU)
-PROVENANCE = ["git_commit", "gpu", "sglang_release"]
-CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level"]
-# The record's keys (hybridrl.record), then what each run's provenance adds
-KNOWN = [*record.RECORD_KEYS, *PROVENANCE, *CONFIGURED]
-STRINGS = [*record.STRINGS, *PROVENANCE]
+PROVENANCE = ["git_commit", "gpu", "sglang_release", "device"]
+# the GPUs a run held (train_tp, train_gpus), its rollouts per step and its warm-up come from its run config too
+CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "train_tp", "train_gpus", "prompts_per_step",
+              "group_size", "warmup_steps"]
+# Made here from the columns above: which configuration a replicate belongs to, what a colocated engine
+# releases on sleep (the arm), and cost per GPU (cost_columns)
+DERIVED_STRINGS = ["config_id", "release"]
+COST = ["cost/gpus", "cost/tok_s_per_gpu", "cost/gpu_s_per_step", "cost/gpu_h_per_1k_rollouts"]
+DERIVED = [*DERIVED_STRINGS, "replicate", *COST]
+# The record's keys (hybridrl.record), then what each run's provenance adds, then what is derived from both
+KNOWN = [*record.RECORD_KEYS, *PROVENANCE, *CONFIGURED, *DERIVED]
+STRINGS = [*record.STRINGS, *PROVENANCE, *DERIVED_STRINGS]
 BOOLS = list(record.BOOLS)
 NUMBERS = [c for c in KNOWN if c not in STRINGS and c not in BOOLS]
-# Two rows compare as the same configuration when these match (run_id keeps seeds/repeats apart).
-CONFIG_KEY = ["engine", "placement", "trainer", "model", "tp", "run_id"]
+# Two rows compare as the same configuration when these match; config_id keeps seeds and parameters apart
+# and joins a configuration's replicates (run ids <config_id>, <config_id>-r2, ...).
+CONFIG_KEY = ["engine", "placement", "trainer", "model", "tp", "release", "config_id"]
 
 
 @contextlib.contextmanager
@@ -101,7 +110,56 @@ def provenance_fields(prov: dict[str, Any] | None) -> dict[str, Any]:
     names = sorted({d.get("name") for d in devices if d.get("name")})
     recorded = prov.get("run_config") or {}  # as that run wrote it: older runs may lack a key
     return {"git_commit": commit_label(prov.get("git") or {}), "gpu": " + ".join(names) or None,
-            **{k: recorded.get(k) for k in ["sglang_release"] + CONFIGURED}}
+            **{k: recorded.get(k) for k in ["sglang_release", "device"] + CONFIGURED}}
+
+
+def release_arm(engine: Any, placement: Any, sglang_release: Any, vllm_sleep_level: Any) -> str | None:
+    """What a colocated engine gives back on sleep, which decides what its sleep and wake move: SGLang's
+    KV-only release keeps the weights on the GPU, so it is an arm of its own. None outside colocate."""
+    engine, placement = (None if _missing(v) else str(v) for v in (engine, placement))
+    if placement != "colocate":
+        return None
+    if engine == "sglang":
+        return {"kv_cache": "kv-only", "all": "full release"}.get(str(sglang_release), None)
+    if engine in ("vllm", "vllm-inprocess") and not _missing(vllm_sleep_level):
+        return f"level {int(vllm_sleep_level)}"
+    return None
+
+
+def run_gpus(row: pd.Series) -> float:
+    """GPUs a run held: colocate and restart share the engine's TP GPUs with the trainer (Megatron may span
+    more); split adds the trainer's own GPUs (engines/gpus.py: split_engine_devices). NaN on CPU runs."""
+    def text(key: str) -> str:
+        return "" if _missing(row.get(key)) else str(row[key])
+
+    if text("device") == "cpu" or _missing(row.get("tp")):
+        return float("nan")
+    tp = float(row["tp"])
+    train_tp = 1.0 if _missing(row.get("train_tp")) or text("trainer") != "megatron" else float(row["train_tp"])
+    if text("placement") == "split":
+        return tp + (1.0 if _missing(row.get("train_gpus")) else float(row["train_gpus"]))
+    return max(tp, train_tp)
+
+
+def derive(df: pd.DataFrame) -> pd.DataFrame:
+    """The DERIVED columns: configuration id and replicate (from the run id), release arm, cost per GPU.
+
+    tokens/s per GPU is the step's generated tokens over its whole time and every GPU the run held, so that
+    placements that hold more GPUs, or idle some during training, pay for them."""
+    df = df.copy()
+    split = df["run_id"].astype(str).map(split_replicate)
+    df["config_id"] = split.map(lambda t: t[0])
+    df["replicate"] = split.map(lambda t: t[1])
+    df["release"] = [release_arm(*r) for r in
+                     df[["engine", "placement", "sglang_release", "vllm_sleep_level"]].itertuples(index=False)]
+    gpus = df.apply(run_gpus, axis=1) if len(df) else pd.Series(dtype=float)
+    step = pd.to_numeric(df["timing_s/step"], errors="coerce")
+    rollouts = pd.to_numeric(df["prompts_per_step"], errors="coerce") * pd.to_numeric(df["group_size"], errors="coerce")
+    df["cost/gpus"] = gpus
+    df["cost/tok_s_per_gpu"] = pd.to_numeric(df["perf/gen_tokens"], errors="coerce") / step / gpus
+    df["cost/gpu_s_per_step"] = step * gpus
+    df["cost/gpu_h_per_1k_rollouts"] = df["cost/gpu_s_per_step"] / rollouts * 1000 / 3600
+    return df
 
 
 def _missing(value: Any) -> bool:
@@ -142,6 +200,7 @@ def normalise(df: pd.DataFrame) -> pd.DataFrame:
     for col in KNOWN:
         if col not in df.columns:
             df[col] = np.nan
+    df = derive(df)
     for col in STRINGS:
         df[col] = df[col].map(lambda v: pd.NA if _missing(v) else str(v)).astype("string")
     for col in NUMBERS:

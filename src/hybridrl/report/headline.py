@@ -2,7 +2,8 @@
 
 A public write-up claims that SGLang + Megatron beats vLLM + Megatron on Qwen3-30B-A3B (GSM8K, 64 requests
 a step, TP 2, 4 x A100, 10 steps) by the figures in each Metric's `claimed`. Here every claim sits next to
-the measured ratio of steady-state medians and its bootstrap 95% interval (stats.ratio_of_medians).
+the measured ratio of steady-state medians and its hierarchical-bootstrap 95% interval over the two
+configurations' runs and steps (stats.hierarchical_ratio).
 """
 
 from __future__ import annotations
@@ -40,10 +41,16 @@ class Metric:
 
 METRICS = (
     Metric("Rollout throughput", ("perf/rollout_tok_s", "perf/throughput"), "tok/s", "x", "3.9x"),
-    # the mean: runs recorded before ITL was per token have near-zero SGLang p50s (one gap per burst)
+    # the mean: runs recorded before ITL was per token have near-zero SGLang p50s (one gap per burst), and SGLang's
+    # one-token bursts make any per-event percentile meaningless; per-request TPOT below means the same everywhere
     Metric("ITL, mean", ("perf/itl_ms_mean",), "ms", "inv", "2.3x"),
+    Metric("TPOT p50 over requests", ("perf/tpot_ms_p50",), "ms", "inv", "–"),
+    Metric("TTFT p50", ("perf/ttft_s_p50",), "s", "inv", "–"),
     Metric("p99 latency", ("perf/latency_s_p99",), "s", "pct", "-52%"),
     Metric("Peak GPU memory", ("mem/peak_gb",), "GB", "pct", "-29%"),
+    # cost per GPU: the whole step's tokens over every GPU the run held (aggregate.derive)
+    Metric("Tokens/s per GPU, whole step", ("cost/tok_s_per_gpu",), "tok/s", "x", "–"),
+    Metric("GPU-hours per 1,000 rollouts", ("cost/gpu_h_per_1k_rollouts",), "GPU-h", "pct", "–"),
     Metric("Engine startup", ("timing_s/engine_start",), "s", "inv", "3.4x", steady=False),
 )
 
@@ -52,50 +59,55 @@ METRICS = (
 class Row:
     metric: Metric
     column: str
-    sglang: float  # median of the run's values
+    sglang: float  # median of the configuration's values (every run's steps pooled)
     vllm: float
     est: stats.Estimate  # ratio in the metric's direction, or percent change for kind "pct"
-    n_sglang: int
+    n_sglang: int  # steps
     n_vllm: int
+    runs_sglang: int = 1
+    runs_vllm: int = 1
 
 
 @dataclass(frozen=True)
 class Headline:
     placement: str
     vllm_engine: str
-    sglang_run: str
+    sglang_run: str  # configuration ids (a configuration's first run id)
     vllm_run: str
     key: dict[str, Any]  # the PAIR_KEY fields both runs share
     rows: list[Row]
     label: str = ""  # which pair, where several share the placement and vLLM variant
     caveats: tuple[str, ...] = ()  # what differs between the two runs besides the engine
+    release: str = ""  # SGLang's arm: "kv-only" or "full release"
 
     @property
     def title(self) -> str:
-        return f"{self.placement}: SGLang vs {VLLM_VARIANTS[self.vllm_engine]}" + (
+        arm = f" ({self.release})" if self.release else ""
+        return f"{self.placement}: SGLang{arm} vs {VLLM_VARIANTS[self.vllm_engine]}" + (
             f" ({self.label})" if self.label else "")
 
 
-def _values(run: pd.DataFrame, col: str) -> pd.Series:
-    return pd.to_numeric(run[col], errors="coerce").dropna() if col in run.columns else pd.Series(dtype=float)
+def _values(runs: pd.DataFrame, col: str) -> list[pd.Series]:
+    return [v.dropna() for v in stats.per_run(runs, col)]
 
 
 def compare_metric(metric: Metric, sglang: pd.DataFrame, vllm: pd.DataFrame) -> Row | None:
-    """One row from two runs' steps, or None where either run lacks the metric."""
+    """One row from two configurations' steps (every replicate), or None where either lacks the metric."""
     if metric.steady:
         sglang, vllm = stats.steady_state(sglang), stats.steady_state(vllm)
     for col in metric.columns:
-        a, b = _values(sglang, col), _values(vllm, col)
-        if len(a) and len(b):
+        a, b = [v for v in _values(sglang, col) if len(v)], [v for v in _values(vllm, col) if len(v)]
+        if a and b:
             break
     else:
         return None
-    est = stats.ratio_of_medians(b, a) if metric.kind == "inv" else stats.ratio_of_medians(a, b)
+    est = stats.hierarchical_ratio(b, a) if metric.kind == "inv" else stats.hierarchical_ratio(a, b)
     if not pd.notna(est.value):
         return None
     if metric.kind == "pct":
-        est = stats.Estimate(100 * (est.value - 1), 100 * (est.lo - 1), 100 * (est.hi - 1), est.n)
-    return Row(metric, col, float(a.median()), float(b.median()), est, len(a), len(b))
+        est = stats.Estimate(100 * (est.value - 1), 100 * (est.lo - 1), 100 * (est.hi - 1), est.n, est.n_runs)
+    pa, pb = pd.concat(a), pd.concat(b)
+    return Row(metric, col, float(pa.median()), float(pb.median()), est, len(pa), len(pb), len(a), len(b))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -109,9 +121,10 @@ def _suffix(run_id: str) -> str:
 
 
 def headlines(df: pd.DataFrame) -> list[Headline]:
-    """One table per placement, vLLM variant and matching pair of runs that has at least one row."""
-    order = stats.run_order(df)
-    runs = df.drop_duplicates("run_id").set_index("run_id").loc[order]
+    """One table per placement, vLLM variant and matching pair of configurations (each with all its replicates)
+    that has at least one row. SGLang's KV-only and full-release arms are paired apart."""
+    order = [c[-1] for c in stats.configs(df)]
+    runs = df.drop_duplicates("config_id").set_index("config_id").loc[order]
     out = []
     for placement, variant in product(PLACEMENTS, VLLM_VARIANTS):
         here = runs[(runs["placement"] == placement).fillna(False).to_numpy(dtype=bool)]
@@ -119,12 +132,14 @@ def headlines(df: pd.DataFrame) -> list[Headline]:
         pairs = [(s, v) for s, v in product(here.index[engines == SGLANG], here.index[engines == variant])
                  if all(_same(runs.at[s, k], runs.at[v, k]) for k in PAIR_KEY)]
         for s, v in pairs:
-            found = [compare_metric(m, df[df["run_id"] == s], df[df["run_id"] == v]) for m in METRICS]
+            found = [compare_metric(m, df[df["config_id"] == s], df[df["config_id"] == v]) for m in METRICS]
             rows = [r for r in found if r is not None]
             if rows:
                 label = f"{_suffix(s)} vs {_suffix(v)}" if len(pairs) > 1 else ""
                 key = {k: runs.at[s, k] for k in PAIR_KEY}
-                out.append(Headline(placement, variant, s, v, key, rows, label, caveats(runs.loc[s], runs.loc[v])))
+                release = runs.at[s, "release"] if "release" in runs.columns else None
+                out.append(Headline(placement, variant, s, v, key, rows, label,
+                                    caveats(runs.loc[s], runs.loc[v]), "" if pd.isna(release) else str(release)))
     return out
 
 

@@ -18,7 +18,7 @@ from hybridrl.record import PHASE_KEYS as PHASES  # noqa: E402
 from hybridrl.report.aggregate import atomic_path  # noqa: E402
 from hybridrl.report.stats import WARMUP_STEPS, run_order, steady_state  # noqa: E402
 
-LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp"]
+LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp", "release"]
 PHASE_COLORS = {
     "timing_s/prepare": "#A6C8E0", "timing_s/gen": "#4C72B0", "timing_s/reward": "#DD8452", "timing_s/sleep": "#937860",
     "timing_s/trainer_onload": "#8C8C3C", "timing_s/update_actor": "#55A868", "timing_s/save_adapter": "#64B5CD",
@@ -27,18 +27,20 @@ PHASE_COLORS = {
     "other": "#BBBBBB",
 }
 LATENCY = [
-    ("perf/ttft_s_p50", "TTFT p50 (s)"), ("perf/itl_ms_p50", "ITL p50 (ms)"),
+    # per-request TPOT, not per-event ITL: SGLang's one-token bursts make ITL percentiles compare nothing
+    ("perf/ttft_s_p50", "TTFT p50 (s)"), ("perf/tpot_ms_p50", "TPOT p50 over requests (ms)"),
     ("perf/latency_s_p50", "Latency p50 (s)"), ("perf/ttft_s_p99", "TTFT p99 (s)"),
-    ("perf/itl_ms_p99", "ITL p99 (ms)"), ("perf/latency_s_p99", "Latency p99 (s)"),
+    ("perf/tpot_ms_p99", "TPOT p99 over requests (ms)"), ("perf/latency_s_p99", "Latency p99 (s)"),
 ]
 MEMORY = [("mem/used_gb_gen", "during gen"), ("mem/used_gb_train", "during train"), ("mem/peak_gb", "peak")]
 
 
 def run_labels(df: pd.DataFrame) -> dict[str, str]:
     """Short legend labels: the config fields that differ between runs, plus the id's hash if needed."""
-    runs = df.drop_duplicates("run_id").set_index("run_id")[LABEL_FIELDS].astype(str)
-    varying = [f for f in LABEL_FIELDS if runs[f].nunique() > 1] or ["engine", "placement"]
-    labels = {rid: " · ".join(runs.loc[rid, varying]) for rid in runs.index}
+    fields = [f for f in LABEL_FIELDS if f in df.columns]
+    runs = df.drop_duplicates("run_id").set_index("run_id")[fields].astype(object).fillna("").astype(str)
+    varying = [f for f in fields if runs[f].nunique() > 1] or ["engine", "placement"]
+    labels = {rid: " · ".join(v for v in runs.loc[rid, varying] if v) for rid in runs.index}
     if len(set(labels.values())) < len(labels):  # same config, different seed or parameter
         labels = {rid: f"{lab} ({str(rid).rsplit('-', 1)[-1]})" for rid, lab in labels.items()}
     return labels
@@ -139,7 +141,7 @@ def plot_step_breakdown(df: pd.DataFrame, out: Path) -> Path | None:
 
 
 def plot_latency(df: pd.DataFrame, out: Path) -> Path | None:
-    """Boxplots over steady-state steps of the per-step TTFT, ITL and latency percentiles."""
+    """Boxplots over steady-state steps of the per-step TTFT, per-request TPOT and latency percentiles."""
     if not _has(df, [m for m, _ in LATENCY]):
         return None
     steady = steady_state(df)

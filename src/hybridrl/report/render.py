@@ -15,7 +15,7 @@ import pandas as pd
 from hybridrl.checks import GAP_LIMITS
 from hybridrl.client_ceiling import HEADROOM
 from hybridrl.record import CHECKS, HOST, LEARNING, MEMORY, ROLLOUT, TIMING, TRAINING
-from hybridrl.report import headline, stats, trend
+from hybridrl.report import headline, stats, trend, wording
 from hybridrl.report.aggregate import CONFIG_KEY, atomic_path, commit_label, read_provenance
 from hybridrl.report.plots import PLOTS, run_labels
 
@@ -29,13 +29,25 @@ KEY_METRICS = [
     ("timing_s/update_actor", "Training", "s"),
     ("timing_s/update_weights", "Weight sync", "s"),
     ("timing_s/restart", "Engine restart", "s"),
+    # latency that means the same for every engine: no per-event ITL percentile (SGLang streams one-token bursts)
     ("perf/ttft_s_p50", "TTFT p50", "s"),
-    ("perf/itl_ms_p50", "ITL p50", "ms"),
+    ("perf/tpot_ms_p50", "TPOT p50 over requests", "ms"),
+    ("perf/tpot_ms_p99", "TPOT p99 over requests", "ms"),
+    ("perf/latency_s_p50", "End-to-end latency p50", "s"),
+    ("cost/tok_s_per_gpu", "Tokens/s per GPU, whole step", "tok/s"),
+    ("cost/gpu_s_per_step", "GPU-seconds per step", "GPU-s"),
+    ("cost/gpu_h_per_1k_rollouts", "GPU-hours per 1,000 rollouts", "GPU-h"),
     ("reward/mean", "Reward mean", ""),
     ("host/cpu_busy_pct_gen", "Host CPU busy in rollout", "%"),
 ]
 RATIO_METRICS = [("perf/throughput", "Rollout throughput"), ("timing_s/step", "Step time"),
-                 ("timing_s/gen", "Generation time")]
+                 ("timing_s/gen", "Generation time"), ("cost/tok_s_per_gpu", "Tokens/s per GPU")]
+# sleep and wake move what the engine releases: compared only between arms that move the same bytes
+TRANSITIONS = [("timing_s/sleep", "sleep"), ("timing_s/wake", "wake")]
+MOVES = {"kv-only": "KV cache only (weights stay on the GPU)", "full release": "weights and KV cache",
+         "level 1": "weights and KV cache", "level 2": "weights and KV cache (weights discarded)"}
+NO_VLLM_KV_ONLY = ("vLLM 0.26 has no KV-only sleep: level 1 moves the weights to CPU memory and drops the KV "
+                   "cache, level 2 drops both; so SGLang's KV-only release has no vLLM arm to compare with")
 WARMUP_METRICS = ["timing_s/step", "timing_s/gen", "timing_s/restart", "timing_s/update_weights",
                   "perf/throughput", "perf/ttft_s_p50"]
 DETAIL_METRICS = [c for c in (*TIMING, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS)
@@ -98,6 +110,11 @@ def fmt_est(est: stats.Estimate) -> str:
     return f"{fmt(est.value)} [{fmt(est.lo)}, {fmt(est.hi)}]"
 
 
+def fmt_n(est: stats.Estimate) -> str:
+    """What an interval rests on: runs and steps."""
+    return f"{est.n_runs} run{'s' if est.n_runs != 1 else ''} × {est.n} steps" if est.n else "–"
+
+
 def _has(df: pd.DataFrame, col: str) -> bool:
     return col in df.columns and pd.to_numeric(df[col], errors="coerce").notna().any()
 
@@ -106,46 +123,60 @@ def _select(df: pd.DataFrame, run_id: str) -> pd.DataFrame:
     return df[(df["run_id"] == run_id).fillna(False).to_numpy(dtype=bool)]
 
 
+def config_labels(df: pd.DataFrame) -> dict[str, str]:
+    """One label per configuration: its first replicate's run label, without the replicate's suffix."""
+    first = df.sort_values(["replicate", "run_id"]).drop_duplicates("config_id")
+    labels = run_labels(df[df["run_id"].isin(first["run_id"])])
+    return {c: labels[r] for c, r in zip(first["config_id"], first["run_id"], strict=True)}
+
+
 def summary(df: pd.DataFrame, title: str) -> dict[str, Any]:
     steps = df.groupby("run_id")["step"].count()
     span = pd.to_numeric(df["time_unix"], errors="coerce").dropna()
     steady_n = len(stats.steady_state(df))
-    excluded = int((df["step"] > stats.WARMUP_STEPS).sum()) - steady_n
+    excluded = len(df) - len(stats.warmup(df)) - steady_n
+    warm = sorted({int(w) for w in stats.warmup_steps(df.drop_duplicates("run_id"))})
+    replicates = df.groupby("config_id")["run_id"].nunique()
     return {
         "title": title,
         "n_runs": int(df["run_id"].nunique()),
-        "n_configs": len(df[CONFIG_KEY[:-1]].drop_duplicates()),  # seeds of one config count once
+        "n_configs": int(df["config_id"].nunique()),
+        "replicates": f"{replicates.min()}" if replicates.min() == replicates.max()
+        else f"{replicates.min()}–{replicates.max()}",
         "steps": f"{steps.min()}" if steps.min() == steps.max() else f"{steps.min()}–{steps.max()}",
         "n_records": len(df),
         **{f: ", ".join(sorted(df[f].dropna().astype(str).unique())) for f in
            ("engine", "placement", "trainer", "model")},
         "measured_s": fmt(pd.to_numeric(df["timing_s/step"], errors="coerce").sum()),
         "span_s": f"{fmt(span.max() - span.min())} s" if len(span) > 1 else "–",
-        "warmup_steps": stats.WARMUP_STEPS,
+        "warmup_steps": max(warm) if warm else stats.WARMUP_STEPS,
+        "warmup_text": " or ".join(f"1–{w}" if w > 1 else str(w) for w in warm if w) or "none",
         "n_boot": stats.N_BOOT,
         "excluded_adapter": excluded,
     }
 
 
 def comparison_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
-    """One column per configuration; its fields first, then median [95% CI] of each key metric."""
+    """One column per configuration (its replicates together); its fields first, then median [95% CI] of each
+    key metric over runs and steps."""
     steady = stats.steady_state(df)
     metrics = [m for m in KEY_METRICS if _has(steady, m[0])]
     cfgs = stats.configs(df)
     table = Table(["", *(labels[c[-1]] for c in cfgs)])
     for i, key in enumerate(CONFIG_KEY):
         table.rows.append([Cell(key.replace("_", " "), "key"), *(Cell(_field(c[i])) for c in cfgs)])
-    runs = [_select(steady, c[-1]) for c in cfgs]
+    runs = [stats.select(steady, c) for c in cfgs]
     for col, heading in (("git_commit", "code"), ("gpu", "GPU")):
-        values = [_select(df, c[-1])[col].dropna() if col in df.columns else pd.Series(dtype=str) for c in cfgs]
+        values = [stats.select(df, c)[col].dropna().unique() if col in df.columns else [] for c in cfgs]
         if any(len(v) for v in values):
-            table.rows.append([Cell(heading, "key"), *(Cell(_field(v.iloc[0] if len(v) else None)) for v in values)])
+            table.rows.append([Cell(heading, "key"), *(Cell(", ".join(map(_field, v)) or "–") for v in values)])
+    table.rows.append([Cell("n runs", "key"), *(Cell(str(stats.n_runs(r)), "num") for r in runs)])
     table.rows.append([Cell("n steps", "key"), *(Cell(str(len(r)), "num") for r in runs)])
     for col, heading, unit in metrics:
         cells = [Cell(heading + (f" ({unit})" if unit else ""), "key")]
         for run in runs:
-            est = stats.bootstrap_median(run[col])
-            # a metric measured on fewer steps than the run has says so next to its interval
+            est = stats.estimate(run, col)
+            # a metric measured on fewer steps than the configuration has says so next to its interval
             note = f" (n={est.n})" if 0 < est.n != len(run) else ""
             cells.append(Cell(fmt_est(est) + note, "num"))
         table.rows.append(cells)
@@ -160,13 +191,44 @@ def ratio_table(df: pd.DataFrame, labels: dict[str, str]) -> tuple[str, Table] |
         return None
     base = configs[0]
     headers = [f"{h} ratio [95% CI]" for _, h in metrics]
-    table = Table(["run", "vs baseline", *headers, "n (run / baseline)"])
+    table = Table(["configuration", "vs baseline", *headers, "runs × steps (configuration / baseline)"])
     steady = stats.steady_state(df)
     for config in configs[1:]:
         cells = [Cell(fmt_est(stats.compare(df, m, config, base)), "num") for m, _ in metrics]
-        n_pair = f"{len(_select(steady, config[-1]))} / {len(_select(steady, base[-1]))}"
+        a, b = stats.select(steady, config), stats.select(steady, base)
+        n_pair = f"{stats.n_runs(a)} × {len(a)} / {stats.n_runs(b)} × {len(b)}"
         table.rows.append([Cell(labels[config[-1]]), Cell(labels[base[-1]]), *cells, Cell(n_pair, "num")])
     return labels[base[-1]], table
+
+
+def transitions(df: pd.DataFrame, labels: dict[str, str]) -> dict[str, Any] | None:
+    """Sleep and wake times per colocated configuration, grouped by what the release moves; ratios only within
+    a group, so SGLang's KV-only release never sits beside a release that moves weights as if comparable."""
+    steady = stats.steady_state(df)
+    cfgs = [c for c in stats.configs(df) if c[CONFIG_KEY.index("release")] in MOVES]
+    if not cfgs:
+        return None
+    groups: dict[str, list[tuple]] = {}
+    for c in cfgs:
+        groups.setdefault(MOVES[c[CONFIG_KEY.index("release")]], []).append(c)
+    tables, n = [], 0
+    for moves, members in groups.items():
+        # one table per group: a KV-only release never stands in a table beside one that moves weights
+        table = Table(["configuration", *(f"{h}, s" for _, h in TRANSITIONS),
+                       *(f"{h} / {labels[members[0][-1]]} [95% CI]" for _, h in TRANSITIONS), "runs × steps"])
+        first = stats.select(steady, members[0])
+        for c in members:
+            sub = stats.select(steady, c)
+            ests = [stats.estimate(sub, m) for m, _ in TRANSITIONS]
+            ratios = [stats.hierarchical_ratio(stats.per_run(sub, m), stats.per_run(first, m))
+                      if c != members[0] else None for m, _ in TRANSITIONS]
+            n += sum(r is not None and math.isfinite(r.lo) for r in ratios)
+            table.rows.append([Cell(labels[c[-1]]), *(Cell(fmt_est(e), "num") for e in ests),
+                               *(Cell(fmt_est(r) if r else "–", "num") for r in ratios),
+                               Cell(fmt_n(ests[0]), "num")])
+        tables.append({"moves": moves, "table": table})
+    kv_only = any(MOVES.get(c[CONFIG_KEY.index("release")]) == MOVES["kv-only"] for c in cfgs)
+    return {"groups": tables, "note": NO_VLLM_KV_ONLY if kv_only else "", "n_comparisons": n}
 
 
 def _fmt_change(x: float, kind: str) -> str:
@@ -180,7 +242,9 @@ def headline_tables(df: pd.DataFrame) -> list[dict[str, Any]]:
     out = []
     for h in headline.headlines(df):
         vllm = headline.VLLM_VARIANTS[h.vllm_engine]
-        table = Table(["metric", "claimed", "SGLang", vllm, "measured", "95% CI", "n (SGLang / vLLM)"])
+        table = Table(["metric", "claimed", "SGLang", vllm, "measured", "95% CI", "detectable",
+                       "runs × steps (SGLang / vLLM)"])
+        conclusions = []
         for r in h.rows:
             kind, est = r.metric.kind, r.est
             ci = (f"[{_fmt_change(est.lo, kind)}, {_fmt_change(est.hi, kind)}]" if math.isfinite(est.lo)
@@ -189,15 +253,31 @@ def headline_tables(df: pd.DataFrame) -> list[dict[str, Any]]:
                 Cell(r.metric.heading, "key"), Cell(r.metric.claimed, "num"),
                 Cell(f"{fmt(r.sglang)} {r.metric.unit}", "num"), Cell(f"{fmt(r.vllm)} {r.metric.unit}", "num"),
                 Cell(_fmt_change(est.value, kind), "num"), Cell(ci, "num" if math.isfinite(est.lo) else "na"),
-                Cell(f"{r.n_sglang} / {r.n_vllm}", "num"),
+                Cell(_detectable(est, kind), "num"),
+                Cell(f"{r.runs_sglang} × {r.n_sglang} / {r.runs_vllm} × {r.n_vllm}", "num"),
             ])
+            if r.metric.name == "Rollout throughput":
+                conclusions.append(wording.conclusion(
+                    r.metric.name, "SGLang", vllm, est, (r.runs_sglang, r.n_sglang), (r.runs_vllm, r.n_vllm)))
         shared = ", ".join(f"{k} {_field(v)}" for k, v in h.key.items())
         out.append({"title": h.title, "table": table, "shared": shared, "caveats": list(h.caveats),
-                     "sglang_run": h.sglang_run, "vllm_run": h.vllm_run})
+                    "sglang_run": h.sglang_run, "vllm_run": h.vllm_run, "conclusions": conclusions,
+                    "n_comparisons": sum(math.isfinite(r.est.lo) for r in h.rows)})
     return out
 
 
+def _detectable(est: stats.Estimate, kind: str) -> str:
+    """For an interval that includes no difference: the smallest effect these data could have detected."""
+    if not math.isfinite(est.lo) or est.excludes(0.0 if kind == "pct" else 1.0):
+        return "–"
+    if kind == "pct":  # back to ratios: the interval is of 100 * (ratio - 1)
+        est = stats.Estimate(1 + est.value / 100, 1 + est.lo / 100, 1 + est.hi / 100, est.n, est.n_runs)
+    ratio = wording.detectable(est)
+    return f"beyond {ratio:.2f}x" if math.isfinite(ratio) else "–"
+
+
 def warmup_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
+    """Every run's warm-up steps, each apart: step 1 rolls out the base model, step 2 the first adapter."""
     metrics = [m for m in WARMUP_METRICS if _has(df, m)]
     table = Table(["run", "step"] + metrics)
     order = {rid: i for i, rid in enumerate(stats.run_order(df))}
@@ -324,13 +404,13 @@ def detail_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     long = stats.summarise(df, metrics)
     cfgs = stats.configs(df)
     table = Table(["metric", *(labels[c[-1]] for c in cfgs)])
-    n_steps = stats.steady_state(df).groupby("run_id")["step"].count()
+    n_steps = stats.steady_state(df).groupby("config_id")["step"].count()
     for metric, rows in long.groupby("metric", sort=False):
-        by_run = rows.set_index("run_id")
+        by_run = rows.set_index("config_id")
         cells = [Cell(str(metric), "key")]
         for config in cfgs:
             row = by_run.loc[config[-1]]
-            est = stats.Estimate(row["median"], row["ci_lo"], row["ci_hi"], int(row["n"]))
+            est = stats.Estimate(row["median"], row["ci_lo"], row["ci_hi"], int(row["n"]), int(row["n_runs"]))
             note = f" (n={est.n})" if 0 < est.n != n_steps.get(config[-1], 0) else ""
             cells.append(Cell(fmt_est(est) + note, "num"))
         table.rows.append(cells)
@@ -378,13 +458,19 @@ def _plots(written: dict[str, Path], base: Path) -> list[dict[str, str]]:
 
 def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path) -> dict[str, Any]:
     """Everything the templates show; plot paths are filled in per output file."""
-    labels = run_labels(df)
-    ratios = ratio_table(df, labels)
+    labels, by_config = run_labels(df), config_labels(df)
+    ratios = ratio_table(df, by_config)
+    heads = headline_tables(df)
+    moves = transitions(df, by_config)
+    n_ratio = (len(ratios[1].rows) * (len(ratios[1].headers) - 3)) if ratios else 0
+    n_comparisons = sum(h["n_comparisons"] for h in heads) + (moves["n_comparisons"] if moves else 0) + n_ratio
     return {
         "summary": summary(df, title),
         "runs": [{"label": labels[r], "run_id": r} for r in stats.run_order(df)],
-        "headlines": headline_tables(df),
-        "comparison": comparison_table(df, labels),
+        "headlines": heads,
+        "comparisons_note": wording.comparisons_note(n_comparisons),
+        "transitions": moves,
+        "comparison": comparison_table(df, by_config),
         "baseline": ratios[0] if ratios else None,
         "ratios": ratios[1] if ratios else None,
         "warmup": warmup_table(df, labels),
@@ -395,7 +481,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "gap_warn": ", ".join(f"{w:g} {fam}" for fam, (w, _) in GAP_LIMITS.items()),
         "gap_fail": ", ".join(sorted({f"{f:g}" for _, f in GAP_LIMITS.values()})),
         "client_headroom": f"{HEADROOM:.0%}",
-        "detail": detail_table(df, labels),
+        "detail": detail_table(df, by_config),
         "provenance": provenance_rows(df, labels, runs_dir),
         "plots": plots,
     }

@@ -1,31 +1,50 @@
-"""Medians with percentile-bootstrap 95% intervals over steps, and ratios of medians."""
+"""Medians with hierarchical-bootstrap 95% intervals over runs and steps, and ratios of medians.
+
+A configuration may have several runs (replicates). Its estimate is the median of all its steady-state steps;
+the interval resamples runs with replacement, then steps with replacement within each drawn run, and takes
+the median of the pooled draw (a two-level bootstrap). With one run it is the plain bootstrap over steps, and
+then the interval holds step-to-step noise only: every Estimate says how many runs and steps it rests on.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from hybridrl.report.aggregate import CONFIG_KEY
+from hybridrl.run_config import split_replicate
 
-WARMUP_STEPS = 1  # step 1 pays for compilation, cache warm-up and first loads
+WARMUP_STEPS = 2  # where a run recorded none: step 1 rolls out the base model, step 2 the first adapter
 N_BOOT = 5000
 SEED = 0
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """A median (or ratio of medians) with its bootstrap interval; lo/hi are NaN when n < 2."""
+    """A median (or ratio of medians) with its bootstrap interval; lo/hi are NaN when n < 2.
+
+    n is the number of steps it rests on (for a ratio: the smaller side), n_runs the number of runs.
+    """
 
     value: float
     lo: float
     hi: float
     n: int
+    n_runs: int = 1
+
+    @property
+    def n_steps(self) -> int:
+        return self.n
 
     def contains(self, x: float) -> bool:
         return bool(self.lo <= x <= self.hi)
+
+    def excludes(self, x: float) -> bool:
+        """True only for a real interval that lies wholly on one side of x."""
+        return bool(np.isfinite(self.lo) and np.isfinite(self.hi) and not self.contains(x))
 
 
 def _clean(values: Iterable[float]) -> np.ndarray:
@@ -34,9 +53,24 @@ def _clean(values: Iterable[float]) -> np.ndarray:
     return arr[np.isfinite(arr)]
 
 
-def _boot_medians(x: np.ndarray, rng: np.random.Generator, n_boot: int) -> np.ndarray:
-    idx = rng.integers(0, len(x), size=(n_boot, len(x)))
-    return np.median(x[idx], axis=1)
+def _runs(runs: Sequence[Iterable[float]]) -> list[np.ndarray]:
+    """Each run's finite values; runs without any are left out (they carry no information)."""
+    return [x for x in (_clean(r) for r in runs) if len(x)]
+
+
+def _boot_medians(runs: list[np.ndarray], rng: np.random.Generator, n_boot: int) -> np.ndarray:
+    """Medians of n_boot two-level resamples: runs with replacement, then steps within each drawn run."""
+    n_runs, longest = len(runs), max(len(r) for r in runs)
+    table = np.full((n_runs, longest), np.nan)
+    for i, r in enumerate(runs):
+        table[i, :len(r)] = r
+    sizes = np.array([len(r) for r in runs])
+    drawn = rng.integers(0, n_runs, size=(n_boot, n_runs))  # which runs
+    slots = np.arange(longest)
+    picks = np.floor(rng.random((n_boot, n_runs, longest)) * sizes[drawn][..., None]).astype(int)
+    values = table[drawn[..., None], picks]
+    values[slots[None, None, :] >= sizes[drawn][..., None]] = np.nan  # a drawn run keeps its own length
+    return np.nanmedian(values.reshape(n_boot, -1), axis=1)
 
 
 def _interval(samples: np.ndarray, level: float) -> tuple[float, float]:
@@ -45,85 +79,136 @@ def _interval(samples: np.ndarray, level: float) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
+def hierarchical_median(runs: Sequence[Iterable[float]], n_boot: int = N_BOOT, seed: int = SEED,
+                        level: float = 0.95) -> Estimate:
+    """Median of every run's finite values pooled, with a seeded two-level bootstrap interval."""
+    kept = _runs(runs)
+    n = sum(len(r) for r in kept)
+    if n == 0:
+        return Estimate(float("nan"), float("nan"), float("nan"), 0, 0)
+    med = float(np.median(np.concatenate(kept)))
+    if n < 2:
+        return Estimate(med, float("nan"), float("nan"), n, len(kept))
+    lo, hi = _interval(_boot_medians(kept, np.random.default_rng(seed), n_boot), level)
+    return Estimate(med, lo, hi, n, len(kept))
+
+
+def hierarchical_ratio(a: Sequence[Iterable[float]], b: Sequence[Iterable[float]], n_boot: int = N_BOOT,
+                       seed: int = SEED, level: float = 0.95) -> Estimate:
+    """median(a) / median(b) over runs of two configurations, each side resampled on its own, two levels deep.
+
+    n and n_runs are the smaller side's."""
+    ka, kb = _runs(a), _runs(b)
+    na, nb = sum(len(r) for r in ka), sum(len(r) for r in kb)
+    n, n_runs = int(min(na, nb)), int(min(len(ka), len(kb)))
+    if n == 0 or np.median(np.concatenate(kb)) == 0:
+        return Estimate(float("nan"), float("nan"), float("nan"), n, n_runs)
+    value = float(np.median(np.concatenate(ka)) / np.median(np.concatenate(kb)))
+    if n < 2:
+        return Estimate(value, float("nan"), float("nan"), n, n_runs)
+    rng = np.random.default_rng(seed)
+    ma, mb = _boot_medians(ka, rng, n_boot), _boot_medians(kb, rng, n_boot)
+    ratios = ma[mb != 0] / mb[mb != 0]
+    lo, hi = _interval(ratios, level)
+    return Estimate(value, lo, hi, n, n_runs)
+
+
 def bootstrap_median(values: Iterable[float], n_boot: int = N_BOOT, seed: int = SEED,
                      level: float = 0.95) -> Estimate:
-    """Median of the finite values with a seeded percentile-bootstrap interval."""
-    x = _clean(values)
-    if len(x) == 0:
-        return Estimate(float("nan"), float("nan"), float("nan"), 0)
-    med = float(np.median(x))
-    if len(x) < 2:
-        return Estimate(med, float("nan"), float("nan"), 1)
-    lo, hi = _interval(_boot_medians(x, np.random.default_rng(seed), n_boot), level)
-    return Estimate(med, lo, hi, len(x))
+    """Median of one run's finite values with a seeded percentile-bootstrap interval over its steps."""
+    return hierarchical_median([values], n_boot=n_boot, seed=seed, level=level)
 
 
 def ratio_of_medians(a: Iterable[float], b: Iterable[float], n_boot: int = N_BOOT, seed: int = SEED,
                      level: float = 0.95) -> Estimate:
-    """median(a) / median(b); both samples are resampled independently for the interval. n = min(n_a, n_b)."""
-    xa, xb = _clean(a), _clean(b)
-    n = int(min(len(xa), len(xb)))
-    if n == 0 or np.median(xb) == 0:
-        return Estimate(float("nan"), float("nan"), float("nan"), n)
-    value = float(np.median(xa) / np.median(xb))
-    if n < 2:
-        return Estimate(value, float("nan"), float("nan"), n)
-    rng = np.random.default_rng(seed)
-    ma, mb = _boot_medians(xa, rng, n_boot), _boot_medians(xb, rng, n_boot)
-    ratios = ma[mb != 0] / mb[mb != 0]
-    lo, hi = _interval(ratios, level)
-    return Estimate(value, lo, hi, n)
+    """median(a) / median(b) of one run each; both resampled independently. n = min(n_a, n_b)."""
+    return hierarchical_ratio([a], [b], n_boot=n_boot, seed=seed, level=level)
+
+
+def per_run(df: pd.DataFrame, column: str) -> list[pd.Series]:
+    """The column's values, one Series per run, in run order; none where the column is absent."""
+    if column not in df.columns:
+        return []
+    return [pd.to_numeric(run[column], errors="coerce") for _, run in df.groupby("run_id", sort=True)]
+
+
+def warmup_steps(df: pd.DataFrame) -> pd.Series:
+    """Each row's run's warm-up length: its recorded `warmup_steps`, else WARMUP_STEPS."""
+    if "warmup_steps" not in df.columns:
+        return pd.Series(WARMUP_STEPS, index=df.index)
+    return pd.to_numeric(df["warmup_steps"], errors="coerce").fillna(WARMUP_STEPS)
 
 
 def warmup(df: pd.DataFrame) -> pd.DataFrame:
-    return df[df["step"] <= WARMUP_STEPS]
+    return df[(df["step"] <= warmup_steps(df)).to_numpy(dtype=bool)]
 
 
 def steady_state(df: pd.DataFrame) -> pd.DataFrame:
     """Steps after warm-up whose adapter was applied (a LoRA result counts only where it held)."""
-    after = df[df["step"] > WARMUP_STEPS]
+    after = df[(df["step"] > warmup_steps(df)).to_numpy(dtype=bool)]
     if "check/adapter_applied" in after.columns:
         applied = after["check/adapter_applied"].astype("boolean")
         after = after[applied.fillna(True).astype(bool)]
     return after
 
 
+def with_ids(df: pd.DataFrame) -> pd.DataFrame:
+    """The frame with config_id, replicate and release, for frames built without aggregate.normalise."""
+    if {"config_id", "replicate", "release"} <= set(df.columns):
+        return df
+    split = df["run_id"].astype(str).map(split_replicate)
+    return df.assign(config_id=split.map(lambda t: t[0]), replicate=split.map(lambda t: t[1]),
+                     **({} if "release" in df.columns else {"release": None}))
+
+
 def configs(df: pd.DataFrame) -> list[tuple]:
-    """The distinct configurations, in a stable order."""
+    """The distinct configurations (replicates of one count once), in a stable order; the last field is the
+    configuration id."""
+    df = with_ids(df)
     keys = df[CONFIG_KEY].drop_duplicates()
     return [tuple(row) for row in keys.sort_values(CONFIG_KEY).itertuples(index=False)]
 
 
 def run_order(df: pd.DataFrame) -> list[str]:
-    """run_ids in configuration order, so every table and plot lists runs the same way."""
-    return [str(c[-1]) for c in configs(df)]
+    """run_ids in configuration order, then replicate, so every table and plot lists runs the same way."""
+    df = with_ids(df)
+    runs = df.drop_duplicates("run_id").copy()  # a small frame of its own (the table may be fragmented)
+    order = {c[-1]: i for i, c in enumerate(configs(df))}
+    runs = runs.assign(_c=runs["config_id"].map(order)).sort_values(["_c", "replicate", "run_id"])
+    return [str(r) for r in runs["run_id"]]
 
 
-def _select(df: pd.DataFrame, config: tuple) -> pd.DataFrame:
-    mask = np.ones(len(df), dtype=bool)
-    for col, val in zip(CONFIG_KEY, config, strict=True):
-        same = (df[col] == val).fillna(False) | (df[col].isna() & bool(pd.isna(val)))
-        mask &= same.to_numpy(dtype=bool)  # a missing field (tp unset) still matches itself
-    return df[mask]
+def select(df: pd.DataFrame, config: tuple) -> pd.DataFrame:
+    """Every run's rows of one configuration."""
+    df = with_ids(df)
+    return df[(df["config_id"] == config[-1]).fillna(False).to_numpy(dtype=bool)]
+
+
+def n_runs(df: pd.DataFrame) -> int:
+    return int(df["run_id"].nunique())
+
+
+def estimate(df: pd.DataFrame, metric: str, n_boot: int = N_BOOT, seed: int = SEED) -> Estimate:
+    """The metric over the frame's runs (one configuration's steady-state steps)."""
+    return hierarchical_median(per_run(df, metric), n_boot=n_boot, seed=seed)
 
 
 def summarise(df: pd.DataFrame, metrics: list[str], n_boot: int = N_BOOT, seed: int = SEED) -> pd.DataFrame:
-    """Long table: one row per configuration and metric, over steady-state steps."""
+    """Long table: one row per configuration and metric, over steady-state steps of all its runs."""
     steady = steady_state(df)
     rows = []
     for config in configs(df):
-        sub = _select(steady, config)
+        sub = select(steady, config)
         for metric in metrics:
-            values = sub[metric] if metric in sub.columns else []
-            est = bootstrap_median(values, n_boot=n_boot, seed=seed)
+            est = estimate(sub, metric, n_boot=n_boot, seed=seed)
             rows.append({**dict(zip(CONFIG_KEY, config, strict=True)), "metric": metric,
-                         "median": est.value, "ci_lo": est.lo, "ci_hi": est.hi, "n": est.n})
-    return pd.DataFrame(rows, columns=[*CONFIG_KEY, "metric", "median", "ci_lo", "ci_hi", "n"])
+                         "median": est.value, "ci_lo": est.lo, "ci_hi": est.hi, "n": est.n, "n_runs": est.n_runs})
+    return pd.DataFrame(rows, columns=[*CONFIG_KEY, "metric", "median", "ci_lo", "ci_hi", "n", "n_runs"])
 
 
 def compare(df: pd.DataFrame, metric: str, config: tuple, baseline: tuple, n_boot: int = N_BOOT,
             seed: int = SEED) -> Estimate:
-    """Ratio of the steady-state medians of `metric`: config / baseline."""
+    """Ratio of the steady-state medians of `metric`: config / baseline, over runs and steps."""
     steady = steady_state(df)
-    return ratio_of_medians(_select(steady, config)[metric], _select(steady, baseline)[metric],
-                            n_boot=n_boot, seed=seed)
+    return hierarchical_ratio(per_run(select(steady, config), metric), per_run(select(steady, baseline), metric),
+                              n_boot=n_boot, seed=seed)

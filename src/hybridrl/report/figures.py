@@ -1,0 +1,138 @@
+"""Figures quoted in the READMEs, recomputed from the committed tables.
+
+A README figure that comes from data is written between two comments, invisible once rendered:
+
+    <!--fig ratio results/reference/2026-11-22-h200
+    sglang-colocate-hf vllm-colocate-hf perf/throughput-->0.77x [0.72, 0.89]<!--/fig-->
+
+The expression names a function of FIGURES, a study folder holding steps.csv (relative to the repository) and
+its arguments; a configuration is named by the start of its id (it must match exactly one). `check` lists each
+figure whose text differs from what the data give, `fill` writes the data's text in (`python -m hybridrl
+figures [--fix] FILE...`); tests/test_readme_figures.py fails on any difference.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+import pandas as pd
+
+from hybridrl.report import stats, wording
+from hybridrl.report.aggregate import read_table
+
+REPO = Path(__file__).resolve().parents[3]
+MARK = re.compile(r"<!--fig (?P<expr>[^>]*?)-->(?P<text>.*?)<!--/fig-->", re.S)
+
+
+@cache
+def _table(study: str) -> pd.DataFrame:
+    return read_table(REPO / study / "steps.csv")
+
+
+def _config(df: pd.DataFrame, name: str) -> pd.DataFrame:
+    ids = sorted({c for c in df["config_id"].dropna() if str(c).startswith(name + "-")})
+    # the id's readable part must end where the name does: the rest is the model and the hash
+    if len(ids) != 1:
+        raise ValueError(f"{name!r} matches {len(ids)} configurations ({', '.join(ids) or 'none'})")
+    return df[df["config_id"] == ids[0]]
+
+
+def _steady(study: str, name: str) -> pd.DataFrame:
+    return stats.steady_state(_config(_table(study), name))
+
+
+def _fmt(x: float) -> str:
+    from hybridrl.report.render import fmt
+
+    return fmt(x)
+
+
+def median(study: str, name: str, column: str) -> str:
+    """The configuration's steady-state median, as the report writes numbers."""
+    return _fmt(stats.estimate(_steady(study, name), column).value)
+
+
+def interval(study: str, name: str, column: str) -> str:
+    """median [lo, hi] over runs and steps."""
+    est = stats.estimate(_steady(study, name), column)
+    return f"{_fmt(est.value)} [{_fmt(est.lo)}, {_fmt(est.hi)}]"
+
+
+def ratio(study: str, a: str, b: str, column: str) -> str:
+    """a / b of the steady-state medians with the hierarchical 95% interval: 0.83x [0.74, 0.89]."""
+    est = stats.hierarchical_ratio(stats.per_run(_steady(study, a), column), stats.per_run(_steady(study, b), column))
+    return wording.ratio_text(est)
+
+
+def change(study: str, a: str, b: str, column: str) -> str:
+    """a vs b as a percent change with its interval: +10% [-31%, +61%]."""
+    est = stats.hierarchical_ratio(stats.per_run(_steady(study, a), column), stats.per_run(_steady(study, b), column))
+    return f"{100 * (est.value - 1):+.0f}% [{100 * (est.lo - 1):+.0f}%, {100 * (est.hi - 1):+.0f}%]"
+
+
+def steady_steps(study: str, name: str) -> str:
+    """How many steady-state steps the configuration's medians rest on."""
+    return str(len(_steady(study, name)))
+
+
+def records(study: str) -> str:
+    return str(len(_table(study)))
+
+
+def span(study: str, name: str, column: str, first: str = "1", last: str = "1000") -> str:
+    """min–max of the column over steps first..last of the configuration (every step, warm-up too), in k."""
+    df = _config(_table(study), name)
+    values = pd.to_numeric(df[(df["step"] >= int(first)) & (df["step"] <= int(last))][column], errors="coerce")
+    return f"{values.min() / 1000:.1f}k–{values.max() / 1000:.1f}k"
+
+
+def between(study: str, name: str, column: str, lo: str, hi: str) -> str:
+    """How many of the configuration's steps (every step) fall strictly between lo and hi: '15 of 45'."""
+    df = _table(study) if name == "*" else _config(_table(study), name)
+    values = pd.to_numeric(df[column], errors="coerce").dropna()
+    return f"{int(((values > float(lo)) & (values < float(hi))).sum())} of {len(values)}"
+
+
+FIGURES: dict[str, Callable[..., str]] = {
+    "median": median, "interval": interval, "ratio": ratio, "change": change, "steps": steady_steps,
+    "records": records, "span": span, "between": between,
+}
+
+
+def evaluate(expr: str) -> str:
+    name, *args = expr.split()
+    if name not in FIGURES:
+        raise ValueError(f"unknown figure {name!r} (known: {', '.join(FIGURES)})")
+    return FIGURES[name](*args)
+
+
+def check(text: str) -> list[tuple[str, str, str]]:
+    """(expression, written, recomputed) for every figure whose text differs from the data's."""
+    out = []
+    for m in MARK.finditer(text):
+        want = evaluate(m["expr"].strip())
+        if m["text"] != want:
+            out.append((m["expr"].strip(), m["text"], want))
+    return out
+
+
+def fill(text: str) -> str:
+    """The text with every figure written from the data."""
+    return MARK.sub(lambda m: f"<!--fig {m['expr']}-->{evaluate(m['expr'].strip())}<!--/fig-->", text)
+
+
+def main(files: list[Path], fix: bool) -> int:
+    """Check (or, with fix, rewrite) the figures of each file; 1 if any differed and was not fixed."""
+    bad = 0
+    for path in files:
+        text = path.read_text()
+        if fix:
+            path.write_text(fill(text))
+            continue
+        for expr, written, want in check(text):
+            print(f"{path}: {expr}: written {written!r}, data give {want!r}")
+            bad += 1
+    return 1 if bad else 0

@@ -1,0 +1,100 @@
+"""Conclusions written from intervals by fixed rules, and a check of hand-written text against the same rules.
+
+The rules (README "Reading the intervals"):
+- a difference is claimed only where the 95% interval excludes "no difference" (ratio 1, change 0%);
+- an interval that includes it is reported as "could not be told apart", with the smallest ratio the data
+  could have detected (the interval's half-width on the log scale, sqrt(hi / lo));
+- with one run on a side, a claim is limited to "in these runs": the interval holds step-to-step noise only;
+- text never calls two arms alike ("equally fast", "same speed", "within noise") beside an interval that
+  excludes no difference, and never ranks them ("faster", "slower", ...) from intervals that all include it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from hybridrl.report.stats import Estimate
+
+SAME = re.compile(r"equally fast|same speed|within noise|no (?:throughput )?difference|could not be told apart|"
+                  r"neither engine is faster|not differ", re.I)
+RANK = re.compile(r"\b(?:faster|slower|favou?rs?|beats?|outperforms?|wins?|ahead)\b", re.I)
+NEGATION = re.compile(r"\b(?:neither|nor|not|no|nothing|without)\b", re.I)
+# "0.83x [0.74, 0.89]" and "+10% [-31%, +61%]" as the report and the READMEs write them
+RATIO = re.compile(r"(\d+(?:\.\d+)?)x \[(\d+(?:\.\d+)?), (\d+(?:\.\d+)?)\]")
+CHANGE = re.compile(r"([+-]?\d+(?:\.\d+)?)% \[([+-]?\d+(?:\.\d+)?)%, ([+-]?\d+(?:\.\d+)?)%\]")
+
+
+def detectable(est: Estimate) -> float:
+    """The smallest ratio (> 1) the interval could have told from 1: its half-width on the log scale."""
+    if not (est.lo > 0 and est.hi > 0 and math.isfinite(est.lo) and math.isfinite(est.hi)):
+        return float("nan")
+    return math.sqrt(est.hi / est.lo)
+
+
+def basis(est: Estimate, n_a: tuple[int, int], n_b: tuple[int, int]) -> str:
+    """'3 runs × 24 steps vs 3 runs × 24 steps': what each side rests on."""
+    def side(n: tuple[int, int]) -> str:
+        return f"{n[0]} run{'s' if n[0] != 1 else ''}, {n[1]} steps"
+    return f"{side(n_a)} vs {side(n_b)}"
+
+
+def ratio_text(est: Estimate) -> str:
+    return f"{est.value:.2f}x [{est.lo:.2f}, {est.hi:.2f}]"
+
+
+def conclusion(what: str, a: str, b: str, est: Estimate, n_a: tuple[int, int], n_b: tuple[int, int],
+               higher_is_better: bool = True, better: str = "faster", worse: str = "slower") -> str:
+    """One sentence on `what` (a ratio a / b with its interval) by the rules above. n_a, n_b: (runs, steps)."""
+    where = f"({basis(est, n_a, n_b)})"
+    if not (math.isfinite(est.lo) and math.isfinite(est.hi)):
+        return f"{what}, {a} / {b}: {est.value:.2f}x with no interval {where}: nothing can be claimed."
+    if not est.excludes(1.0):
+        return (f"{what}: {a} and {b} could not be told apart, {a} / {b} {ratio_text(est)} {where}; these data "
+                f"could have detected only a ratio beyond about {detectable(est):.2f}x either way.")
+    ahead = (est.value > 1) == higher_is_better
+    word = better if ahead else worse
+    if min(n_a[0], n_b[0]) < 2:
+        return (f"{what}: {a} was {word} than {b} in these runs, {a} / {b} {ratio_text(est)} {where}; one run "
+                "on a side, so the interval holds step-to-step noise only, not run-to-run.")
+    return f"{what}: {a} is {word} than {b}, {a} / {b} {ratio_text(est)} {where}."
+
+
+def comparisons_note(n: int, level: float = 0.95) -> str:
+    """How many intervals a reader is shown, and how many of them chance alone would put away from 1."""
+    if n == 0:
+        return "No comparisons with intervals were made."
+    return (f"{n} comparison{'s' if n != 1 else ''} with {level:.0%} intervals: if no difference were real, about "
+            f"{n * (1 - level):.1f} of them would still exclude it by chance; read a single excluding interval "
+            "among many with that in mind (no correction applied).")
+
+
+def _sentences(text: str) -> list[str]:
+    flat = re.sub(r"\s+", " ", text)
+    return [s for s in re.split(r"(?<=[.;!?])\s+(?=[A-Z*(])", flat) if s]
+
+
+def _intervals(sentence: str) -> list[bool]:
+    """For each interval in the sentence: does it exclude no difference?"""
+    out = []
+    for m in RATIO.finditer(sentence):
+        lo, hi = float(m[2]), float(m[3])
+        out.append(not lo <= 1.0 <= hi)
+    for m in CHANGE.finditer(sentence):
+        lo, hi = float(m[2]), float(m[3])
+        out.append(not lo <= 0.0 <= hi)
+    return out
+
+
+def violations(text: str) -> list[str]:
+    """Sentences of `text` that break the wording rules, each with the rule it breaks."""
+    found = []
+    for sentence in _sentences(text):
+        excludes = _intervals(sentence)
+        if not excludes:
+            continue
+        if any(excludes) and SAME.search(sentence):
+            found.append(f"calls arms alike beside an interval that excludes no difference: {sentence}")
+        if not any(excludes) and RANK.search(sentence) and not NEGATION.search(sentence):
+            found.append(f"ranks arms from intervals that include no difference: {sentence}")
+    return found

@@ -1,0 +1,40 @@
+"""README figures against the committed data, and the READMEs' conclusions against the wording rules."""
+
+from pathlib import Path
+
+import pytest
+
+from hybridrl.report import figures, wording
+
+REPO = Path(__file__).resolve().parents[1]
+READMES = [REPO / "README.md", *sorted((REPO / "results" / "reference").glob("*/README.md"))]
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_marked_figure_matches_the_committed_steps(readme: Path) -> None:
+    text = readme.read_text()
+    assert figures.check(text) == []  # `python -m hybridrl figures --fix FILE` writes the data's figures
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(REPO)))
+def test_readme_conclusions_follow_the_wording_rules(readme: Path) -> None:
+    assert wording.violations(readme.read_text()) == []
+
+
+def test_the_reference_readmes_quote_figures_from_data() -> None:
+    marked = {p.relative_to(REPO).as_posix(): len(figures.MARK.findall(p.read_text())) for p in READMES}
+    assert marked["README.md"] >= 20
+    for name in ("2026-11-22-h200", "2026-11-22-4xh200-moe", "2026-11-23-2xh200-moe-full"):
+        assert marked[f"results/reference/{name}/README.md"] >= 5, name
+
+
+def test_a_figure_that_disagrees_with_the_data_fails() -> None:
+    study = "results/reference/2026-11-22-4xh200-moe"
+    right = figures.evaluate(f"span {study} vllm-colocate perf/throughput 1 6")
+    assert right.startswith("3.1k")  # the README once said 3.9k
+    text = f"went <!--fig span {study} vllm-colocate perf/throughput 1 6-->3.9k–6.8k<!--/fig--> in steps 1-6"
+    [(expr, written, want)] = figures.check(text)
+    assert (written, want) == ("3.9k–6.8k", right)
+    assert figures.check(figures.fill(text)) == []
+    with pytest.raises(ValueError, match="matches 2 configurations"):
+        figures.evaluate(f"median {study} sglang perf/throughput")

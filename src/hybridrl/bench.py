@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl import data as gsm8k
+from hybridrl.atomic import write_text
 from hybridrl.engines import make_engine
 from hybridrl.engines.base import EngineError, Request, Sampling
 from hybridrl.loop import step_requests
@@ -192,10 +193,7 @@ def main(run_config: Path, model_dir: Path, data_dir: Path, run_dir: Path, step:
     result = run_bench(cfg, Path(model_dir), Path(data_dir), Path(run_dir), step, repeats,
                        Path(out).parent / f"bench-logs-{cfg['run_id']}", probe)
     result["overrides"] = overrides or {}
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(out).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(out)
+    write_text(Path(out), json.dumps(result, indent=2))
     ratio = result["in_loop_over_raw"]
     print(json.dumps({k: result[k] for k in ("run_id", "engine", "step", "tok_s_median", "over_raw",
                                               "in_loop_tok_s", "in_loop_over_raw")}))

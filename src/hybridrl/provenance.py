@@ -10,11 +10,11 @@ import platform
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from hybridrl.atomic import write_text
 from hybridrl.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,16 +156,4 @@ def collect(run: RunConfig, engine_desc: dict[str, Any] | None) -> dict[str, Any
 
 def write(path: Path, data: dict[str, Any]) -> None:
     """Write JSON atomically: a reader sees the old file or the whole new one, never half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True, default=str)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_text(Path(path), json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", fsync=True)

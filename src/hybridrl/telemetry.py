@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import threading
 import time
 from collections import defaultdict
@@ -15,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridrl.atomic import write_bytes
 from hybridrl.engines.base import Completion
 from hybridrl.record import CONTROLLER_CPU_PHASES, HOST_LOAD_PHASES, PHASES
 
@@ -194,14 +194,8 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
 
     The whole file is rewritten to a temp file and renamed: steps.jsonl stays small (one line a step).
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     old = path.read_bytes() if path.exists() else b""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(old + (json.dumps(record, allow_nan=True) + "\n").encode())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_bytes(path, old + (json.dumps(record, allow_nan=True) + "\n").encode(), fsync=True)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
+from hybridrl.atomic import atomic_dir
 from hybridrl.rl import LogprobGaps, policy_loss, token_logprobs
 from hybridrl.run_config import RunConfig
 from hybridrl.trainers.base import Sample, TrainResult
@@ -108,12 +108,9 @@ class HFTrainer:
 
     # -- state -----------------------------------------------------------------------------------
     def save(self, out_dir: Path) -> None:
-        tmp = out_dir.parent / f".{out_dir.name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)
-        torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.rename(out_dir)
+        with atomic_dir(out_dir) as tmp:
+            self.model.save_pretrained(tmp)
+            torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
 
     def resume(self, adapter_dir: Path) -> None:
         from peft import set_peft_model_state_dict

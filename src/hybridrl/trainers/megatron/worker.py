@@ -24,13 +24,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from hybridrl.atomic import write_text
+
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+    write_text(path, json.dumps(obj))
 
 
 def check_rank_env(environ: dict[str, str] | os._Environ = os.environ) -> None:

@@ -64,8 +64,9 @@ def _raw_stream(base_url: str, path: str, body: dict[str, Any], keep: int = 3) -
 def probe_http(engine: Any, prompt: list[int], adapter: Path | None) -> dict[str, Any]:
     """Raw HTTP checks of a server engine: stream format, sleep/wake cycles with NVML readings and a
     greedy before/after comparison for each release policy, and adapter (re)load times."""
-    from hybridrl.engines.gpus import nvml_indices, used_gb
+    from hybridrl.engines.gpus import nvml_indices
     from hybridrl.engines.server import post_json
+    from hybridrl.nvml import used_gb
 
     url = engine.server.base_url
     gpus = nvml_indices(engine.environment())

@@ -33,7 +33,7 @@ from hybridrl.checks import Canary, logprob_gate
 from hybridrl.client_ceiling import client_headroom_ok, run_ceiling
 from hybridrl.engines import make_engine
 from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling, stream_flags
-from hybridrl.engines.gpus import process_used_gb
+from hybridrl.nvml import process_used_gb
 from hybridrl.placement import ADAPTER_NAME, Placement, make_placement
 from hybridrl.provenance import collect
 from hybridrl.provenance import write as write_provenance

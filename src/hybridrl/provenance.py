@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.atomic import write_text
+from hybridrl.nvml import gpu_info
 from hybridrl.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,37 +81,6 @@ def cpu_model() -> str | None:
 def host_info() -> dict[str, Any]:
     return {"hostname": socket.gethostname(), "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
             "platform": platform.platform()}
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def gpu_info() -> dict[str, Any] | None:
-    """GPU models and driver from NVML; None where NVML or a GPU is absent."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # no driver / no GPU: NVML raises its own error types
-        return None
-    try:
-        devices = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            devices.append({"index": i, "name": _text(pynvml.nvmlDeviceGetName(handle)),
-                            "memory_gb": round(mem.total / 1e9, 2)})
-        cuda = pynvml.nvmlSystemGetCudaDriverVersion()
-        return {"driver": _text(pynvml.nvmlSystemGetDriverVersion()),
-                "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}",
-                "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "devices": devices}
-    except Exception:
-        return None
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

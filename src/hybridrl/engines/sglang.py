@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.base import EngineError, Request, Sampling
-from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
+from hybridrl.engines.gpus import nvml_indices, split_engine_devices
 from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, post_json
+from hybridrl.nvml import process_used_gb, used_gb
 from hybridrl.run_config import RunConfig
 
 BASE_NAME = "base"

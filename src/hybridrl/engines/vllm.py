@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.base import EngineError, Request
-from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
+from hybridrl.engines.gpus import nvml_indices, split_engine_devices
 from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, post_json
+from hybridrl.nvml import process_used_gb, used_gb
 
 BASE_NAME = "base"
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.M)

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.base import Completion, EngineDied, EngineError, Request, Sampling
-from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
+from hybridrl.engines.gpus import nvml_indices, split_engine_devices
 from hybridrl.engines.vllm import multicast_off_env, reset_until_done
+from hybridrl.nvml import process_used_gb, used_gb
 from hybridrl.run_config import RunConfig
 
 BASE_NAME = "base"

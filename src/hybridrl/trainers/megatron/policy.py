@@ -12,6 +12,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+from hybridrl import nvml
+from hybridrl.engines.gpus import nvml_indices, visible_devices
 from hybridrl.rl import LogprobGaps, policy_loss, token_logprobs
 from hybridrl.run_config import RunConfig
 from hybridrl.trainers.base import Sample
@@ -100,7 +102,7 @@ class MegatronPolicy:
         elapsed = time.perf_counter() - t0
         metrics["perf/train_tok_s"] = metrics["perf/train_tokens"] / elapsed if elapsed > 0 else math.nan
         if self.device.type == "cuda":
-            metrics["mem/trainer_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            metrics["mem/trainer_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / nvml.GB
         return metrics
 
     def backward(self, samples: list[Sample]) -> dict[str, float]:
@@ -230,31 +232,21 @@ class MegatronPolicy:
         process's total (CUDA context and NCCL buffers included)."""
         if self.device.type != "cuda":
             return {}
-        out = {"mem/trainer_reserved_gb": torch.cuda.memory_reserved(self.device) / 2**30}
-        used = _nvml_process_gb(self.device)
+        out = {"mem/trainer_reserved_gb": torch.cuda.memory_reserved(self.device) / nvml.GB}
+        used = self._nvml_gb()
         if used is not None:
             out["mem/trainer_residual_gb"] = used
         return out
 
-
-
-def _nvml_process_gb(device: torch.device) -> float | None:
-    import os
-
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible:
-            idx = int(visible.split(",")[idx])
-        handle = pynvml.nvmlDeviceGetHandleByIndex(idx)
-        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
-                return proc.usedGpuMemory / 2**30
-    except Exception:  # NVML missing or in another pid namespace: torch's counter still stands
-        return None
-    return None
+    def _nvml_gb(self) -> float | None:
+        """NVML's charge to this rank's process on its GPU; None where NVML is absent or cannot see us."""
+        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        visible = visible_devices()
+        if visible is not None:
+            mapped = nvml_indices()
+            if mapped is None or idx >= len(mapped):  # GPU UUIDs: no cheap map to an NVML index
+                return None
+            idx = mapped[idx]
+        used = nvml.process_used_gb(indices=[idx])
+        # 0 where NVML lists no process of ours (another pid namespace): torch's counter still stands
+        return used or None

@@ -14,9 +14,10 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from hybridrl import nvml
 from hybridrl.engines.gpus import nvml_indices, visible_devices
-from hybridrl.rl import LogprobGaps, policy_loss, token_logprobs
+from hybridrl.rl import token_logprobs
 from hybridrl.run_config import RunConfig
 from hybridrl.trainers.base import Sample
+from hybridrl.trainers.grpo import grpo_backward
 from hybridrl.trainers.megatron import export
 from hybridrl.trainers.megatron.lora import apply_lora, lora_disabled, lora_parameters
 from hybridrl.trainers.megatron.model import build_model, load_hf_weights
@@ -33,19 +34,6 @@ def init_parallel(tp: int, device: torch.device) -> None:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                                  create_gloo_process_groups=False)
-
-
-def pad_batch(samples: list[Sample], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded inputs [B, T-1], targets [B, T-1] and the completion mask over targets."""
-    seqs = [s.prompt_ids + s.completion_ids for s in samples]
-    width = max(len(x) for x in seqs) - 1
-    ids = torch.full((len(seqs), width + 1), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
-    for i, (s, seq) in enumerate(zip(samples, seqs, strict=True)):
-        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        # target t is token t+1, so completion targets start at len(prompt) - 1
-        mask[i, len(s.prompt_ids) - 1: len(seq) - 1] = True
-    return ids[:, :-1], ids[:, 1:], mask
 
 
 class MegatronPolicy:
@@ -75,7 +63,6 @@ class MegatronPolicy:
         self.model.to(device)  # after the adapters exist, so they move too
         self.params = lora_parameters(self.adapters)
         self.optimizer = torch.optim.AdamW(self.params, lr=run.lr, weight_decay=run.weight_decay)
-        self.micro_batch = run.micro_batch
         # built once here: importing peft costs seconds, which should not land in the first step
         self.adapter_config = export.adapter_config(self.rank, self.alpha, self.targets, self.model_dir)
         self._pinned: dict[int, torch.Tensor] = {}
@@ -112,37 +99,11 @@ class MegatronPolicy:
         if self.offloaded:
             self.onload()
         self.model.train()
-        kl_coef, clip_eps = self.run.kl_coef, self.run.clip_eps
-        n_tokens = sum(len(s.completion_ids) for s in samples)
-        totals = {"loss": 0.0, "kl": 0.0, "clipfrac": 0.0}
-        gaps = LogprobGaps()
         self.optimizer.zero_grad(set_to_none=True)
         # sorting by length keeps padding low; the loss is a token mean over the whole batch either way
         order = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
-        for lo in range(0, len(order), self.micro_batch):
-            chunk = order[lo: lo + self.micro_batch]
-            inputs, targets, mask = (x.to(self.device) for x in pad_batch(chunk))
-            logp = self.logprobs(inputs, targets)
-            old = logp.detach()  # one update per batch: the sampling policy is the current one
-            ref = None
-            if kl_coef > 0:
-                with torch.no_grad(), lora_disabled(self.model):
-                    ref = self.logprobs(inputs, targets)
-            adv = torch.tensor([s.advantage for s in chunk], device=self.device, dtype=torch.float32)
-            loss, stats = policy_loss(logp, old, adv, mask, clip_eps, ref, kl_coef)
-            weight = mask.sum().item() / max(n_tokens, 1)
-            (loss * weight).backward()
-            totals["loss"] += loss.item() * weight
-            totals["kl"] += stats["train/kl"] * weight
-            totals["clipfrac"] += stats["train/clipfrac"] * weight
-            gaps.add(old, mask, [s.engine_logprobs for s in chunk])
-        return {
-            "train/loss": totals["loss"],
-            "train/kl": totals["kl"] if kl_coef > 0 else math.nan,
-            "train/clipfrac": totals["clipfrac"],
-            "perf/train_tokens": float(n_tokens),
-            **gaps.metrics(n_tokens),
-        }
+        return grpo_backward(order, self.run, self.device, lambda b: self.logprobs(b.inputs, b.targets),
+                             lambda: lora_disabled(self.model))
 
     def optimizer_step(self) -> float:
         """Clip by the global grad norm, one AdamW step, drop the gradients; returns the pre-clip norm."""

@@ -16,7 +16,8 @@ from hybridrl.engines.sglang import (
     parse_chunk,
     release_tags,
 )
-from hybridrl.engines.vllm_inprocess import engine_cli_args, sampled_logprobs, sampling_kwargs
+from hybridrl.engines.vllm import VLLMServer, engine_flags
+from hybridrl.engines.vllm_inprocess import VLLMInProcess, sampled_logprobs, sampling_kwargs
 from hybridrl.run_config import RunConfig
 
 
@@ -183,14 +184,25 @@ def test_split_on_one_gpu_and_other_placements_change_nothing():
 
 
 # -- vLLM in-process -------------------------------------------------------------------------------
-def test_inprocess_flags_match_the_server(tmp_path: Path):
-    args = engine_cli_args(tmp_path, _run(engine="vllm-inprocess", engine_args=["--enforce-eager"]), 4096,
-                           "bfloat16")
+def test_inprocess_flags_match_the_server(model_dir: Path):
+    args = engine_flags(model_dir, _run(engine="vllm-inprocess", engine_args=["--enforce-eager"]))
     assert "--enable-sleep-mode" in args and "--enable-lora" in args
     assert args[args.index("--max-lora-rank") + 1] == "8"
     assert args[-1] == "--enforce-eager"
-    cpu = engine_cli_args(tmp_path, _run(device="cpu"), 512, "float32")
+    cpu = engine_flags(model_dir, _run(device="cpu"))
     assert "--enable-sleep-mode" not in cpu and "--gpu-memory-utilization" not in cpu
+
+
+@pytest.mark.parametrize("over", [{}, {"device": "cpu"}, {"engine_args": ["--enforce-eager"], "tp": 2}])
+def test_both_vllm_engines_start_with_the_same_flags(model_dir: Path, tmp_path: Path, over):
+    server = VLLMServer(model_dir, _run(engine="vllm", **over), {"python": "py"}, tmp_path)
+    inprocess = VLLMInProcess(model_dir, _run(engine="vllm-inprocess", **over), {}, tmp_path)
+    cmd = server.command(1234, None)
+    assert cmd[:7] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", "1234"]
+    assert cmd[7:] == inprocess.cli_args() == engine_flags(model_dir, _run(engine="vllm", **over))
+    assert cmd[cmd.index("--max-model-len") + 1] == "4096" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    with_adapter = server.command(1, ("policy", Path("/a/step-0002")))
+    assert with_adapter[with_adapter.index("--lora-modules") + 1] == "policy=/a/step-0002"
 
 
 def test_inprocess_sampling_kwargs():

@@ -345,6 +345,18 @@ def package_version(python: str, packages: list[str], env: dict[str, str] | None
     return out.stdout.strip() or None
 
 
+def max_model_len(model: Path) -> int:
+    """The checkpoint's context length, at most 4096 tokens."""
+    cfg = json.loads((model / "config.json").read_text())
+    return min(int(cfg.get("max_position_embeddings", 4096)), 4096)
+
+
+def model_dtype(model: Path) -> str:
+    """The checkpoint's own dtype: vLLM's CPU build would otherwise pick bfloat16 for a float32 model."""
+    cfg = json.loads((model / "config.json").read_text())
+    return str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
+
+
 class HTTPEngine:
     """What every server engine shares: its process, its stream client, the warm-up and adapter names.
 
@@ -405,18 +417,6 @@ class HTTPEngine:
         answer = post_json(self._url(), load_route, {"lora_name": name, "lora_path": str(path)})
         self._loaded.add(name)
         return answer
-
-    # -- the checkpoint ----------------------------------------------------------------------------
-    def _config(self) -> dict[str, Any]:
-        return json.loads((self.model / "config.json").read_text())
-
-    def _max_len(self) -> int:
-        return min(int(self._config().get("max_position_embeddings", 4096)), 4096)
-
-    def _dtype(self) -> str:
-        """The checkpoint's own dtype: vLLM's CPU build would otherwise pick bfloat16 for a float32 model."""
-        cfg = self._config()
-        return str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
 
     # -- process -----------------------------------------------------------------------------------
     def start(self, adapter: tuple[str, Path] | None = None) -> float:

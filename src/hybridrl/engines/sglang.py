@@ -14,7 +14,7 @@ from typing import Any
 
 from hybridrl.engines.base import EngineError, Request, Sampling
 from hybridrl.engines.gpus import nvml_indices, split_engine_devices
-from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, post_json
+from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, max_model_len, model_dtype, post_json
 from hybridrl.nvml import process_used_gb, used_gb
 from hybridrl.run_config import RunConfig
 
@@ -115,8 +115,8 @@ class SGLangServer(HTTPEngine):
             self.python, "-m", "sglang.launch_server",
             "--model-path", str(self.model), "--served-model-name", BASE_NAME,
             "--host", "127.0.0.1", "--port", str(port),
-            "--random-seed", str(run.seed), "--dtype", self._dtype(),
-            "--context-length", str(self._max_len()),
+            "--random-seed", str(run.seed), "--dtype", model_dtype(self.model),
+            "--context-length", str(max_model_len(self.model)),
             "--tp-size", str(run.tp),
             "--mem-fraction-static", str(run.gpu_memory_utilization),
             "--max-running-requests", str(run.max_concurrency),

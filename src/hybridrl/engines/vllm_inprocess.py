@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import json
 import os
 import threading
 import time
@@ -22,29 +21,11 @@ from typing import Any
 
 from hybridrl.engines.base import Completion, EngineDied, EngineError, Request, Sampling
 from hybridrl.engines.gpus import nvml_indices, split_engine_devices
-from hybridrl.engines.vllm import multicast_off_env, reset_until_done
+from hybridrl.engines.vllm import engine_flags, multicast_off_env, reset_until_done
 from hybridrl.nvml import process_used_gb, used_gb
 from hybridrl.run_config import RunConfig
 
-BASE_NAME = "base"
 CONTROL_TIMEOUT_S = 300.0
-
-
-def engine_cli_args(model: Path, run: RunConfig, max_len: int, dtype: str) -> list[str]:
-    """The same flags as the vllm server gets, so one `engine_args` list means the same for both."""
-    from hybridrl.engines.vllm import _lora_rank_bucket
-
-    args = [
-        "--model", str(model), "--served-model-name", BASE_NAME,
-        "--seed", str(run.seed), "--dtype", dtype, "--max-model-len", str(max_len),
-        "--enable-lora", "--max-lora-rank", str(_lora_rank_bucket(run.lora.rank)), "--max-loras", "1",
-        "--lora-target-modules", *run.lora.target_modules,  # see VLLMServer.command
-        "--max-num-seqs", str(run.max_concurrency),
-    ]
-    if run.device == "cuda":
-        args += ["--tensor-parallel-size", str(run.tp),
-                 "--gpu-memory-utilization", str(run.gpu_memory_utilization), "--enable-sleep-mode"]
-    return args + list(run.engine_args)
 
 
 def sampling_kwargs(s: Sampling) -> dict[str, Any]:
@@ -125,14 +106,8 @@ class VLLMInProcess:
             raise
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def _config(self) -> dict[str, Any]:
-        return json.loads((self.model / "config.json").read_text())
-
     def cli_args(self) -> list[str]:
-        cfg = self._config()
-        max_len = min(int(cfg.get("max_position_embeddings", 4096)), 4096)
-        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
-        return engine_cli_args(self.model, self.run, max_len, dtype)
+        return engine_flags(self.model, self.run)
 
     def start(self, adapter: tuple[str, Path] | None = None) -> float:
         os.environ.update(self._env)

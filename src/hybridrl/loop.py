@@ -141,8 +141,7 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
     engine = engine or make_engine(run, model_dir, env_spec, paths.logs)
     trainer = None
     try:
-        if hasattr(engine, "preflight"):  # a missing engine fails now, not after the trainer's build
-            engine.preflight()
+        engine.preflight()  # a missing engine fails now, not after the trainer's build
         trainer = make_trainer(run, model_dir, paths.root)
         adapter = paths.adapter(first_step - 1) if first_step > 1 else None
         if adapter is not None:
@@ -307,9 +306,7 @@ def make_record(ctx: RunContext, step: int, t: Timings, rollout: Rollout, scored
     record.update(mem)
     record.update(checks)
     record.update(logprob_gate(record["check/rollout_logprob_abs_diff"], run))
-    step_metrics = getattr(ctx.engine, "step_metrics", None)  # engine-side readings, e.g. NVML after sleep/wake
-    if step_metrics:
-        record.update(step_metrics())
+    record.update(ctx.engine.step_metrics())  # engine-side readings, e.g. NVML after sleep/wake
     return record
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hybridrl.engines.base import EngineError, Request, Sampling
-from hybridrl.engines.gpus import nvml_indices, split_engine_devices
+from hybridrl.engines.base import EngineError, Request, Sampling, SleepVariant
+from hybridrl.engines.gpus import split_engine_devices
 from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, max_model_len, model_dtype, post_json
 from hybridrl.nvml import process_used_gb, used_gb
 from hybridrl.run_config import RunConfig
@@ -151,14 +151,35 @@ class SGLangServer(HTTPEngine):
 
     # -- memory saver ----------------------------------------------------------------------------
     def sleep(self) -> None:
-        post_json(self._url(), "/release_memory_occupation", {"tags": self.tags})
-        self._metrics["mem/engine_asleep_gb"] = used_gb(self._gpus())
+        self._release(self.tags)
+        self._metrics["mem/engine_asleep_gb"] = used_gb(self.gpus())
 
     def wake(self) -> None:
-        post_json(self._url(), "/resume_memory_occupation", {"tags": self.tags})
-        self._metrics["mem/engine_awake_gb"] = used_gb(self._gpus())
+        self._resume(self.tags)
+        self._metrics["mem/engine_awake_gb"] = used_gb(self.gpus())
         # colocate wakes right after the trainer offloaded: what the controller still holds on the GPU
-        self._metrics["mem/controller_gb"] = process_used_gb(indices=self._gpus())
+        self._metrics["mem/controller_gb"] = process_used_gb(indices=self.gpus())
+
+    def _release(self, tags: list[str]) -> None:
+        post_json(self._url(), "/release_memory_occupation", {"tags": tags})
+
+    def _resume(self, tags: list[str]) -> None:
+        post_json(self._url(), "/resume_memory_occupation", {"tags": tags})
+
+    def sleep_variants(self) -> list[SleepVariant]:
+        policies = [release_tags("kv_cache")]
+        if self.server and "--enable-weights-cpu-backup" in self.server.cmd:  # weights go only with a CPU backup
+            policies.append(release_tags("all"))
+        return [SleepVariant({"tags": tags}, lambda tags=tags: self._release(tags),
+                             lambda tags=tags: self._resume(tags)) for tags in policies]
+
+    def probe_info(self, request: Request) -> dict[str, Any]:
+        info = self.server_info()
+        keys = ("version", "max_total_num_tokens", "enable_memory_saver", "enable_weights_cpu_backup",
+                "max_lora_rank", "lora_backend")
+        server = {k: info.get(k) for k in keys}
+        server["internal_state_keys"] = sorted((info.get("internal_states") or [{}])[0].keys())
+        return {**super().probe_info(request), "server_info": server}
 
     def flush_cache(self) -> None:
         post_json(self._url(), "/flush_cache")
@@ -179,9 +200,6 @@ class SGLangServer(HTTPEngine):
                 "release_tags": self.tags,
                 "env": {k: v for k, v in env.items() if k.startswith(("SGLANG_", "CUDA_", "PYTHONPATH"))},
                 "version": self.installed_version()}
-
-    def _gpus(self) -> list[int] | None:
-        return nvml_indices(self.environment())
 
 
 def kv_capacity_from_info(info: dict[str, Any]) -> int | None:

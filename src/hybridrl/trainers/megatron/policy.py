@@ -3,8 +3,6 @@ export, and offload to pinned CPU memory. Needs torch.distributed and megatron's
 
 from __future__ import annotations
 
-import math
-import time
 from pathlib import Path
 
 import torch
@@ -81,13 +79,11 @@ class MegatronPolicy:
     # -- the GRPO step ---------------------------------------------------------------------------------
     def step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step on the whole batch (token-mean loss, micro-batched); returns metrics."""
-        t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         metrics = self.backward(samples)
         metrics["train/grad_norm"] = self.optimizer_step()
-        elapsed = time.perf_counter() - t0
-        metrics["perf/train_tok_s"] = metrics["perf/train_tokens"] / elapsed if elapsed > 0 else math.nan
+        # no perf/train_tok_s here: the loop derives it from the whole update_actor phase
         if self.device.type == "cuda":
             metrics["mem/trainer_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / nvml.GB
         return metrics

@@ -293,7 +293,7 @@ class RolloutClient:
             results = asyncio.run(self._all(requests, lambda: bar.advance(task)))
         if not self.server.alive():
             raise EngineError(f"{self.server.name} died during the rollout; last lines of "
-                             f"{self.server.log_path}:\n{log_tail(self.server.log_path)}")
+                              f"{self.server.log_path}:\n{log_tail(self.server.log_path)}")
         return results
 
 

@@ -193,9 +193,6 @@ class MegatronTrainer:
     def resume(self, adapter_dir: Path) -> None:
         self._job("resume", adapter_dir=str(adapter_dir))
 
-    def save(self, out_dir: Path) -> None:
-        self._job("save", out_dir=str(out_dir))
-
     def gpu_pids(self) -> list[int]:
         return self._rank_pids()
 

@@ -6,7 +6,7 @@ Protocol (all files in JOB_DIR, each written to a temp name and renamed, so a re
     config.json                  written by the controller: model_dir, run, device, controller_pid
     pid-rank<R>                  each rank's pid, so the controller can stop every process it caused
     ready.json                   TP rank 0, once the model is built
-    jobs/<seq>.json              the controller: {"op": step|offload|onload|resume|save|shutdown, ...}
+    jobs/<seq>.json              the controller: {"op": step|offload|onload|resume|shutdown, ...}
     results/<seq>.json           TP rank 0: {"ok": true, ...}
     results/<seq>.error-rank<R>.json, startup.error-rank<R>.json
                                  any rank that failed: {"ok": false, "error": ..., "traceback": ...}
@@ -162,8 +162,6 @@ def _handle(policy: Any, job: dict[str, Any]) -> dict[str, Any]:
         policy.onload()
     elif op == "resume":
         policy.resume(Path(job["adapter_dir"]))
-    elif op == "save":
-        policy.save(Path(job["out_dir"]))
     elif op != "shutdown":
         raise ValueError(f"unknown job op {op!r}")
     out["elapsed_s"] = time.perf_counter() - t0

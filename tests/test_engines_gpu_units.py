@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridrl import nvml
 from hybridrl.engines.base import EngineError, Request, Sampling
 from hybridrl.engines.gpus import nvml_indices, split_engine_devices, visible_devices
 from hybridrl.engines.sglang import (
@@ -260,8 +261,8 @@ def test_sglang_reloads_by_unload_then_load_and_sleeps_with_tags(model_dir: Path
     from hybridrl.engines import sglang as sglang_mod
 
     calls = _record_posts(monkeypatch, sglang_mod)
-    monkeypatch.setattr(sglang_mod, "used_gb", lambda indices=None: 1.0)
-    monkeypatch.setattr(sglang_mod, "process_used_gb", lambda pid=None, indices=None: 0.5)
+    monkeypatch.setattr(nvml, "used_gb", lambda indices=None: 1.0)
+    monkeypatch.setattr(nvml, "process_used_gb", lambda pid=None, indices=None: 0.5)
     eng = SGLangServer(model_dir, _run(), {}, tmp_path)
     monkeypatch.setattr(eng, "_url", lambda: "http://127.0.0.1:1")
     eng.load_adapter("policy", Path("/a/1"))

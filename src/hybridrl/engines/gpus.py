@@ -1,4 +1,5 @@
-"""Which GPUs an engine runs on (CUDA_VISIBLE_DEVICES), and their NVML indices for hybridrl.nvml."""
+"""Which GPUs an engine runs on (CUDA_VISIBLE_DEVICES), their NVML indices, and the NVML readings every engine
+records right after it sleeps and wakes."""
 
 from __future__ import annotations
 
@@ -43,3 +44,14 @@ def nvml_indices(env: dict[str, str] | None = None) -> list[int] | None:
         return [int(d) for d in devices]
     except ValueError:  # GPU UUIDs or MIG ids: cannot map cheaply, sample every GPU
         return None
+
+
+def asleep_readings(gpus: list[int] | None) -> dict[str, float | None]:
+    """Right after the engine slept: what is still in use on its GPUs."""
+    return {"mem/engine_asleep_gb": nvml.used_gb(gpus)}
+
+
+def awake_readings(gpus: list[int] | None) -> dict[str, float | None]:
+    """Right after the engine woke; colocate wakes just after the trainer offloaded, so the controller's own
+    share is what the trainer left on the GPU."""
+    return {"mem/engine_awake_gb": nvml.used_gb(gpus), "mem/controller_gb": nvml.process_used_gb(indices=gpus)}

@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.base import EngineError, Request, Sampling, SleepVariant
-from hybridrl.engines.gpus import split_engine_devices
+from hybridrl.engines.gpus import asleep_readings, awake_readings, split_engine_devices
 from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, max_model_len, model_dtype, post_json
-from hybridrl.nvml import process_used_gb, used_gb
 from hybridrl.run_config import RunConfig
 
 BASE_NAME = "base"
@@ -152,13 +151,11 @@ class SGLangServer(HTTPEngine):
     # -- memory saver ----------------------------------------------------------------------------
     def sleep(self) -> None:
         self._release(self.tags)
-        self._metrics["mem/engine_asleep_gb"] = used_gb(self.gpus())
+        self._metrics.update(asleep_readings(self.gpus()))
 
     def wake(self) -> None:
         self._resume(self.tags)
-        self._metrics["mem/engine_awake_gb"] = used_gb(self.gpus())
-        # colocate wakes right after the trainer offloaded: what the controller still holds on the GPU
-        self._metrics["mem/controller_gb"] = process_used_gb(indices=self.gpus())
+        self._metrics.update(awake_readings(self.gpus()))
 
     def _release(self, tags: list[str]) -> None:
         post_json(self._url(), "/release_memory_occupation", {"tags": tags})

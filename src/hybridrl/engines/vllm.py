@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.base import EngineError, Request, SleepVariant
-from hybridrl.engines.gpus import split_engine_devices
+from hybridrl.engines.gpus import asleep_readings, awake_readings, split_engine_devices
 from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, max_model_len, model_dtype, post_json
-from hybridrl.nvml import process_used_gb, used_gb
 from hybridrl.run_config import RunConfig
 
 BASE_NAME = "base"
@@ -141,14 +140,12 @@ class VLLMServer(HTTPEngine):
     # -- sleep mode (GPU) ------------------------------------------------------------------------
     def sleep(self) -> None:
         post_json(self._url(), f"/sleep?level={self.run.vllm_sleep_level}")
-        self._metrics["mem/engine_asleep_gb"] = used_gb(self.gpus())
+        self._metrics.update(asleep_readings(self.gpus()))
 
     def wake(self) -> None:
         # level 1 only: the config refuses level 2, whose weight reload fails with LoRA (config._check_run)
         post_json(self._url(), "/wake_up")
-        self._metrics["mem/engine_awake_gb"] = used_gb(self.gpus())
-        # colocate wakes right after the trainer offloaded: what the controller still holds on the GPU
-        self._metrics["mem/controller_gb"] = process_used_gb(indices=self.gpus())
+        self._metrics.update(awake_readings(self.gpus()))
 
     def sleep_variants(self) -> list[SleepVariant]:
         # level 1 only: level 2 cannot wake with LoRA enabled in vLLM 0.26 (see config._check_run)

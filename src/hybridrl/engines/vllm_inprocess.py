@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.base import Completion, EngineError, Request, Sampling, SleepVariant
-from hybridrl.engines.gpus import nvml_indices, split_engine_devices
+from hybridrl.engines.gpus import asleep_readings, awake_readings, nvml_indices, split_engine_devices
 from hybridrl.engines.vllm import engine_flags, multicast_off_env, reset_until_done
-from hybridrl.nvml import process_used_gb, used_gb
 from hybridrl.run_config import RunConfig
 
 CONTROL_TIMEOUT_S = 300.0
@@ -221,14 +220,12 @@ class VLLMInProcess:
     # -- sleep mode ------------------------------------------------------------------------------
     def sleep(self) -> None:
         self._call(self.llm.sleep(self.run.vllm_sleep_level))
-        self._metrics["mem/engine_asleep_gb"] = used_gb(self.gpus())
+        self._metrics.update(asleep_readings(self.gpus()))
 
     def wake(self) -> None:
         # level 1 only: the config refuses level 2, whose weight reload fails with LoRA (config._check_run)
         self._call(self.llm.wake_up())
-        self._metrics["mem/engine_awake_gb"] = used_gb(self.gpus())
-        # colocate wakes right after the trainer offloaded: what the controller still holds on the GPU
-        self._metrics["mem/controller_gb"] = process_used_gb(indices=self.gpus())
+        self._metrics.update(awake_readings(self.gpus()))
 
     def flush_cache(self) -> None:
         # older releases return None, newer ones False while blocks are still held

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridrl import nvml
 from hybridrl.engines.base import EngineError, Request, Sampling
 from hybridrl.engines.gpus import nvml_indices, split_engine_devices, visible_devices
 from hybridrl.engines.sglang import (
@@ -16,7 +17,8 @@ from hybridrl.engines.sglang import (
     parse_chunk,
     release_tags,
 )
-from hybridrl.engines.vllm_inprocess import engine_cli_args, sampled_logprobs, sampling_kwargs
+from hybridrl.engines.vllm import VLLMServer, engine_flags
+from hybridrl.engines.vllm_inprocess import VLLMInProcess, sampled_logprobs, sampling_kwargs
 from hybridrl.run_config import RunConfig
 
 
@@ -183,14 +185,25 @@ def test_split_on_one_gpu_and_other_placements_change_nothing():
 
 
 # -- vLLM in-process -------------------------------------------------------------------------------
-def test_inprocess_flags_match_the_server(tmp_path: Path):
-    args = engine_cli_args(tmp_path, _run(engine="vllm-inprocess", engine_args=["--enforce-eager"]), 4096,
-                           "bfloat16")
+def test_inprocess_flags_match_the_server(model_dir: Path):
+    args = engine_flags(model_dir, _run(engine="vllm-inprocess", engine_args=["--enforce-eager"]))
     assert "--enable-sleep-mode" in args and "--enable-lora" in args
     assert args[args.index("--max-lora-rank") + 1] == "8"
     assert args[-1] == "--enforce-eager"
-    cpu = engine_cli_args(tmp_path, _run(device="cpu"), 512, "float32")
+    cpu = engine_flags(model_dir, _run(device="cpu"))
     assert "--enable-sleep-mode" not in cpu and "--gpu-memory-utilization" not in cpu
+
+
+@pytest.mark.parametrize("over", [{}, {"device": "cpu"}, {"engine_args": ["--enforce-eager"], "tp": 2}])
+def test_both_vllm_engines_start_with_the_same_flags(model_dir: Path, tmp_path: Path, over):
+    server = VLLMServer(model_dir, _run(engine="vllm", **over), {"python": "py"}, tmp_path)
+    inprocess = VLLMInProcess(model_dir, _run(engine="vllm-inprocess", **over), {}, tmp_path)
+    cmd = server.command(1234, None)
+    assert cmd[:7] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", "1234"]
+    assert cmd[7:] == inprocess.cli_args() == engine_flags(model_dir, _run(engine="vllm", **over))
+    assert cmd[cmd.index("--max-model-len") + 1] == "4096" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    with_adapter = server.command(1, ("policy", Path("/a/step-0002")))
+    assert with_adapter[with_adapter.index("--lora-modules") + 1] == "policy=/a/step-0002"
 
 
 def test_inprocess_sampling_kwargs():
@@ -248,8 +261,8 @@ def test_sglang_reloads_by_unload_then_load_and_sleeps_with_tags(model_dir: Path
     from hybridrl.engines import sglang as sglang_mod
 
     calls = _record_posts(monkeypatch, sglang_mod)
-    monkeypatch.setattr(sglang_mod, "used_gb", lambda indices=None: 1.0)
-    monkeypatch.setattr(sglang_mod, "process_used_gb", lambda pid=None, indices=None: 0.5)
+    monkeypatch.setattr(nvml, "used_gb", lambda indices=None: 1.0)
+    monkeypatch.setattr(nvml, "process_used_gb", lambda pid=None, indices=None: 0.5)
     eng = SGLangServer(model_dir, _run(), {}, tmp_path)
     monkeypatch.setattr(eng, "_url", lambda: "http://127.0.0.1:1")
     eng.load_adapter("policy", Path("/a/1"))

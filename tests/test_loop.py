@@ -13,7 +13,7 @@ import yaml
 
 from hybridrl import data, models
 from hybridrl.config import resolve
-from hybridrl.engines.base import Completion, EngineDied, EngineError
+from hybridrl.engines.base import Completion, EngineError, SleepVariant
 from hybridrl.loop import RunFailed, run_loop, step_requests
 from hybridrl.run_config import RunConfig
 
@@ -24,7 +24,7 @@ class ScriptedEngine:
     """Answers like an engine would; `die_at` makes that rollout fail as if the server died."""
 
     name = "scripted"
-    supports_sleep = False
+    has_http_client = False
 
     def __init__(self, die_at: int | None = None, corrupt_base_after: int | None = None) -> None:
         self.calls, self.rollouts, self.starts, self.up = 0, 0, 0, False
@@ -45,14 +45,17 @@ class ScriptedEngine:
     def alive(self) -> bool:
         return self.up
 
-    def generate(self, requests, progress=False):
+    def preflight(self):
+        return None
+
+    def generate(self, requests, progress=False, shared_pool=False):
         self.calls += 1
         self.rollouts += len(requests) > 1  # canary probes are single requests
         if len(requests) > 1:
             self.events.append("rollout")
         if len(requests) > 1 and self.rollouts == self.die_at:
             self.up = False
-            raise EngineDied("scripted death")
+            raise EngineError("scripted death")
         out = []
         for r in requests:
             greedy = r.sampling.temperature == 0
@@ -64,6 +67,9 @@ class ScriptedEngine:
             shift = 0.5 if r.adapter else 0.0  # the adapter moves the logprobs
             out.append(Completion(tokens, [-2.0 - shift] * n, 0.01, [0.01] * (n - 1), 0.1, "length"))
         return out
+
+    def generate_raw(self, requests):
+        return self.generate(requests)
 
     def load_adapter(self, name, path):
         self.adapters[name] = path
@@ -80,6 +86,18 @@ class ScriptedEngine:
 
     def kv_capacity_tokens(self):
         return 4096
+
+    def step_metrics(self):
+        return {}
+
+    def gpus(self):
+        return None
+
+    def sleep_variants(self):
+        return [SleepVariant({"level": 1}, self.sleep, self.wake)]
+
+    def probe_info(self, request):
+        return {}
 
     def describe(self):
         return {"engine": self.name}
@@ -215,10 +233,10 @@ def test_a_live_engine_that_refuses_an_adapter_fails_the_run(assets, tmp_path):
 
 def test_engine_failing_every_retry_stops_the_run(assets, tmp_path):
     class AlwaysDies(ScriptedEngine):
-        def generate(self, requests, progress=False):
+        def generate(self, requests, progress=False, shared_pool=False):
             self.calls += 1
             if self.calls > 1:
-                raise EngineDied("gone")
+                raise EngineError("gone")
             return super().generate(requests, progress)
 
     with pytest.raises(RunFailed, match="failed 3 times in one step"):
@@ -294,7 +312,7 @@ def test_a_gap_above_the_fail_limit_stops_the_run_and_keeps_its_record(assets, t
 
 def test_a_failed_request_is_counted_logged_and_kept_with_its_cause(assets, tmp_path, capsys):
     class OneFails(ScriptedEngine):
-        def generate(self, requests, progress=False):
+        def generate(self, requests, progress=False, shared_pool=False):
             out = super().generate(requests, progress)
             if len(requests) > 1 and self.rollouts == 2:
                 out[1] = Completion([], [], float("nan"), [], float("nan"), None, error="HTTP 400: bad token")
@@ -319,10 +337,10 @@ def test_side_by_side_runs_meet_at_the_start_barrier_and_record_the_wait(assets,
 def test_a_run_that_fails_to_start_releases_the_start_barrier(assets, tmp_path, monkeypatch):
     class WontStart(ScriptedEngine):
         def start(self, adapter=None):
-            raise EngineDied("no GPU left")
+            raise EngineError("no GPU left")
 
     monkeypatch.setenv("HYBRIDRL_START_BARRIER", f"{tmp_path / 'barrier'}:2")
-    with pytest.raises(EngineDied):
+    with pytest.raises(EngineError, match="no GPU left"):
         run_loop(_run(), "r10", assets / "model", assets / "data", tmp_path / "run", {}, progress=False,
                  engine=WontStart())
     assert (tmp_path / "barrier" / "r10.gone").exists()
@@ -469,3 +487,34 @@ def test_overlap_needs_the_split_placement():
     with pytest.raises(ConfigError, match=r"runs\[1\]\.overlap: rollout and training overlap only on separate "
                                           r"GPUs \(placement: split\), not with restart"):
         resolve(spec)
+def test_every_engine_has_the_whole_interface():
+    """The loop and the benchmark call engines only through engines.base.Engine: each engine has all of it."""
+    import inspect
+
+    from hybridrl.engines.base import Engine
+    from hybridrl.engines.sglang import SGLangServer
+    from hybridrl.engines.vllm import VLLMServer
+    from hybridrl.engines.vllm_inprocess import VLLMInProcess
+
+    members = {n for n in vars(Engine) if not n.startswith("_")} | set(Engine.__annotations__)
+    assert {"preflight", "step_metrics", "sleep_variants", "probe_info", "gpus", "has_http_client"} <= members
+    for cls in (SGLangServer, VLLMServer, VLLMInProcess, ScriptedEngine):
+        missing = sorted(n for n in members if not hasattr(cls, n))
+        assert missing == [], f"{cls.__name__} lacks {missing}"
+        for name in members - set(Engine.__annotations__):
+            want = list(inspect.signature(getattr(Engine, name)).parameters)
+            assert list(inspect.signature(getattr(cls, name)).parameters) == want, f"{cls.__name__}.{name}"
+
+
+def test_the_benchmark_probe_goes_through_the_engine_interface_only(tmp_path):
+    from hybridrl import bench
+
+    engine = ScriptedEngine()  # no server, stream or command line to reach into
+    engine.start()
+    adapter = tmp_path / "adapter"
+    out = bench.probe_engine(engine, [1, 2, 3], adapter)
+    [cycle] = out["cycles"]
+    assert cycle["level"] == 1 and cycle["greedy_same"] is True and cycle["sleep_s"] >= 0
+    assert out["kv_capacity_tokens"] == 4096 and len(out["adapter_load_s"]) == 3
+    assert out["adapter_changes_greedy_or_logprobs"] is None  # the scripted adapter moves logprobs only
+    assert engine.adapters == {"policy": adapter}

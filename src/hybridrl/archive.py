@@ -10,14 +10,14 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
-import os
 import re
 import tarfile
-import tempfile
 import zlib
 from collections.abc import Collection, Iterable
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
+
+from hybridrl.atomic import atomic_path
 
 MANIFEST = "MANIFEST.sha256"
 # Fixed metadata so the same inputs give the same bytes (2000-01-01; GNU tar frowns on epoch 0).
@@ -141,11 +141,8 @@ def pack(results_dir: Path, extra_files: Iterable[Path], out_tar: Path, root: Pa
         raise FileNotFoundError(f"{results_dir}: results directory does not exist")
     stem = _archive_stem(out_tar)
     members = {**extra_members(extra_files, root), **results_members(results_dir, out_tar, include_adapters, run_ids)}
-    out_tar.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_tar.name}.", suffix=".tmp", dir=out_tar.parent)
-    os.close(fd)
-    try:
-        raw, stream = _open_out(Path(tmp), compress=not out_tar.name.endswith(".tar"))
+    with atomic_path(out_tar, fsync=True) as tmp:
+        raw, stream = _open_out(tmp, compress=not out_tar.name.endswith(".tar"))
         try:
             with tarfile.open(fileobj=stream, mode="w", format=tarfile.PAX_FORMAT) as tar:
                 sums = {arc: _add_file(tar, f"{stem}/{arc}", members[arc]) for arc in sorted(members)}
@@ -154,13 +151,7 @@ def pack(results_dir: Path, extra_files: Iterable[Path], out_tar: Path, root: Pa
         finally:
             if stream is not raw:
                 stream.close()
-            raw.flush()
-            os.fsync(raw.fileno())
             raw.close()
-        os.replace(tmp, out_tar)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return out_tar
 
 

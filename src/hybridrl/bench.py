@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl import data as gsm8k
+from hybridrl.atomic import write_text
 from hybridrl.engines import make_engine
-from hybridrl.engines.base import EngineError, Request, Sampling
+from hybridrl.engines.base import Engine, EngineError, Request, Sampling
 from hybridrl.loop import step_requests
+from hybridrl.nvml import used_gb
 from hybridrl.placement import ADAPTER_NAME
 from hybridrl.run_config import RunConfig
 from hybridrl.telemetry import read_records, rollout_stats
@@ -36,7 +38,7 @@ def in_loop_throughput(run_dir: Path, step: int) -> float | None:
     return None
 
 
-def _greedy(engine: Any, prompt: list[int], adapter: str | None = None) -> list[int]:
+def _greedy(engine: Engine, prompt: list[int], adapter: str | None = None) -> list[int]:
     out = engine.generate([Request(prompt, Sampling(temperature=0.0, max_new_tokens=16, ignore_eos=True),
                                    adapter)])[0]
     if out.error:
@@ -50,50 +52,20 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def _raw_stream(base_url: str, path: str, body: dict[str, Any], keep: int = 3) -> list[str]:
-    """The first and last few raw event lines of one streamed request, as the server sent them."""
-    import httpx
-
-    lines: list[str] = []
-    with httpx.stream("POST", base_url + path, json=body, timeout=60) as r:
-        lines = [line[:1500] for line in r.iter_lines() if line.strip()]
-    return lines[:keep] + (["..."] if len(lines) > 2 * keep else []) + lines[-keep:]
-
-
-def probe_http(engine: Any, prompt: list[int], adapter: Path | None) -> dict[str, Any]:
-    """Raw HTTP checks of a server engine: stream format, sleep/wake cycles with NVML readings and a
-    greedy before/after comparison for each release policy, and adapter (re)load times."""
-    from hybridrl.engines.gpus import nvml_indices, used_gb
-    from hybridrl.engines.server import post_json
-
-    url = engine.server.base_url
-    gpus = nvml_indices(engine.environment())
+def probe_engine(engine: Engine, prompt: list[int], adapter: Path | None) -> dict[str, Any]:
+    """What the engine shows of itself (probe_info: e.g. its raw stream events), each way it can sleep timed
+    with NVML readings and a greedy before/after comparison, and adapter (re)load times."""
+    gpus = engine.gpus()
     req = Request(prompt, Sampling(temperature=0.0, max_new_tokens=4, ignore_eos=True), stream=True)
-    out: dict[str, Any] = {"stream_sample": _raw_stream(url, engine.stream.url_path, engine.stream.body(req))}
+    out: dict[str, Any] = engine.probe_info(req)
     before = _greedy(engine, prompt)
     cycles = []
-    if engine.name == "sglang":
-        policies = [["kv_cache", "cuda_graph"]]
-        if "--enable-weights-cpu-backup" in engine.server.cmd:  # releasing weights is safe only with a backup
-            policies.append(["kv_cache", "weights", "cuda_graph"])
-        for tags in policies:
-            awake = used_gb(gpus)
-            t_rel = _timed(lambda tags=tags: post_json(url, "/release_memory_occupation", {"tags": tags}))
-            asleep = used_gb(gpus)
-            t_res = _timed(lambda tags=tags: post_json(url, "/resume_memory_occupation", {"tags": tags}))
-            cycles.append({"tags": tags, "sleep_s": t_rel, "wake_s": t_res, "awake_gb": awake, "asleep_gb": asleep,
-                           "woken_gb": used_gb(gpus), "greedy_same": _greedy(engine, prompt) == before})
-        info = engine.server_info()
-        out["server_info"] = {k: info.get(k) for k in ("version", "max_total_num_tokens", "enable_memory_saver",
-                                                       "enable_weights_cpu_backup", "max_lora_rank", "lora_backend")}
-        out["server_info"]["internal_state_keys"] = sorted((info.get("internal_states") or [{}])[0].keys())
-    else:
-        # level 1 only: level 2 cannot wake with LoRA enabled in vLLM 0.26 (see config._check_run)
+    for variant in engine.sleep_variants():
         awake = used_gb(gpus)
-        t_rel = _timed(lambda: post_json(url, "/sleep?level=1"))
+        t_sleep = _timed(variant.sleep)
         asleep = used_gb(gpus)
-        t_res = _timed(lambda: post_json(url, "/wake_up"))
-        cycles.append({"level": 1, "sleep_s": t_rel, "wake_s": t_res, "awake_gb": awake, "asleep_gb": asleep,
+        t_wake = _timed(variant.wake)
+        cycles.append({**variant.label, "sleep_s": t_sleep, "wake_s": t_wake, "awake_gb": awake, "asleep_gb": asleep,
                        "woken_gb": used_gb(gpus), "greedy_same": _greedy(engine, prompt) == before})
     out["cycles"] = cycles
     out["kv_capacity_tokens"] = engine.kv_capacity_tokens()
@@ -111,16 +83,14 @@ def probe_http(engine: Any, prompt: list[int], adapter: Path | None) -> dict[str
 PATHS = ("raw", "client", "stream_all", "old_client")
 
 
-def _one_pass(engine: Any, requests: list[Request], path: str) -> tuple[list[Any], float]:
+def _one_pass(engine: Engine, requests: list[Request], path: str) -> tuple[list[Any], float]:
     engine.flush_cache()  # as in the loop after an adapter load: no prefix hits from the last pass
     streamed = [dataclasses.replace(r, stream=True) for r in requests]
     t0 = time.perf_counter()
     if path == "raw":
         completions = engine.generate_raw(requests)
     elif path == "old_client":
-        old = type(engine.stream)(engine.server, engine.stream.timeout_s, engine.stream.max_concurrency,
-                                  shared_pool=True)
-        completions = old.generate(streamed)
+        completions = engine.generate(streamed, shared_pool=True)
     else:
         completions = engine.generate(streamed if path == "stream_all" else requests)
     return completions, time.perf_counter() - t0
@@ -140,7 +110,7 @@ def run_bench(cfg: dict[str, Any], model_dir: Path, data_dir: Path, run_dir: Pat
         if not adapter.exists():
             raise FileNotFoundError(f"adapter {adapter} (written by step {step - 1} of the run)")
     engine = make_engine(run, model_dir, cfg.get("engine_env", {}), log_dir)
-    if not hasattr(engine, "stream"):  # in-process vLLM has no HTTP client, old or new
+    if not engine.has_http_client:  # in-process vLLM has no HTTP client, old or new
         paths = tuple(p for p in paths if p != "old_client")
     reps: list[dict[str, Any]] = []
     try:
@@ -158,9 +128,9 @@ def run_bench(cfg: dict[str, Any], model_dir: Path, data_dir: Path, run_dir: Pat
                 print(f"repeat {i} {path}: {stats['perf/throughput']:.1f} tok/s, {stats['perf/gen_tokens']:.0f} "
                       f"tokens, {stats['errors/requests_failed']:.0f} failed, controller CPU {cpu:.0f}%", flush=True)
         probed = None
-        if probe and getattr(engine, "server", None) is not None:
+        if probe:
             try:
-                probed = probe_http(engine, requests[0].prompt_ids, adapter)
+                probed = probe_engine(engine, requests[0].prompt_ids, adapter)
             except Exception as exc:  # the throughput above stands; say what the probe hit
                 probed = {"error": f"{type(exc).__name__}: {exc}"}
             print(json.dumps(probed, default=str)[:4000], flush=True)
@@ -192,10 +162,7 @@ def main(run_config: Path, model_dir: Path, data_dir: Path, run_dir: Path, step:
     result = run_bench(cfg, Path(model_dir), Path(data_dir), Path(run_dir), step, repeats,
                        Path(out).parent / f"bench-logs-{cfg['run_id']}", probe)
     result["overrides"] = overrides or {}
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(out).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(out)
+    write_text(Path(out), json.dumps(result, indent=2))
     ratio = result["in_loop_over_raw"]
     print(json.dumps({k: result[k] for k in ("run_id", "engine", "step", "tok_s_median", "over_raw",
                                               "in_loop_tok_s", "in_loop_over_raw")}))

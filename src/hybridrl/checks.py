@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl import data as gsm8k
+from hybridrl.atomic import write_text
 from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling
 from hybridrl.placement import ADAPTER_NAME
 from hybridrl.run_config import RunConfig
@@ -41,10 +42,8 @@ class Canary:
             return
         self.base = self._probe(engine, None)
         self.kv_capacity = engine.kv_capacity_tokens()
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"token_ids": self.base.token_ids, "logprobs": self.base.logprobs,
-                                   "kv_capacity_tokens": self.kv_capacity}))
-        tmp.replace(self.path)
+        write_text(self.path, json.dumps({"token_ids": self.base.token_ids, "logprobs": self.base.logprobs,
+                                          "kv_capacity_tokens": self.kv_capacity}))
 
     def check(self, engine: Engine, adapter_loaded: bool) -> dict[str, Any]:
         base_now = self._probe(engine, None)

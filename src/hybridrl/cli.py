@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from hybridrl.atomic import write_text
 from hybridrl.config import ConfigError, load_study, read_run_spec
 
 
@@ -27,7 +28,7 @@ def _schema(args: argparse.Namespace) -> None:
             raise SystemExit(f"{SCHEMA} is out of date with hybridrl.run_config: run `python -m hybridrl schema`")
         print(f"{SCHEMA}: up to date")
         return
-    SCHEMA.write_text(wanted)
+    write_text(SCHEMA, wanted)
     print(f"{SCHEMA}: {'unchanged' if wanted == current else 'written'}")
 
 
@@ -58,9 +59,7 @@ def _train(args: argparse.Namespace) -> None:
     records = run_loop(spec.run, spec.run_id, model_dir, data_dir, out, spec.engine_env,
                        progress=not args.no_progress)
     summary = {"run_id": spec.run_id, "steps": len(records)}
-    tmp = Path(args.done).with_suffix(".tmp")
-    tmp.write_text(json.dumps(summary))
-    tmp.replace(args.done)
+    write_text(Path(args.done), json.dumps(summary))
 
 
 def _bench(args: argparse.Namespace) -> None:

@@ -14,10 +14,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from hybridrl.atomic import write_text
 
 if TYPE_CHECKING:  # only a type here: this glue also runs inside images, before any run
     from hybridrl.run_config import RunConfig
@@ -315,16 +316,7 @@ def grant_cpus(grant: Mapping[str, Any] | None) -> int | None:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True)
-            fh.write("\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def record_job(out: Path, environ: MutableMapping[str, str]) -> dict[str, Any] | None:

@@ -8,7 +8,6 @@ import json
 import os
 import random
 import shutil
-import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
@@ -19,6 +18,7 @@ from pathlib import Path
 # extract_answer is read from here by callers and tests; the rule lives in answer.py
 from hybridrl.answer import answer_value, format_number
 from hybridrl.answer import extract_answer as extract_answer
+from hybridrl.atomic import atomic_path, write_text
 
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
 # sha256 of the upstream files; a mismatch means a corrupt or changed download.
@@ -34,12 +34,7 @@ DOWNLOAD_TIMEOUT_S = 60.0
 
 
 def write_jsonl_atomic(path: Path, rows: Iterable[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
+    write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -143,23 +138,18 @@ def download_gsm8k(out_dir: Path, url_template: str | None = None, timeout_s: fl
         target = out_dir / f"{split}.jsonl"
         if target.exists() and _sha256(target) == digest:
             continue
-        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{split}.")
-        os.close(fd)
         url = url_template.format(split=split)
-        try:
-            _fetch(url, tmp, timeout_s)
-        except (OSError, ValueError) as exc:  # URLError, a timeout, HTTP errors; ValueError: a malformed URL
-            os.unlink(tmp)
-            # URLError's own text is "<urlopen error ...>"; an HTTPError's says its status
-            reason = exc.reason if type(exc) is urllib.error.URLError else exc
-            raise RuntimeError(f"GSM8K {split}: download failed from {url}: {reason}; use data.source: synthetic "
-                               "on machines without network") from exc
-        got = _sha256(Path(tmp))
-        if got != digest:
-            os.unlink(tmp)
-            raise RuntimeError(f"GSM8K {split}: checksum mismatch (got {got}, expected {digest})")
-        rows = sum(1 for line in open(tmp) if line.strip())
-        if rows != GSM8K_ROWS[split]:
-            os.unlink(tmp)
-            raise RuntimeError(f"GSM8K {split}: {rows} rows, expected {GSM8K_ROWS[split]}")
-        os.replace(tmp, target)
+        with atomic_path(target) as tmp:  # a file that fails a check below never takes the name
+            try:
+                _fetch(url, str(tmp), timeout_s)
+            except (OSError, ValueError) as exc:  # URLError, a timeout, HTTP errors; ValueError: a malformed URL
+                # URLError's own text is "<urlopen error ...>"; an HTTPError's says its status
+                reason = exc.reason if type(exc) is urllib.error.URLError else exc
+                raise RuntimeError(f"GSM8K {split}: download failed from {url}: {reason}; use data.source: "
+                                   "synthetic on machines without network") from exc
+            got = _sha256(tmp)
+            if got != digest:
+                raise RuntimeError(f"GSM8K {split}: checksum mismatch (got {got}, expected {digest})")
+            rows = sum(1 for line in open(tmp) if line.strip())
+            if rows != GSM8K_ROWS[split]:
+                raise RuntimeError(f"GSM8K {split}: {rows} rows, expected {GSM8K_ROWS[split]}")

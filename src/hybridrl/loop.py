@@ -34,7 +34,7 @@ from hybridrl.checks import Canary, asleep_memory_gate, gap_limits, logprob_gate
 from hybridrl.client_ceiling import client_headroom_ok, run_ceiling
 from hybridrl.engines import make_engine
 from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling, stream_flags
-from hybridrl.engines.gpus import process_used_gb
+from hybridrl.nvml import process_used_gb
 from hybridrl.overlap import AheadRollouts, InFlight, overlap_s
 from hybridrl.placement import ADAPTER_NAME, Placement, make_placement
 from hybridrl.provenance import collect
@@ -148,8 +148,7 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
     engine = engine or make_engine(run, model_dir, env_spec, paths.logs)
     trainer, ctx = None, None
     try:
-        if hasattr(engine, "preflight"):  # a missing engine fails now, not after the trainer's build
-            engine.preflight()
+        engine.preflight()  # a missing engine fails now, not after the trainer's build
         trainer = make_trainer(run, model_dir, paths.root)
         adapter = paths.adapter(first_step - 1) if first_step > 1 else None
         if adapter is not None:
@@ -389,9 +388,7 @@ def make_record(ctx: RunContext, step: int, t: Timings, rollout: Rollout, scored
         mem["mem/used_gb_train"] = mem.get("mem/used_gb_update_actor")
     record.update(mem)
     record.update(checks)
-    step_metrics = getattr(ctx.engine, "step_metrics", None)  # engine-side readings, e.g. NVML after sleep/wake
-    if step_metrics:
-        record.update(step_metrics())
+    record.update(ctx.engine.step_metrics())  # engine-side readings, e.g. NVML after sleep/wake
     return record
 
 

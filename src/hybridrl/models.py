@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from hybridrl.atomic import atomic_dir
 from hybridrl.data import prompt_text, read_jsonl
 
 ARCH_CONFIGS = {
@@ -106,15 +107,9 @@ def link_local(spec: dict[str, Any], out_dir: Path) -> None:
 
 def _publish(tmp_dir: Path, out_dir: Path) -> None:
     """Move a finished checkpoint into place, so a half-written one never carries the final name."""
-    staging = out_dir.parent / f".{out_dir.name}.staging"
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(tmp_dir, staging)
-    staging.chmod(0o755)  # mkdtemp makes 0700; others (containers, colleagues) must read it
-    if out_dir.is_symlink():
-        out_dir.unlink()
-    elif out_dir.exists():
-        shutil.rmtree(out_dir)
-    staging.rename(out_dir)
+    with atomic_dir(out_dir) as staging:
+        shutil.copytree(tmp_dir, staging, dirs_exist_ok=True)
+        staging.chmod(0o755)  # mkdtemp makes 0700; others (containers, colleagues) must read it
 
 
 def prepare(spec: dict[str, Any], corpus: Path, out_dir: Path) -> None:

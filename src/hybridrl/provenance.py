@@ -10,11 +10,12 @@ import platform
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from hybridrl.atomic import write_text
+from hybridrl.nvml import gpu_info
 from hybridrl.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,37 +83,6 @@ def host_info() -> dict[str, Any]:
             "platform": platform.platform()}
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def gpu_info() -> dict[str, Any] | None:
-    """GPU models and driver from NVML; None where NVML or a GPU is absent."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # no driver / no GPU: NVML raises its own error types
-        return None
-    try:
-        devices = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            devices.append({"index": i, "name": _text(pynvml.nvmlDeviceGetName(handle)),
-                            "memory_gb": round(mem.total / 1e9, 2)})
-        cuda = pynvml.nvmlSystemGetCudaDriverVersion()
-        return {"driver": _text(pynvml.nvmlSystemGetDriverVersion()),
-                "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}",
-                "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "devices": devices}
-    except Exception:
-        return None
-    finally:
-        pynvml.nvmlShutdown()
-
-
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -156,16 +126,4 @@ def collect(run: RunConfig, engine_desc: dict[str, Any] | None) -> dict[str, Any
 
 def write(path: Path, data: dict[str, Any]) -> None:
     """Write JSON atomically: a reader sees the old file or the whole new one, never half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True, default=str)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_text(Path(path), json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", fsync=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import threading
 import time
 from collections import defaultdict
@@ -15,7 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from hybridrl import nvml
+from hybridrl.atomic import write_bytes
 from hybridrl.engines.base import Completion
+from hybridrl.engines.gpus import nvml_indices
 from hybridrl.record import CONTROLLER_CPU_PHASES, HOST_LOAD_PHASES, PHASES
 
 
@@ -118,7 +120,7 @@ class MemorySampler:
     """Samples NVML used memory per GPU in a thread (default 50 Hz), tagged with the current phase.
 
     NVML, not torch: torch's counters miss cumem (vLLM sleep) and torch_memory_saver (SGLang) memory.
-    Without a GPU or pynvml it records nothing and reports no mem/* values.
+    Without a GPU or NVML it records nothing and reports no mem/* values.
     """
 
     def __init__(self, gpu_indices: list[int] | None = None, hz: float = 50.0) -> None:
@@ -128,26 +130,14 @@ class MemorySampler:
         self.per_gpu: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._handles: list[tuple[int, Any]] = []
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            count = pynvml.nvmlDeviceGetCount()
-            if gpu_indices is None:  # this process's GPUs (CUDA_VISIBLE_DEVICES), else every GPU
-                from hybridrl.engines.gpus import nvml_indices
-
-                gpu_indices = nvml_indices()
-            indices = gpu_indices if gpu_indices is not None else list(range(count))
-            self._handles = [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in indices if i < count]
-            self._nvml = pynvml
-        except Exception:  # no driver, no library: a CPU machine
-            self._handles = []
-        self._thread = threading.Thread(target=self._loop, daemon=True) if self._handles else None
+        if gpu_indices is None:  # this process's GPUs (CUDA_VISIBLE_DEVICES), else every GPU
+            gpu_indices = nvml_indices()
+        self._devices = nvml.open_devices(gpu_indices)  # None on a CPU machine
+        self._thread = threading.Thread(target=self._loop, daemon=True) if self.active else None
 
     @property
     def active(self) -> bool:
-        return bool(self._handles)
+        return self._devices is not None and bool(self._devices.handles)
 
     def start(self) -> MemorySampler:
         if self._thread:
@@ -160,7 +150,10 @@ class MemorySampler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            used = {i: self._nvml.nvmlDeviceGetMemoryInfo(h).used / 1e9 for i, h in self._handles}
+            used = self._devices.used_gb() if self._devices else {}
+            if not used:  # no GPU answered this time
+                time.sleep(self.period)
+                continue
             with self._lock:
                 self.samples[self.phase].append(max(used.values()))
                 for i, gb in used.items():
@@ -187,6 +180,9 @@ class MemorySampler:
         self._stop.set()
         if self._thread and self._thread.is_alive():
             self._thread.join(timeout=2)
+        if self._devices is not None and not (self._thread and self._thread.is_alive()):
+            self._devices.close()
+            self._devices = None
 
 
 def append_record(path: Path, record: dict[str, Any]) -> None:
@@ -194,14 +190,8 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
 
     The whole file is rewritten to a temp file and renamed: steps.jsonl stays small (one line a step).
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     old = path.read_bytes() if path.exists() else b""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(old + (json.dumps(record, allow_nan=True) + "\n").encode())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_bytes(path, old + (json.dumps(record, allow_nan=True) + "\n").encode(), fsync=True)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

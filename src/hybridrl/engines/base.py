@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class EngineError(RuntimeError):
-    """The engine failed to start, died, or answered something unusable."""
-
-
-class EngineDied(EngineError):
-    """The server process is gone; the loop restarts it and retries the step."""
+    """The engine failed to start, died, or answered something unusable (the loop asks alive() which)."""
 
 
 @dataclass(frozen=True)
@@ -82,11 +79,26 @@ def stream_flags(n: int, fraction: float) -> list[bool]:
     return [int((i + 1) * fraction) > int(i * fraction) for i in range(n)]
 
 
+@dataclass(frozen=True)
+class SleepVariant:
+    """One way an engine can release its GPU memory and take it back, for the benchmark's sleep/wake probe."""
+
+    label: dict[str, Any]  # e.g. {"tags": [...]} or {"level": 1}
+    sleep: Callable[[], None]
+    wake: Callable[[], None]
+
+
 class Engine(Protocol):
-    """One inference engine. Server engines speak HTTP to a child process on 127.0.0.1."""
+    """One inference engine: everything the step loop and the benchmark call. Server engines speak HTTP to a
+    child process on 127.0.0.1."""
 
     name: str
-    supports_sleep: bool
+    # requests go through the HTTP rollout client: only then is there an old shared-pool client to measure
+    has_http_client: bool
+
+    def preflight(self) -> str | None:
+        """The engine's installed version, asked before the trainer is built (which can take minutes); EngineError
+        where the engine is missing from its environment."""
 
     def start(self, adapter: tuple[str, Path] | None = None) -> float:
         """Start (optionally with an adapter already loaded); return seconds until healthy."""
@@ -96,8 +108,11 @@ class Engine(Protocol):
 
     def alive(self) -> bool: ...
 
-    def generate(self, requests: list[Request], progress: bool = False) -> list[Completion]:
-        """Run all requests concurrently and return them in order (those with `stream` set token by token)."""
+    def generate(self, requests: list[Request], progress: bool = False, shared_pool: bool = False) -> list[Completion]:
+        """Run all requests concurrently and return them in order (those with `stream` set token by token).
+
+        shared_pool: through the rollout client every result before 2026-11-23 was recorded with (one connection
+        pool for all requests), for the benchmark; only where has_http_client."""
 
     def generate_raw(self, requests: list[Request]) -> list[Completion]:
         """The same requests by the shortest path the engine has, none streamed: the raw throughput that
@@ -113,6 +128,19 @@ class Engine(Protocol):
     def flush_cache(self) -> None: ...
 
     def kv_capacity_tokens(self) -> int | None: ...
+
+    def gpus(self) -> list[int] | None:
+        """NVML indices of the GPUs the engine runs on (None: every GPU)."""
+
+    def step_metrics(self) -> dict[str, float | None]:
+        """Engine-side readings since the last call (NVML right after sleep and wake), then forget them."""
+
+    def sleep_variants(self) -> list[SleepVariant]:
+        """Every way this engine can sleep, for the benchmark to time and check one by one."""
+
+    def probe_info(self, request: Request) -> dict[str, Any]:
+        """What the benchmark's probe records about the engine itself: e.g. the raw stream events of `request`,
+        the server's own settings; empty where the engine has none to show."""
 
     def describe(self) -> dict:
         """Flags, versions and environment used to start it, for provenance."""

@@ -1,16 +1,11 @@
-"""Which GPUs an engine runs on, and how much memory NVML says is in use there.
-
-NVML, not torch: torch's counters miss cumem (vLLM sleep mode) and torch_memory_saver (SGLang)
-allocations, and the engine's memory lives in another process anyway.
-"""
+"""Which GPUs an engine runs on (CUDA_VISIBLE_DEVICES), their NVML indices, and the NVML readings every engine
+records right after it sleeps and wakes."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
-from typing import Any
 
+from hybridrl import nvml
 from hybridrl.run_config import RunConfig
 
 
@@ -33,24 +28,11 @@ def split_engine_devices(run: RunConfig, env: dict[str, str] | None = None) -> d
         return {}
     devices = visible_devices(env)
     if devices is None:
-        devices = [str(i) for i in range(_device_count())]
+        devices = [str(i) for i in range(nvml.device_count())]
     tp = run.tp
     if len(devices) < tp + 1:
         return {}  # one GPU only: share it rather than fail; the report shows the memory
     return {"CUDA_VISIBLE_DEVICES": ",".join(devices[-tp:])}
-
-
-def _device_count() -> int:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount())
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no driver or library: no GPUs to split
-        return 0
 
 
 def nvml_indices(env: dict[str, str] | None = None) -> list[int] | None:
@@ -64,52 +46,12 @@ def nvml_indices(env: dict[str, str] | None = None) -> list[int] | None:
         return None
 
 
-@contextlib.contextmanager
-def _nvml_handles(indices: list[int] | None) -> Iterator[tuple[Any, list[Any]] | None]:
-    """(pynvml, handles of the given GPUs) for one NVML session; None without NVML."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        yield None
-        return
-    try:
-        count = pynvml.nvmlDeviceGetCount()
-        picked = [i for i in (indices if indices is not None else range(count)) if i < count]
-        yield pynvml, [pynvml.nvmlDeviceGetHandleByIndex(i) for i in picked]
-    finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
+def asleep_readings(gpus: list[int] | None) -> dict[str, float | None]:
+    """Right after the engine slept: what is still in use on its GPUs."""
+    return {"mem/engine_asleep_gb": nvml.used_gb(gpus)}
 
 
-def used_gb(indices: list[int] | None = None) -> float | None:
-    """Max over the given GPUs of NVML used memory in GB; None without NVML."""
-    with _nvml_handles(indices) as session:
-        if session is None:
-            return None
-        pynvml, handles = session
-        values = []
-        for handle in handles:
-            with contextlib.suppress(Exception):
-                values.append(pynvml.nvmlDeviceGetMemoryInfo(handle).used / 1e9)
-        return max(values) if values else None
-
-
-def process_used_gb(pid: int | None = None, indices: list[int] | None = None) -> float | None:
-    """GPU memory (GB, summed over the given GPUs) that NVML charges to one process, this one by default.
-
-    In colocate this is what the trainer (and its CUDA context) leaves on the GPU once offloaded.
-    """
-    pid = os.getpid() if pid is None else pid
-    with _nvml_handles(indices) as session:
-        if session is None:
-            return None
-        pynvml, handles = session
-        total = 0.0
-        for handle in handles:
-            with contextlib.suppress(Exception):
-                for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                    if proc.pid == pid and proc.usedGpuMemory is not None:
-                        total += proc.usedGpuMemory / 1e9
-        return total
+def awake_readings(gpus: list[int] | None) -> dict[str, float | None]:
+    """Right after the engine woke; colocate wakes just after the trainer offloaded, so the controller's own
+    share is what the trainer left on the GPU."""
+    return {"mem/engine_awake_gb": nvml.used_gb(gpus), "mem/controller_gb": nvml.process_used_gb(indices=gpus)}

@@ -18,7 +18,8 @@ from typing import Any
 
 import httpx
 
-from hybridrl.engines.base import Completion, EngineDied, EngineError, Request
+from hybridrl.engines.base import Completion, EngineError, Request, SleepVariant
+from hybridrl.engines.gpus import nvml_indices
 from hybridrl.run_config import RunConfig
 
 LOG_TAIL_LINES = 40
@@ -291,9 +292,16 @@ class RolloutClient:
             task = bar.add_task(f"rollout ({len(requests)} requests)", total=len(requests))
             results = asyncio.run(self._all(requests, lambda: bar.advance(task)))
         if not self.server.alive():
-            raise EngineDied(f"{self.server.name} died during the rollout; last lines of "
-                             f"{self.server.log_path}:\n{log_tail(self.server.log_path)}")
+            raise EngineError(f"{self.server.name} died during the rollout; last lines of "
+                              f"{self.server.log_path}:\n{log_tail(self.server.log_path)}")
         return results
+
+
+def raw_stream_lines(url: str, body: dict[str, Any], keep: int = 3, timeout_s: float = 60.0) -> list[str]:
+    """The first and last `keep` raw event lines of one streamed request."""
+    with httpx.stream("POST", url, json=body, timeout=timeout_s) as r:
+        lines = [line[:1500] for line in r.iter_lines() if line.strip()]
+    return lines[:keep] + (["..."] if len(lines) > 2 * keep else []) + lines[-keep:]
 
 
 def post_json(base_url: str, path: str, payload: dict | None = None, timeout_s: float = 120.0,
@@ -345,6 +353,18 @@ def package_version(python: str, packages: list[str], env: dict[str, str] | None
     return out.stdout.strip() or None
 
 
+def max_model_len(model: Path) -> int:
+    """The checkpoint's context length, at most 4096 tokens."""
+    cfg = json.loads((model / "config.json").read_text())
+    return min(int(cfg.get("max_position_embeddings", 4096)), 4096)
+
+
+def model_dtype(model: Path) -> str:
+    """The checkpoint's own dtype: vLLM's CPU build would otherwise pick bfloat16 for a float32 model."""
+    cfg = json.loads((model / "config.json").read_text())
+    return str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
+
+
 class HTTPEngine:
     """What every server engine shares: its process, its stream client, the warm-up and adapter names.
 
@@ -352,6 +372,7 @@ class HTTPEngine:
     """
 
     name = "engine"
+    has_http_client = True
     packages: tuple[str, ...] = ()  # distribution names, any one of which is the engine (for preflight, provenance)
     stream_cls: type[RolloutClient] = RolloutClient
     health_path = "/health"
@@ -361,7 +382,6 @@ class HTTPEngine:
         self.model, self.run, self.log_dir = model, run, log_dir
         self.python = resolve_python(env_spec.get("python", "python"))
         self.extra_env = dict(env_spec.get("env", {}))
-        self.supports_sleep = run.device == "cuda"
         self.server: ServerProcess | None = None
         self.stream: RolloutClient | None = None
         self._loaded: set[str] = set()
@@ -406,18 +426,6 @@ class HTTPEngine:
         self._loaded.add(name)
         return answer
 
-    # -- the checkpoint ----------------------------------------------------------------------------
-    def _config(self) -> dict[str, Any]:
-        return json.loads((self.model / "config.json").read_text())
-
-    def _max_len(self) -> int:
-        return min(int(self._config().get("max_position_embeddings", 4096)), 4096)
-
-    def _dtype(self) -> str:
-        """The checkpoint's own dtype: vLLM's CPU build would otherwise pick bfloat16 for a float32 model."""
-        cfg = self._config()
-        return str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
-
     # -- process -----------------------------------------------------------------------------------
     def start(self, adapter: tuple[str, Path] | None = None) -> float:
         from hybridrl.engines.base import Sampling
@@ -449,10 +457,13 @@ class HTTPEngine:
     def alive(self) -> bool:
         return bool(self.server and self.server.alive())
 
-    def generate(self, requests: list[Request], progress: bool = False) -> list[Completion]:
+    def generate(self, requests: list[Request], progress: bool = False, shared_pool: bool = False) -> list[Completion]:
         if not self.stream:
             raise EngineError(f"{self.name}: generate() before start()")
-        return self.stream.generate(requests, progress)
+        client = self.stream
+        if shared_pool and not client.shared_pool:
+            client = type(client)(client.server, client.timeout_s, client.max_concurrency, shared_pool=True)
+        return client.generate(requests, progress)
 
     def generate_raw(self, requests: list[Request]) -> list[Completion]:
         """The requests, none streamed, from a pool of threads that each keep one plain HTTP connection:
@@ -470,6 +481,19 @@ class HTTPEngine:
         """NVML memory on the engine's GPUs right after the last sleep and wake; then forget them."""
         out, self._metrics = self._metrics, {}
         return out
+
+    def gpus(self) -> list[int] | None:
+        """NVML indices of the engine's GPUs (None: every GPU)."""
+        return nvml_indices(self.environment())
+
+    def sleep_variants(self) -> list[SleepVariant]:
+        raise NotImplementedError
+
+    def probe_info(self, request: Request) -> dict[str, Any]:
+        """The first and last raw stream events of `request`, as the server sent them."""
+        if not self.stream:
+            raise EngineError(f"{self.name}: probe_info() before start()")
+        return {"stream_sample": raw_stream_lines(self._url() + self.stream.url_path, self.stream.body(request))}
 
     def _url(self) -> str:
         if not self.server:

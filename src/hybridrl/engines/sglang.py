@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hybridrl.engines.base import EngineError, Request, Sampling
-from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
-from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, post_json
+from hybridrl.engines.base import EngineError, Request, Sampling, SleepVariant
+from hybridrl.engines.gpus import asleep_readings, awake_readings, split_engine_devices
+from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, max_model_len, model_dtype, post_json
 from hybridrl.run_config import RunConfig
 
 BASE_NAME = "base"
@@ -114,8 +114,8 @@ class SGLangServer(HTTPEngine):
             self.python, "-m", "sglang.launch_server",
             "--model-path", str(self.model), "--served-model-name", BASE_NAME,
             "--host", "127.0.0.1", "--port", str(port),
-            "--random-seed", str(run.seed), "--dtype", self._dtype(),
-            "--context-length", str(self._max_len()),
+            "--random-seed", str(run.seed), "--dtype", model_dtype(self.model),
+            "--context-length", str(max_model_len(self.model)),
             "--tp-size", str(run.tp),
             "--mem-fraction-static", str(run.gpu_memory_utilization),
             "--max-running-requests", str(run.max_concurrency),
@@ -150,14 +150,33 @@ class SGLangServer(HTTPEngine):
 
     # -- memory saver ----------------------------------------------------------------------------
     def sleep(self) -> None:
-        post_json(self._url(), "/release_memory_occupation", {"tags": self.tags})
-        self._metrics["mem/engine_asleep_gb"] = used_gb(self._gpus())
+        self._release(self.tags)
+        self._metrics.update(asleep_readings(self.gpus()))
 
     def wake(self) -> None:
-        post_json(self._url(), "/resume_memory_occupation", {"tags": self.tags})
-        self._metrics["mem/engine_awake_gb"] = used_gb(self._gpus())
-        # colocate wakes right after the trainer offloaded: what the controller still holds on the GPU
-        self._metrics["mem/controller_gb"] = process_used_gb(indices=self._gpus())
+        self._resume(self.tags)
+        self._metrics.update(awake_readings(self.gpus()))
+
+    def _release(self, tags: list[str]) -> None:
+        post_json(self._url(), "/release_memory_occupation", {"tags": tags})
+
+    def _resume(self, tags: list[str]) -> None:
+        post_json(self._url(), "/resume_memory_occupation", {"tags": tags})
+
+    def sleep_variants(self) -> list[SleepVariant]:
+        policies = [release_tags("kv_cache")]
+        if self.server and "--enable-weights-cpu-backup" in self.server.cmd:  # weights go only with a CPU backup
+            policies.append(release_tags("all"))
+        return [SleepVariant({"tags": tags}, lambda tags=tags: self._release(tags),
+                             lambda tags=tags: self._resume(tags)) for tags in policies]
+
+    def probe_info(self, request: Request) -> dict[str, Any]:
+        info = self.server_info()
+        keys = ("version", "max_total_num_tokens", "enable_memory_saver", "enable_weights_cpu_backup",
+                "max_lora_rank", "lora_backend")
+        server = {k: info.get(k) for k in keys}
+        server["internal_state_keys"] = sorted((info.get("internal_states") or [{}])[0].keys())
+        return {**super().probe_info(request), "server_info": server}
 
     def flush_cache(self) -> None:
         post_json(self._url(), "/flush_cache")
@@ -178,9 +197,6 @@ class SGLangServer(HTTPEngine):
                 "release_tags": self.tags,
                 "env": {k: v for k, v in env.items() if k.startswith(("SGLANG_", "CUDA_", "PYTHONPATH"))},
                 "version": self.installed_version()}
-
-    def _gpus(self) -> list[int] | None:
-        return nvml_indices(self.environment())
 
 
 def kv_capacity_from_info(info: dict[str, Any]) -> int | None:

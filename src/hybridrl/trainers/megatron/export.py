@@ -9,7 +9,6 @@ another TP size.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors.torch import load_file, save_file
 
+from hybridrl.atomic import atomic_dir
 from hybridrl.trainers.megatron.lora import LoraAdapter
 from hybridrl.trainers.megatron.mapping import lora_a_split_dim, peft_key, shard
 
@@ -76,18 +76,12 @@ def adapter_config(rank: int, alpha: float, targets: list[str], base_model: str)
 def write_adapter_dir(out_dir: Path, weights: dict[str, torch.Tensor], config: dict[str, Any],
                       optimizer: dict[str, Any] | None) -> None:
     """Write atomically: a sibling temp dir, then rename over out_dir."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
-    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    if optimizer is not None:
-        torch.save(optimizer, tmp / OPTIMIZER_FILE)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    with atomic_dir(Path(out_dir)) as tmp:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        if optimizer is not None:
+            torch.save(optimizer, tmp / OPTIMIZER_FILE)
 
 
 def optimizer_state(adapters: Adapters, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

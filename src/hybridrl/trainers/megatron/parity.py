@@ -23,7 +23,7 @@ import torch
 from hybridrl.rl import policy_loss, token_logprobs
 from hybridrl.run_config import RunConfig
 from hybridrl.trainers.base import Sample
-from hybridrl.trainers.hf import pad_batch
+from hybridrl.trainers.grpo import pad_batch
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
@@ -117,7 +117,8 @@ def hf_logits(model_dir: Path, adapter_dir: Path, samples: list[Sample]) -> torc
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
-    ids, attn, _ = pad_batch(samples, 0)
+    batch = pad_batch(samples)
+    ids, attn = batch.ids, batch.attention
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
 
@@ -131,7 +132,8 @@ def hf_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run: RunC
     model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
     params = {_peft_name(n): p for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(params.values(), lr=run.lr, weight_decay=run.weight_decay)
-    ids, attn, mask = pad_batch(samples, 0)
+    batch = pad_batch(samples)
+    ids, attn, mask = batch.ids, batch.attention, batch.mask
 
     def logprobs() -> torch.Tensor:
         return token_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:])
@@ -162,12 +164,13 @@ def megatron_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run
     from megatron.core import parallel_state
 
     from hybridrl.trainers.megatron import export
-    from hybridrl.trainers.megatron.policy import MegatronPolicy, pad_batch
+    from hybridrl.trainers.megatron.policy import MegatronPolicy
 
     device = device or torch.device("cpu")
     policy = MegatronPolicy(model_dir, run.model_copy(update={"train_dtype": "fp32"}), device)
     policy.resume(adapter_dir)
-    inputs, targets, mask = (t.to(device) for t in pad_batch(samples))
+    batch = pad_batch(samples).to(device)
+    inputs, targets, mask = batch.inputs, batch.targets, batch.mask
 
     def per_sample() -> list[torch.Tensor]:
         with torch.no_grad():
@@ -198,8 +201,7 @@ def megatron_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run
 def reload_gap(model_dir: Path, adapter_dir: Path, samples: list[Sample], logits: torch.Tensor) -> float:
     """Worst logit gap, over real (non-padding) positions, between HF + the exported adapter and Megatron."""
     reload = hf_logits(model_dir, adapter_dir, samples)
-    _, attn, _ = pad_batch(samples, 0)
-    valid = attn[:, 1:].bool()  # input position t is real iff token t+1 exists
+    valid = pad_batch(samples).attention[:, 1:].bool()  # input position t is real iff token t+1 exists
     return float((reload - logits)[valid].abs().max())
 
 

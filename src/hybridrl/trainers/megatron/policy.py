@@ -3,8 +3,6 @@ export, and offload to pinned CPU memory. Needs torch.distributed and megatron's
 
 from __future__ import annotations
 
-import math
-import time
 from pathlib import Path
 
 import torch
@@ -12,9 +10,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-from hybridrl.rl import LogprobGaps, policy_loss, token_logprobs
+from hybridrl import nvml
+from hybridrl.engines.gpus import nvml_indices, visible_devices
+from hybridrl.rl import token_logprobs
 from hybridrl.run_config import RunConfig
 from hybridrl.trainers.base import Sample
+from hybridrl.trainers.grpo import grpo_backward
 from hybridrl.trainers.megatron import export
 from hybridrl.trainers.megatron.lora import apply_lora, lora_disabled, lora_parameters
 from hybridrl.trainers.megatron.model import build_model, load_hf_weights
@@ -31,19 +32,6 @@ def init_parallel(tp: int, device: torch.device) -> None:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                                  create_gloo_process_groups=False)
-
-
-def pad_batch(samples: list[Sample], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded inputs [B, T-1], targets [B, T-1] and the completion mask over targets."""
-    seqs = [s.prompt_ids + s.completion_ids for s in samples]
-    width = max(len(x) for x in seqs) - 1
-    ids = torch.full((len(seqs), width + 1), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
-    for i, (s, seq) in enumerate(zip(samples, seqs, strict=True)):
-        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        # target t is token t+1, so completion targets start at len(prompt) - 1
-        mask[i, len(s.prompt_ids) - 1: len(seq) - 1] = True
-    return ids[:, :-1], ids[:, 1:], mask
 
 
 class MegatronPolicy:
@@ -73,7 +61,6 @@ class MegatronPolicy:
         self.model.to(device)  # after the adapters exist, so they move too
         self.params = lora_parameters(self.adapters)
         self.optimizer = torch.optim.AdamW(self.params, lr=run.lr, weight_decay=run.weight_decay)
-        self.micro_batch = run.micro_batch
         # built once here: importing peft costs seconds, which should not land in the first step
         self.adapter_config = export.adapter_config(self.rank, self.alpha, self.targets, self.model_dir)
         self._pinned: dict[int, torch.Tensor] = {}
@@ -92,15 +79,13 @@ class MegatronPolicy:
     # -- the GRPO step ---------------------------------------------------------------------------------
     def step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step on the whole batch (token-mean loss, micro-batched); returns metrics."""
-        t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         metrics = self.backward(samples)
         metrics["train/grad_norm"] = self.optimizer_step()
-        elapsed = time.perf_counter() - t0
-        metrics["perf/train_tok_s"] = metrics["perf/train_tokens"] / elapsed if elapsed > 0 else math.nan
+        # no perf/train_tok_s here: the loop derives it from the whole update_actor phase
         if self.device.type == "cuda":
-            metrics["mem/trainer_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            metrics["mem/trainer_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / nvml.GB
         return metrics
 
     def backward(self, samples: list[Sample]) -> dict[str, float]:
@@ -110,37 +95,11 @@ class MegatronPolicy:
         if self.offloaded:
             self.onload()
         self.model.train()
-        kl_coef, clip_eps = self.run.kl_coef, self.run.clip_eps
-        n_tokens = sum(len(s.completion_ids) for s in samples)
-        totals = {"loss": 0.0, "kl": 0.0, "clipfrac": 0.0}
-        gaps = LogprobGaps()
         self.optimizer.zero_grad(set_to_none=True)
         # sorting by length keeps padding low; the loss is a token mean over the whole batch either way
         order = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
-        for lo in range(0, len(order), self.micro_batch):
-            chunk = order[lo: lo + self.micro_batch]
-            inputs, targets, mask = (x.to(self.device) for x in pad_batch(chunk))
-            logp = self.logprobs(inputs, targets)
-            old = logp.detach()  # one update per batch: the sampling policy is the current one
-            ref = None
-            if kl_coef > 0:
-                with torch.no_grad(), lora_disabled(self.model):
-                    ref = self.logprobs(inputs, targets)
-            adv = torch.tensor([s.advantage for s in chunk], device=self.device, dtype=torch.float32)
-            loss, stats = policy_loss(logp, old, adv, mask, clip_eps, ref, kl_coef)
-            weight = mask.sum().item() / max(n_tokens, 1)
-            (loss * weight).backward()
-            totals["loss"] += loss.item() * weight
-            totals["kl"] += stats["train/kl"] * weight
-            totals["clipfrac"] += stats["train/clipfrac"] * weight
-            gaps.add(old, mask, [s.engine_logprobs for s in chunk])
-        return {
-            "train/loss": totals["loss"],
-            "train/kl": totals["kl"] if kl_coef > 0 else math.nan,
-            "train/clipfrac": totals["clipfrac"],
-            "perf/train_tokens": float(n_tokens),
-            **gaps.metrics(n_tokens),
-        }
+        return grpo_backward(order, self.run, self.device, lambda b: self.logprobs(b.inputs, b.targets),
+                             lambda: lora_disabled(self.model))
 
     def optimizer_step(self) -> float:
         """Clip by the global grad norm, one AdamW step, drop the gradients; returns the pre-clip norm."""
@@ -230,31 +189,21 @@ class MegatronPolicy:
         process's total (CUDA context and NCCL buffers included)."""
         if self.device.type != "cuda":
             return {}
-        out = {"mem/trainer_reserved_gb": torch.cuda.memory_reserved(self.device) / 2**30}
-        used = _nvml_process_gb(self.device)
+        out = {"mem/trainer_reserved_gb": torch.cuda.memory_reserved(self.device) / nvml.GB}
+        used = self._nvml_gb()
         if used is not None:
             out["mem/trainer_residual_gb"] = used
         return out
 
-
-
-def _nvml_process_gb(device: torch.device) -> float | None:
-    import os
-
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible:
-            idx = int(visible.split(",")[idx])
-        handle = pynvml.nvmlDeviceGetHandleByIndex(idx)
-        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
-                return proc.usedGpuMemory / 2**30
-    except Exception:  # NVML missing or in another pid namespace: torch's counter still stands
-        return None
-    return None
+    def _nvml_gb(self) -> float | None:
+        """NVML's charge to this rank's process on its GPU; None where NVML is absent or cannot see us."""
+        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        visible = visible_devices()
+        if visible is not None:
+            mapped = nvml_indices()
+            if mapped is None or idx >= len(mapped):  # GPU UUIDs: no cheap map to an NVML index
+                return None
+            idx = mapped[idx]
+        used = nvml.process_used_gb(indices=[idx])
+        # 0 where NVML lists no process of ours (another pid namespace): torch's counter still stands
+        return used or None

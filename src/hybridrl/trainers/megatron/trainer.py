@@ -31,8 +31,9 @@ class MegatronWorkerError(RuntimeError):
 
 
 # NCCL's communicator buffers stay on the GPU while the engine runs (offload cannot move them). On two
-# H200s at TP 2 these cut the trainer's residual from 1.57 to 1.13 GB at the same throughput (4,630 vs
-# 4,637 tok/s); one channel of 256 KB gave 1.10 GB but cost 28% (results/reference/2026-11-22-h200-megatron).
+# H200s at TP 2 these cut the trainer's residual from 1.57 to 1.13 GiB (1.68 to 1.21 GB) at the same throughput
+# (4,630 vs 4,637 tok/s); one channel of 256 KB gave 1.10 GiB but cost 28% (results/reference/2026-11-22-h200-megatron,
+# recorded when mem/trainer_*_gb were GiB).
 # Set either variable to override.
 SMALL_NCCL_BUFFERS = {"NCCL_BUFFSIZE": str(1 << 20), "NCCL_MAX_NCHANNELS": "2"}
 
@@ -191,9 +192,6 @@ class MegatronTrainer:
 
     def resume(self, adapter_dir: Path) -> None:
         self._job("resume", adapter_dir=str(adapter_dir))
-
-    def save(self, out_dir: Path) -> None:
-        self._job("save", out_dir=str(out_dir))
 
     def gpu_pids(self) -> list[int]:
         return self._rank_pids()

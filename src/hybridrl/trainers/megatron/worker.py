@@ -6,7 +6,7 @@ Protocol (all files in JOB_DIR, each written to a temp name and renamed, so a re
     config.json                  written by the controller: model_dir, run, device, controller_pid
     pid-rank<R>                  each rank's pid, so the controller can stop every process it caused
     ready.json                   TP rank 0, once the model is built
-    jobs/<seq>.json              the controller: {"op": step|offload|onload|resume|save|shutdown, ...}
+    jobs/<seq>.json              the controller: {"op": step|offload|onload|resume|shutdown, ...}
     results/<seq>.json           TP rank 0: {"ok": true, ...}
     results/<seq>.error-rank<R>.json, startup.error-rank<R>.json
                                  any rank that failed: {"ok": false, "error": ..., "traceback": ...}
@@ -24,13 +24,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from hybridrl.atomic import write_text
+
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+    write_text(path, json.dumps(obj))
 
 
 def check_rank_env(environ: dict[str, str] | os._Environ = os.environ) -> None:
@@ -162,8 +162,6 @@ def _handle(policy: Any, job: dict[str, Any]) -> dict[str, Any]:
         policy.onload()
     elif op == "resume":
         policy.resume(Path(job["adapter_dir"]))
-    elif op == "save":
-        policy.save(Path(job["out_dir"]))
     elif op != "shutdown":
         raise ValueError(f"unknown job op {op!r}")
     out["elapsed_s"] = time.perf_counter() - t0

@@ -1,0 +1,66 @@
+"""Atomic writes: a temp file (or directory) beside the target, renamed over it only once it is complete.
+
+A reader, or a run resumed after a crash, sees the old target or the whole new one, never half of one.
+Temp names are `.<name>.<random>.tmp` (directories `.<name>.tmp`), which the archive leaves out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path, fsync: bool = False) -> Iterator[Path]:
+    """Yield a temp path beside `path`; it replaces `path` only if the block completes, else it is removed.
+
+    fsync: flush the temp file to disk before the rename (for records a crash must not lose).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        if fsync:
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_bytes(path: Path, data: bytes, fsync: bool = False) -> None:
+    with atomic_path(path, fsync) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_text(path: Path, text: str, fsync: bool = False) -> None:
+    with atomic_path(path, fsync) as tmp:
+        tmp.write_text(text)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: Path) -> Iterator[Path]:
+    """Yield an empty temp directory beside `path`; it takes the place of `path` (a directory or a link)
+    only if the block completes. The old one is removed just before the rename: directories cannot be
+    swapped in one step, but a half-written one never carries the final name."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
+    tmp.mkdir()
+    try:
+        yield tmp
+        if path.is_symlink():
+            path.unlink()
+        elif path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,118 @@
+"""The one place that asks NVML (the GPU driver) about devices and memory. Every figure is in GB, 10^9 bytes.
+
+NVML, not torch: torch's counters miss cumem (vLLM sleep mode) and torch_memory_saver (SGLang)
+allocations, and an engine's memory lives in another process anyway. Without a driver or pynvml every
+function answers None (a CPU machine), never raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+GB = 1e9  # bytes: every mem/*_gb key
+
+
+class Devices:
+    """An open NVML session on some GPUs; kept open by the memory sampler, which reads it many times a second."""
+
+    def __init__(self, nvml: Any, handles: list[tuple[int, Any]]) -> None:
+        self._nvml = nvml
+        self.handles = handles  # (NVML index, handle)
+
+    def used_gb(self) -> dict[int, float]:
+        """NVML index -> used memory of that whole GPU; a GPU that fails to answer is left out."""
+        out = {}
+        for i, handle in self.handles:
+            with contextlib.suppress(Exception):
+                out[i] = self._nvml.nvmlDeviceGetMemoryInfo(handle).used / GB
+        return out
+
+    def process_gb(self, pid: int) -> float:
+        """Memory NVML charges to `pid`, summed over these GPUs."""
+        total = 0.0
+        for _, handle in self.handles:
+            with contextlib.suppress(Exception):
+                for proc in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    if proc.pid == pid and proc.usedGpuMemory is not None:
+                        total += proc.usedGpuMemory / GB
+        return total
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._nvml.nvmlShutdown()  # NVML counts its inits: this ends only our own
+
+
+def open_devices(indices: list[int] | None = None) -> Devices | None:
+    """A session on the GPUs with these NVML indices (None: every GPU); None without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no library, no driver: NVML raises its own error types
+        return None
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        picked = [i for i in (indices if indices is not None else range(count)) if i < count]
+        return Devices(pynvml, [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in picked])
+    except Exception:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+        return None
+
+
+@contextlib.contextmanager
+def devices(indices: list[int] | None = None) -> Iterator[Devices | None]:
+    """open_devices() for one block."""
+    session = open_devices(indices)
+    try:
+        yield session
+    finally:
+        if session is not None:
+            session.close()
+
+
+def device_count() -> int:
+    """How many GPUs the driver sees (all of them, whatever CUDA_VISIBLE_DEVICES says); 0 without NVML."""
+    with devices() as session:
+        return len(session.handles) if session else 0
+
+
+def used_gb(indices: list[int] | None = None) -> float | None:
+    """Max over the given GPUs of their used memory; None without NVML."""
+    with devices(indices) as session:
+        values = session.used_gb().values() if session else ()
+        return max(values) if values else None
+
+
+def process_used_gb(pid: int | None = None, indices: list[int] | None = None) -> float | None:
+    """Memory (summed over the given GPUs) that NVML charges to one process, this one by default.
+
+    In colocate this is what the trainer (and its CUDA context) leaves on the GPU once offloaded.
+    """
+    with devices(indices) as session:
+        return session.process_gb(os.getpid() if pid is None else pid) if session else None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def gpu_info() -> dict[str, Any] | None:
+    """GPU models and driver, for provenance; None where NVML or a GPU is absent."""
+    with devices() as session:
+        if session is None:
+            return None
+        nvml = session._nvml
+        try:
+            listed = [{"index": i, "name": _text(nvml.nvmlDeviceGetName(h)),
+                       "memory_gb": round(nvml.nvmlDeviceGetMemoryInfo(h).total / GB, 2)}
+                      for i, h in session.handles]
+            cuda = nvml.nvmlSystemGetCudaDriverVersion()
+            return {"driver": _text(nvml.nvmlSystemGetDriverVersion()),
+                    "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}",
+                    "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "devices": listed}
+        except Exception:
+            return None

@@ -1,0 +1,92 @@
+"""The GRPO micro-batch step both trainers take: pad, forward, clipped-ratio loss, backward, gap readings.
+
+A trainer supplies only its forward pass (per-token logprobs of a padded batch) and a way to switch its LoRA
+off for the reference pass; the loss, its token weighting and the metrics are the same for every trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hybridrl.rl import LogprobGaps, policy_loss
+from hybridrl.run_config import RunConfig
+from hybridrl.trainers.base import Sample
+
+
+@dataclass
+class Batch:
+    """Prompt + completion rows, right padded: ids [B, T], attention [B, T], and the completion mask over
+    the T-1 targets (target t is token t+1)."""
+
+    ids: torch.Tensor
+    attention: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def inputs(self) -> torch.Tensor:
+        """ids[:, :-1]: the positions that predict a target."""
+        return self.ids[:, :-1]
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return self.ids[:, 1:]
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(self.ids.to(device), self.attention.to(device), self.mask.to(device))
+
+
+def pad_batch(samples: list[Sample], pad_id: int = 0) -> Batch:
+    seqs = [s.prompt_ids + s.completion_ids for s in samples]
+    width = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(seqs), width), dtype=torch.long)
+    mask = torch.zeros((len(seqs), width - 1), dtype=torch.bool)
+    for i, (s, seq) in enumerate(zip(samples, seqs, strict=True)):
+        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention[i, : len(seq)] = 1
+        # completion targets start at len(prompt) - 1: that position predicts the first completion token
+        mask[i, len(s.prompt_ids) - 1 : len(seq) - 1] = True
+    return Batch(ids, attention, mask)
+
+
+def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device,
+                  logprobs: Callable[[Batch], torch.Tensor],
+                  adapter_off: Callable[[], contextlib.AbstractContextManager], pad_id: int = 0) -> dict[str, float]:
+    """Forward and backward over the batch in micro-batches of run.micro_batch, in the order given; leaves the
+    LoRA gradients in .grad (the caller zeroes them first and steps the optimizer after).
+
+    logprobs(batch) -> [B, T-1] log p(target) in fp32; adapter_off() disables LoRA for the KL reference.
+    The loss is a token mean over the whole batch, however it is split.
+    """
+    n_tokens = sum(len(s.completion_ids) for s in samples)
+    totals = {"loss": 0.0, "kl": 0.0, "clipfrac": 0.0}
+    gaps = LogprobGaps()
+    for lo in range(0, len(samples), run.micro_batch):
+        chunk = samples[lo : lo + run.micro_batch]
+        batch = pad_batch(chunk, pad_id).to(device)
+        logp = logprobs(batch)
+        old = logp.detach()  # one update per batch: the sampling policy is the current one
+        ref = None
+        if run.kl_coef > 0:
+            with torch.no_grad(), adapter_off():
+                ref = logprobs(batch)
+        adv = torch.tensor([s.advantage for s in chunk], device=device, dtype=torch.float32)
+        loss, stats = policy_loss(logp, old, adv, batch.mask, run.clip_eps, ref, run.kl_coef)
+        weight = batch.mask.sum().item() / max(n_tokens, 1)
+        (loss * weight).backward()
+        totals["loss"] += loss.item() * weight
+        totals["kl"] += stats["train/kl"] * weight
+        totals["clipfrac"] += stats["train/clipfrac"] * weight
+        gaps.add(old, batch.mask, [s.engine_logprobs for s in chunk])
+    return {
+        "train/loss": totals["loss"],
+        "train/kl": totals["kl"] if run.kl_coef > 0 else math.nan,
+        "train/clipfrac": totals["clipfrac"],
+        "perf/train_tokens": float(n_tokens),
+        **gaps.metrics(n_tokens),
+    }

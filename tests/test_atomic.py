@@ -1,0 +1,95 @@
+"""The one atomic write helper: the target is the old one or the whole new one, never half."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from hybridrl import atomic
+from hybridrl.telemetry import append_record, read_records
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_write_text_replaces_the_file_and_leaves_no_temp(tmp_path: Path) -> None:
+    target = tmp_path / "sub" / "out.json"
+    atomic.write_text(target, "old")
+    atomic.write_text(target, "new", fsync=True)
+    assert target.read_text() == "new"
+    assert _leftovers(target.parent) == []
+
+
+def test_a_failed_write_leaves_the_old_file_intact(tmp_path: Path) -> None:
+    target = tmp_path / "out.txt"
+    target.write_text("old")
+    with pytest.raises(Boom), atomic.atomic_path(target) as tmp:
+        tmp.write_text("half of the new")
+        raise Boom
+    assert target.read_text() == "old"
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_failed_rename_leaves_the_old_file_intact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "out.txt"
+    target.write_text("old")
+
+    def no_rename(src: str, dst: str) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", no_rename)
+    with pytest.raises(OSError, match="disk full"):
+        atomic.write_bytes(target, b"new")
+    assert target.read_text() == "old"
+    assert _leftovers(tmp_path) == []
+
+
+def test_append_record_is_the_old_file_or_the_old_file_plus_the_line(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "steps.jsonl"
+    append_record(path, {"step": 1})
+    before = path.read_bytes()
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    append_record(path, {"step": 2})
+    assert synced, "the record must reach the disk before it takes the name"
+    assert [r["step"] for r in read_records(path)] == [1, 2]
+
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError("crash")))
+    with pytest.raises(OSError):
+        append_record(path, {"step": 3})
+    assert path.read_bytes() == before + b'{"step": 2}\n'
+
+
+def test_atomic_dir_replaces_a_directory_only_when_complete(tmp_path: Path) -> None:
+    out = tmp_path / "adapter"
+    with atomic.atomic_dir(out) as tmp:
+        (tmp / "weights").write_text("v1")
+    with pytest.raises(Boom), atomic.atomic_dir(out) as tmp:
+        (tmp / "weights").write_text("half of v2")
+        raise Boom
+    assert (out / "weights").read_text() == "v1"
+    with atomic.atomic_dir(out) as tmp:
+        (tmp / "weights").write_text("v2")
+    assert (out / "weights").read_text() == "v2"
+    assert _leftovers(tmp_path) == []
+
+
+def test_atomic_dir_replaces_a_link(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("not ours")
+    out = tmp_path / "model"
+    out.symlink_to(elsewhere, target_is_directory=True)
+    with atomic.atomic_dir(out) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert not out.is_symlink() and (out / "config.json").exists()
+    assert (elsewhere / "keep").read_text() == "not ours"  # the link goes, never what it pointed to

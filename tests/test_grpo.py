@@ -1,0 +1,107 @@
+"""The one GRPO micro-batch step and the one way to pad a batch, which both trainers use."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+
+import pytest
+import torch
+
+from hybridrl.rl import policy_loss, token_logprobs
+from hybridrl.run_config import RunConfig
+from hybridrl.trainers import grpo
+from hybridrl.trainers.base import Sample
+from hybridrl.trainers.grpo import grpo_backward, pad_batch
+
+SAMPLES = [
+    Sample(prompt_ids=[1, 2, 3], completion_ids=[4, 5], engine_logprobs=[-1.0, -1.0], advantage=1.0),
+    Sample(prompt_ids=[6], completion_ids=[7, 8, 9, 2], engine_logprobs=[-2.0] * 4, advantage=-0.5),
+    Sample(prompt_ids=[3, 3], completion_ids=[1], engine_logprobs=[-0.5], advantage=0.25),
+]
+
+
+def test_pad_batch_right_pads_and_masks_the_completion_targets() -> None:
+    b = pad_batch(SAMPLES[:2], pad_id=0)
+    assert b.ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 2]]
+    b = pad_batch(SAMPLES, pad_id=-1)
+    assert b.ids[2].tolist() == [3, 3, 1, -1, -1] and b.attention[2].tolist() == [1, 1, 1, 0, 0]
+    # target t is token t+1: the mask marks exactly the completion tokens among the targets
+    for row, s in enumerate(SAMPLES):
+        assert b.targets[row][b.mask[row]].tolist() == s.completion_ids
+    assert b.inputs.shape == b.targets.shape == b.mask.shape == (3, 4)
+
+
+class Toy(torch.nn.Module):
+    """A bigram model with a switchable 'adapter', enough to exercise the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(10, 8)
+        self.out = torch.nn.Linear(8, 10)
+        self.adapter = torch.nn.Parameter(torch.randn(8, 8) * 0.1)
+        self.adapter_on = True
+
+    def logprobs(self, batch: grpo.Batch) -> torch.Tensor:
+        h = self.emb(batch.inputs)
+        if self.adapter_on:
+            h = h + h @ self.adapter
+        return token_logprobs(self.out(h), batch.targets)
+
+    @contextlib.contextmanager
+    def off(self):
+        self.adapter_on = False
+        try:
+            yield
+        finally:
+            self.adapter_on = True
+
+
+def _grads(model: Toy, micro_batch: int, kl_coef: float = 0.0) -> tuple[dict[str, float], list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    run = RunConfig(model="toy", micro_batch=micro_batch, kl_coef=kl_coef)
+    metrics = grpo_backward(SAMPLES, run, torch.device("cpu"), model.logprobs, model.off)
+    return metrics, [p.grad.clone() for p in model.parameters()]
+
+
+def test_the_loss_is_one_token_mean_however_the_batch_is_split() -> None:
+    model = Toy()
+    whole, g_whole = _grads(model, micro_batch=8)
+    split, g_split = _grads(model, micro_batch=1)
+    assert whole["perf/train_tokens"] == 7.0 and math.isnan(whole["train/kl"])
+    assert split["train/loss"] == pytest.approx(whole["train/loss"], abs=1e-6)
+    for a, b in zip(g_whole, g_split, strict=True):
+        torch.testing.assert_close(a, b)
+    # and it is the policy loss over all tokens at once
+    batch = pad_batch(SAMPLES)
+    logp = model.logprobs(batch)
+    loss, _ = policy_loss(logp, logp.detach(), torch.tensor([s.advantage for s in SAMPLES]), batch.mask)
+    assert whole["train/loss"] == pytest.approx(float(loss), abs=1e-6)
+
+
+def test_the_kl_reference_runs_with_the_adapter_off() -> None:
+    model = Toy()
+    metrics, _ = _grads(model, micro_batch=2, kl_coef=0.1)
+    assert metrics["train/kl"] > 0  # the adapter moves the policy away from the base
+    with torch.no_grad():
+        model.adapter.zero_()
+    assert _grads(model, micro_batch=2, kl_coef=0.1)[0]["train/kl"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_the_engine_logprob_gap_is_read_on_the_same_forward() -> None:
+    metrics, _ = _grads(Toy(), micro_batch=2)
+    assert metrics["check/rollout_logprob_abs_diff"] > 0
+    assert metrics["check/logprob_gap_token_max"] >= metrics["check/logprob_gap_sample_max"]
+
+
+def test_both_trainers_take_the_shared_step_and_pad_no_batch_of_their_own() -> None:
+    from hybridrl.trainers import hf
+    from hybridrl.trainers.megatron import policy
+
+    assert "grpo_backward" in hf.HFTrainer.step.__code__.co_names
+    assert "grpo_backward" in policy.MegatronPolicy.backward.__code__.co_names
+    for module in (hf, policy):
+        source = inspect.getsource(module)
+        assert "policy_loss" not in source and "def pad_batch" not in source, module.__name__

@@ -1,0 +1,78 @@
+"""The one NVML module: figures in GB (10^9 bytes), None without a driver, and nothing else asks NVML."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from hybridrl import nvml
+from hybridrl.telemetry import MemorySampler
+
+SRC = Path(nvml.__file__).parent
+
+
+def _fake_pynvml(used: dict[int, int], procs: dict[int, list[tuple[int, int]]]) -> types.ModuleType:
+    """A driver with GPUs 0..n-1: `used` bytes per GPU, `procs` (pid, bytes) per GPU."""
+    m = types.ModuleType("pynvml")
+    m.inits = 0
+    m.nvmlInit = lambda: setattr(m, "inits", m.inits + 1)
+    m.nvmlShutdown = lambda: setattr(m, "inits", m.inits - 1)
+    m.nvmlDeviceGetCount = lambda: len(used)
+    m.nvmlDeviceGetHandleByIndex = lambda i: i
+    m.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=used[h], total=80 * 10**9)
+    m.nvmlDeviceGetComputeRunningProcesses = lambda h: [types.SimpleNamespace(pid=p, usedGpuMemory=b)
+                                                         for p, b in procs.get(h, [])]
+    m.nvmlDeviceGetName = lambda h: b"H200"
+    m.nvmlSystemGetDriverVersion = lambda: "570.1"
+    m.nvmlSystemGetCudaDriverVersion = lambda: 12080
+    return m
+
+
+@pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    fake = _fake_pynvml({0: 3 * 10**9, 1: 5 * 10**9}, {0: [(7, 2**30)], 1: [(7, 10**9), (8, 10**9)]})
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    return fake
+
+
+def test_memory_is_in_gb_of_a_billion_bytes(driver: types.ModuleType) -> None:
+    assert nvml.used_gb() == 5.0
+    assert nvml.used_gb([0]) == 3.0
+    assert nvml.process_used_gb(7) == pytest.approx(2**30 / 1e9 + 1.0)
+    assert nvml.process_used_gb(7, [1]) == 1.0
+    assert nvml.device_count() == 2
+    assert driver.inits == 0  # every session is closed again
+
+
+def test_gpu_info_for_provenance(driver: types.ModuleType) -> None:
+    info = nvml.gpu_info()
+    assert info["driver"] == "570.1" and info["cuda_driver"] == "12.8"
+    assert [d["name"] for d in info["devices"]] == ["H200", "H200"] and info["devices"][0]["memory_gb"] == 80.0
+
+
+def test_without_a_driver_every_answer_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = types.ModuleType("pynvml")
+
+    def fail() -> None:
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    broken.nvmlInit = fail
+    monkeypatch.setitem(sys.modules, "pynvml", broken)
+    assert nvml.used_gb() is None and nvml.process_used_gb() is None and nvml.gpu_info() is None
+    assert nvml.device_count() == 0
+    assert not MemorySampler().active
+
+
+def test_the_sampler_reads_the_same_module(driver: types.ModuleType) -> None:
+    sampler = MemorySampler(gpu_indices=[1])
+    assert sampler.active
+    sampler.close()
+    assert driver.inits == 0
+
+
+def test_no_other_module_asks_nvml() -> None:
+    askers = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if "pynvml" in p.read_text())
+    assert askers == ["nvml.py"]

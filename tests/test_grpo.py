@@ -105,3 +105,34 @@ def test_both_trainers_take_the_shared_step_and_pad_no_batch_of_their_own() -> N
     for module in (hf, policy):
         source = inspect.getsource(module)
         assert "policy_loss" not in source and "def pad_batch" not in source, module.__name__
+
+
+def _is_grads(samples: list[Sample], **over) -> tuple[torch.Tensor, dict[str, float]]:
+    model = Toy()
+    run = RunConfig(model="m", **{"micro_batch": 2, **over})
+    metrics = grpo_backward(samples, run, torch.device("cpu"), model.logprobs, model.off)
+    return model.adapter.grad.clone(), metrics
+
+
+def test_rollout_is_reweights_only_tokens_the_engine_drew_from_another_policy() -> None:
+    # engine logprobs equal to the trainer's own: every weight is 1 and the update is the on-policy one
+    model = Toy()
+    with torch.no_grad():
+        own = model.logprobs(pad_batch(SAMPLES))
+    mask = pad_batch(SAMPLES).mask
+    same = [Sample(s.prompt_ids, s.completion_ids, own[i][mask[i]].tolist(), s.advantage)
+            for i, s in enumerate(SAMPLES)]
+    off, m_off = _is_grads(same)
+    on, m_on = _is_grads(same, rollout_is="truncate", rollout_is_threshold=2.0)
+    assert torch.allclose(off, on, atol=1e-6)
+    assert math.isnan(m_off["mismatch/is_capped_frac"]) and m_on["mismatch/is_capped_frac"] == 0.0
+    # a stale rollout: the engine gave the second sample's tokens far lower logprobs (weights above the cap)
+    stale = [same[0], Sample(same[1].prompt_ids, same[1].completion_ids,
+                             [lp - 3.0 for lp in same[1].engine_logprobs], same[1].advantage), same[2]]
+    truncated, m_trunc = _is_grads(stale, rollout_is="truncate", rollout_is_threshold=2.0)
+    masked, m_mask = _is_grads(stale, rollout_is="mask", rollout_is_threshold=2.0)
+    assert not torch.allclose(truncated, _is_grads(stale)[0]) and not torch.allclose(masked, truncated)
+    assert m_trunc["mismatch/is_capped_frac"] == m_mask["mismatch/is_capped_frac"] == pytest.approx(4 / 7)
+    # masking the stale sample's tokens leaves the update of the two others alone
+    only_fresh, _ = _is_grads([same[0], same[2]], micro_batch=2)
+    assert torch.allclose(masked * 7, only_fresh * 3, atol=1e-5)  # token means over 7 and 3 tokens

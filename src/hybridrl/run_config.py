@@ -85,6 +85,13 @@ class RunConfig(_Frozen):
                                                   "over the step's whole batch")
     train_dtype: Literal["bf16", "fp32"] | None = Field(
         None, description="megatron trainer: dtype of the base weights (default bf16 on cuda, fp32 on cpu)")
+    rollout_is: Literal["off", "truncate", "mask"] = Field(
+        "off", description="importance-sampling correction for samples the engine drew from an older adapter "
+        "(overlap), with its rollout logprobs as the behaviour policy: truncate caps each token's weight at "
+        "rollout_is_threshold, mask drops the tokens above it (verl rollout_is, slime --use-tis); off on-policy")
+    rollout_is_threshold: float = Field(
+        2.0, gt=1, description="the importance weight cap of rollout_is (verl rollout_is_threshold, slime "
+        "--tis-clip)")
     max_asleep_growth_gb: float = Field(
         1.0, ge=0, description="a sleeping engine's GPU memory (NVML, 10^9 bytes) may grow at most this much over "
         "its first sleep of the run; more fails the run (a leak, as vLLM issues 21336 and 32714 report)")

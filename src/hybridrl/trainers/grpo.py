@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridrl.rl import LogprobGaps, policy_loss
+from hybridrl.rl import LogprobGaps, engine_logprob_tensor, policy_loss, rollout_is_weights
 from hybridrl.run_config import RunConfig
 from hybridrl.trainers.base import Sample
 
@@ -64,7 +64,7 @@ def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device,
     The loss is a token mean over the whole batch, however it is split.
     """
     n_tokens = sum(len(s.completion_ids) for s in samples)
-    totals = {"loss": 0.0, "kl": 0.0, "clipfrac": 0.0}
+    totals = {"loss": 0.0, "kl": 0.0, "clipfrac": 0.0, "is_changed": 0.0}
     gaps = LogprobGaps()
     for lo in range(0, len(samples), run.micro_batch):
         chunk = samples[lo : lo + run.micro_batch]
@@ -76,7 +76,14 @@ def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device,
             with torch.no_grad(), adapter_off():
                 ref = logprobs(batch)
         adv = torch.tensor([s.advantage for s in chunk], device=device, dtype=torch.float32)
-        loss, stats = policy_loss(logp, old, adv, batch.mask, run.clip_eps, ref, run.kl_coef)
+        is_weights = None
+        if run.rollout_is != "off":  # the engine's logprobs are the behaviour policy's
+            engine = engine_logprob_tensor([s.engine_logprobs for s in chunk], batch.mask)
+            is_weights = rollout_is_weights(old, engine, batch.mask, run.rollout_is_threshold, run.rollout_is)
+            raw = torch.exp(old - engine)
+            changed = (raw > run.rollout_is_threshold) & batch.mask  # tokens the cap or the mask changed
+            totals["is_changed"] += changed.sum().item() / max(n_tokens, 1)
+        loss, stats = policy_loss(logp, old, adv, batch.mask, run.clip_eps, ref, run.kl_coef, is_weights)
         weight = batch.mask.sum().item() / max(n_tokens, 1)
         (loss * weight).backward()
         totals["loss"] += loss.item() * weight
@@ -88,5 +95,7 @@ def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device,
         "train/kl": totals["kl"] if run.kl_coef > 0 else math.nan,
         "train/clipfrac": totals["clipfrac"],
         "perf/train_tokens": float(n_tokens),
+        # share of tokens whose importance weight the cap (truncate) or the mask changed; NaN with rollout_is off
+        "mismatch/is_capped_frac": totals["is_changed"] if run.rollout_is != "off" else math.nan,
         **gaps.metrics(n_tokens),
     }

@@ -96,9 +96,24 @@ def between(study: str, name: str, column: str, lo: str, hi: str) -> str:
     return f"{int(((values > float(lo)) & (values < float(hi))).sum())} of {len(values)}"
 
 
+def tiers(study: str, name: str, family: str) -> str:
+    """The configuration's steps judged by today's tiered logprob gate for `family` (dense or moe), whatever the
+    gate was when they ran: '10 pass' or '8 pass, 1 warn'; for NAME@STEP that step's gap and tier."""
+    from hybridrl.checks import GAP_LIMITS, logprob_gate
+
+    name, _, step = name.partition("@")
+    df = _config(_table(study), name)
+    if step:
+        df = df[df["step"] == int(step)]
+    gaps = pd.to_numeric(df["check/rollout_logprob_abs_diff"], errors="coerce").dropna()
+    judged = [logprob_gate(g, GAP_LIMITS[family])["check/logprob_gap_tier"] for g in gaps]
+    counts = ", ".join(f"{judged.count(t)} {t}" for t in ("pass", "warn", "fail") if judged.count(t))
+    return f"{gaps.iloc[0]:.4f}, a {judged[0]}" if step else counts
+
+
 FIGURES: dict[str, Callable[..., str]] = {
     "median": median, "interval": interval, "ratio": ratio, "change": change, "steps": steady_steps,
-    "records": records, "span": span, "between": between,
+    "records": records, "span": span, "between": between, "tiers": tiers,
 }
 
 

@@ -519,3 +519,10 @@ def test_transition_times_are_compared_only_between_releases_that_move_the_same_
     [both] = groups.values()
     assert sorted(both) == sorted(lab for lab in labels.values() if "full release" in lab or "level 1" in lab)
     assert found["note"] == NO_VLLM_KV_ONLY and found["n_comparisons"] == 2  # sleep and wake, full vs level 1
+
+
+def test_every_phase_of_a_step_has_a_colour_in_the_breakdown() -> None:
+    from hybridrl.record import PHASE_KEYS
+    from hybridrl.report.plots import PHASE_COLORS
+
+    assert set(PHASE_KEYS) <= set(PHASE_COLORS), sorted(set(PHASE_KEYS) - set(PHASE_COLORS))

@@ -247,8 +247,9 @@ def one_step(ctx: RunContext, step: int) -> dict[str, Any]:
     train_t0 = time.perf_counter()
     trained = train(ctx, step, scored, t)
     train_span = (train_t0, time.perf_counter())
-    with t.phase("await_rollout", ctx.sampler):
-        ctx.ahead.settle()  # adapters change only between batches
+    if ctx.ahead.pending is not None:
+        with t.phase("await_rollout", ctx.sampler):
+            ctx.ahead.settle()  # adapters change only between batches
     # started again, the engine already holds the new adapter: nothing to redo
     recovery.transition(lambda: ctx.placement.after_train(t, trained.adapter),
                         trained.adapter or engine_adapter(ctx), redo=False)

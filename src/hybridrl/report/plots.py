@@ -22,7 +22,8 @@ LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp", "release"]
 PHASE_COLORS = {
     "timing_s/prepare": "#A6C8E0", "timing_s/gen": "#4C72B0", "timing_s/reward": "#DD8452", "timing_s/sleep": "#937860",
     "timing_s/trainer_onload": "#8C8C3C", "timing_s/update_actor": "#55A868", "timing_s/save_adapter": "#64B5CD",
-    "timing_s/trainer_offload": "#CCB974", "timing_s/wake": "#DA8BC3", "timing_s/restart": "#8172B3",
+    "timing_s/trainer_offload": "#CCB974", "timing_s/await_rollout": "#2F4B7C", "timing_s/wake": "#DA8BC3",
+    "timing_s/restart": "#8172B3",
     "timing_s/update_weights": "#C44E52", "timing_s/check": "#4A4A4A", "timing_s/recover": "#E5AE38",
     "other": "#BBBBBB",
 }

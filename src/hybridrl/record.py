@@ -21,6 +21,9 @@ PHASE_KEYS = tuple(f"timing_s/{p}" for p in PHASES)
 TIMING = (*PHASE_KEYS, "timing_s/step")
 # A run's first step only: the engine's first start and the wait for runs beside it; not part of the step
 RUN_START = ("timing_s/engine_start", "timing_s/start_barrier")
+# The greedy test pass of every eval_every-th step, after the step: not part of timing_s/step, so that step times
+# and rollout figures compare alike with and without it. Accuracy over wall-clock time uses timing_s/step alone.
+EVAL = ("eval/accuracy", "eval/problems", "eval/response_length_mean", "eval/stop_ratio", "timing_s/eval")
 # Phases whose host CPU load is recorded: a busy host (another run starting beside this one) slows them.
 HOST_LOAD_PHASES = ("gen", "update_actor")
 # Phases whose controller CPU use is recorded (% of one core, all its threads): a rollout client near 100% of a
@@ -38,7 +41,10 @@ ROLLOUT = (
 TRAINING = ("perf/train_tokens", "perf/train_tok_s", "train/loss", "train/grad_norm", "train/kl", "train/clipfrac")
 # mem/used_gb_train is the sampler's update_actor phase; mem/trainer_gb_gen is NVML over the trainer's processes
 MEMORY = ("mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacity_tokens", "mem/trainer_gb_gen")
-LEARNING = ("reward/mean", "reward/accuracy", "response_length/mean")
+# response_length/clip_ratio (verl's name): share of rollouts cut at max_new_tokens; response/stop_ratio: share that
+# ended at EOS (finish reason "stop"); the rest failed or gave no reason
+LEARNING = ("reward/mean", "reward/accuracy", "response_length/mean", "response_length/clip_ratio",
+            "response/stop_ratio")
 CHECKS = (
     "check/rollout_logprob_abs_diff", "check/logprob_gap_sample_max", "check/logprob_gap_token_max",
     "check/logprob_gap_max", "check/base_canary_ok", "check/adapter_applied", "check/adapter_logprob_shift",
@@ -47,7 +53,7 @@ CHECKS = (
 BOOLS = ("check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok", "check/logprob_agreement_ok",
          "check/client_headroom_ok")
 STRINGS = ("run_id", "engine", "placement", "trainer", "model")
-RECORD_KEYS = (*IDENTITY, *TIMING, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS, *RUN_START,
+RECORD_KEYS = (*IDENTITY, *TIMING, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS, *RUN_START, *EVAL,
                "time_unix")
 
 

@@ -101,16 +101,15 @@ def build_random(spec: dict[str, Any], corpus: Path, out_dir: Path, test: Path |
         model = model_cls(config)
         model.generation_config.eos_token_id = generation_eos
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-        init = "random"
         if spec.get("warm_start") is not None:
             from hybridrl.warm_start import warm_start
 
             if test is None:
                 raise ValueError("a warm start needs the test split to measure its base accuracy")
             warm_start(model, tokenizer, rows, read_jsonl(test), spec["warm_start"], tmp_dir)
-            init = "warm_start"
         model.to(dtype).save_pretrained(tmp_dir)
-        (tmp_dir / "hybridrl-model.json").write_text(json.dumps({"init": init, **spec}, indent=2))
+        built = {"init": "random", **spec, "warm_started": "warm_start" in spec}
+        (tmp_dir / "hybridrl-model.json").write_text(json.dumps(built, indent=2))
         _publish(tmp_dir, out_dir)
 
 

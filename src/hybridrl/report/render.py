@@ -14,7 +14,7 @@ import pandas as pd
 
 from hybridrl.client_ceiling import HEADROOM
 from hybridrl.record import CHECKS, HOST, LEARNING, MEMORY, ROLLOUT, TIMING, TRAINING
-from hybridrl.report import headline, stats
+from hybridrl.report import headline, learning, stats
 from hybridrl.report.aggregate import CONFIG_KEY, atomic_path, commit_label, read_provenance
 from hybridrl.report.plots import PLOTS, run_labels
 
@@ -272,6 +272,16 @@ def client_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     return table
 
 
+def accuracy_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
+    """Time to accuracy X per run (report.learning); None when no run has an eval."""
+    header, rows = learning.time_to_accuracy(df, labels)
+    if not rows:
+        return None
+    table = Table(header)
+    table.rows = [[Cell(r[0]), *(Cell(c, "na" if c in ("not reached", "–") else "num") for c in r[1:])] for r in rows]
+    return table
+
+
 def detail_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     """Every numeric metric (rows) of every configuration (columns), with n where it differs."""
     metrics = [m for m in DETAIL_METRICS if _has(df, m)]
@@ -343,6 +353,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "ratios": ratios[1] if ratios else None,
         "warmup": warmup_table(df, labels),
         "correctness": correctness_table(df, labels),
+        "accuracy": accuracy_table(df, labels),
         "client": client_table(df, labels),
         "client_headroom": f"{HEADROOM:.0%}",
         "detail": detail_table(df, labels),

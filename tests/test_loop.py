@@ -108,7 +108,8 @@ def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("assets")
     data.write_synthetic(root / "data", 64, 8, seed=0)
     spec = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
-    models.build_random(spec["models"]["tiny-qwen3"], root / "data" / "train.jsonl", root / "model")
+    cold = {k: v for k, v in spec["models"]["tiny-qwen3"].items() if k != "warm_start"}  # the loop needs no warm start
+    models.build_random(cold, root / "data" / "train.jsonl", root / "model")
     return root
 
 
@@ -117,7 +118,7 @@ def _run(**over) -> RunConfig:
     # the scripted engine's logprobs are made up (-2.0), so its gap to the real trainer is large: its runs raise
     # the fail tier out of the way (the gate's own tests set it)
     spec["defaults"].update({"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6,
-                             "logprob_gap_fail": 1000.0, **over})
+                             "eval_every": 0, "logprob_gap_fail": 1000.0, **over})
     spec["runs"] = [{"placement": "split"}]
     return next(iter(resolve(spec).runs.values()))
 
@@ -382,7 +383,9 @@ def test_the_named_phases_add_up_to_the_step(assets, tmp_path, placement):
     engine = ScriptedEngine()
     overlap = int(placement.endswith("overlap"))
     placement = placement.removesuffix("-overlap")
-    run = _run(steps=2, max_new_tokens=24).model_copy(update={"placement": placement, "overlap": overlap})
+    # colocate: CPU no-ops; the eval pass is timed apart and must not count in the step
+    run = _run(steps=2, max_new_tokens=24, eval_every=1).model_copy(update={"placement": placement,
+                                                                            "overlap": overlap})
     records = run_loop(run, "r16", assets / "model", assets / "data", tmp_path, {}, progress=False, engine=engine)
     for r in records:
         assert set(RECORD_KEYS) <= set(r)
@@ -394,6 +397,60 @@ def test_the_named_phases_add_up_to_the_step(assets, tmp_path, placement):
         assert (r["timing_s/restart"] is not None) == (placement == "restart")
         assert (r["timing_s/wake"] is not None) == (placement == "colocate")
         assert r["timing_s/recover"] is None
+        assert r["timing_s/eval"] > 0 and "timing_s/eval" not in PHASE_KEYS
+
+
+class AnsweringEngine(ScriptedEngine):
+    """Greedy requests with the adapter get the right answer and EOS for the first `right` known problems; sampled
+    rollouts stop at EOS every other request."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]], right: int) -> None:
+        super().__init__()
+        self.answers, self.right, self.eval_requests = answers, right, []
+
+    def generate(self, requests, progress=False):
+        out = super().generate(requests, progress)
+        known = [r for r in requests if tuple(r.prompt_ids) in self.answers]
+        if len(known) == len(requests) > 1:  # the eval pass
+            self.eval_requests.append(requests)
+            for i, (r, c) in enumerate(zip(requests, out, strict=True)):
+                if i < self.right:
+                    c.token_ids, c.finish_reason = self.answers[tuple(r.prompt_ids)], "stop"
+        elif len(requests) > 1:
+            for i, c in enumerate(out):
+                c.finish_reason = "stop" if i % 2 else "length"
+        return out
+
+
+def test_eval_records_greedy_test_accuracy_every_k_steps_with_the_adapter(assets, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets / "model")
+    test = data.read_jsonl(assets / "data" / "test.jsonl")[:4]
+    answers = {tuple(tok(data.prompt_text(p["question"]))["input_ids"]):
+               tok(" " + p["answer"])["input_ids"] + [tok.eos_token_id] for p in test}
+    engine = AnsweringEngine(answers, right=3)
+    records = run_loop(_run(steps=3, eval_every=2, eval_problems=4), "r20", assets / "model", assets / "data",
+                       tmp_path, {}, progress=False, engine=engine)
+    # steps 2 and 3 (every 2nd, and the last); step 1 has none
+    assert [r["eval/accuracy"] for r in records] == [None, 0.75, 0.75]
+    assert [r["eval/problems"] for r in records] == [None, 4, 4]
+    assert records[0]["timing_s/eval"] is None and records[2]["eval/stop_ratio"] == 0.75
+    # the fixed slice, greedy, through the adapter the engine holds after the step
+    assert len(engine.eval_requests) == 2
+    for requests in engine.eval_requests:
+        assert [tuple(r.prompt_ids) for r in requests] == list(answers)
+        assert all(r.sampling.temperature == 0 and r.adapter == "policy" and not r.sampling.ignore_eos
+                   for r in requests)
+    # finish reasons of the rollout: half stopped at EOS, half ran to max_new_tokens
+    assert all(r["response/stop_ratio"] == 0.5 and r["response_length/clip_ratio"] == 0.5 for r in records)
+
+
+def test_no_eval_without_eval_every(assets, tmp_path):
+    records = run_loop(_run(steps=2), "r21", assets / "model", assets / "data", tmp_path, {}, progress=False,
+                       engine=ScriptedEngine())
+    assert all(r["eval/accuracy"] is None and r["timing_s/eval"] is None for r in records)
+    assert all(r["response_length/clip_ratio"] == 1.0 and r["response/stop_ratio"] == 0.0 for r in records)
 
 
 def test_an_engine_that_keeps_more_memory_asleep_each_cycle_fails_the_run(assets, tmp_path):

@@ -88,6 +88,21 @@ def test_report_compares_both_placements(smoke_run):
     assert list((workdir / "results" / "plots").glob("*.png"))
 
 
+def test_warm_started_model_stops_and_is_evaluated(smoke_run):
+    workdir, *_ = smoke_run
+    warm = json.loads((workdir / "resources" / "models" / "tiny-qwen3" / "warm_start.json").read_text())
+    assert warm["tokens"] >= 100_000 and 0 <= warm["base_accuracy"] <= 1
+    table = pd.read_csv(workdir / "results" / "steps.csv")
+    # eval_every 1: every step has a greedy test accuracy, timed outside the step
+    assert table["eval/accuracy"].between(0, 1).all() and (table["eval/problems"] == 16).all()
+    assert table["timing_s/eval"].gt(0).all()
+    # ignore_eos false: a warm-started policy ends some rollouts at EOS itself
+    assert table["response/stop_ratio"].gt(0).any()
+    assert (table["response/stop_ratio"] + table["response_length/clip_ratio"]).le(1 + 1e-9).all()
+    assert (workdir / "results" / "plots" / "learning.png").exists()
+    assert "Time to accuracy" in (workdir / "results" / "report.md").read_text()
+
+
 def test_correctness_gates_hold(smoke_run):
     workdir, *_ = smoke_run
     table = pd.read_csv(workdir / "results" / "steps.csv")

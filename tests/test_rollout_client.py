@@ -165,7 +165,8 @@ def test_bench_measures_every_path_on_one_engine_start(tmp_path, monkeypatch):
 
     data.write_synthetic(tmp_path / "data", 32, 4, seed=0)
     spec = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
-    models.build_random(spec["models"]["tiny-qwen3"], tmp_path / "data" / "train.jsonl", tmp_path / "model")
+    cold = {k: v for k, v in spec["models"]["tiny-qwen3"].items() if k != "warm_start"}
+    models.build_random(cold, tmp_path / "data" / "train.jsonl", tmp_path / "model")
     spec["defaults"].update({"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 5, "stream_fraction": 0.25})
     spec["runs"] = [{"placement": "split"}]
     [(run_id, run)] = resolve(spec).runs.items()

@@ -85,16 +85,20 @@ EOF
   local data_args name spec
   # the study's synthetic data spec as CLI flags (no network here: GSM8K itself cannot be fetched)
   data_args=$(python3 -c "import json;d=json.load(open('$ref/study.json'))['data'];\
-print(f\"--source synthetic --n-train {d.get('n_train',512)} --n-test {d.get('n_test',128)} --seed {d.get('seed',0)}\")")
+print(f\"--source synthetic --n-train {d.get('n_train',512)} --n-test {d.get('n_test',128)} --seed {d.get('seed',0)}\",\\
+f\"--steps {d.get('steps',1)}\")")
   say "data: $data_args"
   # shellcheck disable=SC2086
   PYTHONPATH=$ctl_path python3 -m hybridrl data $data_args --out "$ref/data"
-  # every model the study defines; each run names its own
+  # every model the study defines; each run names its own. A warm start trains on this host's GPU and records its
+  # base accuracy on the test split in the model's warm_start.json
   while IFS=$'\t' read -r name spec; do
     PYTHONPATH=$ctl_path python3 -m hybridrl model --spec "$spec" --corpus "$ref/data/train.jsonl" \
-      --out "$ref/models/$name"
-    python3 -c "import json;c=json.load(open('$ref/models/$name/config.json'));\
-print('$name', {k:c.get(k) for k in ('vocab_size','hidden_size','num_hidden_layers')})"
+      --test "$ref/data/test.jsonl" --out "$ref/models/$name"
+    python3 -c "import json,os;m='$ref/models/$name';c=json.load(open(m+'/config.json'));\
+w=json.load(open(m+'/warm_start.json')) if os.path.exists(m+'/warm_start.json') else {};\
+print('$name', {k:c.get(k) for k in ('vocab_size','hidden_size','num_hidden_layers')},\
+{k:w.get(k) for k in ('base_accuracy','eos_share','tokens','seconds')} if w else 'random init')"
   done < <(python3 -c "import json;[print(k, json.dumps(v), sep='\t') for k, v in \
 json.load(open('$ref/study.json'))['models'].items()]")
   touch "$ref/setup.done"

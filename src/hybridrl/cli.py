@@ -39,13 +39,13 @@ def _data(args: argparse.Namespace) -> None:
     if args.source == "gsm8k":
         data.download_gsm8k(out)
     else:
-        data.write_synthetic(out, args.n_train, args.n_test, args.seed)
+        data.write_synthetic(out, args.n_train, args.n_test, args.seed, args.steps)
 
 
 def _model(args: argparse.Namespace) -> None:
     from hybridrl.models import prepare
 
-    prepare(json.loads(args.spec), Path(args.corpus), Path(args.out))
+    prepare(json.loads(args.spec), Path(args.corpus), Path(args.out), Path(args.test) if args.test else None)
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -138,12 +138,15 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--n-train", type=int, default=512)
     s.add_argument("--n-test", type=int, default=128)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--steps", type=int, default=1, choices=[1, 2, 3],
+                   help="synthetic: most arithmetic steps per problem (1: the original one-step problems)")
     s.add_argument("--out", required=True)
     s.set_defaults(fn=_data)
 
     s = sub.add_parser("model", help="download a model or build a random-init one")
     s.add_argument("--spec", required=True, help="the model's config entry as JSON")
     s.add_argument("--corpus", required=True, help="train.jsonl used to build a tokenizer for init: random")
+    s.add_argument("--test", help="test.jsonl on which a warm-started model's base accuracy is measured")
     s.add_argument("--out", required=True)
     s.set_defaults(fn=_model)
 

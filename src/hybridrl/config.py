@@ -157,6 +157,10 @@ def check_model_sources(models: dict[str, dict[str, Any]], source: str = "config
     for name, spec in models.items():
         if "path" in spec and not Path(spec["path"]).expanduser().exists():
             raise ConfigError(f"{source}: models.{name}.path: {spec['path']} does not exist")
+        for key in ("vocab_size", "vocab_multiple"):  # Qwen's vocabulary has Qwen3's size, nothing to choose
+            if spec.get("tokenizer") == "qwen" and key in spec:
+                raise ConfigError(f"{source}: models.{name}.{key}: not used with tokenizer: qwen "
+                                  "(the model takes Qwen3's 151,936 vocab rows)")
 
 
 def _line_column(text: str | bytes, offset: int) -> tuple[int, int]:
@@ -236,4 +240,6 @@ def interleaved(configs: list[tuple[str, RunConfig]]) -> list[tuple[str, RunConf
 def dataset_name(data: dict[str, Any]) -> str:
     if data["source"] == "gsm8k":
         return "gsm8k"
-    return f"synthetic-s{data.get('seed', 0)}-n{data.get('n_train', 512)}-{data.get('n_test', 128)}"
+    steps = data.get("steps", 1)  # one-step data keeps the name it always had
+    return (f"synthetic-s{data.get('seed', 0)}-n{data.get('n_train', 512)}-{data.get('n_test', 128)}"
+            + (f"-k{steps}" if steps != 1 else ""))

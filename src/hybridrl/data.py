@@ -103,14 +103,65 @@ def _problem(rng: random.Random) -> dict:
     return {"question": q, "answer": f"{work}\n#### {format_number(Fraction(ans))}"}
 
 
-def synthesize(n: int, seed: int) -> list[dict]:
+def _multi_step(rng: random.Random, steps: int) -> dict:
+    """A problem of `steps` (2 or 3) operations on numbers up to about 1,000, worked out step by step."""
+    name, other = rng.sample(_NAMES, 2)
+    item = rng.choice(_ITEMS)
+    a, b, c = rng.randint(20, 600), rng.randint(10, 300), rng.randint(2, 12)
+    kind = rng.randrange(2)
+    if steps == 2 and kind == 0:
+        q = (f"{name} has {a} {item}. {name} buys {c} boxes of {item} with {b} {item} in each box. "
+             f"How many {item} does {name} have now?")
+        bought = c * b
+        ans = a + bought
+        work = f"The boxes hold {c} * {b} = <<{c}*{b}={bought}>>{bought} {item}.\n" \
+               f"{name} has {a} + {bought} = <<{a}+{bought}={ans}>>{ans} {item}."
+    elif steps == 2:
+        each = rng.randint(5, 90)
+        total = c * each + b
+        q = (f"{name} had {total} {item} and gave {b} to {other}. {name} shares the rest equally among {c} "
+             f"friends. How many {item} does each friend get?")
+        rest = total - b
+        ans = each
+        work = f"{name} has {total} - {b} = <<{total}-{b}={rest}>>{rest} {item} left.\n" \
+               f"Each friend gets {rest} / {c} = <<{rest}/{c}={ans}>>{ans} {item}."
+    elif kind == 0:
+        g = rng.randint(1, 2 * a + b - 1)
+        q = (f"{name} has {a} {item} and {other} has {b} more {item} than {name}. Together they give away {g} "
+             f"{item}. How many {item} do they have left?")
+        theirs = a + b
+        both = a + theirs
+        ans = both - g
+        work = f"{other} has {a} + {b} = <<{a}+{b}={theirs}>>{theirs} {item}.\n" \
+               f"Together they have {a} + {theirs} = <<{a}+{theirs}={both}>>{both} {item}.\n" \
+               f"They have {both} - {g} = <<{both}-{g}={ans}>>{ans} {item} left."
+    else:
+        price = rng.randint(4, 80) * 25  # cents, so some answers are decimals
+        cost = Decimal(price * c) / 100
+        extra = rng.randint(1, 9)
+        spent = cost + extra
+        bill = (int(spent) // 10 + 1 + rng.randint(0, 4)) * 10
+        q = (f"One pack of {item} costs ${price / 100:.2f}. {name} buys {c} packs and a ${extra} bag, and pays with "
+             f"${bill}. How much change does {name} get in dollars?")
+        ans = bill - spent
+        work = f"The packs cost {c} * {price / 100:.2f} = <<{c}*{price / 100:.2f}={cost}>>{cost} dollars.\n" \
+               f"With the bag that is {cost} + {extra} = <<{cost}+{extra}={spent}>>{spent} dollars.\n" \
+               f"The change is {bill} - {spent} = <<{bill}-{spent}={ans}>>{ans} dollars."
+    return {"question": q, "answer": f"{work}\n#### {format_number(Fraction(ans))}"}
+
+
+def synthesize(n: int, seed: int, steps: int = 1) -> list[dict]:
+    """`steps` 1: one-operation problems on small numbers; 2 or 3: problems of two up to `steps` operations on
+    larger numbers, which a small model learns more slowly, so RL has something left to improve."""
     rng = random.Random(seed)
-    return [_problem(rng) for _ in range(n)]
+    if steps == 1:
+        return [_problem(rng) for _ in range(n)]
+    return [_multi_step(rng, rng.randint(2, steps)) for _ in range(n)]
 
 
-def write_synthetic(out_dir: Path, n_train: int, n_test: int, seed: int) -> None:
-    write_jsonl_atomic(out_dir / "train.jsonl", synthesize(n_train, seed))
-    write_jsonl_atomic(out_dir / "test.jsonl", synthesize(n_test, seed + 1))
+def write_synthetic(out_dir: Path, n_train: int, n_test: int, seed: int, steps: int = 1) -> None:
+    write_jsonl_atomic(out_dir / "train.jsonl", synthesize(n_train, seed, steps))
+    write_jsonl_atomic(out_dir / "test.jsonl", synthesize(n_test, seed + 1, steps))
 
 
 # --- GSM8K download ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@
     transition  trainer_offload, wake | restart,     the engine gets its memory back and the new adapter
                 update_weights
     checks      check                                base canary, adapter applied, KV capacity (hybridrl.checks)
+    eval        timing_s/eval, outside the step      every eval_every steps: greedy test accuracy with the new adapter
     record      -                                    one JSON line of hybridrl.record's keys
 
 An engine found dead in any of them is started again (timing_s/recover, errors/engine_restarts).
@@ -92,6 +93,7 @@ class RunContext:
     paths: RunPaths
     engine_adapter_step: int = 0  # the step whose adapter the engine holds (0: the base model)
     ahead: AheadRollouts = field(default_factory=AheadRollouts)  # overlap: the next step's rollout in flight
+    test_problems: list[dict[str, Any]] | None = None  # the fixed eval slice (eval_every > 0)
 
 
 def step_requests(problems: list[dict[str, Any]], run: RunConfig, step: int, tokenizer: Any,
@@ -141,6 +143,7 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
         console.print(f"[green]{run_id}: all {run.steps} steps already recorded")
         return done
     problems = gsm8k.read_jsonl(data_dir / "train.jsonl")
+    test_problems = gsm8k.read_jsonl(data_dir / "test.jsonl")[:run.eval_problems] if run.eval_every else None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = gap_limits(run, model_family(json.loads((model_dir / "config.json").read_text())))
     barrier = StartBarrier.from_env()
@@ -166,7 +169,7 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
         canary = Canary(tokenizer, paths.canary)
         canary.record_baseline(engine)
         ctx = RunContext(run, run_id, problems, tokenizer, engine, trainer, placement, canary, sampler, paths,
-                         engine_adapter_step=first_step - 1)
+                         test_problems=test_problems, engine_adapter_step=first_step - 1)
         waited_s = barrier.wait(run_id, console.print) if barrier else None
         records = list(done)
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -259,6 +262,7 @@ def one_step(ctx: RunContext, step: int) -> dict[str, Any]:
     t.s["step"] = time.perf_counter() - t0
     record = make_record(ctx, step, t, rollout, scored, trained, checks, recovery.restarts)
     record.update(concurrency(t, t0, rollout, ahead, train_span))
+    record.update(evaluate(ctx, step, trained.adapter or engine_adapter(ctx)))
     return record
 
 
@@ -368,6 +372,44 @@ def check(ctx: RunContext, step: int, trained: Trained, t: Timings) -> dict[str,
     return checks
 
 
+def eval_due(run: RunConfig, step: int) -> bool:
+    """Every eval_every-th step and the last one (so a run always ends measured); never with eval_every 0."""
+    return run.eval_every > 0 and (step % run.eval_every == 0 or step == run.steps)
+
+
+def evaluate(ctx: RunContext, step: int, adapter: Path | None) -> dict[str, Any]:
+    """eval: greedy answers to the fixed test slice through the engine, with the adapter it holds after this step's
+    transition. Timed apart from the step (timing_s/eval); an engine that fails here leaves the values null and is
+    found dead, and restarted, by the next step's rollout."""
+    if not eval_due(ctx.run, step) or not ctx.test_problems:
+        return {}
+    greedy = Sampling(temperature=0.0, max_new_tokens=ctx.run.eval_max_new_tokens or ctx.run.max_new_tokens,
+                      ignore_eos=False, seed=0)
+    name = ADAPTER_NAME if adapter is not None else None
+    requests = [Request(ctx.tokenizer(gsm8k.prompt_text(p["question"]))["input_ids"], greedy, adapter=name)
+                for p in ctx.test_problems]
+    t0 = time.perf_counter()
+    try:
+        completions = ctx.engine.generate(requests, progress=False)
+    except EngineError as exc:
+        console.print(f"[yellow]step {step}: eval failed ({str(exc).splitlines()[0]}); eval/accuracy is null")
+        return {"timing_s/eval": time.perf_counter() - t0}
+    ok = [(c, p) for c, p in zip(completions, ctx.test_problems, strict=True) if c.error is None]
+    right = sum(gsm8k.reward(ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True), p["answer"])
+                for c, p in ok)
+    return {"eval/accuracy": right / len(requests), "eval/problems": len(requests),
+            "eval/response_length_mean": sum(len(c.token_ids) for c, _ in ok) / len(ok) if ok else None,
+            "eval/stop_ratio": finish_share([c for c, _ in ok], "stop"),
+            "timing_s/eval": time.perf_counter() - t0}
+
+
+def finish_share(completions: list[Completion], reason: str) -> float | None:
+    """Share of the completions whose finish reason is `reason` ("stop": EOS or a stop token; "length")."""
+    if not completions:
+        return None
+    return sum(c.finish_reason == reason for c in completions) / len(completions)
+
+
 def make_record(ctx: RunContext, step: int, t: Timings, rollout: Rollout, scored: Scored, trained: Trained,
                 checks: dict[str, Any], restarts: int) -> dict[str, Any]:
     """record: every key of hybridrl.record (None where this step has no value), plus per-GPU readings."""
@@ -377,6 +419,9 @@ def make_record(ctx: RunContext, step: int, t: Timings, rollout: Rollout, scored
                    "model": run.model, "tp": run.tp, "seed": run.seed, "step": step, "time_unix": time.time()})
     record.update(t.record())
     record.update(rollout_stats(rollout.completions, rollout.gen_s))
+    done = [c for c in rollout.completions if c.error is None]
+    record["response_length/clip_ratio"] = finish_share(done, "length")
+    record["response/stop_ratio"] = finish_share(done, "stop")
     record.update({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in trained.metrics.items()})
     if record["perf/train_tokens"] and t.s.get("update_actor"):
         record["perf/train_tok_s"] = record["perf/train_tokens"] / t.s["update_actor"]
@@ -485,6 +530,7 @@ def _summary(r: dict[str, Any]) -> str:
 
     return (f"step {r['step']}: gen {f('timing_s/gen')} s, {f('perf/throughput', '.1f')} tok/s, "
             f"train {f('timing_s/update_actor')} s, step {f('timing_s/step')} s, reward {f('reward/mean')}, "
+            f"EOS {f('response/stop_ratio', '.0%')}, eval accuracy {f('eval/accuracy')}, "
             f"|dlogp| {f('check/rollout_logprob_abs_diff', '.2e')}, gates: canary {r.get('check/base_canary_ok')}, "
             f"adapter {r.get('check/adapter_applied')}, kv {r.get('check/kv_capacity_ok')} "
             f"({f('mem/kv_capacity_tokens', '.0f')} tokens), logprobs {r.get('check/logprob_agreement_ok')}")

@@ -47,39 +47,70 @@ def build_tokenizer(texts: list[str], vocab_size: int, out_dir: Path) -> None:
     fast.save_pretrained(out_dir)
 
 
-def build_random(spec: dict[str, Any], corpus: Path, out_dir: Path) -> None:
-    """A random-init checkpoint of the given architecture, with a tokenizer trained on `corpus`.
+def _tokenizer(spec: dict[str, Any], texts: list[str], out_dir: Path) -> tuple[Any, int]:
+    """The model's tokenizer, saved to out_dir, and the model's vocab size (its embedding rows).
 
-    `spec["vocab_size"]` is the BPE target; the tokenizer may stop short of it. The model's vocab_size is
-    the tokenizer's length rounded up to a multiple of `spec["vocab_multiple"]` (default VOCAB_MULTIPLE;
-    e.g. 729 -> 768), like Qwen3's 151936 for 151669 tokens, so that tensor parallelism can split it;
-    `vocab_multiple: 1` keeps the tokenizer's length. The tokenizer never produces the extra ids, but this
-    untrained model may sample them; they decode to nothing.
+    `tokenizer: qwen`: Qwen's real one and Qwen3's 151,936 rows. Otherwise (`trained`) a byte-level BPE trained on
+    the study's text up to `vocab_size`, padded to a multiple of `vocab_multiple` (default VOCAB_MULTIPLE; e.g.
+    729 -> 768), like Qwen3's 151936 for 151669 tokens, so that tensor parallelism can split it; `vocab_multiple: 1`
+    keeps the tokenizer's length. The tokenizer never produces the extra ids, but an untrained model may sample
+    them; they decode to nothing.
     """
+    import transformers
+
+    if spec.get("tokenizer") == "qwen":
+        from hybridrl.qwen_vocab import MODEL_VOCAB, build_qwen_tokenizer
+
+        build_qwen_tokenizer(out_dir)
+        return transformers.AutoTokenizer.from_pretrained(out_dir), MODEL_VOCAB
+    build_tokenizer(texts, spec.get("vocab_size", 512), out_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out_dir)
+    multiple = int(spec.get("vocab_multiple", VOCAB_MULTIPLE))
+    return tokenizer, -(-len(tokenizer) // multiple) * multiple
+
+
+def _special_ids(tokenizer: Any) -> dict[str, Any]:
+    """bos/eos/pad of the model config; Qwen's stops at <|im_end|> or <|endoftext|>, as Qwen3-0.6B does."""
+    from hybridrl.qwen_vocab import EOS_IDS, PAD
+
+    if tokenizer.pad_token == PAD and tokenizer.eos_token_id == EOS_IDS[0]:
+        return {"bos_token_id": EOS_IDS[1], "eos_token_id": tokenizer.eos_token_id,
+                "pad_token_id": tokenizer.pad_token_id, "generation_eos": list(EOS_IDS)}
+    return {"bos_token_id": tokenizer.eos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id, "generation_eos": tokenizer.eos_token_id}
+
+
+def build_random(spec: dict[str, Any], corpus: Path, out_dir: Path, test: Path | None = None) -> None:
+    """A random-init checkpoint of the given architecture with its tokenizer (see _tokenizer), warm-started on
+    `corpus` (the train split) when the spec has `warm_start`, its accuracy measured on `test`."""
     import torch
     import transformers
 
     config_cls, model_cls = (getattr(transformers, n) for n in ARCH_CONFIGS[spec["arch"]])
     rows = read_jsonl(corpus)
     texts = [prompt_text(r["question"]) + " " + r["answer"] for r in rows]
-    vocab = spec.get("vocab_size", 512)
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as tmp:
         tmp_dir = Path(tmp)
-        build_tokenizer(texts, vocab, tmp_dir)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_dir)
+        tokenizer, vocab_size = _tokenizer(spec, texts, tmp_dir)
         shape = {k: spec[k] for k in _SHAPE_KEYS if k in spec}
-        multiple = int(spec.get("vocab_multiple", VOCAB_MULTIPLE))
-        shape["vocab_size"] = -(-len(tokenizer) // multiple) * multiple
+        shape["vocab_size"] = vocab_size
         dtype = getattr(torch, spec.get("dtype", "bfloat16"))
-        config = config_cls(
-            **shape, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, torch_dtype=dtype,
-        )
+        ids = _special_ids(tokenizer)
+        generation_eos = ids.pop("generation_eos")
+        config = config_cls(**shape, **ids, torch_dtype=dtype)
         torch.manual_seed(spec.get("seed", 0))
-        model = model_cls(config).to(dtype)
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.save_pretrained(tmp_dir)
-        (tmp_dir / "hybridrl-model.json").write_text(json.dumps({"init": "random", **spec}, indent=2))
+        model = model_cls(config)
+        model.generation_config.eos_token_id = generation_eos
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        if spec.get("warm_start") is not None:
+            from hybridrl.warm_start import warm_start
+
+            if test is None:
+                raise ValueError("a warm start needs the test split to measure its base accuracy")
+            warm_start(model, tokenizer, rows, read_jsonl(test), spec["warm_start"], tmp_dir)
+        model.to(dtype).save_pretrained(tmp_dir)
+        built = {"init": "random", **spec, "warm_started": "warm_start" in spec}
+        (tmp_dir / "hybridrl-model.json").write_text(json.dumps(built, indent=2))
         _publish(tmp_dir, out_dir)
 
 
@@ -112,11 +143,11 @@ def _publish(tmp_dir: Path, out_dir: Path) -> None:
         staging.chmod(0o755)  # mkdtemp makes 0700; others (containers, colleagues) must read it
 
 
-def prepare(spec: dict[str, Any], corpus: Path, out_dir: Path) -> None:
+def prepare(spec: dict[str, Any], corpus: Path, out_dir: Path, test: Path | None = None) -> None:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     if "path" in spec:
         link_local(spec, out_dir)
     elif "hf_id" in spec:
         download(spec, out_dir)
     else:
-        build_random(spec, corpus, out_dir)
+        build_random(spec, corpus, out_dir, test)

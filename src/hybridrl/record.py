@@ -25,6 +25,9 @@ TIMING = (*PHASE_KEYS, "timing_s/step")
 CONCURRENCY = ("timing_s/overlap", "timing_s/engine_idle", "timing_s/trainer_idle")
 # A run's first step only: the engine's first start and the wait for runs beside it; not part of the step
 RUN_START = ("timing_s/engine_start", "timing_s/start_barrier")
+# The greedy test pass of every eval_every-th step, after the step: not part of timing_s/step, so that step times
+# and rollout figures compare alike with and without it. Accuracy over wall-clock time uses timing_s/step alone.
+EVAL = ("eval/accuracy", "eval/problems", "eval/response_length_mean", "eval/stop_ratio", "timing_s/eval")
 # Phases whose host CPU load is recorded: a busy host (another run starting beside this one) slows them.
 HOST_LOAD_PHASES = ("gen", "update_actor")
 # Phases whose controller CPU use is recorded (% of one core, all its threads): a rollout client near 100% of a
@@ -46,7 +49,10 @@ TRAINING = ("perf/train_tokens", "perf/train_tok_s", "train/loss", "train/grad_n
 MEMORY = ("mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacity_tokens", "mem/trainer_gb_gen",
           # NVML on the engine's GPUs right after its sleep and its wake, and what the controller holds there
           "mem/engine_asleep_gb", "mem/engine_awake_gb", "mem/controller_gb")
-LEARNING = ("reward/mean", "reward/accuracy", "response_length/mean")
+# response_length/clip_ratio (verl's name): share of rollouts cut at max_new_tokens; response/stop_ratio: share that
+# ended at EOS (finish reason "stop"); the rest failed or gave no reason
+LEARNING = ("reward/mean", "reward/accuracy", "response_length/mean", "response_length/clip_ratio",
+            "response/stop_ratio")
 CHECKS = (
     "check/rollout_logprob_abs_diff", "check/logprob_gap_sample_max", "check/logprob_gap_token_max",
     "check/logprob_gap_max", "check/logprob_gap_fail_at", "check/logprob_gap_tier",
@@ -60,8 +66,7 @@ BOOLS = ("check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok"
 MISMATCH = ("mismatch/kl_k3", "mismatch/is_weight_mean", "mismatch/ess", "mismatch/is_capped_frac")
 STRINGS = ("run_id", "engine", "placement", "trainer", "model", "check/logprob_gap_tier")
 RECORD_KEYS = (*IDENTITY, *TIMING, *CONCURRENCY, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS, *MISMATCH,
-               *RUN_START,
-               "time_unix")
+               *RUN_START, *EVAL, "time_unix")
 
 
 def new_record() -> dict[str, Any]:

@@ -113,6 +113,12 @@ class RunConfig(_Frozen):
     warmup_steps: int = Field(
         2, ge=0, description="steps the report keeps out of the steady-state statistics and shows apart: step 1 "
         "rolls out the base model, step 2 is the first rollout with an adapter")
+    eval_every: int = Field(
+        0, ge=0, description="every this many steps (and after the last), a greedy pass over a fixed slice of the "
+        "test split through the engine with the current adapter (eval/accuracy, timing_s/eval); 0: never")
+    eval_problems: int = Field(64, ge=1, description="size of that slice: the first this many test problems")
+    eval_max_new_tokens: int | None = Field(
+        None, ge=1, description="most tokens of one eval answer (default: max_new_tokens)")
     retries: int = Field(2, ge=0, description="engine restarts allowed per step")
     stream_fraction: float = Field(
         0.125, ge=0, le=1, description="share of each step's requests streamed for TTFT/TPOT; the rest come back "

@@ -7,6 +7,7 @@ rule data:
         n_train=STUDY.data.get("n_train", 512),
         n_test=STUDY.data.get("n_test", 128),
         seed=STUDY.data.get("seed", 0),
+        steps=STUDY.data.get("steps", 1),
         out=lambda wildcards, output: Path(output.train).parent,
     log:
         f"logs/data/{DATASET}.log",
@@ -15,4 +16,4 @@ rule data:
     # tee: a failure's cause (no network, a checksum) shows on the console, not only in the log
     shell:
         "python -m hybridrl data --source {params.source} --n-train {params.n_train}"
-        " --n-test {params.n_test} --seed {params.seed} --out {params.out} 2>&1 | tee {log}"
+        " --n-test {params.n_test} --seed {params.seed} --steps {params.steps} --out {params.out} 2>&1 | tee {log}"

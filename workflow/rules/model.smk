@@ -1,13 +1,17 @@
 rule model:
     input:
         corpus=f"{DATA_DIR}/train.jsonl",
+        test=f"{DATA_DIR}/test.jsonl",  # a warm-started model's base accuracy is measured on it
     output:
         directory("resources/models/{model}"),
     params:
         spec=lambda wildcards: json.dumps(STUDY.models[wildcards.model], sort_keys=True),
     log:
         "logs/model/{model}.log",
+    # a warm start trains on the CPU's cores where there is no GPU; nothing else runs before the models anyway
+    threads: CORES
     conda:
         "../envs/hybridrl.yaml"
     shell:
-        "python -m hybridrl model --spec {params.spec:q} --corpus {input.corpus} --out {output} > {log} 2>&1"
+        "python -m hybridrl model --spec {params.spec:q} --corpus {input.corpus} --test {input.test} --out {output}"
+        " > {log} 2>&1"

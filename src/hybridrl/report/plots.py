@@ -16,6 +16,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from hybridrl.record import PHASE_KEYS as PHASES  # noqa: E402
 from hybridrl.report.aggregate import atomic_path  # noqa: E402
+from hybridrl.report.learning import evals, with_wall_clock  # noqa: E402
 from hybridrl.report.stats import WARMUP_STEPS, run_order, steady_state  # noqa: E402
 
 LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp", "release"]
@@ -100,7 +101,33 @@ def plot_throughput(df: pd.DataFrame, out: Path) -> Path | None:
 
 def plot_reward(df: pd.DataFrame, out: Path) -> Path | None:
     return _per_step(df, [("reward/mean", "reward mean"), ("reward/accuracy", "accuracy"),
-                          ("response_length/mean", "response length (tokens)")], "Learning per step", out)
+                          ("response_length/mean", "response length (tokens)"),
+                          ("response/stop_ratio", "share stopped at EOS")], "Learning per step", out)
+
+
+def plot_learning(df: pd.DataFrame, out: Path) -> Path | None:
+    """Eval accuracy and rollout reward against the step and against the wall clock the run has trained for
+    (report.learning), one line per run; None when no run has an eval."""
+    if evals(df).empty:
+        return None
+    labels, colors, timed, found = run_labels(df), run_colors(df), with_wall_clock(df), evals(df)
+    fig, axes = plt.subplots(2, 2, figsize=(12.8, 8), squeeze=False)
+    panels = [(found, "eval/accuracy", "eval accuracy (greedy, test slice)"), (timed, "reward/mean", "reward mean")]
+    for row, (source, metric, ylabel) in enumerate(panels):
+        for col, (x, xlabel) in enumerate([("step", "step"), ("wall_s", "training wall clock (s)")]):
+            ax = axes[row][col]
+            for rid in run_order(df):
+                run = source[source["run_id"] == rid]
+                ax.plot(run[x], pd.to_numeric(run[metric], errors="coerce"), marker="o", ms=3, color=colors[rid],
+                        label=labels[rid])
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            if x == "step":
+                ax.xaxis.get_major_locator().set_params(integer=True)
+    axes[0][0].legend(fontsize=8, loc="best")
+    fig.suptitle("Learning against steps and wall clock (eval passes and the first engine start excluded)")
+    return _save(fig, out)
 
 
 def step_breakdown(df: pd.DataFrame) -> pd.DataFrame:
@@ -261,6 +288,7 @@ PLOTS: dict[str, tuple[str, Callable[[pd.DataFrame, Path], Path | None]]] = {
     "step_breakdown": ("Step-time breakdown", plot_step_breakdown),
     "latency": ("Latency distributions", plot_latency),
     "reward": ("Reward per step", plot_reward),
+    "learning": ("Accuracy and reward against steps and wall clock", plot_learning),
     "memory": ("GPU memory per phase", plot_memory),
     "timeline": ("Steps on the wall clock", plot_timeline),
 }

@@ -15,7 +15,7 @@ import pandas as pd
 from hybridrl.checks import GAP_LIMITS
 from hybridrl.client_ceiling import HEADROOM
 from hybridrl.record import CHECKS, HOST, LEARNING, MEMORY, ROLLOUT, TIMING, TRAINING
-from hybridrl.report import headline, stats, trend, wording
+from hybridrl.report import headline, learning, stats, trend, wording
 from hybridrl.report.aggregate import CONFIG_KEY, atomic_path, commit_label, read_provenance
 from hybridrl.report.plots import PLOTS, run_labels
 
@@ -396,6 +396,14 @@ def memory_trend_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None
         table.rows.append([Cell(labels[run_id]), Cell(str(int(asleep.notna().sum())), "num"), Cell(first_last, "num"),
                            Cell(trend.trend_words(est, "GB"), "num"), Cell(woke, "num"), gate])
     return table if table.rows else None
+def accuracy_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
+    """Time to accuracy X per run (report.learning); None when no run has an eval."""
+    header, rows = learning.time_to_accuracy(df, labels)
+    if not rows:
+        return None
+    table = Table(header)
+    table.rows = [[Cell(r[0]), *(Cell(c, "na" if c in ("not reached", "–") else "num") for c in r[1:])] for r in rows]
+    return table
 
 
 def detail_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
@@ -475,6 +483,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "ratios": ratios[1] if ratios else None,
         "warmup": warmup_table(df, labels),
         "correctness": correctness_table(df, labels),
+        "accuracy": accuracy_table(df, labels),
         "client": client_table(df, labels),
         "memory_trend": memory_trend_table(df, labels),
         "gap": gap_table(df, labels),

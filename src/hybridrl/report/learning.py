@@ -1,0 +1,66 @@
+"""Learning against time: the wall clock a run has trained for at each step, and the time each run took to reach
+an eval accuracy.
+
+The wall clock of a step is the sum of timing_s/step up to and including it: the engine's first start and the
+eval passes (timing_s/eval) are not part of any step, so runs with and without evals, or with a slower first
+start, are compared on the training loop alone.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from hybridrl.report.stats import run_order
+
+FIXED_TARGETS = (0.1, 0.25, 0.5)
+
+
+def with_wall_clock(df: pd.DataFrame) -> pd.DataFrame:
+    """df with `wall_s`: each run's cumulative timing_s/step in step order."""
+    out = df.sort_values(["run_id", "step"]).copy()
+    step_s = pd.to_numeric(out["timing_s/step"], errors="coerce").fillna(0.0)
+    out["wall_s"] = step_s.groupby(out["run_id"]).cumsum()
+    return out
+
+
+def evals(df: pd.DataFrame) -> pd.DataFrame:
+    """The steps that have an eval/accuracy, with their wall clock."""
+    if "eval/accuracy" not in df.columns:
+        return df.iloc[0:0].assign(wall_s=[])
+    out = with_wall_clock(df)
+    out["eval/accuracy"] = pd.to_numeric(out["eval/accuracy"], errors="coerce")
+    return out[out["eval/accuracy"].notna()]
+
+
+def targets(df: pd.DataFrame) -> list[float]:
+    """FIXED_TARGETS and the best accuracy that every run reached (when above 0), so one column always compares."""
+    found = evals(df)
+    if found.empty:
+        return []
+    common = found.groupby("run_id")["eval/accuracy"].max().min()
+    return sorted({*FIXED_TARGETS, *([round(float(common), 4)] if common > 0 else [])})
+
+
+def time_to_accuracy(df: pd.DataFrame, labels: dict[str, str]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows: per run, its first and best eval accuracy and, per target, the wall clock (s) and step at
+    which an eval first reached it; empty when no run has evals."""
+    found, wanted = evals(df), targets(df)
+    if found.empty:
+        return [], []
+    header = ["run", "first eval (step: accuracy)", "best eval accuracy",
+              *(f"time to accuracy ≥ {t:.1%}" for t in wanted)]
+    rows = []
+    for rid in run_order(df):
+        run = found[found["run_id"] == rid]
+        if run.empty:
+            rows.append([labels[rid], "no eval", "–", *("–" for _ in wanted)])
+            continue
+        first = run.iloc[0]
+        best = run["eval/accuracy"].max()
+        cells = [labels[rid], f"{int(first['step'])}: {first['eval/accuracy']:.1%}", f"{best:.1%}"]
+        for t in wanted:
+            hit = run[run["eval/accuracy"] >= t - 1e-9]
+            cells.append(f"{hit.iloc[0]['wall_s']:.1f} s (step {int(hit.iloc[0]['step'])})" if not hit.empty
+                         else "not reached")
+        rows.append(cells)
+    return header, rows

@@ -89,7 +89,7 @@ def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) ->
 def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
     assert bad.returncode == 2
-    assert "no plan named nope (client full moe moe2full moe4 moe4full rest rest4 soak" in bad.stderr
+    assert "no plan named nope (client full learning moe moe2full moe4 moe4full rest rest4 soak verdict" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
     assert "run setup first" in _driver(root, "all", "rest").stderr
@@ -230,3 +230,15 @@ def test_verdict_plan_interleaves_the_arms_round_by_round_then_benchmarks(root: 
     names = [run.name + (f"-r{k}" if k > 1 else "") for rid, run in study.runs.items()
              for k in [split_replicate(rid)[1]]]
     assert [f"train {n} on GPU 0" for n in names] == rounds
+
+
+def test_learning_plan_measures_the_vocabularies_then_the_long_runs(root: Path) -> None:
+    from hybridrl.config import load_study
+
+    items = _one_lane_plan(root, "gpu-h200-learning", "learning")
+    names = [i.removeprefix("train ").split(" on ")[0] for i in items]
+    assert names[:4] == ["sglang-vocab-small", "sglang-vocab-qwen", "vllm-vocab-small", "vllm-vocab-qwen"]
+    # every item is a run of the study: the short names are the ones `prepare` writes
+    study = load_study(REPO / "config" / "gpu-h200-learning.yaml")
+    short = {run.name or f"{run.engine}-{run.placement}" for run in study.runs.values()}
+    assert set(names) == short

@@ -269,6 +269,15 @@ plan_soak() {
   p1=("0|train sglang-soak;train vllm-soak;train vllm-inprocess-soak")
 }
 
+plan_learning() {
+  # issue 17 on one GPU (config/gpu-h200-learning.yaml; prepare warm-starts the model): the vocabulary
+  # measurement first (short, rollout only, the two vocabularies side by side per engine), then 30 steps per engine
+  study=config/gpu-h200-learning.yaml
+  gpus=1
+  phases=(p1)
+  p1=("0|train sglang-vocab-small;train sglang-vocab-qwen;train vllm-vocab-small;train vllm-vocab-qwen;train sglang-colocate;train vllm-colocate")
+}
+
 # interleave ROUNDS ARM...: "train ARM" items round by round (A B C A B C ...), replicate k > 1 as ARM-rK, so
 # that a slow drift of the host falls on every arm alike and a lease that ends early keeps whole rounds
 interleave() {

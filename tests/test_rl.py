@@ -124,3 +124,34 @@ def test_rollout_is_weights_truncate_or_mask_and_reweight_the_loss():
     loss, _ = policy_loss(logp, old, torch.tensor([1.0]), mask, is_weights=masked)
     loss.backward()
     assert logp.grad[0, 1] == 0 and logp.grad[0, 0] != 0
+
+
+def _unchunked(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_bytes", [1, 4 * 11 * 3, 4 * 11 * 40, 1 << 28])  # one position, 3, 40, all rows
+def test_chunked_token_logprobs_equal_the_unchunked_ones_and_their_gradients(dtype, chunk_bytes):
+    torch.manual_seed(0)
+    base = torch.randn(3, 6, 11) * 4
+    targets = torch.randint(0, 11, (3, 5))
+    grad_out = torch.randn(3, 5)
+    results = []
+    for fn in (_unchunked, lambda x, t: token_logprobs(x, t, chunk_bytes=chunk_bytes)):
+        x = base.to(dtype).requires_grad_(True)
+        lp = fn(x[:, :-1], targets)  # a non-contiguous slice, as the trainers pass it
+        (lp * grad_out).sum().backward()
+        results.append((lp.detach(), x.grad))
+    (lp_ref, g_ref), (lp, g) = results
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=0)
+    torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-6 if dtype == torch.float32 else 0)
+
+
+def test_token_logprobs_without_grad_need_no_autograd():
+    logits = torch.randn(2, 4, 9)
+    targets = torch.randint(0, 9, (2, 4))
+    with torch.no_grad():
+        lp = token_logprobs(logits, targets, chunk_bytes=4 * 9)
+    torch.testing.assert_close(lp, _unchunked(logits, targets), rtol=0, atol=0)

@@ -70,6 +70,14 @@ def _bench(args: argparse.Namespace) -> None:
                args.repeats, Path(args.out), probe=args.probe, overrides=overrides)
 
 
+def _trainer_bench(args: argparse.Namespace) -> None:
+    from hybridrl.trainers.bench import main as trainer_bench_main
+
+    trainer_bench_main(args.shape, args.trainer, args.updates, args.device, Path(args.workdir),
+                       Path(args.out) if args.out else None, micro_batch=args.micro_batch,
+                       micro_batch_tokens=args.micro_batch_tokens, samples=args.samples)
+
+
 def _client_ceiling(args: argparse.Namespace) -> None:
     from hybridrl.client_ceiling import main as ceiling_main
 
@@ -171,6 +179,19 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a string run key for the standalone engine, e.g. sglang_release=all")
     s.set_defaults(fn=_bench)
+
+    s = sub.add_parser("trainer-bench", help="both trainers on a fixed batch per shape: best and median of N "
+                       "updates, tokens/s, MFU, peak memory")
+    s.add_argument("--shape", default="qwen3-0.6b", help="qwen3-0.6b, qwen3-30b-a3b, tiny, tiny-moe")
+    s.add_argument("--trainer", nargs="+", choices=["hf", "megatron"], default=["hf", "megatron"])
+    s.add_argument("--updates", type=int, default=5, help="timed updates, after one warm-up")
+    s.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    s.add_argument("--samples", type=int, help="override the shape's batch size")
+    s.add_argument("--micro-batch", type=int, default=8)
+    s.add_argument("--micro-batch-tokens", type=int, help="size micro-batches by padded tokens instead")
+    s.add_argument("--workdir", required=True, help="the random-init model and the adapters go here")
+    s.add_argument("--out", help="JSON result")
+    s.set_defaults(fn=_trainer_bench)
 
     s = sub.add_parser("client-ceiling", help="the most tokens/s the rollout client absorbs here (fake engine, no GPU)")
     s.add_argument("--format", choices=["sglang", "vllm"], nargs="+", default=["sglang", "vllm"])

@@ -44,7 +44,11 @@ ROLLOUT = (
     # the step whose adapter rolled out this step's samples, and how many steps older it is than the trainer's
     "rollout/adapter_step", "rollout/staleness",
 )
-TRAINING = ("perf/train_tokens", "perf/train_tok_s", "train/loss", "train/grad_norm", "train/kl", "train/clipfrac")
+TRAINING = ("perf/train_tokens", "perf/train_tok_s", "train/loss", "train/grad_norm", "train/kl", "train/clipfrac",
+            # the trainer's own timing of the update (no adapter export): model FLOP utilisation against the GPU's
+            # dense bf16 peak (None on CPU; hybridrl.trainers.flops states the count), completion tokens/s per
+            # trainer GPU, the update's model FLOPs, and whether the frozen base stayed on the GPU during rollout
+            "perf/mfu", "perf/train_tok_s_per_gpu", "perf/update_flops", "train/keep_base_on_gpu")
 # mem/used_gb_train is the sampler's update_actor phase; mem/trainer_gb_gen is NVML over the trainer's processes
 MEMORY = ("mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacity_tokens", "mem/trainer_gb_gen",
           # NVML on the engine's GPUs right after its sleep and its wake, and what the controller holds there

@@ -21,10 +21,66 @@ def group_advantages(rewards: Sequence[float], group_size: int, eps: float = 1e-
     return ((r - mean) / (std + eps)).view(-1).tolist()
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) per position; logits [B, T, V], targets [B, T] -> [B, T] in float32."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+# fp32 bytes of one log-softmax chunk: the positions per chunk are this over 4 x vocab (at least 1)
+LOGSOFTMAX_CHUNK_BYTES = 1 << 28
+
+
+def _chunks(logits: torch.Tensor, chunk_bytes: int) -> list[tuple[slice, slice]]:
+    """(rows, positions) slices of [B, T, V] logits, each at most chunk_bytes in fp32 (or one position); slices
+    keep every chunk a view, so a non-contiguous logits[:, :-1] is never copied whole."""
+    b, t, v = logits.shape
+    step = max(1, chunk_bytes // (4 * max(v, 1)))
+    if step >= t:  # whole rows fit: several rows per chunk
+        rows = step // max(t, 1)
+        return [(slice(i, min(i + rows, b)), slice(0, t)) for i in range(0, b, rows)]
+    return [(slice(i, i + 1), slice(lo, min(lo + step, t))) for i in range(b) for lo in range(0, t, step)]
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """log_softmax(logits.float()).gather(target), one chunk of positions at a time, in forward and in backward:
+    only a chunk's fp32 log-softmax exists at once (the unchunked form keeps [B, T, V] fp32 for backward). Each
+    row is computed by the same ops as the unchunked form, so values and gradients are equal to it."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk_bytes: int) -> torch.Tensor:  # type: ignore[override]
+        out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
+        for r, c in _chunks(logits, chunk_bytes):
+            logp = torch.log_softmax(logits[r, c].float(), dim=-1)
+            out[r, c] = logp.gather(-1, targets[r, c].unsqueeze(-1)).squeeze(-1)
+        ctx.save_for_backward(logits, targets)
+        ctx.chunk_bytes = chunk_bytes
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        logits, targets = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for r, c in _chunks(logits, ctx.chunk_bytes):
+            logp = torch.log_softmax(logits[r, c].float(), dim=-1)
+            g = grad[r, c].unsqueeze(-1)
+            # d/dx log_softmax(x)[t] . g = g * (onehot(t) - softmax(x)), as autograd's log_softmax backward
+            gx = torch.zeros_like(logp).scatter_(-1, targets[r, c].unsqueeze(-1), g)
+            grad_logits[r, c] = (gx - torch.exp(logp) * g).to(logits.dtype)
+        return grad_logits, None, None
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                   chunk_bytes: int = LOGSOFTMAX_CHUNK_BYTES) -> torch.Tensor:
+    """log p(target) per position; logits [B, T, V], targets [B, T] -> [B, T] in float32.
+
+    The fp32 log-softmax is computed over chunks of at most chunk_bytes, never over the whole batch at once.
+    """
+    if logits.requires_grad and torch.is_grad_enabled():
+        return _ChunkedTokenLogprobs.apply(logits, targets, chunk_bytes)
+    with torch.no_grad():
+        return _ChunkedTokenLogprobs.forward(_NoCtx(), logits, targets, chunk_bytes)
+
+
+class _NoCtx:
+    """Stands in for autograd's ctx where no backward will run."""
+
+    def save_for_backward(self, *_: torch.Tensor) -> None:
+        pass
 
 
 def policy_loss(

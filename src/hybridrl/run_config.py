@@ -83,6 +83,13 @@ class RunConfig(_Frozen):
     grad_clip: float = Field(1.0, gt=0, description="clip the adapter's gradient norm to this")
     micro_batch: int = Field(8, ge=1, description="samples per trainer forward/backward; gradients accumulate "
                                                   "over the step's whole batch")
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="when set, replaces micro_batch: each micro-batch takes samples, in order, while "
+        "its padded size (rows x longest prompt + completion) stays within this many tokens; a longer sample "
+        "gets a micro-batch of its own")
+    keep_base_on_gpu: bool = Field(
+        False, description="colocate: the trainer's frozen base weights stay on the GPU while the engine runs "
+        "(only the LoRA weights and the optimizer state are offloaded); recorded as train/keep_base_on_gpu")
     train_dtype: Literal["bf16", "fp32"] | None = Field(
         None, description="megatron trainer: dtype of the base weights (default bf16 on cuda, fp32 on cpu)")
     rollout_is: Literal["off", "truncate", "mask"] = Field(

@@ -54,11 +54,35 @@ def pad_batch(samples: list[Sample], pad_id: int = 0) -> Batch:
     return Batch(ids, attention, mask)
 
 
+def micro_batches(samples: list[Sample], run: RunConfig) -> list[list[Sample]]:
+    """Consecutive slices of the batch: run.micro_batch samples each, or, with run.micro_batch_tokens, as many
+    as keep rows x longest sequence (the padded tokens a forward computes) within that budget."""
+    if run.micro_batch_tokens is None:
+        return [samples[lo : lo + run.micro_batch] for lo in range(0, len(samples), run.micro_batch)]
+    out: list[list[Sample]] = []
+    cur: list[Sample] = []
+    width = 0
+    for s in samples:
+        n = len(s.prompt_ids) + len(s.completion_ids)
+        if cur and (len(cur) + 1) * max(width, n) > run.micro_batch_tokens:
+            out.append(cur)
+            cur, width = [], 0
+        cur.append(s)
+        width = max(width, n)
+    if cur:
+        out.append(cur)
+    return out
+
+
 def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device,
                   logprobs: Callable[[Batch], torch.Tensor],
                   adapter_off: Callable[[], contextlib.AbstractContextManager], pad_id: int = 0) -> dict[str, float]:
-    """Forward and backward over the batch in micro-batches of run.micro_batch, in the order given; leaves the
+    """Forward and backward over the batch in micro-batches (micro_batches), in the order given; leaves the
     LoRA gradients in .grad (the caller zeroes them first and steps the optimizer after).
+
+    One forward per micro-batch: one optimizer step per batch means the sampling policy is the current one, so
+    the old logprobs are this forward's, detached (ratio 1, gradient of the clipped objective intact); a second
+    pass runs only for the KL reference (kl_coef > 0, LoRA off, no grad).
 
     logprobs(batch) -> [B, T-1] log p(target) in fp32; adapter_off() disables LoRA for the KL reference.
     The loss is a token mean over the whole batch, however it is split.
@@ -66,8 +90,7 @@ def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device,
     n_tokens = sum(len(s.completion_ids) for s in samples)
     totals = {"loss": 0.0, "kl": 0.0, "clipfrac": 0.0, "is_changed": 0.0}
     gaps = LogprobGaps()
-    for lo in range(0, len(samples), run.micro_batch):
-        chunk = samples[lo : lo + run.micro_batch]
+    for chunk in micro_batches(samples, run):
         batch = pad_batch(chunk, pad_id).to(device)
         logp = logprobs(batch)
         old = logp.detach()  # one update per batch: the sampling policy is the current one

@@ -12,6 +12,7 @@ from hybridrl.atomic import atomic_dir
 from hybridrl.rl import token_logprobs
 from hybridrl.run_config import RunConfig
 from hybridrl.trainers.base import Sample, TrainResult
+from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -38,6 +39,9 @@ class HFTrainer:
                 p.data = p.data.float()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=run.lr, weight_decay=run.weight_decay)
+        self.flop_shape = read_flop_shape(model_dir)
+        self._pinned: dict[tuple[int, str], torch.Tensor] = {}  # a parameter's or buffer's pinned CPU copy
+        self.offloaded = False
 
     # -- the step --------------------------------------------------------------------------------
     def _logprobs(self, batch: Batch) -> torch.Tensor:
@@ -46,19 +50,27 @@ class HFTrainer:
         return token_logprobs(logits, batch.targets)
 
     def step(self, step: int, samples: list[Sample], out_dir: Path) -> TrainResult:
+        if self.offloaded:
+            self.onload()
         self.model.train()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = grpo_backward(samples, self.run, self.device, self._logprobs, self.model.disable_adapter, pad)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.run.grad_clip)
         self.optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        update_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.save(out_dir)
         save_s = time.perf_counter() - t0
         return TrainResult(out_dir, {
             **metrics,
+            **update_perf(self.flop_shape, samples, update_s, 1, self.device, kl=self.run.kl_coef > 0),
             "train/grad_norm": float(grad_norm),
             "train/lora_norm": self.lora_norm(),
+            "train/keep_base_on_gpu": self.run.keep_base_on_gpu,
             "timing_s/save_adapter": save_s,
         })
 
@@ -77,6 +89,8 @@ class HFTrainer:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
+        if self.offloaded:
+            self.onload()
         state = load_file(str(adapter_dir / "adapter_model.safetensors"), device=str(self.device))
         set_peft_model_state_dict(self.model, state)
         for p in self.params:
@@ -85,26 +99,55 @@ class HFTrainer:
         if opt.exists():
             self.optimizer.load_state_dict(torch.load(opt, map_location=self.device))
 
+    # -- colocate: to pinned CPU memory and back with asynchronous copies ------------------------------
     def offload(self) -> None:
-        if self.device.type == "cuda":
-            self._move("cpu")
+        if self.device.type != "cuda" or self.offloaded:
+            return
+        for p in self.model.parameters():
+            if not p.requires_grad and self.run.keep_base_on_gpu:
+                continue
+            p.data = self._to_pinned((id(p), ""), p.data, fresh=p.requires_grad)
+        for mod in self.model.modules():  # RoPE frequencies and the like
+            for name, b in mod._buffers.items():
+                if b is not None and b.is_cuda and not self.run.keep_base_on_gpu:
+                    mod._buffers[name] = self._to_pinned((id(mod), name), b, fresh=False)
+        for st in self.optimizer.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.is_cuda:
+                    st[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        self.offloaded = True
 
     def onload(self) -> None:
-        if self.device.type == "cuda":
-            self._move(self.device)
+        if self.device.type != "cuda" or not self.offloaded:
+            return
+        for p in self.model.parameters():
+            if not p.data.is_cuda:  # the pinned copy stays in _pinned: a frozen tensor's serves the next offload
+                p.data = p.data.to(self.device, non_blocking=True)
+        for mod in self.model.modules():
+            for name, b in mod._buffers.items():
+                if b is not None and not b.is_cuda:
+                    mod._buffers[name] = b.to(self.device, non_blocking=True)
+        for st in self.optimizer.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and k != "step":  # AdamW keeps `step` on the CPU
+                    st[k] = v.to(self.device, non_blocking=True)
+        torch.cuda.synchronize(self.device)
+        self.offloaded = False
+
+    def _to_pinned(self, key: tuple[int, str], t: torch.Tensor, fresh: bool) -> torch.Tensor:
+        """t's pinned CPU copy; an existing copy of a frozen tensor is reused without copying (fresh=False)."""
+        buf = self._pinned.get(key)
+        if buf is None:
+            buf = self._pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            fresh = True
+        if fresh:
+            buf.copy_(t, non_blocking=True)
+        return buf
 
     def gpu_pids(self) -> list[int]:
         return [os.getpid()]  # the HF trainer lives in the controller
-
-    def _move(self, device: str | torch.device) -> None:
-        self.model.to(device)
-        for state in self.optimizer.state.values():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor):
-                    state[k] = v.to(device, non_blocking=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
 
     def close(self) -> None:
         self.offload()

@@ -3,6 +3,7 @@ export, and offload to pinned CPU memory. Needs torch.distributed and megatron's
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from hybridrl.engines.gpus import nvml_indices, visible_devices
 from hybridrl.rl import token_logprobs
 from hybridrl.run_config import RunConfig
 from hybridrl.trainers.base import Sample
+from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import grpo_backward
 from hybridrl.trainers.megatron import export
 from hybridrl.trainers.megatron.lora import apply_lora, lora_disabled, lora_parameters
@@ -64,6 +66,7 @@ class MegatronPolicy:
         # built once here: importing peft costs seconds, which should not land in the first step
         self.adapter_config = export.adapter_config(self.rank, self.alpha, self.targets, self.model_dir)
         self._pinned: dict[int, torch.Tensor] = {}
+        self.flop_shape = read_flop_shape(model_dir)
         self.offloaded = False
 
     # -- forward ---------------------------------------------------------------------------------------
@@ -81,9 +84,17 @@ class MegatronPolicy:
         """One optimizer step on the whole batch (token-mean loss, micro-batched); returns metrics."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        if self.offloaded:  # not timed as part of the update
+            self.onload()
+        t0 = time.perf_counter()
         metrics = self.backward(samples)
         metrics["train/grad_norm"] = self.optimizer_step()
-        # no perf/train_tok_s here: the loop derives it from the whole update_actor phase
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        # MFU and tokens/s over this update alone (the loop's perf/train_tok_s spans the whole update_actor phase)
+        metrics.update(update_perf(self.flop_shape, samples, time.perf_counter() - t0, self.tp, self.device,
+                                   kl=self.run.kl_coef > 0))
+        metrics["train/keep_base_on_gpu"] = self.run.keep_base_on_gpu
         if self.device.type == "cuda":
             metrics["mem/trainer_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / nvml.GB
         return metrics
@@ -144,6 +155,8 @@ class MegatronPolicy:
         if self.device.type != "cuda" or self.offloaded:
             return
         for p in self.model.parameters():
+            if not p.requires_grad and self.run.keep_base_on_gpu:
+                continue
             buf = self._pinned.get(id(p))
             if buf is None:
                 buf = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
@@ -156,7 +169,8 @@ class MegatronPolicy:
             for k, v in st.items():
                 if isinstance(v, torch.Tensor) and v.is_cuda:
                     st[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
-        self._move_buffers("cpu")
+        if not self.run.keep_base_on_gpu:
+            self._move_buffers("cpu")
         torch.cuda.synchronize(self.device)
         # cuBLAS keeps per-handle workspaces outside the caching allocator's free list
         clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import signal
 import subprocess
@@ -180,7 +181,9 @@ class MegatronTrainer:
         out_dir = Path(out_dir)
         res = self._job("step", step=step, out_dir=str(out_dir), offload_after=self.offload_after_step,
                         samples=[asdict(s) for s in samples])
-        metrics = {k: float(v) for k, v in res["metrics"].items()}
+        # JSON's null is NaN here (no value, e.g. perf/mfu on CPU); flags such as train/keep_base_on_gpu stay bools
+        metrics = {k: v if isinstance(v, bool) else math.nan if v is None else float(v)
+                   for k, v in res["metrics"].items()}
         self.last_memory = {k: v for k, v in metrics.items() if k.startswith("mem/trainer_r")}
         return TrainResult(out_dir, metrics)
 

@@ -1,0 +1,210 @@
+"""Trainer benchmark: one fixed synthetic batch per shape, both trainers, best and median of N updates.
+
+    python -m hybridrl trainer-bench --shape qwen3-0.6b --trainer hf megatron --updates 5 --out bench.json
+
+An update is what the loop's update_actor and save_adapter phases time: logprobs, loss, backward, optimizer step
+and the adapter export (`update_s`); `compute_s` is the same without the export, timed by the trainer, and is what
+perf/mfu and the tokens/s read. The first update is a warm-up and is left out. Peak memory is NVML's reading of
+the GPUs (sampled every 50 ms during the updates), torch's peak where NVML is absent, None on CPU. The model is a
+random-init checkpoint of the shape (no download), built once under --workdir.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridrl.run_config import RunConfig, RunLora
+from hybridrl.trainers.base import Sample
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model shape and the batch it is benchmarked on."""
+
+    arch: str  # HF config class prefix: qwen3 or qwen3_moe
+    config: dict[str, Any]
+    samples: int
+    prompt: int
+    completion: int
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# The issue's two shapes, as the study configs build them (config/gpu-h200.yaml qwen3-0.6b-random-v768 and
+# config/gpu-4xh200-moe.yaml qwen3-30b-a3b-random: their tokenizer gives a vocab of 768), with the issue's
+# batches (128 x 256 and 64 x 256 completion tokens after a 128-token prompt); `tiny` is for CPU tests.
+SHAPES: dict[str, Shape] = {
+    "qwen3-0.6b": Shape("qwen3", dict(
+        vocab_size=768, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True),
+        samples=128, prompt=128, completion=256),
+    "qwen3-30b-a3b": Shape("qwen3_moe", dict(
+        vocab_size=768, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False),
+        samples=64, prompt=128, completion=256, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")),
+    "tiny": Shape("qwen3", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=True),
+        samples=4, prompt=6, completion=5),
+    "tiny-moe": Shape("qwen3_moe", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False),
+        samples=4, prompt=6, completion=5, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")),
+}
+_CONFIG_CLASSES = {"qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
+
+
+def random_model(path: Path, shape: Shape, dtype: str) -> Path:
+    """A random-init checkpoint of the shape with a word-level tokenizer over its vocab; reused if present."""
+    if (path / "config.json").exists():
+        return path
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    cfg = getattr(transformers, _CONFIG_CLASSES[shape.arch])(**shape.config)
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):  # a 30B random init on the CPU takes minutes
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    model.save_pretrained(path)
+    vocab = shape.config["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1").save_pretrained(path)
+    return path
+
+
+def fixed_batch(vocab: int, n: int, prompt: int, completion: int, seed: int = 0) -> list[Sample]:
+    """The same samples for every trainer and every update: random ids, advantages of both signs."""
+    rng = random.Random(seed)
+    return [Sample(prompt_ids=[rng.randrange(2, vocab) for _ in range(prompt)],
+                   completion_ids=[rng.randrange(2, vocab) for _ in range(completion)],
+                   engine_logprobs=[-1.0] * completion, advantage=rng.gauss(0, 1)) for _ in range(n)]
+
+
+class PeakMemory:
+    """Highest NVML reading of used GPU memory (GB) while active; torch's peak where NVML sees no GPU."""
+
+    def __init__(self, device: str) -> None:
+        self.device, self.peak_gb = device, None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PeakMemory:
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        from hybridrl import nvml
+
+        while not self._stop.is_set():
+            used = nvml.used_gb()
+            if used is not None:
+                self.peak_gb = max(self.peak_gb or 0.0, used)
+            self._stop.wait(0.05)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        if self.peak_gb is None:
+            import torch
+
+            from hybridrl import nvml
+
+            self.peak_gb = torch.cuda.max_memory_allocated() / nvml.GB
+
+
+def bench_run(shape: Shape, trainer: str, device: str, micro_batch: int, micro_batch_tokens: int | None) -> RunConfig:
+    return RunConfig(model="bench", trainer=trainer, device=device, seed=0, lr=1e-5, weight_decay=0.0,
+                     clip_eps=0.2, kl_coef=0.0, grad_clip=1.0, micro_batch=micro_batch,
+                     micro_batch_tokens=micro_batch_tokens,
+                     lora=RunLora(rank=8, alpha=16.0, dropout=0.0, target_modules=shape.lora_targets))
+
+
+def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample], updates: int,
+                  workdir: Path) -> dict[str, Any]:
+    """Warm-up plus `updates` updates of one trainer on `samples`; best and median figures."""
+    from hybridrl.trainers import make_trainer
+
+    t0 = time.perf_counter()
+    trainer = make_trainer(run, model, workdir / kind)
+    start_s = time.perf_counter() - t0
+    update_s, compute_s, mfu = [], [], []
+    metrics: dict[str, Any] = {}
+    try:
+        with PeakMemory(run.device) as mem:
+            for i in range(updates + 1):
+                t0 = time.perf_counter()
+                metrics = trainer.step(i + 1, samples, workdir / kind / f"adapter-{i + 1}").metrics
+                if i == 0:
+                    continue  # warm-up: kernels, allocator, first export
+                update_s.append(time.perf_counter() - t0)
+                compute_s.append(metrics["perf/train_tokens"] / metrics["perf/train_tok_s"])
+                mfu.append(metrics["perf/mfu"])  # NaN without a known peak (CPU)
+    finally:
+        trainer.close()
+    tokens = metrics["perf/train_tokens"]
+    best, median = min(compute_s), statistics.median(compute_s)
+    gpus = run.train_tp if kind == "megatron" else 1
+    return {
+        "start_s": start_s, "update_s_best": min(update_s), "update_s_median": statistics.median(update_s),
+        "compute_s_best": best, "compute_s_median": median, "update_s_all": update_s,
+        "completion_tok_s_best": tokens / best, "completion_tok_s_median": tokens / median,
+        "completion_tok_s_per_gpu_median": tokens / median / gpus,
+        "mfu_best": None if any(math.isnan(m) for m in mfu) else max(mfu),
+        "mfu_median": None if any(math.isnan(m) for m in mfu) else statistics.median(mfu),
+        "update_flops": metrics["perf/update_flops"], "peak_gb": mem.peak_gb, "last_loss": metrics["train/loss"],
+    }
+
+
+def main(shape_name: str, trainers: list[str], updates: int, device: str, workdir: Path, out: Path | None,
+         micro_batch: int = 8, micro_batch_tokens: int | None = None, samples: int | None = None) -> dict[str, Any]:
+    """Benchmark the trainers on the shape's fixed batch; prints and returns one JSON object (and writes it)."""
+    import torch
+
+    from hybridrl.trainers.flops import device_name
+
+    if updates < 1:
+        raise ValueError("--updates must be at least 1")
+    if shape_name not in SHAPES:
+        raise ValueError(f"unknown shape {shape_name!r}: {', '.join(SHAPES)}")
+    shape = SHAPES[shape_name]
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = random_model(workdir / f"model-{shape_name}", shape, "bfloat16" if device == "cuda" else "float32")
+    n = samples or shape.samples
+    batch = fixed_batch(shape.config["vocab_size"], n, shape.prompt, shape.completion)
+    report: dict[str, Any] = {
+        "shape": shape_name, "samples": n, "prompt": shape.prompt, "completion": shape.completion,
+        "updates": updates, "micro_batch": micro_batch, "micro_batch_tokens": micro_batch_tokens,
+        "device": device_name(device) or "cpu", "torch": torch.__version__, "lora_targets": list(shape.lora_targets),
+    }
+    for kind in trainers:
+        run = bench_run(shape, kind, device, micro_batch, micro_batch_tokens)
+        report[kind] = bench_trainer(kind, model, run, batch, updates, workdir)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out is not None:
+        from hybridrl.atomic import write_text
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_text(out, text + "\n")
+    return report

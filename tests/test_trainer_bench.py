@@ -1,0 +1,56 @@
+"""The trainer benchmark runs end to end on CPU for tiny models (functional: no figure is checked for speed)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from hybridrl.cli import main
+from hybridrl.run_config import RunConfig
+from hybridrl.trainers.base import Sample
+from hybridrl.trainers.grpo import micro_batches
+
+
+def test_trainer_bench_cli_reports_both_trainers_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    rc = main(["trainer-bench", "--shape", "tiny", "--device", "cpu", "--updates", "2",
+               "--workdir", str(tmp_path / "w"), "--out", str(out)])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert rep["device"] == "cpu" and rep["samples"] == 4
+    for kind in ("hf", "megatron"):
+        r = rep[kind]
+        assert len(r["update_s_all"]) == 2
+        assert r["update_s_best"] <= r["update_s_median"]
+        assert r["compute_s_best"] <= r["update_s_best"]  # the adapter export is outside compute
+        assert r["completion_tok_s_best"] > 0 and r["update_flops"] > 0
+        assert r["mfu_median"] is None and r["peak_gb"] is None  # no GPU: no peak FLOP/s, no NVML
+    # the same batch, model and seed: both trainers take the same loss
+    assert rep["hf"]["last_loss"] == pytest.approx(rep["megatron"]["last_loss"], abs=1e-4)
+
+
+def test_trainer_bench_hf_moe_shape(tmp_path: Path) -> None:
+    from hybridrl.trainers.bench import main as bench
+
+    rep = bench("tiny-moe", ["hf"], 1, "cpu", tmp_path, None)
+    assert math.isfinite(rep["hf"]["last_loss"])
+
+
+def _s(n: int) -> Sample:
+    return Sample(prompt_ids=[1] * 2, completion_ids=[1] * (n - 2), engine_logprobs=[0.0] * (n - 2), advantage=0.0)
+
+
+def test_micro_batches_by_tokens_keep_the_padded_size_within_the_budget() -> None:
+    samples = [_s(n) for n in (4, 4, 6, 10, 3, 3)]
+    run = RunConfig(model="m", micro_batch_tokens=12)
+    got = [[len(s.prompt_ids) + len(s.completion_ids) for s in mb] for mb in micro_batches(samples, run)]
+    assert got == [[4, 4], [6], [10], [3, 3]]  # 3 x 6 = 18 > 12; a 10 alone; 2 x 3 fits
+    assert sum(got, []) == [4, 4, 6, 10, 3, 3]  # the order is kept
+    by_count = micro_batches(samples, RunConfig(model="m", micro_batch=4))
+    assert [len(mb) for mb in by_count] == [4, 2]
+
+
+def test_a_sample_longer_than_the_budget_gets_a_micro_batch_of_its_own() -> None:
+    run = RunConfig(model="m", micro_batch_tokens=5)
+    assert [len(mb) for mb in micro_batches([_s(9), _s(3), _s(9)], run)] == [1, 1, 1]

@@ -242,3 +242,14 @@ def test_learning_plan_measures_the_vocabularies_then_the_long_runs(root: Path) 
     study = load_study(REPO / "config" / "gpu-h200-learning.yaml")
     short = {run.name or f"{run.engine}-{run.placement}" for run in study.runs.values()}
     assert set(names) == short
+
+
+def test_trainer_plan_benchmarks_the_dense_then_the_moe_shape_on_one_gpu(root: Path) -> None:
+    from hybridrl.trainers.bench import SHAPES
+
+    items = _one_lane_plan(root, "gpu-h200", "trainer")
+    assert items == ["trainer-bench qwen3-0.6b on GPU 0", "trainer-bench qwen3-30b-a3b on GPU 0"]
+    assert not (root / "gpu-h200" / "lane-trainer-2.log").exists()  # one benchmark at a time
+    moe = SHAPES["qwen3-30b-a3b"]
+    assert moe.config["num_hidden_layers"] == 48 and (moe.samples, moe.completion) == (64, 256)
+    assert (SHAPES["qwen3-0.6b"].samples, SHAPES["qwen3-0.6b"].completion) == (128, 256)

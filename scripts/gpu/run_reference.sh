@@ -20,7 +20,8 @@
 #
 # Plans (see below): `full`, `rest`, `rest4` (rest on four GPUs) for gpu-h200; `moe`, `moe4` for the 8-layer
 # MoE study; `moe4full` (`moe2full` on two GPUs: colocate only) for the 48-layer one; `verdict` (one GPU) for
-# the replicated, interleaved engine verdict (config/gpu-h200-verdict.yaml). A later plan's study is
+# the replicated, interleaved engine verdict (config/gpu-h200-verdict.yaml); `trainer` (one GPU) for the
+# trainer benchmark of issue 15 (bench/trainer-<shape>.json in the default study's dir). A later plan's study is
 # prepared while the first plan runs. HYBRIDRL_RUN_TIMEOUT_S caps a run (default 1800). HYBRIDRL_ENVS_READY
 # lets `start` come before the overlays are installed (see wait_for_envs). Every process a run starts is in
 # its process group.
@@ -182,6 +183,21 @@ ceiling() {
     > "$ref/bench/client-ceiling.log" 2>&1 || say "client ceiling exit $?"
 }
 
+# tbench SHAPE GPU [ARGS]: the trainer benchmark (python -m hybridrl trainer-bench) on one shape, both trainers
+tbench() {
+  local shape=$1 gpu=$2
+  shift 2
+  [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: trainer-bench $shape on GPU $gpu $*"; return 0; }
+  [ -f "$ref/bench/trainer-$shape.json" ] && { say "trainer-bench $shape already done"; return 0; }
+  mkdir -p "$ref/bench" "$root/trainer-bench"
+  say "trainer-bench $shape on GPU $gpu $*"
+  local rc=0
+  CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH="/tmp/envs/trainer:$ctl_path" timeout "${HYBRIDRL_TBENCH_TIMEOUT_S:-1500}" \
+    python3 -m hybridrl trainer-bench --shape "$shape" --workdir "$root/trainer-bench" \
+    --out "$ref/bench/trainer-$shape.json" "$@" > "$ref/bench/trainer-$shape.log" 2>&1 || rc=$?
+  say "trainer-bench $shape exit $rc"
+}
+
 plan_full() {
   # the split pair first, side by side with their GPUs crossed so that no GPU holds two engines (the
   # engine takes the last visible GPU, the trainer cuda:0); it also fills the compile caches
@@ -278,6 +294,14 @@ plan_learning() {
   p1=("0|train sglang-vocab-small;train sglang-vocab-qwen;train vllm-vocab-small;train vllm-vocab-qwen;train sglang-colocate;train vllm-colocate")
 }
 
+plan_trainer() {
+  # issue 15 on one GPU: the trainer benchmark, HF and Megatron TP 1 on a fixed batch, 5 updates after a
+  # warm-up: the dense 0.6B shape (128 x 256) first, then the 48-layer Qwen3-30B-A3B shape (64 x 256)
+  gpus=1
+  phases=(p1)
+  p1=("0|tbench qwen3-0.6b;tbench qwen3-30b-a3b")
+}
+
 # interleave ROUNDS ARM...: "train ARM" items round by round (A B C A B C ...), replicate k > 1 as ARM-rK, so
 # that a slow drift of the host falls on every arm alike and a lease that ends early keeps whole rounds
 interleave() {
@@ -307,6 +331,7 @@ item() {  # item GPUS WORDS...: one plan item; GPUS is the lane's, used where th
     train) train "$name" "${1:-$gpu}" ;;
     bench) bench "$name" "$gpu" "$@" ;;
     ceiling) ceiling ;;
+    tbench) tbench "$name" "$gpu" "$@" ;;
     *) echo "unknown plan item: $what" >&2; return 2 ;;
   esac
 }

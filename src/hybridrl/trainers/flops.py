@@ -119,8 +119,8 @@ def device_name(device: Any) -> str | None:
 
 def perf_metrics(flops: float, train_tokens: int, seconds: float, n_gpus: int,
                  device: str | None) -> dict[str, float]:
-    """perf/mfu (NaN without a known peak: the record holds null), perf/train_tok_s and perf/train_tok_s_per_gpu over `seconds` of
-    update (forward, backward, optimizer; no adapter export), and the FLOP count itself."""
+    """perf/mfu (NaN without a known peak: the record holds null), perf/train_tok_s and perf/train_tok_s_per_gpu
+    over `seconds` of update (forward, backward, optimizer; no adapter export), and the FLOP count itself."""
     if seconds <= 0:
         return {"perf/mfu": math.nan, "perf/train_tok_s": math.nan, "perf/train_tok_s_per_gpu": math.nan,
                 "perf/update_flops": flops}

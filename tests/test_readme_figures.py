@@ -38,3 +38,13 @@ def test_a_figure_that_disagrees_with_the_data_fails() -> None:
     assert figures.check(figures.fill(text)) == []
     with pytest.raises(ValueError, match="matches 2 configurations"):
         figures.evaluate(f"median {study} sglang perf/throughput")
+
+
+def test_a_json_figure_is_read_from_the_committed_result_and_a_wrong_one_fails() -> None:
+    path = "results/reference/2026-11-23-h200-trainer/trainer-qwen3-0.6b-mb8.json"
+    assert figures.evaluate(f"value {path} micro_batch 1 0") == "8"
+    written = f"<!--fig value {path} hf.update_s_median-->9.99<!--/fig-->"
+    [(_, text, want)] = figures.check(written)
+    assert text == "9.99" and want != "9.99"
+    with pytest.raises(ValueError, match="no field 'hf.nope'"):
+        figures.evaluate(f"value {path} hf.nope")

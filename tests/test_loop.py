@@ -575,3 +575,22 @@ def test_the_benchmark_probe_goes_through_the_engine_interface_only(tmp_path):
     assert out["kv_capacity_tokens"] == 4096 and len(out["adapter_load_s"]) == 3
     assert out["adapter_changes_greedy_or_logprobs"] is None  # the scripted adapter moves logprobs only
     assert engine.adapters == {"policy": adapter}
+
+
+def test_the_run_keeps_its_step_and_phase_in_phase_json(assets, tmp_path):
+    import os as _os
+
+    seen: list[tuple[int, str]] = []
+
+    class Watching(ScriptedEngine):
+        def generate(self, *args, **kwargs):  # the phase file says gen while the engine generates
+            if (tmp_path / "phase.json").exists():  # the canary's generation comes before step 1
+                p = json.loads((tmp_path / "phase.json").read_text())
+                seen.append((p["step"], p["phase"]))
+                assert p["pid"] == _os.getpid()
+            return super().generate(*args, **kwargs)
+
+    run_loop(_run(steps=2, max_new_tokens=24), "r17", assets / "model", assets / "data", tmp_path, {},
+             progress=False, engine=Watching())
+    assert (1, "gen") in seen and (2, "gen") in seen
+    assert json.loads((tmp_path / "phase.json").read_text())["step"] == 2

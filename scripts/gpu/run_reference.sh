@@ -141,6 +141,25 @@ train() {
   say "train $name exit $rc ($(steps_in "$out") steps)"
 }
 
+# fault NAME GPU KILL_STEP TERM_STEP: one run through `hybridrl fault-run` (engine SIGKILL in KILL_STEP's rollout,
+# SIGTERM in TERM_STEP's training, then started again); its judgement in bench/fault-NAME.json
+fault() {
+  local name=$1 gpu=$2 kill_at=$3 term_at=$4 cfg="$ref/cfg/$1.json" rid model out
+  [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: fault $name on GPU $gpu: engine kill in step $kill_at, SIGTERM in step $term_at"; return 0; }
+  [ -f "$ref/bench/fault-$name.json" ] && { say "fault $name already done"; return 0; }
+  rid=$(python3 -c "import json;print(json.load(open('$cfg'))['run_id'])")
+  model="$ref/models/$(python3 -c "import json;print(json.load(open('$cfg'))['run']['model'])")"
+  out="$ref/runs/$rid"
+  mkdir -p "$out" "$ref/bench" && cp "$cfg" "$out/config.json"
+  say "fault $name ($rid) on GPU $gpu"
+  local rc=0
+  CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$(controller_path "$name") timeout "${HYBRIDRL_RUN_TIMEOUT_S:-1800}" \
+    python3 -m hybridrl fault-run --kill-engine-at "$kill_at" --term-at "$term_at" --out "$ref/bench/fault-$name.json" \
+    -- python3 -m hybridrl train --run-config "$cfg" --model "$model" --data "$ref/data" --out "$out" \
+    --done "$out/done.json" --no-progress > "$out/train.log" 2>&1 || rc=$?
+  say "fault $name exit $rc ($(steps_in "$out") steps)"
+}
+
 steps_in() {  # steps_in RUN_DIR: how many steps the run recorded; 0, quietly, before its first
   { wc -l < "$1/steps.jsonl"; } 2>/dev/null || echo 0
 }
@@ -287,6 +306,15 @@ plan_soak() {
   p1=("0|train sglang-soak;train vllm-soak;train vllm-inprocess-soak")
 }
 
+plan_faults() {
+  # issue 19's fault runs on one GPU: per engine, its engine killed in step 2's rollout and SIGTERM in step 4's
+  # training (then resumed); a few minutes a run, so it fits beside part of `soak` in a lease
+  study=config/gpu-h200-soak.yaml
+  gpus=1
+  phases=(p1)
+  p1=("0|fault sglang-fault 2 4;fault vllm-fault 2 4;fault vllm-inprocess-fault 2 4")
+}
+
 plan_learning() {
   # issue 17 on one GPU (config/gpu-h200-learning.yaml; prepare warm-starts the model): the vocabulary
   # measurement first (short, rollout only, the two vocabularies side by side per engine), then 30 steps per engine
@@ -333,6 +361,7 @@ item() {  # item GPUS WORDS...: one plan item; GPUS is the lane's, used where th
     train) train "$name" "${1:-$gpu}" ;;
     bench) bench "$name" "$gpu" "$@" ;;
     ceiling) ceiling ;;
+    fault) fault "$name" "$gpu" "$@" ;;
     tbench) tbench "$name" "$gpu" "$@" ;;
     *) echo "unknown plan item: $what" >&2; return 2 ;;
   esac

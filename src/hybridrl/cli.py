@@ -86,6 +86,27 @@ def _client_ceiling(args: argparse.Namespace) -> None:
                  old_client=not args.no_old_client)
 
 
+def _fault_run(args: argparse.Namespace) -> None:
+    from hybridrl.fault_run import fault_run, run_dir_of, write
+
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not cmd:
+        raise SystemExit("hybridrl fault-run: give the run's command after --")
+    try:
+        run_dir = run_dir_of(cmd)
+    except ValueError as exc:
+        raise SystemExit(f"hybridrl fault-run: {exc}") from None
+    report = fault_run(cmd, run_dir, args.kill_engine_at, args.term_at)
+    if args.out:
+        write(report, Path(args.out))
+    for line in report.problems:
+        print(f"fault-run: {line}")
+    print(f"fault-run: {'ok' if report.ok else 'FAILED'}: starts exited {report.exit_codes}, steps "
+          f"{report.steps}, engine restarts {report.engine_restarts}, leftover processes {report.leftover}")
+    if not report.ok:
+        raise SystemExit(1)
+
+
 def _bench_parse(args: argparse.Namespace) -> None:
     from hybridrl.answer import bench
 
@@ -192,6 +213,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--workdir", required=True, help="the random-init model and the adapters go here")
     s.add_argument("--out", help="JSON result")
     s.set_defaults(fn=_trainer_bench)
+
+    s = sub.add_parser("fault-run", help="one run hit on purpose (engine SIGKILL in a rollout, SIGTERM in "
+                       "training), started again after the SIGTERM, then checked: steps, restarts, leftovers")
+    s.add_argument("--kill-engine-at", type=int, help="step whose rollout loses its engine (SIGKILL)")
+    s.add_argument("--term-at", type=int, help="step whose training gets SIGTERM, as SLURM preemption sends")
+    s.add_argument("--out", help="JSON report")
+    s.add_argument("command", nargs=argparse.REMAINDER, help="-- python -m hybridrl train ... --out RUN_DIR")
+    s.set_defaults(fn=_fault_run)
 
     s = sub.add_parser("client-ceiling", help="the most tokens/s the rollout client absorbs here (fake engine, no GPU)")
     s.add_argument("--format", choices=["sglang", "vllm"], nargs="+", default=["sglang", "vllm"])

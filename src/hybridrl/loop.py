@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import signal
 import time
@@ -29,6 +30,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from hybridrl import atomic
 from hybridrl import data as gsm8k
 from hybridrl.barrier import StartBarrier
 from hybridrl.checks import Canary, asleep_memory_gate, gap_limits, logprob_gate, model_family
@@ -68,6 +70,14 @@ class RunPaths:
 
     def adapter(self, step: int) -> Path:
         return self.root / "adapters" / f"step-{step:04d}"
+
+    @property
+    def phase(self) -> Path:
+        """The step and phase the run is in now, rewritten as each phase starts (fault runs wait on it)."""
+        return self.root / "phase.json"
+
+    def write_phase(self, step: int, name: str) -> None:
+        atomic.write_text(self.phase, json.dumps({"step": step, "phase": name, "pid": os.getpid()}))
 
     def requests(self, step: int) -> Path:
         return self.root / "requests" / f"step-{step:04d}.jsonl"
@@ -238,7 +248,7 @@ class Trained:
 
 def one_step(ctx: RunContext, step: int) -> dict[str, Any]:
     """One step, as the list of its parts; returns its record."""
-    t = Timings()
+    t = Timings(on_phase=lambda name: ctx.paths.write_phase(step, name))
     recovery = EngineRecovery(ctx.run, ctx.engine, t, ctx.sampler)
     t0 = time.perf_counter()
     ctx.sampler.take()  # memory of this step only

@@ -41,7 +41,9 @@ def busy_pct(before: tuple[int, int] | None, after: tuple[int, int] | None) -> f
 
 class Timings:
     def __init__(self, cpu_reader: Callable[[], tuple[int, int] | None] = host_cpu_jiffies,
-                 own_cpu: Callable[[], float] = time.process_time) -> None:
+                 own_cpu: Callable[[], float] = time.process_time,
+                 on_phase: Callable[[str], None] | None = None) -> None:
+        self.on_phase = on_phase  # told each phase as it starts (the run's phase.json, for fault injection)
         self.s: dict[str, float] = {}
         self.busy: dict[str, float | None] = {}
         self.own: dict[str, float] = {}
@@ -51,6 +53,8 @@ class Timings:
     @contextlib.contextmanager
     def phase(self, name: str, sampler: MemorySampler | None = None) -> Iterator[None]:
         t0 = time.perf_counter()  # first and last: all of the phase's own work counts in it
+        if self.on_phase:
+            self.on_phase(name)
         if sampler:
             sampler.set_phase(name)
         cpu0 = self._cpu() if name in HOST_LOAD_PHASES else None

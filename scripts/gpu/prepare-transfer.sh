@@ -28,7 +28,9 @@ fi
 sets=(sglang vllm trainer)
 [ $# -eq 0 ] || sets=("$@")
 cd "$repo"
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # .git is a file in a worktree
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 
 # what travels with every call: tracked files and untracked ones git does not ignore
 tree_bytes() {

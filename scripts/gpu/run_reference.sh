@@ -5,8 +5,9 @@
 # Run from the repository root on the GPU machine, after shared/gpu/gpu-env has installed the
 # SGLang, vLLM and trainer (megatron-core) overlays under /tmp/envs (gpu-env collect ...; gpu-env install):
 #
-#   scripts/gpu/run_reference.sh setup WHEELS_DIR [CONFIG...]  # controller wheels; data, random-init models
-#                                                               # and run configs of each study (gpu-h200)
+#   scripts/gpu/run_reference.sh setup WHEELS_DIR [CONFIG...]  # controller wheels, then `prepare` (gpu-h200)
+#   scripts/gpu/run_reference.sh prepare CONFIG...      # run configs, data, models: python -m hybridrl
+#                                                       # prepare-study, the Snakefile rules' own code and commands
 #   scripts/gpu/run_reference.sh controller WHEELS_DIR  # controller wheels only (`start` prepares studies)
 #   scripts/gpu/run_reference.sh start PLAN [PLAN...]   # plans one after the other, in the background
 #   scripts/gpu/run_reference.sh status                 # progress
@@ -483,5 +484,5 @@ case "$cmd" in
   train|bench) use_study "${HYBRIDRL_STUDY:-$default_study}"; "$cmd" "$@" ;;
   status) status ;;
   pack) pack "$@" ;;
-  *) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,/^set -e/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

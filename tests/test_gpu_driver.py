@@ -284,3 +284,89 @@ def test_poll_packs_while_the_driver_runs_and_returns_at_once_when_it_has_stoppe
         assert "the driver is not running" not in alive.stdout and (out / "latest.tar.gz").is_file()
     finally:
         driver.kill()
+
+
+def _python3_on_path(tmp_path: Path) -> dict[str, str]:
+    """PATH whose python3 is this interpreter, as the driver calls it (`python3 -m hybridrl ...`)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    wrapper = bin_dir / "python3"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+
+def _tiny_study(tmp_path: Path, **defaults: object) -> Path:
+    """The smoke study without its warm start (seconds to build), one arm replicated."""
+    import yaml
+
+    raw = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    del raw["models"]["tiny-qwen3"]["warm_start"]
+    raw["runs"][2]["replicates"] = 2
+    raw["defaults"].update(defaults)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _hybridrl_argv(line: str) -> list[str]:
+    """`python -m hybridrl CMD ...` without the shell's redirections, path-valued options as basenames."""
+    import shlex
+
+    words = shlex.split(line)
+    words = words[words.index("hybridrl") + 1:]
+    words = words[:next((i for i, w in enumerate(words) if w in ("2>&1", ">", "|")), len(words))]
+    return [Path(w).name if i and words[i - 1] in ("--out", "--corpus", "--test") else w
+            for i, w in enumerate(words)]
+
+
+def test_prepare_writes_the_run_configs_data_and_models_the_dag_would(tmp_path: Path) -> None:
+    from hybridrl.config import load_study, read_run_spec
+    from hybridrl.prepare_study import run_spec_json
+
+    config = _tiny_study(tmp_path)
+    root = tmp_path / "ref"
+    env = {**_python3_on_path(tmp_path), "HYBRIDRL_REF_DIR": str(root)}
+    done = subprocess.run(["bash", str(DRIVER), "prepare", str(config)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ref = root / "tiny"
+    assert (ref / "setup.done").exists() and (ref / "models" / "tiny-qwen3" / "config.json").exists()
+    assert (ref / "data" / "train.jsonl").stat().st_size > 0
+
+    # the DAG of the same study, dry: its run ids and the shell commands of its data and model rules
+    dag = subprocess.run([str(Path(sys.executable).with_name("snakemake")), "-s", str(REPO / "Snakefile"),
+                          "--configfile", str(config), "-n", "-p", "--cores", "1"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert dag.returncode == 0, dag.stderr[-3000:]
+    text = dag.stdout + dag.stderr
+    dag_ids = {line.split("results/runs/")[1].split("/")[0] for line in text.splitlines()
+               if "output: results/runs/" in line and "config.json" in line}
+    dag_cmds = sorted(_hybridrl_argv(line) for line in text.splitlines()
+                      if line.startswith("Shell command: python -m hybridrl data")
+                      or line.startswith("Shell command: python -m hybridrl model"))
+    ran = sorted(_hybridrl_argv(line) for line in done.stdout.splitlines() if line.startswith("$ python -m hybridrl"))
+    assert [c[0] for c in dag_cmds] == ["data", "model"]
+    assert ran == [c[:-1] + ["data" if c[0] == "data" else c[-1]] for c in dag_cmds]  # only the --out folder differs
+
+    # one config per run, named as the plans call it, holding the file the `run_config` rule writes
+    study = load_study(config)
+    index = dict(line.split() for line in done.stdout.splitlines() if line.split()[-1:] and line.split()[-1] in dag_ids)
+    assert set(index.values()) == dag_ids == set(study.runs)
+    assert set(index) == {"vllm-split", "vllm-restart", "vllm-overlap", "vllm-overlap-r2"}
+    for short, rid in index.items():
+        cfg = ref / "cfg" / f"{short}.json"
+        assert cfg.read_text() == run_spec_json(study, rid)
+        assert read_run_spec(cfg).run_id == rid
+
+
+def test_prepare_of_a_bad_study_is_one_clear_line(tmp_path: Path) -> None:
+    config = _tiny_study(tmp_path, stepz=3)
+    root = tmp_path / "ref"
+    env = {**_python3_on_path(tmp_path), "HYBRIDRL_REF_DIR": str(root)}
+    done = subprocess.run(["bash", str(DRIVER), "prepare", str(config)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"hybridrl: config error: {config}: unknown key 'stepz' in defaults; did you mean 'steps'?"]
+    assert not (root / "tiny" / "setup.done").exists() and not (root / "tiny" / "cfg").exists()

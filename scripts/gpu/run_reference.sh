@@ -5,8 +5,9 @@
 # Run from the repository root on the GPU machine, after shared/gpu/gpu-env has installed the
 # SGLang, vLLM and trainer (megatron-core) overlays under /tmp/envs (gpu-env collect ...; gpu-env install):
 #
-#   scripts/gpu/run_reference.sh setup WHEELS_DIR [CONFIG...]  # controller wheels; data, random-init models
-#                                                               # and run configs of each study (gpu-h200)
+#   scripts/gpu/run_reference.sh setup WHEELS_DIR [CONFIG...]  # controller wheels, then `prepare` (gpu-h200)
+#   scripts/gpu/run_reference.sh prepare CONFIG...      # run configs, data, models: python -m hybridrl
+#                                                       # prepare-study, the Snakefile rules' own code and commands
 #   scripts/gpu/run_reference.sh controller WHEELS_DIR  # controller wheels only (`start` prepares studies)
 #   scripts/gpu/run_reference.sh start PLAN [PLAN...]   # plans one after the other, in the background
 #   scripts/gpu/run_reference.sh status                 # progress
@@ -47,8 +48,8 @@ say() { echo "[$(date +%T)] $*"; }
 
 study_dir() { echo "$root/$(basename "$1" .yaml)"; }  # study_dir CONFIG: the study's folder under $root
 
-use_study() {  # use_study CONFIG: sets `config` and `ref`
-  config=$repo/$1
+use_study() {  # use_study CONFIG: sets `config` and `ref`; CONFIG is under the repository unless absolute
+  [[ $1 == /* ]] && config=$1 || config=$repo/$1
   [ -f "$config" ] || { echo "no study config $1 in $repo" >&2; exit 2; }
   ref=$(study_dir "$1")
 }
@@ -66,44 +67,12 @@ setup() {
   for c in "${@:-$default_study}"; do prepare "$c"; done
 }
 
-prepare() {  # prepare CONFIG: the study's run configs, data and random-init models
+prepare() {  # prepare CONFIG: the study's run configs, data and models, as the Snakefile's rules build them
   use_study "$1"
-  mkdir -p "$ref"/{cfg,runs,bench}
-  PYTHONPATH=$ctl_path python3 - "$config" "$ref" <<'EOF'
-import json, sys
-from pathlib import Path
-from hybridrl.config import load_study
-from hybridrl.run_config import split_replicate
-study, ref = load_study(sys.argv[1]), Path(sys.argv[2])
-(ref / "study.json").write_text(json.dumps({"data": study.data, "models": study.models}))
-for rid, run in study.runs.items():
-    short = run.name or "-".join([run.engine, run.placement] + (["megatron"] if run.trainer == "megatron" else []))
-    k = split_replicate(rid)[1]
-    short += f"-r{k}" if k > 1 else ""  # replicates: NAME, NAME-r2, NAME-r3 (the run ids' suffixes)
-    cfg = {"run_id": rid, "run": run.model_dump(mode="json"), "study": study.name,
-           "engine_env": study.engine_envs.get(run.engine, {})}
-    (ref / "cfg" / f"{short}.json").write_text(json.dumps(cfg, sort_keys=True))
-    print(short, rid)
-EOF
-  local data_args name spec
-  # the study's synthetic data spec as CLI flags (no network here: GSM8K itself cannot be fetched)
-  data_args=$(python3 -c "import json;d=json.load(open('$ref/study.json'))['data'];\
-print(f\"--source synthetic --n-train {d.get('n_train',512)} --n-test {d.get('n_test',128)} --seed {d.get('seed',0)}\",\\
-f\"--steps {d.get('steps',1)}\")")
-  say "data: $data_args"
-  # shellcheck disable=SC2086
-  PYTHONPATH=$ctl_path python3 -m hybridrl data $data_args --out "$ref/data"
-  # every model the study defines; each run names its own. A warm start trains on this host's GPU and records its
-  # base accuracy on the test split in the model's warm_start.json
-  while IFS=$'\t' read -r name spec; do
-    PYTHONPATH=$ctl_path python3 -m hybridrl model --spec "$spec" --corpus "$ref/data/train.jsonl" \
-      --test "$ref/data/test.jsonl" --out "$ref/models/$name"
-    python3 -c "import json,os;m='$ref/models/$name';c=json.load(open(m+'/config.json'));\
-w=json.load(open(m+'/warm_start.json')) if os.path.exists(m+'/warm_start.json') else {};\
-print('$name', {k:c.get(k) for k in ('vocab_size','hidden_size','num_hidden_layers')},\
-{k:w.get(k) for k in ('base_accuracy','eos_share','tokens','seconds')} if w else 'random init')"
-  done < <(python3 -c "import json;[print(k, json.dumps(v), sep='\t') for k, v in \
-json.load(open('$ref/study.json'))['models'].items()]")
+  mkdir -p "$ref"/{runs,bench}
+  # cfg/<short name>.json per run (the `run_config` rule's file), then `python -m hybridrl data` and `model` with
+  # the rules' arguments (src/hybridrl/prepare_study.py). A warm start trains on this host's GPU.
+  PYTHONPATH=$ctl_path python3 -m hybridrl prepare-study --config "$config" --out "$ref"
   touch "$ref/setup.done"
   say "setup of $1 done"
 }
@@ -544,6 +513,7 @@ cmd=${1:-}; shift || true
 case "$cmd" in
   controller) controller "$@" ;;
   setup) setup "$@" ;;
+  prepare) for c in "$@"; do prepare "$c"; done ;;
   start)
     [ $# -gt 0 ] || { echo "usage: run_reference.sh start PLAN [PLAN...] ($(known_plans))" >&2; exit 2; }
     for p in "$@"; do study_of "$p" > /dev/null; done
@@ -563,5 +533,5 @@ case "$cmd" in
   status) status ;;
   pack) pack "$@" ;;
   poll) poll "$@" ;;
-  *) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,/^set -e/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

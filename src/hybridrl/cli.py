@@ -32,6 +32,12 @@ def _schema(args: argparse.Namespace) -> None:
     print(f"{SCHEMA}: {'unchanged' if wanted == current else 'written'}")
 
 
+def _prepare_study(args: argparse.Namespace) -> None:
+    from hybridrl.prepare_study import prepare
+
+    prepare(load_study(args.config), Path(args.out), inputs=not args.configs_only)
+
+
 def _data(args: argparse.Namespace) -> None:
     from hybridrl import data
 
@@ -161,6 +167,13 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("schema", help="write the run part of workflow/schemas/config.schema.yaml from RunConfig")
     s.add_argument("--check", action="store_true", help="fail if the committed schema differs, write nothing")
     s.set_defaults(fn=_schema)
+
+    s = sub.add_parser("prepare-study", help="a study's run configs (OUT/cfg/<short name>.json), data and models, "
+                       "as the Snakefile's rules build them; the leased-GPU driver's setup")
+    s.add_argument("--config", required=True)
+    s.add_argument("--out", required=True, help="the study's folder: cfg/, data/, models/ go here")
+    s.add_argument("--configs-only", action="store_true", help="write the run configs, build no data or models")
+    s.set_defaults(fn=_prepare_study)
 
     s = sub.add_parser("data", help="download GSM8K or synthesise GSM8K-format problems")
     s.add_argument("--source", choices=["gsm8k", "synthetic"], required=True)

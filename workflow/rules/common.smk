@@ -1,4 +1,3 @@
-import json
 import os
 import re
 import sys
@@ -11,7 +10,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from hybridrl import cluster  # noqa: E402
 from hybridrl.config import ConfigError, dataset_name, resolve  # noqa: E402
-from hybridrl.run_config import RunSpec  # noqa: E402
+from hybridrl.prepare_study import data_params, model_spec, run_spec_json  # noqa: E402
 
 try:
     STUDY = resolve(config, source="config")
@@ -21,6 +20,7 @@ except ConfigError as exc:
 RUNS = STUDY.runs
 DATASET = dataset_name(STUDY.data)
 DATA_DIR = f"resources/data/{DATASET}"
+DATA = data_params(STUDY.data)  # the `data` rule's arguments, as the GPU driver's prepare-study passes them
 
 
 def run_spec(wildcards) -> str:
@@ -28,9 +28,11 @@ def run_spec(wildcards) -> str:
     rid = wildcards.run_id
     if rid not in RUNS:
         raise WorkflowError(f"run {rid} is not in this study; known runs: {', '.join(RUNS)}")
-    run = RUNS[rid]
-    spec = RunSpec(run_id=rid, run=run, study=STUDY.name, engine_env=STUDY.engine_envs.get(run.engine, {}))
-    return spec.model_dump_json()
+    return run_spec_json(STUDY, rid)  # the GPU driver's prepare-study writes the same file
+
+
+def run_model_spec(wildcards) -> str:
+    return model_spec(STUDY.models[wildcards.model])
 
 
 # RUNS lists the runs round by round (config.interleaved: A1 B1 C1 A2 B2 C2). Where jobs wait for a free GPU

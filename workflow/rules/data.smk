@@ -3,11 +3,11 @@ rule data:
         train=f"{DATA_DIR}/train.jsonl",
         test=f"{DATA_DIR}/test.jsonl",
     params:
-        source=STUDY.data["source"],
-        n_train=STUDY.data.get("n_train", 512),
-        n_test=STUDY.data.get("n_test", 128),
-        seed=STUDY.data.get("seed", 0),
-        steps=STUDY.data.get("steps", 1),
+        source=DATA["source"],
+        n_train=DATA["n_train"],
+        n_test=DATA["n_test"],
+        seed=DATA["seed"],
+        steps=DATA["steps"],
         out=lambda wildcards, output: Path(output.train).parent,
     log:
         f"logs/data/{DATASET}.log",

@@ -5,7 +5,7 @@ rule model:
     output:
         directory("resources/models/{model}"),
     params:
-        spec=lambda wildcards: json.dumps(STUDY.models[wildcards.model], sort_keys=True),
+        spec=run_model_spec,
     log:
         "logs/model/{model}.log",
     # a warm start trains on the CPU's cores where there is no GPU; nothing else runs before the models anyway

@@ -163,3 +163,47 @@ def test_expanded_gradient_reaches_grouped_mm(groups: ProcessGroupCollection) ->
     out, _ = grouped(x, counts, probs)
     out.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+class _Group:
+    """Stands in for an expert-TP process group of `n` ranks (the module only asks its size)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def size(self) -> int:
+        return self.n
+
+
+def test_tp2_shards_sum_to_the_full_experts(groups: ProcessGroupCollection) -> None:
+    """Weights split over 2 expert-TP ranks by the HF->Megatron mapping: each rank's partial output (before
+    the dispatcher's reduce-scatter) and its input gradient sum to the TP = 1 module's."""
+    from types import SimpleNamespace
+
+    from hybridrl.trainers.megatron import mapping
+
+    gen = torch.Generator().manual_seed(5)
+    hf = [tuple(torch.randn(*s, generator=gen) * 0.2 for s in ((FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN)))
+          for _ in range(E)]
+
+    def build(tp: int, rank: int) -> ex.GroupedExperts:
+        m = ex.GroupedExperts(E, _config(torch.float32), pg_collection=SimpleNamespace(expt_tp=_Group(tp)))
+        assert m.fc1_weight.shape == (E, 2 * FFN // tp, HIDDEN) and m.fc2_weight.shape == (E, HIDDEN, FFN // tp)
+        with torch.no_grad():
+            for e, (g, u, d) in enumerate(hf):
+                m.fc1_weight[e].copy_(mapping.gate_up_to_megatron(g, u, tp, rank))
+                m.fc2_weight[e].copy_(mapping.shard(d, 1, tp, rank))
+        return m
+
+    x, counts, probs = _inputs(torch.float32, seed=2)
+    full = _run(build(1, 0), x, counts, probs)
+    parts = [_run(build(2, r), x, counts, probs, full["grad_out"]) for r in range(2)]
+    for k in ("out", "dx", "dprobs"):
+        _close(parts[0][k] + parts[1][k], full[k], torch.float32)
+    # a mis-sharded layout (gate and up not split per rank) would not sum to it
+    wrong = build(2, 0)
+    with torch.no_grad():
+        for e, (g, u, _) in enumerate(hf):
+            wrong.fc1_weight[e].copy_(torch.cat([g, u])[: 2 * FFN // 2])
+    bad = _run(wrong, x, counts, probs, full["grad_out"])["out"] + parts[1]["out"]
+    assert not torch.allclose(bad, full["out"], atol=1e-3)

@@ -78,7 +78,7 @@ class GroupedExperts(MegatronModule):
             p.tensor_model_parallel = tp > 1  # type: ignore[attr-defined]
             p.partition_dim = dim  # type: ignore[attr-defined]
             p.partition_stride = stride  # type: ignore[attr-defined]
-            p.allreduce = False  # type: ignore[attr-defined]  # expert parameters: not reduced over DP=EP
+            p.allreduce = False  # type: ignore[attr-defined]  # megatron's mark of an expert parameter
 
     def impl(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> str:
         """GROUPED or LOOP: what forward runs for weights on `device` in `dtype` (default: where they are)."""
@@ -96,6 +96,8 @@ class GroupedExperts(MegatronModule):
         if self.impl(x.device, x.dtype) == GROUPED and x.shape[0] > 0:
             # cumulative ends; the last equals the row count, so no output row is left unwritten
             offs = counts.cumsum(0).to(device=x.device, dtype=torch.int32)
+            if x.data_ptr() % 16:  # the kernel reads 16-byte aligned rows; a fresh copy is aligned
+                x = x.clone()
             mm = grouped_mm.grouped_mm_fn()
             h = _ContiguousGrad.apply(mm(x, self.fc1_weight.transpose(1, 2), offs=offs))
             h = self._activate(h, permuted_probs)

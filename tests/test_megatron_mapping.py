@@ -118,7 +118,7 @@ def test_moe_fused_expert_tensors(checkpoints: dict[str, Path]) -> None:
     assert set(a) == set(b)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert spec.moe_layers == (True, False)  # mlp_only_layers=[1]
-    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight" in a
+    assert a["decoder.layers.0.mlp.experts.fc1_weight"].shape == (4, 2 * 32, 64)  # stacked for GroupedExperts
     assert "decoder.layers.1.mlp.linear_fc1.weight" in a
 
 

@@ -63,6 +63,9 @@ def test_parity_tp1_all_architectures(cases: dict[str, dict[str, Any]], tmp_path
     got = _run_group(cases, list(parity.ARCHS), 1, tmp_path)
     for arch in parity.ARCHS:
         _check(cases[arch], got[arch], tmp_path / f"{arch}-export-tp1")
+    # the MoE case ran its experts through the grouped kernel, not the per-expert fallback
+    assert {a: got[a]["experts_impl"] for a in parity.ARCHS} == {
+        "llama": None, "qwen2": None, "qwen3": None, "qwen3_moe": "grouped_mm"}
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ def test_trainer_bench_cli_reports_both_trainers_on_cpu(tmp_path: Path) -> None:
         assert r["compute_s_best"] <= r["update_s_best"]  # the adapter export is outside compute
         assert r["completion_tok_s_best"] > 0 and r["update_flops"] > 0
         assert r["mfu_median"] is None and r["peak_gb"] is None  # no GPU: no peak FLOP/s, no NVML
+        assert r["experts_impl"] is None  # a dense model
     # the same batch, model and seed: both trainers take the same loss
     assert rep["hf"]["last_loss"] == pytest.approx(rep["megatron"]["last_loss"], abs=1e-4)
 
@@ -33,8 +34,11 @@ def test_trainer_bench_cli_reports_both_trainers_on_cpu(tmp_path: Path) -> None:
 def test_trainer_bench_hf_moe_shape(tmp_path: Path) -> None:
     from hybridrl.trainers.bench import main as bench
 
-    rep = bench("tiny-moe", ["hf"], 1, "cpu", tmp_path, None)
+    rep = bench("tiny-moe", ["hf", "megatron"], 1, "cpu", tmp_path, None)
     assert math.isfinite(rep["hf"]["last_loss"])
+    # both trainers ran the experts as grouped GEMMs, and on the same batch took the same loss
+    assert rep["hf"]["experts_impl"] == rep["megatron"]["experts_impl"] == "grouped_mm"
+    assert rep["hf"]["last_loss"] == pytest.approx(rep["megatron"]["last_loss"], abs=1e-4)
 
 
 def _s(n: int) -> Sample:

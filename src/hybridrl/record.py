@@ -47,8 +47,10 @@ ROLLOUT = (
 TRAINING = ("perf/train_tokens", "perf/train_tok_s", "train/loss", "train/grad_norm", "train/kl", "train/clipfrac",
             # the trainer's own timing of the update (no adapter export): model FLOP utilisation against the GPU's
             # dense bf16 peak (None on CPU; hybridrl.trainers.flops states the count), completion tokens/s per
-            # trainer GPU, the update's model FLOPs, and whether the frozen base stayed on the GPU during rollout
-            "perf/mfu", "perf/train_tok_s_per_gpu", "perf/update_flops", "train/keep_base_on_gpu")
+            # trainer GPU, the update's model FLOPs, and whether the frozen base stayed on the GPU during rollout;
+            # which kernel ran the MoE experts (grouped_mm, or loop / eager per expert; null for a dense model)
+            "perf/mfu", "perf/train_tok_s_per_gpu", "perf/update_flops", "train/keep_base_on_gpu",
+            "train/experts_impl")
 # mem/used_gb_train is the sampler's update_actor phase; mem/trainer_gb_gen is NVML over the trainer's processes
 MEMORY = ("mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacity_tokens", "mem/trainer_gb_gen",
           # NVML on the engine's GPUs right after its sleep and its wake, and what the controller holds there
@@ -68,7 +70,7 @@ BOOLS = ("check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok"
          "check/client_headroom_ok", "check/asleep_memory_ok")
 # engine-vs-trainer mismatch per token over the batch (hybridrl.rl.LogprobGaps), verl's rollout_is metrics
 MISMATCH = ("mismatch/kl_k3", "mismatch/is_weight_mean", "mismatch/ess", "mismatch/is_capped_frac")
-STRINGS = ("run_id", "engine", "placement", "trainer", "model", "check/logprob_gap_tier")
+STRINGS = ("run_id", "engine", "placement", "trainer", "model", "check/logprob_gap_tier", "train/experts_impl")
 RECORD_KEYS = (*IDENTITY, *TIMING, *CONCURRENCY, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS, *MISMATCH,
                *RUN_START, *EVAL, "time_unix")
 

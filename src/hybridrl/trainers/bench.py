@@ -171,6 +171,7 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
         "mfu_best": None if any(math.isnan(m) for m in mfu) else max(mfu),
         "mfu_median": None if any(math.isnan(m) for m in mfu) else statistics.median(mfu),
         "update_flops": metrics["perf/update_flops"], "peak_gb": mem.peak_gb, "last_loss": metrics["train/loss"],
+        "experts_impl": metrics.get("train/experts_impl"),
     }
 
 

@@ -111,11 +111,14 @@ def hf_to_megatron(spec: ArchSpec, src: TensorSource, tp_rank: int = 0, tp_size:
         if spec.layer_is_moe(i):
             out[f"{m}.mlp.router.weight"] = src.get(f"{h}.mlp.gate.weight")
             expert = _experts(src, i, spec.num_experts)
+            fc1, fc2 = [], []
             for e in range(spec.num_experts):
                 g, u, d = expert(e)
-                x = f"{m}.mlp.experts.local_experts.{e}"
-                out[f"{x}.linear_fc1.weight"] = gate_up_to_megatron(g, u, tp_size, tp_rank)
-                out[f"{x}.linear_fc2.weight"] = shard(d, 1, tp_size, tp_rank)
+                fc1.append(gate_up_to_megatron(g, u, tp_size, tp_rank))
+                fc2.append(shard(d, 1, tp_size, tp_rank))
+            # GroupedExperts: all experts stacked, each as SequentialMLP's linear_fc1 / linear_fc2 would hold it
+            out[f"{m}.mlp.experts.fc1_weight"] = torch.stack(fc1)
+            out[f"{m}.mlp.experts.fc2_weight"] = torch.stack(fc2)
         else:
             out[f"{m}.mlp.linear_fc1.weight"] = gate_up_to_megatron(
                 src.get(f"{h}.mlp.gate_proj.weight"), src.get(f"{h}.mlp.up_proj.weight"), tp_size, tp_rank)
@@ -152,12 +155,12 @@ def megatron_to_hf(spec: ArchSpec, shards: list[dict[str, torch.Tensor]]) -> dic
         out[f"{h}.self_attn.o_proj.weight"] = cat(f"{m}.self_attention.linear_proj.weight", 1)
         if spec.layer_is_moe(i):
             out[f"{h}.mlp.gate.weight"] = first[f"{m}.mlp.router.weight"]
+            x = f"{m}.mlp.experts"
             for e in range(spec.num_experts):
-                x = f"{m}.mlp.experts.local_experts.{e}"
-                g, u = gate_up_from_megatron([s[f"{x}.linear_fc1.weight"] for s in shards])
+                g, u = gate_up_from_megatron([s[f"{x}.fc1_weight"][e] for s in shards])
                 out[f"{h}.mlp.experts.{e}.gate_proj.weight"] = g
                 out[f"{h}.mlp.experts.{e}.up_proj.weight"] = u
-                out[f"{h}.mlp.experts.{e}.down_proj.weight"] = cat(f"{x}.linear_fc2.weight", 1)
+                out[f"{h}.mlp.experts.{e}.down_proj.weight"] = torch.cat([s[f"{x}.fc2_weight"][e] for s in shards], 1)
         else:
             g, u = gate_up_from_megatron([s[f"{m}.mlp.linear_fc1.weight"] for s in shards])
             out[f"{h}.mlp.gate_proj.weight"] = g

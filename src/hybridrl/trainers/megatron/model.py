@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors import safe_open
 
 from hybridrl.trainers.megatron import mapping
+from hybridrl.trainers.megatron.experts import GroupedExperts
 from hybridrl.trainers.megatron.spec import ArchSpec
 
 
@@ -172,13 +173,13 @@ def _layer_spec(spec: ArchSpec, moe: bool) -> ModuleSpec:
                                      qk_layernorm=spec.qk_norm, normalization="RMSNorm")
     layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     if moe:
-        # the local MoE spec is partial(MoELayer, submodules=...); swap in the device-safe router
+        # the local MoE spec is partial(MoELayer, submodules=...); swap in the device-safe router and the
+        # grouped-GEMM experts (the local spec's SequentialMLP loops over experts in Python)
         mlp = layer.submodules.mlp
         if mlp.func is not MoELayer:  # type: ignore[attr-defined]
             raise RuntimeError(f"unexpected MoE spec {mlp!r} from megatron-core")
-        sub = mlp.keywords["submodules"]  # type: ignore[attr-defined]
         mlp.keywords["submodules"] = MoESubmodules(  # type: ignore[attr-defined]
-            experts=sub.experts, shared_experts=None, router=CPUSafeTopKRouter)
+            experts=GroupedExperts, shared_experts=None, router=CPUSafeTopKRouter)
     return layer
 
 

@@ -195,7 +195,7 @@ def megatron_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run
         logits = torch.cat(parts, dim=-1)
     return {"logp": before, "grads": grads, "grad_norm": norm, "loss": metrics["train/loss"],
             "kl": metrics["train/kl"], "weights_after": export.gather_full(policy.adapters),
-            "logp_after": after, "logits_after": logits.float().cpu()}
+            "logp_after": after, "logits_after": logits.float().cpu(), "experts_impl": policy.experts_impl}
 
 
 def reload_gap(model_dir: Path, adapter_dir: Path, samples: list[Sample], logits: torch.Tensor) -> float:

@@ -19,6 +19,7 @@ from hybridrl.trainers.base import Sample
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import grpo_backward
 from hybridrl.trainers.megatron import export
+from hybridrl.trainers.megatron.experts import experts_impl
 from hybridrl.trainers.megatron.lora import apply_lora, lora_disabled, lora_parameters
 from hybridrl.trainers.megatron.model import build_model, load_hf_weights
 from hybridrl.trainers.megatron.spec import MegatronSetupError, check_parallel, effective_targets, read_spec
@@ -61,6 +62,8 @@ class MegatronPolicy:
         self.adapters = apply_lora(self.model, self.spec, self.rank, self.alpha, self.targets,
                                    seed=run.seed)
         self.model.to(device)  # after the adapters exist, so they move too
+        # grouped_mm or loop for MoE models (GroupedExperts on these weights), None for dense ones
+        self.experts_impl = experts_impl(self.model)
         self.params = lora_parameters(self.adapters)
         self.optimizer = torch.optim.AdamW(self.params, lr=run.lr, weight_decay=run.weight_decay)
         # built once here: importing peft costs seconds, which should not land in the first step
@@ -95,6 +98,7 @@ class MegatronPolicy:
         metrics.update(update_perf(self.flop_shape, samples, time.perf_counter() - t0, self.tp, self.device,
                                    kl=self.run.kl_coef > 0))
         metrics["train/keep_base_on_gpu"] = self.run.keep_base_on_gpu
+        metrics["train/experts_impl"] = self.experts_impl
         if self.device.type == "cuda":
             metrics["mem/trainer_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / nvml.GB
         return metrics

@@ -19,6 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from hybridrl.record import STRINGS
 from hybridrl.run_config import RunConfig
 from hybridrl.trainers.base import Sample, TrainResult
 from hybridrl.trainers.megatron.spec import MegatronSetupError, check_parallel, read_spec
@@ -98,6 +99,7 @@ class MegatronTrainer:
             self.close()
             raise
         self.load_s = float(info.get("load_s", 0.0))
+        self.experts_impl: str | None = info.get("experts_impl")
 
     # -- process group ---------------------------------------------------------------------------------
     def _launch(self, extra_env: dict[str, str] | None) -> subprocess.Popen:
@@ -182,7 +184,8 @@ class MegatronTrainer:
         res = self._job("step", step=step, out_dir=str(out_dir), offload_after=self.offload_after_step,
                         samples=[asdict(s) for s in samples])
         # JSON's null is NaN here (no value, e.g. perf/mfu on CPU); flags such as train/keep_base_on_gpu stay bools
-        metrics = {k: v if isinstance(v, bool) else math.nan if v is None else float(v)
+        # and string keys such as train/experts_impl strings or None (a dense model)
+        metrics = {k: v if isinstance(v, bool | str) or k in STRINGS else math.nan if v is None else float(v)
                    for k, v in res["metrics"].items()}
         self.last_memory = {k: v for k, v in metrics.items() if k.startswith("mem/trainer_r")}
         return TrainResult(out_dir, metrics)

@@ -135,7 +135,11 @@ def _start(cfg: dict[str, Any], rank: int) -> Any:
     if cfg.get("resume_from"):
         policy.resume(Path(cfg["resume_from"]))
     policy.ready_info = {"load_s": time.perf_counter() - t0, "tp": policy.tp,
-                         "lora_params": sum(p.numel() for p in policy.params) * policy.tp}
+                         "lora_params": sum(p.numel() for p in policy.params) * policy.tp,
+                         "experts_impl": policy.experts_impl}
+    if rank == 0:  # into worker.log: which MoE experts kernel this run trains with
+        print(f"hybridrl megatron worker: tp {policy.tp}, device {device}, experts {policy.experts_impl or 'dense'}",
+              flush=True)
     return policy
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
-from hybridrl.config import ConfigError, load_yaml  # noqa: E402
+from hybridrl.study.config import ConfigError, load_yaml  # noqa: E402
 
 # The GPU study unless --configfile names another; Snakemake would otherwise merge the two files.
 if not workflow.overwrite_configfiles:

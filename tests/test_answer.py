@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridrl import answer, data
+from hybridrl.task import answer, data
 
 # Unicode digit scripts, by their zero: Arabic-Indic, Devanagari, Bengali, Thai, fullwidth
 ZEROS = [0x0660, 0x0966, 0x09E6, 0x0E50, 0xFF10]

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridrl import provenance
-from hybridrl.archive import MANIFEST, pack, verify
-from hybridrl.run_config import RunConfig
+from hybridrl.run import provenance
+from hybridrl.study.run_config import RunConfig
+from hybridrl.tools.archive import MANIFEST, pack, verify
 
 RUN = "results/runs/vllm-split-aaaa1111"
 

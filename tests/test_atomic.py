@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl import atomic
-from hybridrl.telemetry import append_record, read_records
+from hybridrl.run.telemetry import append_record, read_records
 
 
 class Boom(RuntimeError):

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridrl.barrier import ENV, TIMEOUT_ENV, StartBarrier
-from hybridrl.config import ConfigError
+from hybridrl.run.barrier import ENV, TIMEOUT_ENV, StartBarrier
+from hybridrl.study.config import ConfigError
 
 
 def test_from_env_reads_dir_and_parties_and_refuses_a_malformed_value(tmp_path: Path) -> None:

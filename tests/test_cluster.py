@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridrl import cluster
-from hybridrl.config import resolve
-from hybridrl.run_config import RunConfig
+from hybridrl.study import cluster
+from hybridrl.study.config import resolve
+from hybridrl.study.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 SCONTROL_LINE = (

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridrl import config
-from hybridrl.config import ConfigError, load_study, resolve, run_id
-from hybridrl.run_config import RunConfig, run_schema, split_replicate
+from hybridrl.study import config
+from hybridrl.study.config import ConfigError, load_study, resolve, run_id
+from hybridrl.study.run_config import RunConfig, run_schema, split_replicate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -125,7 +125,7 @@ def test_every_key_a_component_reads_can_be_set(smoke):
     smoke["defaults"].update(micro_batch=2, train_dtype="fp32", max_logprob_gap=1e-3, logprob_gap_fail=0.01)
     run = next(iter(resolve(smoke).runs.values()))
     assert (run.micro_batch, run.train_dtype, run.max_logprob_gap, run.logprob_gap_fail) == (2, "fp32", 1e-3, 0.01)
-    default = RunConfig(model="m")  # the gap limits default to the model family's (hybridrl.checks.GAP_LIMITS)
+    default = RunConfig(model="m")  # the gap limits default to the model family's (hybridrl.run.checks.GAP_LIMITS)
     assert (default.micro_batch, default.train_dtype, default.max_logprob_gap) == (8, None, None)
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from hybridrl import cli
-from hybridrl.config import ConfigError, load_study, load_yaml
+from hybridrl.study.config import ConfigError, load_study, load_yaml
 
 BAD = [
     ("study: smoke\ndata:\n  n_train: [1, 2\nmodels: {}\n", "4:7", "expected ',' or ']', but got ':' (while parsing a "

@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridrl import data, models
-from hybridrl.config import validate
+from hybridrl.study import models
+from hybridrl.study.config import validate
+from hybridrl.task import data
 
 REPO = Path(__file__).resolve().parents[1]
 

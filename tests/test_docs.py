@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridrl.config import load_study
+from hybridrl.study.config import load_study
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -52,7 +52,7 @@ def test_client_ceiling_tables_are_the_committed_benchmark():
     """A client-ceiling table in a README is the table its committed JSON gives, figure for figure."""
     import json
 
-    from hybridrl.client_ceiling import markdown_table
+    from hybridrl.engines.client_ceiling import markdown_table
 
     found = 0
     for path in [*DOCS, *sorted((REPO / "results" / "reference").glob("*/README.md"))]:
@@ -62,3 +62,24 @@ def test_client_ceiling_tables_are_the_committed_benchmark():
             assert table == markdown_table(rows), f"{path.name}: the table differs from {source}"
             found += 1
     assert found, "no client-ceiling table found in the READMEs"
+
+
+def test_the_readme_layout_names_every_module_where_it_is() -> None:
+    """README's Layout section follows the code: each package's line names exactly its modules."""
+    import re
+
+    text = (REPO / "README.md").read_text()
+    block = text[text.index("src/hybridrl/ "):text.index("scripts/setup.sh ")]
+    src = REPO / "src" / "hybridrl"
+    named: dict[str, set[str]] = {}
+    where = ""
+    for line in block.splitlines()[1:]:
+        m = re.match(r"  (\w+)/ ", line)
+        if m:
+            where = m[1]
+        elif not line.startswith("             "):
+            where = ""  # a top-level line
+        named.setdefault(where, set()).update(re.findall(r"(?<![/\w])(\w+)\.py\b", line))
+    for pkg, modules in named.items():
+        on_disk = {p.stem for p in (src / pkg).glob("*.py")} - {"__init__", "__main__"}
+        assert modules == on_disk, (pkg or "src/hybridrl", sorted(modules ^ on_disk))

@@ -19,7 +19,7 @@ from hybridrl.engines.sglang import (
 )
 from hybridrl.engines.vllm import VLLMServer, engine_flags
 from hybridrl.engines.vllm_inprocess import VLLMInProcess, sampled_logprobs, sampling_kwargs
-from hybridrl.run_config import RunConfig
+from hybridrl.study.run_config import RunConfig
 
 
 def _run(**over) -> RunConfig:

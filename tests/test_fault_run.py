@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from hybridrl.cli import main
-from hybridrl.fault_run import fault_run
+from hybridrl.tools.fault_run import fault_run
 
 FAKE = Path(__file__).parent / "fixtures" / "fake_train.py"
 

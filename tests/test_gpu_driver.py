@@ -215,8 +215,8 @@ def test_soak_plan_runs_each_engine_for_fifty_steps_one_after_another(root: Path
 
 
 def test_verdict_plan_interleaves_the_arms_round_by_round_then_benchmarks(root: Path) -> None:
-    from hybridrl.config import load_study
-    from hybridrl.run_config import split_replicate
+    from hybridrl.study.config import load_study
+    from hybridrl.study.run_config import split_replicate
 
     items = _one_lane_plan(root, "gpu-h200-verdict", "verdict")
     arms = ["sglang-full", "sglang-kv", "vllm-server", "vllm-inprocess"]
@@ -234,7 +234,7 @@ def test_verdict_plan_interleaves_the_arms_round_by_round_then_benchmarks(root: 
 
 
 def test_faults_plan_hits_each_engine_in_a_rollout_and_in_training(root: Path) -> None:
-    from hybridrl.config import load_study
+    from hybridrl.study.config import load_study
 
     items = _one_lane_plan(root, "gpu-h200-soak", "faults")
     assert items == [f"fault {e}-fault on GPU 0: engine kill in step 2, SIGTERM in step 4"
@@ -244,7 +244,7 @@ def test_faults_plan_hits_each_engine_in_a_rollout_and_in_training(root: Path) -
 
 
 def test_learning_plan_measures_the_vocabularies_then_the_long_runs(root: Path) -> None:
-    from hybridrl.config import load_study
+    from hybridrl.study.config import load_study
 
     items = _one_lane_plan(root, "gpu-h200-learning", "learning")
     names = [i.removeprefix("train ").split(" on ")[0] for i in items]
@@ -256,7 +256,7 @@ def test_learning_plan_measures_the_vocabularies_then_the_long_runs(root: Path) 
 
 
 def test_trainer_plan_benchmarks_the_dense_then_the_moe_shape_on_one_gpu(root: Path) -> None:
-    from hybridrl.trainers.bench import SHAPES
+    from hybridrl.tools.trainer_bench import SHAPES
 
     items = _one_lane_plan(root, "gpu-h200", "trainer")
     assert items == ["trainer-bench qwen3-0.6b on GPU 0", "trainer-bench qwen3-30b-a3b on GPU 0"]
@@ -321,8 +321,8 @@ def _hybridrl_argv(line: str) -> list[str]:
 
 
 def test_prepare_writes_the_run_configs_data_and_models_the_dag_would(tmp_path: Path) -> None:
-    from hybridrl.config import load_study, read_run_spec
-    from hybridrl.prepare_study import run_spec_json
+    from hybridrl.study.config import load_study, read_run_spec
+    from hybridrl.study.prepare_study import run_spec_json
 
     config = _tiny_study(tmp_path)
     root = tmp_path / "ref"

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from hybridrl.rl import policy_loss, token_logprobs
-from hybridrl.run_config import RunConfig
+from hybridrl.study.run_config import RunConfig
+from hybridrl.task.rl import policy_loss, token_logprobs
 from hybridrl.trainers import grpo
 from hybridrl.trainers.base import Sample
 from hybridrl.trainers.grpo import grpo_backward, pad_batch

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridrl.tools.trainer_bench import SHAPES, bench_run, fixed_batch, random_model
 from hybridrl.trainers import grouped_mm
-from hybridrl.trainers.bench import SHAPES, bench_run, fixed_batch, random_model
 from hybridrl.trainers.hf import HFTrainer, experts_implementation
 
 

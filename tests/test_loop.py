@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridrl import data, models
-from hybridrl.config import resolve
 from hybridrl.engines.base import Completion, EngineError, SleepVariant
-from hybridrl.loop import RunFailed, run_loop, step_requests
-from hybridrl.run_config import RunConfig
+from hybridrl.run.loop import RunFailed, run_loop, step_requests
+from hybridrl.study import models
+from hybridrl.study.config import resolve
+from hybridrl.study.run_config import RunConfig
+from hybridrl.task import data
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -255,7 +256,7 @@ def test_changed_base_canary_fails_loudly(assets, tmp_path):
 def test_trainer_gpu_memory_is_read_for_the_trainers_own_processes(assets, tmp_path, monkeypatch):
     import os
 
-    import hybridrl.loop as loop
+    import hybridrl.run.loop as loop
 
     # NVML is absent on CPU machines: stand in for its per-process reading, charging 0.5 GB to this process only
     monkeypatch.setattr(loop, "process_used_gb", lambda pid: 0.5 if pid == os.getpid() else 7.0)
@@ -282,8 +283,8 @@ def test_split_flushes_the_prefix_cache_after_each_adapter_load(assets, tmp_path
 
 
 def test_logprob_gate_tiers_use_the_runs_limits_or_the_model_familys():
-    from hybridrl.checks import gap_limits, logprob_gate, model_family
-    from hybridrl.run_config import RunConfig
+    from hybridrl.run.checks import gap_limits, logprob_gate, model_family
+    from hybridrl.study.run_config import RunConfig
 
     dense, moe = gap_limits(RunConfig(model="m"), "dense"), gap_limits(RunConfig(model="m"), "moe")
     assert (dense, moe) == ((0.02, 0.1), (0.05, 0.1))
@@ -352,7 +353,7 @@ def test_a_missing_engine_fails_before_the_trainer_is_built(assets, tmp_path, mo
         def preflight(self):
             raise EngineError("sglang is not installed for python3")
 
-    import hybridrl.loop as loop
+    import hybridrl.run.loop as loop
 
     built = []
     monkeypatch.setattr(loop, "make_trainer", lambda *a: built.append(a))
@@ -366,7 +367,7 @@ def test_a_missing_engine_fails_before_the_trainer_is_built(assets, tmp_path, mo
 
 
 def test_a_malformed_start_barrier_is_a_config_error_before_anything_starts(assets, tmp_path, monkeypatch):
-    from hybridrl.config import ConfigError
+    from hybridrl.study.config import ConfigError
 
     monkeypatch.setenv("HYBRIDRL_START_BARRIER", "/tmp/barrier-without-a-count")
     engine = ScriptedEngine()
@@ -378,7 +379,7 @@ def test_a_malformed_start_barrier_is_a_config_error_before_anything_starts(asse
 
 @pytest.mark.parametrize("placement", ["split", "colocate", "restart", "split-overlap"])
 def test_the_named_phases_add_up_to_the_step(assets, tmp_path, placement):
-    from hybridrl.record import PHASE_KEYS, RECORD_KEYS
+    from hybridrl.run.record import PHASE_KEYS, RECORD_KEYS
 
     engine = ScriptedEngine()
     overlap = int(placement.endswith("overlap"))
@@ -537,7 +538,7 @@ def test_an_overlapped_run_resumes_without_losing_a_step(assets, tmp_path):
 
 
 def test_overlap_needs_the_split_placement():
-    from hybridrl.config import ConfigError
+    from hybridrl.study.config import ConfigError
 
     spec = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
     spec["runs"] = [{"placement": "split", "overlap": 1}, {"placement": "restart", "overlap": 1}]
@@ -564,7 +565,7 @@ def test_every_engine_has_the_whole_interface():
 
 
 def test_the_benchmark_probe_goes_through_the_engine_interface_only(tmp_path):
-    from hybridrl import bench
+    from hybridrl.tools import engine_bench as bench
 
     engine = ScriptedEngine()  # no server, stream or command line to reach into
     engine.start()

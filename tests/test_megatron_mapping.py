@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridrl.tools.megatron_parity import ARCHS, tiny_checkpoint
 from hybridrl.trainers.megatron import mapping
-from hybridrl.trainers.megatron.parity import ARCHS, tiny_checkpoint
 from hybridrl.trainers.megatron.spec import (
     MegatronSetupError,
     check_parallel,
@@ -125,7 +125,7 @@ def test_moe_fused_expert_tensors(checkpoints: dict[str, Path]) -> None:
 def test_peft_key_names_match_peft(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    from hybridrl.trainers.megatron.parity import default_run, random_adapter
+    from hybridrl.tools.megatron_parity import default_run, random_adapter
 
     random_adapter(checkpoints["llama"], tmp_path / "ad", default_run())
     with safe_open(str(tmp_path / "ad" / "adapter_model.safetensors"), "pt") as f:
@@ -176,8 +176,8 @@ def test_moe_needs_tp1(checkpoints: dict[str, Path]) -> None:
 
 
 def test_trainer_rejects_bad_input_before_starting(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    from hybridrl.tools.megatron_parity import default_run
     from hybridrl.trainers.megatron import MegatronTrainer
-    from hybridrl.trainers.megatron.parity import default_run
 
     lora = default_run().lora.model_dump()
     with pytest.raises(MegatronSetupError, match="not divisible by train_tp"):

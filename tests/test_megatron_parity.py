@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core not installed (scripts/setup-megatron-cpu.sh)")
 
-from hybridrl.trainers.megatron import parity  # noqa: E402
+from hybridrl.tools import megatron_parity as parity  # noqa: E402
 
 LOGP_TOL = 1e-5  # absolute, per token, fp32
 GRAD_TOL = 1e-4  # relative (Frobenius), per LoRA tensor

@@ -14,10 +14,10 @@ pytest.importorskip("megatron.core", reason="megatron-core not installed (script
 
 from safetensors.torch import load_file  # noqa: E402
 
+from hybridrl.tools import megatron_parity as parity  # noqa: E402
 from hybridrl.trainers.megatron import (  # noqa: E402
     MegatronTrainer,
     MegatronWorkerError,
-    parity,
 )
 
 METRICS = ("train/loss", "train/grad_norm", "train/kl", "train/clipfrac", "perf/train_tokens",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl import nvml
-from hybridrl.telemetry import MemorySampler
+from hybridrl.run.telemetry import MemorySampler
 
 SRC = Path(nvml.__file__).parent
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridrl import qwen_vocab
+from hybridrl.study import qwen_vocab
 
 # Published ids, each with the text it encodes (README: "Qwen's vocabulary").
 # transformers tests/models/qwen2/test_tokenization_qwen2.py, test_tokenizer_integration (Qwen/Qwen-tokenizer, the

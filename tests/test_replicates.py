@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import yaml
 
-from hybridrl.config import load_study
 from hybridrl.report import wording
 from hybridrl.report.stats import Estimate, hierarchical_median, hierarchical_ratio
-from hybridrl.run_config import RunConfig, run_id, split_replicate
+from hybridrl.study.config import load_study
+from hybridrl.study.run_config import RunConfig, run_id, split_replicate
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from hybridrl import provenance
 from hybridrl.report import aggregate_main, report_main
 from hybridrl.report.aggregate import KNOWN, gather, read_table
 from hybridrl.report.plots import make_all
@@ -22,7 +21,8 @@ from hybridrl.report.stats import (
     steady_state,
     summarise,
 )
-from hybridrl.run_config import RunConfig
+from hybridrl.run import provenance
+from hybridrl.study.run_config import RunConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 WARMUP_THROUGHPUT = 3.0  # step 1 is far slower than every later step
@@ -420,7 +420,7 @@ def test_headline_says_when_the_pair_ran_different_code(tmp_path: Path) -> None:
 
 
 def test_report_flags_rollouts_near_the_client_ceiling(study: list[Path], tmp_path: Path) -> None:
-    from hybridrl.client_ceiling import client_headroom_ok
+    from hybridrl.engines.client_ceiling import client_headroom_ok
 
     df = gather(study)
     first = df["run_id"] == "vllm-split-aaaa1111"
@@ -522,7 +522,7 @@ def test_transition_times_are_compared_only_between_releases_that_move_the_same_
 
 
 def test_every_phase_of_a_step_has_a_colour_in_the_breakdown() -> None:
-    from hybridrl.record import PHASE_KEYS
     from hybridrl.report.plots import PHASE_COLORS
+    from hybridrl.run.record import PHASE_KEYS
 
     assert set(PHASE_KEYS) <= set(PHASE_COLORS), sorted(set(PHASE_KEYS) - set(PHASE_COLORS))

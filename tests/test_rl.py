@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from hybridrl.rl import group_advantages, policy_loss, token_logprobs
+from hybridrl.task.rl import group_advantages, policy_loss, token_logprobs
 
 
 def test_group_advantages_normalise_within_groups():
@@ -67,7 +67,7 @@ def test_kl_term_is_zero_at_reference_and_positive_away():
 
 
 def test_logprob_gaps_tell_whole_requests_from_stray_tokens():
-    from hybridrl.rl import LogprobGaps
+    from hybridrl.task.rl import LogprobGaps
 
     trainer = torch.tensor([[-1.0, -2.0, -3.0, 0.0],    # 3 completion tokens, then padding
                             [-1.0, -1.0, -1.0, -1.0]])
@@ -88,7 +88,7 @@ def test_logprob_gaps_tell_whole_requests_from_stray_tokens():
 
 
 def test_mismatch_metrics_of_agreeing_and_disagreeing_policies():
-    from hybridrl.rl import LogprobGaps
+    from hybridrl.task.rl import LogprobGaps
 
     mask = torch.tensor([[True, True, False]])
     same = LogprobGaps()
@@ -107,7 +107,7 @@ def test_mismatch_metrics_of_agreeing_and_disagreeing_policies():
 
 
 def test_rollout_is_weights_truncate_or_mask_and_reweight_the_loss():
-    from hybridrl.rl import engine_logprob_tensor, rollout_is_weights
+    from hybridrl.task.rl import engine_logprob_tensor, rollout_is_weights
 
     mask = torch.tensor([[True, True, True, False]])
     old = torch.tensor([[-1.0, -1.0, -1.0, 0.0]])

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from hybridrl import cli
-from hybridrl.client_ceiling import (
+from hybridrl.engines.base import Completion, stream_flags
+from hybridrl.engines.client_ceiling import (
     FakeEngine,
     client_class,
     client_headroom_ok,
@@ -18,10 +19,9 @@ from hybridrl.client_ceiling import (
     settings,
     stream_chunks,
 )
-from hybridrl.engines.base import Completion, stream_flags
 from hybridrl.engines.raw_http import post_all
 from hybridrl.engines.server import free_port
-from hybridrl.telemetry import Timings, rollout_stats
+from hybridrl.run.telemetry import Timings, rollout_stats
 
 
 def test_stream_flags_pick_the_same_evenly_spread_share():
@@ -98,7 +98,7 @@ def test_raw_path_posts_whole_requests_and_names_failures():
 
 def test_engine_generate_raw_bypasses_the_rollout_client(tmp_path):
     from hybridrl.engines.vllm import VLLMServer
-    from hybridrl.run_config import RunConfig
+    from hybridrl.study.run_config import RunConfig
 
     eng = VLLMServer(tmp_path, RunConfig(model="m", device="cpu"), {}, tmp_path)
     with FakeEngine("vllm") as server:
@@ -117,7 +117,7 @@ def test_ceiling_benchmark_parses_every_event():
 
 
 def test_ceiling_benchmark_refuses_answers_not_parsed_whole():
-    from hybridrl.client_ceiling import _check
+    from hybridrl.engines.client_ceiling import _check
 
     whole = Completion(token_ids=[1] * 4, logprobs=[0.0] * 4)
     _check([whole], 4)
@@ -159,9 +159,11 @@ def test_bench_measures_every_path_on_one_engine_start(tmp_path, monkeypatch):
     """bench's four paths, interleaved, against the fake engine standing in for a vLLM server."""
     import yaml
 
-    from hybridrl import bench, data, models
-    from hybridrl.config import REPO, resolve
     from hybridrl.engines.vllm import VLLMServer
+    from hybridrl.study import models
+    from hybridrl.study.config import REPO, resolve
+    from hybridrl.task import data
+    from hybridrl.tools import engine_bench as bench
 
     data.write_synthetic(tmp_path / "data", 32, 4, seed=0)
     spec = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())

@@ -31,7 +31,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from hybridrl.config import resolve
+from hybridrl.study.config import resolve
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")

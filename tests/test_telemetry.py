@@ -4,7 +4,7 @@ import math
 import pytest
 
 from hybridrl.engines.base import Completion
-from hybridrl.telemetry import MemorySampler, Timings, append_record, read_records, rollout_stats
+from hybridrl.run.telemetry import MemorySampler, Timings, append_record, read_records, rollout_stats
 
 
 def test_rollout_stats_counts_tokens_failures_and_percentiles():
@@ -79,7 +79,7 @@ def test_timings_accumulate_and_fill_every_key():
 
 
 def test_host_cpu_load_is_recorded_for_rollout_and_training(tmp_path):
-    from hybridrl.telemetry import host_cpu_jiffies
+    from hybridrl.run.telemetry import host_cpu_jiffies
 
     stat = tmp_path / "stat"
     stat.write_text("cpu  100 5 50 800 40 3 2 0 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl.cli import main
-from hybridrl.run_config import RunConfig
+from hybridrl.study.run_config import RunConfig
 from hybridrl.trainers.base import Sample
 from hybridrl.trainers.grpo import micro_batches
 
@@ -32,7 +32,7 @@ def test_trainer_bench_cli_reports_both_trainers_on_cpu(tmp_path: Path) -> None:
 
 
 def test_trainer_bench_hf_moe_shape(tmp_path: Path) -> None:
-    from hybridrl.trainers.bench import main as bench
+    from hybridrl.tools.trainer_bench import main as bench
 
     rep = bench("tiny-moe", ["hf", "megatron"], 1, "cpu", tmp_path, None)
     assert math.isfinite(rep["hf"]["last_loss"])

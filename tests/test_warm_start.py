@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridrl import data, models, warm_start
-from hybridrl.answer import answer_value
-from hybridrl.config import ConfigError, dataset_name, resolve
+from hybridrl.study import models, warm_start
+from hybridrl.study.config import ConfigError, dataset_name, resolve
+from hybridrl.task import data
+from hybridrl.task.answer import answer_value
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"init": "random", "arch": "qwen3", "dtype": "float32", "vocab_size": 300, "hidden_size": 32,

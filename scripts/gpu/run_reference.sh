@@ -71,7 +71,7 @@ prepare() {  # prepare CONFIG: the study's run configs, data and models, as the 
   use_study "$1"
   mkdir -p "$ref"/{runs,bench}
   # cfg/<short name>.json per run (the `run_config` rule's file), then `python -m hybridrl data` and `model` with
-  # the rules' arguments (src/hybridrl/prepare_study.py). A warm start trains on this host's GPU.
+  # the rules' arguments (src/hybridrl/study/prepare_study.py). A warm start trains on this host's GPU.
   PYTHONPATH=$ctl_path python3 -m hybridrl prepare-study --config "$config" --out "$ref"
   touch "$ref/setup.done"
   say "setup of $1 done"
@@ -134,7 +134,7 @@ steps_in() {  # steps_in RUN_DIR: how many steps the run recorded; 0, quietly, b
 }
 
 # barrier_release RUN_ID: a run that never reached the start barrier (already done, or died before the loop
-# could say so) releases the runs waiting there (src/hybridrl/barrier.py)
+# could say so) releases the runs waiting there (src/hybridrl/run/barrier.py)
 barrier_release() {
   [ -n "${HYBRIDRL_START_BARRIER:-}" ] || return 0
   local dir=${HYBRIDRL_START_BARRIER%:*}
@@ -523,7 +523,7 @@ case "$cmd" in
     # run from a snapshot of the code, so that later edits to the checkout cannot reach a running study
     rm -rf "$root/code" && mkdir -p "$root/code"
     cp -r "$repo"/{src,config,workflow,scripts} "$root/code/"
-    PYTHONPATH="$ctl:$root/code/src" python3 -c "import hybridrl.loop, hybridrl.bench, hybridrl.engines.sglang"
+    PYTHONPATH="$ctl:$root/code/src" python3 -c "import hybridrl.run.loop, hybridrl.tools.engine_bench, hybridrl.engines.sglang"
     setsid nohup bash "$root/code/scripts/gpu/run_reference.sh" plans "$@" > "$root/driver.log" 2>&1 < /dev/null &
     echo $! > "$root/driver.pid"
     say "plans $* started in the background (pid $!); logs in $root" ;;

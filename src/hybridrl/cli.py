@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from hybridrl.atomic import write_text
-from hybridrl.config import ConfigError, load_study, read_run_spec
+from hybridrl.study.config import ConfigError, load_study, read_run_spec
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -19,13 +19,13 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _schema(args: argparse.Namespace) -> None:
-    from hybridrl.config import SCHEMA, schema_text
+    from hybridrl.study.config import SCHEMA, schema_text
 
     current = SCHEMA.read_text()
     wanted = schema_text(current)
     if args.check:
         if wanted != current:
-            raise SystemExit(f"{SCHEMA} is out of date with hybridrl.run_config: run `python -m hybridrl schema`")
+            raise SystemExit(f"{SCHEMA} is out of date with hybridrl.study.run_config: run `python -m hybridrl schema`")
         print(f"{SCHEMA}: up to date")
         return
     write_text(SCHEMA, wanted)
@@ -33,13 +33,13 @@ def _schema(args: argparse.Namespace) -> None:
 
 
 def _prepare_study(args: argparse.Namespace) -> None:
-    from hybridrl.prepare_study import prepare
+    from hybridrl.study.prepare_study import prepare
 
     prepare(load_study(args.config), Path(args.out), inputs=not args.configs_only)
 
 
 def _data(args: argparse.Namespace) -> None:
-    from hybridrl import data
+    from hybridrl.task import data
 
     out = Path(args.out)
     if args.source == "gsm8k":
@@ -49,13 +49,13 @@ def _data(args: argparse.Namespace) -> None:
 
 
 def _model(args: argparse.Namespace) -> None:
-    from hybridrl.models import prepare
+    from hybridrl.study.models import prepare
 
     prepare(json.loads(args.spec), Path(args.corpus), Path(args.out), Path(args.test) if args.test else None)
 
 
 def _train(args: argparse.Namespace) -> None:
-    from hybridrl.loop import run_loop
+    from hybridrl.run.loop import run_loop
 
     spec = read_run_spec(Path(args.run_config))
     model_dir, data_dir, out = Path(args.model), Path(args.data), Path(args.out)
@@ -69,7 +69,7 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from hybridrl.bench import main as bench_main
+    from hybridrl.tools.engine_bench import main as bench_main
 
     overrides = dict(kv.split("=", 1) for kv in args.set)
     bench_main(Path(args.run_config), Path(args.model), Path(args.data), Path(args.run_dir), args.step,
@@ -77,7 +77,7 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _trainer_bench(args: argparse.Namespace) -> None:
-    from hybridrl.trainers.bench import main as trainer_bench_main
+    from hybridrl.tools.trainer_bench import main as trainer_bench_main
 
     trainer_bench_main(args.shape, args.trainer, args.updates, args.device, Path(args.workdir),
                        Path(args.out) if args.out else None, micro_batch=args.micro_batch,
@@ -85,7 +85,7 @@ def _trainer_bench(args: argparse.Namespace) -> None:
 
 
 def _client_ceiling(args: argparse.Namespace) -> None:
-    from hybridrl.client_ceiling import main as ceiling_main
+    from hybridrl.engines.client_ceiling import main as ceiling_main
 
     ceiling_main(args.format, args.requests, args.tokens, args.concurrency, args.stream_fraction,
                  args.tokens_per_event, args.seconds, args.procs, Path(args.out) if args.out else None,
@@ -93,7 +93,7 @@ def _client_ceiling(args: argparse.Namespace) -> None:
 
 
 def _fault_run(args: argparse.Namespace) -> None:
-    from hybridrl.fault_run import fault_run, run_dir_of, write
+    from hybridrl.tools.fault_run import fault_run, run_dir_of, write
 
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
@@ -114,7 +114,7 @@ def _fault_run(args: argparse.Namespace) -> None:
 
 
 def _bench_parse(args: argparse.Namespace) -> None:
-    from hybridrl.answer import bench
+    from hybridrl.task.answer import bench
 
     print(f"{'case':36} {'chars':>8} {'ms':>8} {'Mchar/s':>8}")
     for name, chars, seconds in bench(args.repeats):
@@ -141,14 +141,14 @@ def _figures(args: argparse.Namespace) -> None:
 
 
 def _archive(args: argparse.Namespace) -> None:
-    from hybridrl.archive import pack
+    from hybridrl.tools.archive import pack
 
     pack(Path(args.results), [Path(p) for p in args.extra], Path(args.out), root=Path(args.root),
          run_ids=args.runs)
 
 
 def _verify(args: argparse.Namespace) -> None:
-    from hybridrl.archive import verify
+    from hybridrl.tools.archive import verify
 
     problems = verify(Path(args.archive))
     if problems:

@@ -8,9 +8,9 @@ from snakemake.settings.types import DeploymentMethod
 
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
-from hybridrl import cluster  # noqa: E402
-from hybridrl.config import ConfigError, dataset_name, resolve  # noqa: E402
-from hybridrl.prepare_study import data_params, model_spec, run_spec_json  # noqa: E402
+from hybridrl.study import cluster  # noqa: E402
+from hybridrl.study.config import ConfigError, dataset_name, resolve  # noqa: E402
+from hybridrl.study.prepare_study import data_params, model_spec, run_spec_json  # noqa: E402
 
 try:
     STUDY = resolve(config, source="config")
@@ -50,7 +50,7 @@ def run_model(wildcards) -> str:
 
 
 # --- resources, deployment and containers (SLURM: slurm/config.v8+.yaml, docs/cluster.md) ---
-# The logic is in hybridrl.cluster, where it is unit-tested; these wrappers take wildcards.
+# The logic is in hybridrl.study.cluster, where it is unit-tested; these wrappers take wildcards.
 FAKE_GPUS = os.environ.get(cluster.ENV_FAKE_GPUS) == "1"  # CI only: fake GRES, see scripts/slurm-ci-cluster.sh
 SDM_APPTAINER = DeploymentMethod.APPTAINER in workflow.deployment_settings.deployment_method
 try:
@@ -110,7 +110,7 @@ def run_prelude(wildcards) -> str:
     image = image_of(wildcards.run_id)
     if image:
         return (f"export PYTHONPATH={SRC}${{PYTHONPATH:+:$PYTHONPATH}}; "
-                f"export HYBRIDRL_IMAGE_DIGEST=$(python -m hybridrl.cluster digest {image}.json); ")
+                f"export HYBRIDRL_IMAGE_DIGEST=$(python -m hybridrl.study.cluster digest {image}.json); ")
     if DEPLOY == "venv" and run.device == "cuda":
         venv = cluster.venv_python(Path(workflow.basedir), cluster.backend(run.engine)).parent
         return f"export PATH={venv}:$PATH PYTHONPATH={SRC}${{PYTHONPATH:+:$PYTHONPATH}}; "

@@ -40,6 +40,6 @@ for _name, _run_ids in TRAIN_RULES.items():
         container:
             run_container
         shell:
-            "{params.prelude}python -m hybridrl.cluster record-job {params.out}/slurm.json"
+            "{params.prelude}python -m hybridrl.study.cluster record-job {params.out}/slurm.json"
             " && python -m hybridrl train --run-config {input.config} --model {input.model} --data {params.data}"
             " --out {params.out} --done {output.done} --no-progress 2>&1 | tee -a {log}"

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.base import Engine
-from hybridrl.run_config import RunConfig
+from hybridrl.study.run_config import RunConfig
 
 
 def make_engine(run: RunConfig, model_dir: Path, env_spec: dict[str, Any], log_dir: Path) -> Engine:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from hybridrl import nvml
-from hybridrl.run_config import RunConfig
+from hybridrl.study.run_config import RunConfig
 
 
 def visible_devices(env: dict[str, str] | None = None) -> list[str] | None:

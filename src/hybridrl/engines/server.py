@@ -20,7 +20,7 @@ import httpx
 
 from hybridrl.engines.base import Completion, EngineError, Request, SleepVariant
 from hybridrl.engines.gpus import nvml_indices
-from hybridrl.run_config import RunConfig
+from hybridrl.study.run_config import RunConfig
 
 LOG_TAIL_LINES = 40
 FATAL_GRACE_S = 30.0  # after a fatal startup line, how long the server gets to exit by itself
@@ -331,7 +331,7 @@ def engine_environ() -> dict[str, str]:
 
 def resolve_python(python: str) -> str:
     """A relative interpreter path in a config means the repository's (e.g. .venvs/vllm-cpu/bin/python)."""
-    from hybridrl.config import REPO
+    from hybridrl.study.config import REPO
 
     if "/" in python and not Path(python).is_absolute():
         return str(REPO / python)

@@ -15,7 +15,7 @@ from typing import Any
 from hybridrl.engines.base import EngineError, Request, Sampling, SleepVariant
 from hybridrl.engines.gpus import asleep_readings, awake_readings, split_engine_devices
 from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, max_model_len, model_dtype, post_json
-from hybridrl.run_config import RunConfig
+from hybridrl.study.run_config import RunConfig
 
 BASE_NAME = "base"
 # torch_memory_saver tags as SGLang names them (sglang.srt.constants.GPU_MEMORY_TYPE_*)

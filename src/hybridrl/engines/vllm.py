@@ -11,7 +11,7 @@ from typing import Any
 from hybridrl.engines.base import EngineError, Request, SleepVariant
 from hybridrl.engines.gpus import asleep_readings, awake_readings, split_engine_devices
 from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, max_model_len, model_dtype, post_json
-from hybridrl.run_config import RunConfig
+from hybridrl.study.run_config import RunConfig
 
 BASE_NAME = "base"
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.M)

@@ -22,7 +22,7 @@ from typing import Any
 from hybridrl.engines.base import Completion, EngineError, Request, Sampling, SleepVariant
 from hybridrl.engines.gpus import asleep_readings, awake_readings, nvml_indices, split_engine_devices
 from hybridrl.engines.vllm import engine_flags, multicast_off_env, reset_until_done
-from hybridrl.run_config import RunConfig
+from hybridrl.study.run_config import RunConfig
 
 CONTROL_TIMEOUT_S = 300.0
 

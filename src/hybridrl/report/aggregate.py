@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from hybridrl import record
 from hybridrl.atomic import atomic_path
-from hybridrl.run_config import split_replicate
+from hybridrl.run import record
+from hybridrl.study.run_config import split_replicate
 
 # From each run's provenance.json: which code and which GPU recorded it (comparisons across them get a caveat),
 # the share of each GPU the engine was given, which sets most of its memory, and what a colocated engine gives
@@ -27,7 +27,7 @@ CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "train_tp", "train_g
 DERIVED_STRINGS = ["config_id", "release"]
 COST = ["cost/gpus", "cost/tok_s_per_gpu", "cost/gpu_s_per_step", "cost/gpu_h_per_1k_rollouts"]
 DERIVED = [*DERIVED_STRINGS, "replicate", *COST]
-# The record's keys (hybridrl.record), then what each run's provenance adds, then what is derived from both
+# The record's keys (hybridrl.run.record), then what each run's provenance adds, then what is derived from both
 KNOWN = [*record.RECORD_KEYS, *PROVENANCE, *CONFIGURED, *DERIVED]
 STRINGS = [*record.STRINGS, *PROVENANCE, *DERIVED_STRINGS]
 BOOLS = list(record.BOOLS)

@@ -99,7 +99,7 @@ def between(study: str, name: str, column: str, lo: str, hi: str) -> str:
 def tiers(study: str, name: str, family: str) -> str:
     """The configuration's steps judged by today's tiered logprob gate for `family` (dense or moe), whatever the
     gate was when they ran: '10 pass' or '8 pass, 1 warn'; for NAME@STEP that step's gap and tier."""
-    from hybridrl.checks import GAP_LIMITS, logprob_gate
+    from hybridrl.run.checks import GAP_LIMITS, logprob_gate
 
     name, _, step = name.partition("@")
     df = _config(_table(study), name)

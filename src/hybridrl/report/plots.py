@@ -14,10 +14,10 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from hybridrl.record import PHASE_KEYS as PHASES  # noqa: E402
 from hybridrl.report.aggregate import atomic_path  # noqa: E402
 from hybridrl.report.learning import evals, with_wall_clock  # noqa: E402
 from hybridrl.report.stats import WARMUP_STEPS, run_order, steady_state  # noqa: E402
+from hybridrl.run.record import PHASE_KEYS as PHASES  # noqa: E402
 
 LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp", "release"]
 PHASE_COLORS = {

@@ -12,12 +12,12 @@ from typing import Any
 import jinja2
 import pandas as pd
 
-from hybridrl.checks import GAP_LIMITS
-from hybridrl.client_ceiling import HEADROOM
-from hybridrl.record import CHECKS, HOST, LEARNING, MEMORY, ROLLOUT, TIMING, TRAINING
+from hybridrl.engines.client_ceiling import HEADROOM
 from hybridrl.report import headline, learning, stats, trend, wording
 from hybridrl.report.aggregate import CONFIG_KEY, atomic_path, commit_label, read_provenance
 from hybridrl.report.plots import PLOTS, run_labels
+from hybridrl.run.checks import GAP_LIMITS
+from hybridrl.run.record import CHECKS, HOST, LEARNING, MEMORY, ROLLOUT, TIMING, TRAINING
 
 TEMPLATES = Path(__file__).resolve().parents[3] / "workflow" / "report"
 

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from hybridrl.report.aggregate import CONFIG_KEY
-from hybridrl.run_config import split_replicate
+from hybridrl.study.run_config import split_replicate
 
 WARMUP_STEPS = 2  # where a run recorded none: step 1 rolls out the base model, step 2 the first adapter
 N_BOOT = 5000

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridrl.run_config import RunConfig
+from hybridrl.study.run_config import RunConfig
 from hybridrl.trainers.base import Trainer
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridrl.rl import LogprobGaps, engine_logprob_tensor, policy_loss, rollout_is_weights
-from hybridrl.run_config import RunConfig
+from hybridrl.study.run_config import RunConfig
+from hybridrl.task.rl import LogprobGaps, engine_logprob_tensor, policy_loss, rollout_is_weights
 from hybridrl.trainers.base import Sample
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from hybridrl.atomic import atomic_dir
-from hybridrl.checks import model_family
-from hybridrl.rl import token_logprobs
-from hybridrl.run_config import RunConfig
+from hybridrl.run.checks import model_family
+from hybridrl.study.run_config import RunConfig
+from hybridrl.task.rl import token_logprobs
 from hybridrl.trainers import grouped_mm
 from hybridrl.trainers.base import Sample, TrainResult
 from hybridrl.trainers.flops import read_flop_shape, update_perf

@@ -13,8 +13,8 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from hybridrl import nvml
 from hybridrl.engines.gpus import nvml_indices, visible_devices
-from hybridrl.rl import token_logprobs
-from hybridrl.run_config import RunConfig
+from hybridrl.study.run_config import RunConfig
+from hybridrl.task.rl import token_logprobs
 from hybridrl.trainers.base import Sample
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import grpo_backward

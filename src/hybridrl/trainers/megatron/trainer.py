@@ -19,8 +19,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from hybridrl.record import STRINGS
-from hybridrl.run_config import RunConfig
+from hybridrl.run.record import STRINGS
+from hybridrl.study.run_config import RunConfig
 from hybridrl.trainers.base import Sample, TrainResult
 from hybridrl.trainers.megatron.spec import MegatronSetupError, check_parallel, read_spec
 from hybridrl.trainers.megatron.worker import pid_alive, write_json

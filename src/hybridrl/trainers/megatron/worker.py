@@ -118,7 +118,7 @@ def _start(cfg: dict[str, Any], rank: int) -> Any:
     warnings.filterwarnings("ignore", module=r"megatron\..*")
     import torch
 
-    from hybridrl.run_config import RunConfig
+    from hybridrl.study.run_config import RunConfig
     from hybridrl.trainers.megatron.policy import MegatronPolicy, init_parallel
 
     t0 = time.perf_counter()

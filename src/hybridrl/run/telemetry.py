@@ -18,7 +18,7 @@ from hybridrl import nvml
 from hybridrl.atomic import write_bytes
 from hybridrl.engines.base import Completion
 from hybridrl.engines.gpus import nvml_indices
-from hybridrl.record import CONTROLLER_CPU_PHASES, HOST_LOAD_PHASES, PHASES
+from hybridrl.run.record import CONTROLLER_CPU_PHASES, HOST_LOAD_PHASES, PHASES
 
 
 def host_cpu_jiffies(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:

@@ -1,7 +1,7 @@
 """Trainer throughput on one batch, Megatron against HF + PEFT, and Megatron's residual GPU memory after
 offload (what it keeps while the engine runs in colocate).
 
-    python -m hybridrl.trainers.megatron.bench WORKDIR [--tp 2] [--model DIR] [--samples 64] [--steps 3]
+    python -m hybridrl.tools.megatron_bench WORKDIR [--tp 2] [--model DIR] [--samples 64] [--steps 3]
 
 Without --model it makes a random-init Qwen3 checkpoint (about 1 B parameters, bf16) in WORKDIR. Prints one
 JSON object: per trainer the median step time over the steps after the first, completion tokens/s, and for
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybridrl.run_config import RunConfig, RunLora
+from hybridrl.study.run_config import RunConfig, RunLora
 from hybridrl.trainers.base import Sample
 
 

@@ -1,15 +1,15 @@
 """The step loop of one run: resumable, retrying, and each step a list of short named parts.
 
-    part        timed as (timing_s/*, hybridrl.record.PHASES)
+    part        timed as (timing_s/*, hybridrl.run.record.PHASES)
     rollout     prepare, gen                         the step's requests; the engine generates them
     reward      reward                               rewards, group advantages, the per-request audit file
     transition  sleep | restart, trainer_onload      the placement makes room for training
     train       update_actor, save_adapter           one GRPO step; a PEFT adapter on disk
     transition  trainer_offload, wake | restart,     the engine gets its memory back and the new adapter
                 update_weights
-    checks      check                                base canary, adapter applied, KV capacity (hybridrl.checks)
+    checks      check                                base canary, adapter applied, KV capacity (hybridrl.run.checks)
     eval        timing_s/eval, outside the step      every eval_every steps: greedy test accuracy with the new adapter
-    record      -                                    one JSON line of hybridrl.record's keys
+    record      -                                    one JSON line of hybridrl.run.record's keys
 
 An engine found dead in any of them is started again (timing_s/recover, errors/engine_restarts).
 """
@@ -31,21 +31,21 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hybridrl import atomic
-from hybridrl import data as gsm8k
-from hybridrl.barrier import StartBarrier
-from hybridrl.checks import Canary, asleep_memory_gate, gap_limits, logprob_gate, model_family
-from hybridrl.client_ceiling import client_headroom_ok, run_ceiling
 from hybridrl.engines import make_engine
 from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling, stream_flags
+from hybridrl.engines.client_ceiling import client_headroom_ok, run_ceiling
 from hybridrl.nvml import process_used_gb
-from hybridrl.overlap import AheadRollouts, InFlight, overlap_s
-from hybridrl.placement import ADAPTER_NAME, Placement, make_placement
-from hybridrl.provenance import collect
-from hybridrl.provenance import write as write_provenance
-from hybridrl.record import new_record
-from hybridrl.rl import group_advantages
-from hybridrl.run_config import RunConfig
-from hybridrl.telemetry import MemorySampler, Timings, append_record, read_records, rollout_stats
+from hybridrl.run.barrier import StartBarrier
+from hybridrl.run.checks import Canary, asleep_memory_gate, gap_limits, logprob_gate, model_family
+from hybridrl.run.overlap import AheadRollouts, InFlight, overlap_s
+from hybridrl.run.placement import ADAPTER_NAME, Placement, make_placement
+from hybridrl.run.provenance import collect
+from hybridrl.run.provenance import write as write_provenance
+from hybridrl.run.record import new_record
+from hybridrl.run.telemetry import MemorySampler, Timings, append_record, read_records, rollout_stats
+from hybridrl.study.run_config import RunConfig
+from hybridrl.task import data as gsm8k
+from hybridrl.task.rl import group_advantages
 from hybridrl.trainers import make_trainer
 from hybridrl.trainers.base import Sample, Trainer
 
@@ -422,7 +422,7 @@ def finish_share(completions: list[Completion], reason: str) -> float | None:
 
 def make_record(ctx: RunContext, step: int, t: Timings, rollout: Rollout, scored: Scored, trained: Trained,
                 checks: dict[str, Any], restarts: int) -> dict[str, Any]:
-    """record: every key of hybridrl.record (None where this step has no value), plus per-GPU readings."""
+    """record: every key of hybridrl.run.record (None where this step has no value), plus per-GPU readings."""
     run = ctx.run
     record = new_record()
     record.update({"run_id": ctx.run_id, "engine": run.engine, "placement": run.placement, "trainer": run.trainer,

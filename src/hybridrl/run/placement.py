@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from hybridrl.engines.base import Engine
-from hybridrl.telemetry import MemorySampler, Timings
+from hybridrl.run.telemetry import MemorySampler, Timings
 from hybridrl.trainers.base import Trainer
 
 ADAPTER_NAME = "policy"

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybridrl import data as gsm8k
+from hybridrl.task import data as gsm8k
 
 WARM_START_FILE = "warm_start.json"
 DEFAULTS = {"tokens": 200_000, "lr": 3e-3, "batch_size": 32, "warmup_frac": 0.05, "eval_problems": 64,
@@ -96,7 +96,7 @@ def pretrain(model: Any, tokenizer: Any, rows: list[dict[str, Any]], cfg: dict[s
 
 def greedy_accuracy(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int, device: str,
                     batch_size: int = 32) -> dict[str, Any]:
-    """Greedy completions of the problems with HF generate; the share answered right (hybridrl.data.reward) and the
+    """Greedy completions of the problems with HF generate; the share answered right (hybridrl.task.data.reward) and the
     share that stopped at EOS before max_new_tokens."""
     import torch
 

@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hybridrl import data as gsm8k
 from hybridrl.atomic import write_text
 from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling
-from hybridrl.placement import ADAPTER_NAME
-from hybridrl.run_config import RunConfig
+from hybridrl.run.placement import ADAPTER_NAME
+from hybridrl.study.run_config import RunConfig
+from hybridrl.task import data as gsm8k
 
 CANARY_QUESTION = "Ava has 12 apples. Ben gives Ava 7 more. How many apples does Ava have now?"
 CANARY_TOKENS = 16

@@ -24,7 +24,7 @@ from typing import Any
 from rich.console import Console
 
 from hybridrl import atomic
-from hybridrl.telemetry import read_records
+from hybridrl.run.telemetry import read_records
 
 console = Console(stderr=True)
 POLL_S = 0.05  # a CPU-sized step's rollout lasts about a second: the hit must land inside it

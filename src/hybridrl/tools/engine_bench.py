@@ -20,15 +20,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybridrl import data as gsm8k
 from hybridrl.atomic import write_text
 from hybridrl.engines import make_engine
 from hybridrl.engines.base import Engine, EngineError, Request, Sampling
-from hybridrl.loop import step_requests
 from hybridrl.nvml import used_gb
-from hybridrl.placement import ADAPTER_NAME
-from hybridrl.run_config import RunConfig
-from hybridrl.telemetry import read_records, rollout_stats
+from hybridrl.run.loop import step_requests
+from hybridrl.run.placement import ADAPTER_NAME
+from hybridrl.run.telemetry import read_records, rollout_stats
+from hybridrl.study.run_config import RunConfig
+from hybridrl.task import data as gsm8k
 
 
 def in_loop_throughput(run_dir: Path, step: int) -> float | None:

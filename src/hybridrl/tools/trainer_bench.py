@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridrl.run_config import RunConfig, RunLora
+from hybridrl.study.run_config import RunConfig, RunLora
 from hybridrl.trainers.base import Sample
 
 

@@ -1,4 +1,4 @@
-"""Study config: schema validation, one typed RunConfig per run (hybridrl.run_config) and its run id."""
+"""Study config: schema validation, one typed RunConfig per run (hybridrl.study.run_config) and its run id."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ import jsonschema
 import pydantic
 import yaml
 
-from hybridrl.run_config import RunConfig, RunSpec, run_id, run_schema
+from hybridrl.study.run_config import RunConfig, RunSpec, run_id, run_schema
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
 # The run part of SCHEMA sits between these lines and is written from RunConfig (`python -m hybridrl schema`)
-SCHEMA_BEGIN = "  # BEGIN run: generated from hybridrl.run_config.RunConfig by `python -m hybridrl schema`; edit that"
+SCHEMA_BEGIN = ("  # BEGIN run: generated from hybridrl.study.run_config.RunConfig by `python -m hybridrl schema`;"
+                " edit that")
 SCHEMA_END = "  # END run"
 _KEY_ORDER = ("type", "enum", "anyOf", "items", "minItems", "minimum", "exclusiveMinimum", "maximum", "pattern",
               "default", "description", "additionalProperties", "properties")

@@ -1,7 +1,7 @@
 """Megatron + LoRA against HF + PEFT on the same checkpoint, adapter and batch.
 
 Used by the CPU tests (gloo, TP = 1 and 2) and runnable on a GPU box:
-    python -m hybridrl.trainers.megatron.parity --tp 2 [--device cuda] [--archs llama,qwen3] WORKDIR
+    python -m hybridrl.tools.megatron_parity --tp 2 [--device cuda] [--archs llama,qwen3] WORKDIR
 Each side reports per-token logprobs before the update, the LoRA gradients (full tensors under PEFT names),
 the weights and logprobs after one AdamW step, and (Megatron) the exported adapter, which HF + PEFT
 reloads to reproduce the logits.
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from hybridrl.rl import policy_loss, token_logprobs
-from hybridrl.run_config import RunConfig
+from hybridrl.study.run_config import RunConfig
+from hybridrl.task.rl import policy_loss, token_logprobs
 from hybridrl.trainers.base import Sample
 from hybridrl.trainers.grpo import pad_batch
 

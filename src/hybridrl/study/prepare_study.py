@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.atomic import write_text
-from hybridrl.config import ConfigError, Study
-from hybridrl.run_config import RunConfig, RunSpec, split_replicate
+from hybridrl.study.config import ConfigError, Study
+from hybridrl.study.run_config import RunConfig, RunSpec, split_replicate
 
 # `python -m hybridrl data`'s defaults, where a study's `data` leaves a key out
 DATA_DEFAULTS: dict[str, Any] = {"n_train": 512, "n_test": 128, "seed": 0, "steps": 1}

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hybridrl.config import ConfigError
+from hybridrl.study.config import ConfigError
 
 ENV = "HYBRIDRL_START_BARRIER"
 TIMEOUT_ENV = "HYBRIDRL_START_BARRIER_TIMEOUT_S"

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.atomic import atomic_dir
-from hybridrl.data import prompt_text, read_jsonl
+from hybridrl.task.data import prompt_text, read_jsonl
 
 ARCH_CONFIGS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
@@ -59,7 +59,7 @@ def _tokenizer(spec: dict[str, Any], texts: list[str], out_dir: Path) -> tuple[A
     import transformers
 
     if spec.get("tokenizer") == "qwen":
-        from hybridrl.qwen_vocab import MODEL_VOCAB, build_qwen_tokenizer
+        from hybridrl.study.qwen_vocab import MODEL_VOCAB, build_qwen_tokenizer
 
         build_qwen_tokenizer(out_dir)
         return transformers.AutoTokenizer.from_pretrained(out_dir), MODEL_VOCAB
@@ -71,7 +71,7 @@ def _tokenizer(spec: dict[str, Any], texts: list[str], out_dir: Path) -> tuple[A
 
 def _special_ids(tokenizer: Any) -> dict[str, Any]:
     """bos/eos/pad of the model config; Qwen's stops at <|im_end|> or <|endoftext|>, as Qwen3-0.6B does."""
-    from hybridrl.qwen_vocab import EOS_IDS, PAD
+    from hybridrl.study.qwen_vocab import EOS_IDS, PAD
 
     if tokenizer.pad_token == PAD and tokenizer.eos_token_id == EOS_IDS[0]:
         return {"bos_token_id": EOS_IDS[1], "eos_token_id": tokenizer.eos_token_id,
@@ -103,7 +103,7 @@ def build_random(spec: dict[str, Any], corpus: Path, out_dir: Path, test: Path |
         model.generation_config.eos_token_id = generation_eos
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         if spec.get("warm_start") is not None:
-            from hybridrl.warm_start import warm_start
+            from hybridrl.study.warm_start import warm_start
 
             if test is None:
                 raise ValueError("a warm start needs the test split to measure its base accuracy")

@@ -132,7 +132,7 @@ class FakeEngine:
         self._sock.listen(1024)
         self.port = self._sock.getsockname()[1]
         # plain child processes that inherit the socket: no fork of a controller that may run threads
-        cmd = [sys.executable, "-c", "import sys; from hybridrl.client_ceiling import serve; "
+        cmd = [sys.executable, "-c", "import sys; from hybridrl.engines.client_ceiling import serve; "
                "serve(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))",
                str(self._sock.fileno()), self.fmt, str(self.tokens_per_event), str(self.event_interval_s)]
         self._procs = [subprocess.Popen(cmd, pass_fds=(self._sock.fileno(),), stdin=subprocess.DEVNULL)
@@ -264,7 +264,7 @@ def main(formats: list[str], requests: int, tokens: int, concurrency: int, fract
         table.add_row(*line.strip("| ").split(" | "))
     Console().print(table)
     if out is not None:
-        from hybridrl.provenance import write as write_json
+        from hybridrl.run.provenance import write as write_json
 
         write_json(out, {"cpus": os.cpu_count(), "host": platform.node(), "processor": platform.processor(),
                          "python": platform.python_version(), "loadavg_1_5_15_before": load_before,

@@ -1,5 +1,5 @@
 """GSM8K: download once with a checksum, or synthesise GSM8K-format problems offline; the reward (its answer
-parsing is hybridrl.answer)."""
+parsing is hybridrl.task.answer)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 
-# extract_answer is read from here by callers and tests; the rule lives in answer.py
-from hybridrl.answer import answer_value, format_number
-from hybridrl.answer import extract_answer as extract_answer
 from hybridrl.atomic import atomic_path, write_text
+
+# extract_answer is read from here by callers and tests; the rule lives in answer.py
+from hybridrl.task.answer import answer_value, format_number
+from hybridrl.task.answer import extract_answer as extract_answer
 
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
 # sha256 of the upstream files; a mismatch means a corrupt or changed download.

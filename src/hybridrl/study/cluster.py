@@ -1,7 +1,7 @@
 """SLURM and container glue for the Snakemake rules: a run's backend image, its job shape, the checks
 that must pass before anything is submitted, and the record of what SLURM granted each job.
 
-`python -m hybridrl.cluster record-job OUT` runs inside the job (and inside its container, where
+`python -m hybridrl.study.cluster record-job OUT` runs inside the job (and inside its container, where
 `scontrol` is absent), so the grant is read from the SLURM_* environment.
 """
 
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from hybridrl.atomic import write_text
 
 if TYPE_CHECKING:  # only a type here: this glue also runs inside images, before any run
-    from hybridrl.run_config import RunConfig
+    from hybridrl.study.run_config import RunConfig
 
 # One image per serving stack: the in-process vLLM baseline runs in the vLLM image.
 BACKENDS = {"sglang": "sglang", "vllm": "vllm", "vllm-inprocess": "vllm"}
@@ -335,7 +335,7 @@ def record_job(out: Path, environ: MutableMapping[str, str]) -> dict[str, Any] |
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hybridrl.cluster", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m hybridrl.study.cluster", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("record-job", help="append the SLURM grant of this job to a JSON file (no-op outside SLURM)")
     s.add_argument("out", type=Path)

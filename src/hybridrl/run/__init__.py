@@ -1,0 +1,1 @@
+"""One run's driver: the loop, the placements, the gates and the record."""

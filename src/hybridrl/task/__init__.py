@@ -1,0 +1,1 @@
+"""The task: GSM8K data, answer extraction and reward, GRPO advantages."""

@@ -19,36 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.study.run_config import RunConfig, RunLora
+from hybridrl.tools.trainer_bench import Shape, fixed_batch, random_model
 from hybridrl.trainers.base import Sample
 
-
-def random_qwen3(path: Path, vocab: int = 32768) -> Path:
-    """Random Qwen3 (hidden 2048, 24 layers, 16 heads, 8 kv heads) with a word-level tokenizer."""
-    import torch
-    from tokenizers import Tokenizer, models
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
-
-    if (path / "config.json").exists():
-        return path
-    cfg = Qwen3Config(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=8,
-                      head_dim=128, intermediate_size=6144, vocab_size=vocab, max_position_embeddings=4096,
-                      tie_word_embeddings=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1").save_pretrained(path)
-    return path
-
-
-def batch(vocab: int, n: int, prompt: int, completion: int, seed: int = 0) -> list[Sample]:
-    import random
-
-    rng = random.Random(seed)
-    return [Sample(prompt_ids=[rng.randrange(2, vocab) for _ in range(prompt)],
-                   completion_ids=[rng.randrange(2, vocab) for _ in range(completion)],
-                   engine_logprobs=[-1.0] * completion, advantage=rng.gauss(0, 1)) for _ in range(n)]
+# a random Qwen3 of about 1 B parameters (hidden 2048, 24 layers, 16 heads, 8 kv heads); the batch comes from `main`
+QWEN3_1B = Shape("qwen3", dict(
+    vocab_size=32768, hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=8,
+    head_dim=128, intermediate_size=6144, max_position_embeddings=4096, tie_word_embeddings=True),
+    samples=64, prompt=128, completion=256)
 
 
 def _time_steps(trainer: Any, samples: list[Sample], steps: int, out: Path) -> dict[str, float]:
@@ -82,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    model = args.model or random_qwen3(args.workdir / "model")
+    model = args.model or random_model(args.workdir / "model", QWEN3_1B, "bfloat16")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    samples = batch(vocab, args.samples, args.prompt, args.completion)
+    samples = fixed_batch(vocab, args.samples, args.prompt, args.completion)
     run = RunConfig(model="bench", lora=RunLora(rank=8, alpha=16.0, dropout=0.0), lr=1e-5, weight_decay=0.0,
                     clip_eps=0.2, kl_coef=0.0, grad_clip=1.0, seed=0, train_tp=args.tp, device="cuda",
                     micro_batch=args.micro_batch)

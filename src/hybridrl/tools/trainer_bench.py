@@ -15,12 +15,12 @@ import json
 import math
 import random
 import statistics
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridrl.run.telemetry import MemorySampler
 from hybridrl.study.run_config import RunConfig, RunLora
 from hybridrl.trainers.base import Sample
 
@@ -93,36 +93,26 @@ def fixed_batch(vocab: int, n: int, prompt: int, completion: int, seed: int = 0)
 
 
 class PeakMemory:
-    """Highest NVML reading of used GPU memory (GB) while active; torch's peak where NVML sees no GPU."""
+    """Highest NVML reading of used GPU memory (GB) while active, from the run's own sampler (this process's
+    GPUs, 50 Hz); torch's peak where NVML sees no GPU."""
 
     def __init__(self, device: str) -> None:
         self.device, self.peak_gb = device, None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._sampler: MemorySampler | None = None
 
     def __enter__(self) -> PeakMemory:
         if self.device == "cuda":
             import torch
 
             torch.cuda.reset_peak_memory_stats()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
+            self._sampler = MemorySampler().start()
         return self
 
-    def _sample(self) -> None:
-        from hybridrl import nvml
-
-        while not self._stop.is_set():
-            used = nvml.used_gb()
-            if used is not None:
-                self.peak_gb = max(self.peak_gb or 0.0, used)
-            self._stop.wait(0.05)
-
     def __exit__(self, *exc: object) -> None:
-        if self._thread is None:
+        if self._sampler is None:
             return
-        self._stop.set()
-        self._thread.join()
+        self.peak_gb = self._sampler.take().get("mem/peak_gb")
+        self._sampler.close()
         if self.peak_gb is None:
             import torch
 

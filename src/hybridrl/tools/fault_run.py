@@ -52,25 +52,24 @@ class FaultReport:
 
 def _children(pid: int) -> dict[int, int]:
     """{descendant pid: its process group} of pid, from /proc."""
-    parent: dict[int, int] = {}
+    kids: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 stat = Path(f"/proc/{entry}/stat").read_text()
             except OSError:
                 continue
-            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-            parent[int(entry)] = int(fields[1])
-    found, frontier = {}, [pid]
+            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp
+            kids.setdefault(int(fields[1]), []).append(int(entry))
+    found: dict[int, int] = {}
+    frontier = [pid]
     while frontier:
-        p = frontier.pop()
-        for child, ppid in parent.items():
-            if ppid == p and child not in found:
-                try:
-                    found[child] = os.getpgid(child)
-                except ProcessLookupError:
-                    continue
-                frontier.append(child)
+        for child in kids.get(frontier.pop(), []):
+            try:
+                found[child] = os.getpgid(child)
+            except ProcessLookupError:
+                continue
+            frontier.append(child)
     return found
 
 
@@ -103,7 +102,8 @@ def _kill_engine(proc: subprocess.Popen, report: FaultReport) -> None:
     """SIGKILL every process group the run started (its engine server), not the run's own group: the
     run must notice its engine died. A child in the run's own group is killed alone."""
     own = os.getpgid(proc.pid)
-    groups = {pgid for pgid in _children(proc.pid).values() if pgid != own}
+    children = _children(proc.pid)
+    groups = {pgid for pgid in children.values() if pgid != own}
     for pgid in groups:
         try:
             os.killpg(pgid, signal.SIGKILL)
@@ -111,7 +111,7 @@ def _kill_engine(proc: subprocess.Popen, report: FaultReport) -> None:
         except ProcessLookupError:
             pass
     if not groups:
-        for pid, pgid in _children(proc.pid).items():
+        for pid, pgid in children.items():
             if pgid == own:
                 os.kill(pid, signal.SIGKILL)
                 report.engine_killed.append(pid)
@@ -124,10 +124,11 @@ def _one_start(cmd: list[str], run_dir: Path, report: FaultReport, seen: set[int
         while proc.poll() is None:
             seen.update(_children(proc.pid))
             where = _phase(run_dir)
-            if where and report.kill_engine_at == where[0] and where[1] == "gen" and not report.engine_killed:
+            if where and report.kill_engine_at == where[0] and where[1] == "gen" and report.killed_in is None:
                 _kill_engine(proc, report)
                 report.killed_in = f"step {where[0]} {where[1]}"
-                console.print(f"[yellow]fault-run: SIGKILL to the engine in {report.killed_in}")
+                hit = report.engine_killed or "no engine"
+                console.print(f"[yellow]fault-run: SIGKILL to {hit} in {report.killed_in}")
             if where and report.term_at == where[0] and where[1] == "update_actor" and report.termed_in is None:
                 report.termed_in = f"step {where[0]} {where[1]}"
                 console.print(f"[yellow]fault-run: SIGTERM to the run in {report.termed_in}")

@@ -85,6 +85,12 @@ controller_path() {
   echo "$p"
 }
 
+# run_of CFG: the run's id and its model folder, from its config file (cfg/<name>.json)
+run_of() {
+  python3 -c "import json,sys;c=json.load(open(sys.argv[1]));print(c['run_id'], sys.argv[2] + '/models/' + c['run']['model'])" \
+    "$1" "$ref"
+}
+
 # train NAME [GPU]: one run; GPU empty = every GPU visible (split)
 train() {
   local name=$1 gpu=${2:-} cfg="$ref/cfg/$1.json" rid model out pp
@@ -93,8 +99,7 @@ train() {
     [ -z "${HYBRIDRL_START_BARRIER:-}" ] || say "  meets the others at the start barrier $HYBRIDRL_START_BARRIER"
     return 0
   fi
-  rid=$(python3 -c "import json;print(json.load(open('$cfg'))['run_id'])")
-  model="$ref/models/$(python3 -c "import json;print(json.load(open('$cfg'))['run']['model'])")"
+  read -r rid model < <(run_of "$cfg")
   out="$ref/runs/$rid"
   # a rerun of the study resumes
   [ -f "$out/done.json" ] && { say "train $name already done"; barrier_release "$rid"; return 0; }
@@ -116,8 +121,7 @@ fault() {
   local name=$1 gpu=$2 kill_at=$3 term_at=$4 cfg="$ref/cfg/$1.json" rid model out
   [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: fault $name on GPU $gpu: engine kill in step $kill_at, SIGTERM in step $term_at"; return 0; }
   [ -f "$ref/bench/fault-$name.json" ] && { say "fault $name already done"; return 0; }
-  rid=$(python3 -c "import json;print(json.load(open('$cfg'))['run_id'])")
-  model="$ref/models/$(python3 -c "import json;print(json.load(open('$cfg'))['run']['model'])")"
+  read -r rid model < <(run_of "$cfg")
   out="$ref/runs/$rid"
   mkdir -p "$out" "$ref/bench" && cp "$cfg" "$out/config.json"
   say "fault $name ($rid) on GPU $gpu"
@@ -146,8 +150,7 @@ bench() {
   local name=$1 gpu=$2 step=$3 cfg="$ref/cfg/$1.json" rid model pp
   [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: bench $name step $step on GPU $gpu ${*:4}"; return 0; }
   shift 3
-  rid=$(python3 -c "import json;print(json.load(open('$cfg'))['run_id'])")
-  model="$ref/models/$(python3 -c "import json;print(json.load(open('$cfg'))['run']['model'])")"
+  read -r rid model < <(run_of "$cfg")
   [ -f "$ref/bench/$name.json" ] && { say "bench $name already done"; return 0; }
   pp=$(controller_path "$name")
   say "bench $name step $step on GPU $gpu $*"

@@ -48,3 +48,15 @@ def test_a_json_figure_is_read_from_the_committed_result_and_a_wrong_one_fails()
     assert text == "9.99" and want != "9.99"
     with pytest.raises(ValueError, match="no field 'hf.nope'"):
         figures.evaluate(f"value {path} hf.nope")
+
+
+def test_the_cli_answers_a_figure_that_names_a_missing_field_in_one_line(tmp_path, capsys) -> None:
+    from hybridrl.cli import main
+
+    doc = tmp_path / "README.md"
+    doc.write_text("<!--fig value results/reference/2026-11-23-h200-trainer/trainer-qwen3-0.6b-mb8.json "
+                   "hf.nope-->1<!--/fig-->\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["figures", str(doc)])
+    assert str(exc.value) == ("hybridrl figures: results/reference/2026-11-23-h200-trainer/"
+                              "trainer-qwen3-0.6b-mb8.json has no field 'hf.nope'")

@@ -136,7 +136,11 @@ def _report(args: argparse.Namespace) -> None:
 def _figures(args: argparse.Namespace) -> None:
     from hybridrl.report.figures import main as figures_main
 
-    if figures_main([Path(f) for f in args.files], args.fix):
+    try:
+        bad = figures_main([Path(f) for f in args.files], args.fix)
+    except (ValueError, KeyError, OSError) as exc:  # a figure naming a missing file, run, column or field
+        raise SystemExit(f"hybridrl figures: {exc}") from None
+    if bad:
         raise SystemExit(1)
 
 

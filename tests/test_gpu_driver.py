@@ -196,13 +196,14 @@ def test_a_run_already_done_releases_the_start_barrier(root: Path, tmp_path: Pat
     assert [p.name for p in (tmp_path / "b").iterdir()] == ["rid.gone"]
 
 
-def test_client_plan_measures_the_ceiling_then_each_engine_new_path_bench_then_old(root: Path) -> None:
+def test_client_plan_measures_the_ceiling_then_the_http_engines_new_and_old_then_in_process(root: Path) -> None:
     assert _one_lane_plan(root, "gpu-h200-client", "client") == [
         "client ceiling",
         "train sglang-new on GPU 0", "bench sglang-new step 3 on GPU 0",
         "train vllm-new on GPU 0", "bench vllm-new step 3 on GPU 0",
+        "train sglang-old on GPU 0", "train vllm-old on GPU 0",
         "train vllm-inprocess-new on GPU 0", "bench vllm-inprocess-new step 3 on GPU 0",
-        "train sglang-old on GPU 0", "train vllm-old on GPU 0", "train vllm-inprocess-old on GPU 0"]
+        "train vllm-inprocess-old on GPU 0"]
 
 
 def test_soak_plan_runs_each_engine_for_fifty_steps_one_after_another(root: Path) -> None:

@@ -261,13 +261,14 @@ plan_moe4full() {
 }
 
 plan_client() {
-  # issue 20 on one GPU: the client's ceiling on this host, then per engine the new-path colocate run and the
-  # benchmark of raw, new, stream-everything and old paths on its step 3, then the old-path runs
+  # issue 20 on one GPU: the client's ceiling on this host, then per HTTP engine the new-path colocate run and
+  # the benchmark of raw, new, stream-everything and old paths on its step 3, then their old-path runs (the
+  # HTTP client is what the issue measures, so a lease that ends early keeps those pairs), then in-process vLLM
   study=config/gpu-h200-client.yaml
   gpus=1
   export HYBRIDRL_BENCH_REPEATS=5
   phases=(p1)
-  p1=("0|ceiling;train sglang-new;bench sglang-new 3;train vllm-new;bench vllm-new 3;train vllm-inprocess-new;bench vllm-inprocess-new 3;train sglang-old;train vllm-old;train vllm-inprocess-old")
+  p1=("0|ceiling;train sglang-new;bench sglang-new 3;train vllm-new;bench vllm-new 3;train sglang-old;train vllm-old;train vllm-inprocess-new;bench vllm-inprocess-new 3;train vllm-inprocess-old")
 }
 
 plan_soak() {

@@ -526,3 +526,57 @@ def test_every_phase_of_a_step_has_a_colour_in_the_breakdown() -> None:
     from hybridrl.run.record import PHASE_KEYS
 
     assert set(PHASE_KEYS) <= set(PHASE_COLORS), sorted(set(PHASE_KEYS) - set(PHASE_COLORS))
+
+
+# -- rollout client paths (issue 20) ---------------------------------------------------------------------
+
+def client_run(run_id: str, engine: str, stream_fraction: float | None, shared_pool: bool | None,
+               speed: float = 1.0) -> pd.DataFrame:
+    run = headline_run(run_id, engine, trainer="hf", speed=speed)
+    run["stream_fraction"], run["shared_pool"] = stream_fraction, shared_pool
+    run["host/controller_cpu_pct_gen"] = 80.0 if shared_pool else 40.0
+    return run
+
+
+def test_rollout_client_names_the_path_and_older_runs_have_none() -> None:
+    from hybridrl.report.aggregate import rollout_client
+
+    assert rollout_client("sglang", 1.0, True) == "every request streamed, one shared pool"
+    assert rollout_client("vllm", 0.125, False) == "0.125 streamed, a connection per slot"
+    assert rollout_client("vllm", 0.0, "False") == "none streamed, a connection per slot"  # as CSV reads it
+    assert rollout_client("vllm-inprocess", 1.0, False) == "every request streamed"  # no HTTP pool
+    assert rollout_client("sglang", None, None) is None  # recorded before the choice existed
+
+
+def test_headline_never_pairs_engines_measured_through_different_clients() -> None:
+    from hybridrl.report.headline import headlines
+
+    df = headline_study(client_run("sglang-new-aaaa", "sglang", 0.125, False, speed=2.0),
+                        client_run("sglang-old-bbbb", "sglang", 1.0, True),
+                        client_run("vllm-new-cccc", "vllm", 0.125, False),
+                        client_run("vllm-old-dddd", "vllm", 1.0, True))
+    pairs = {(h.sglang_run, h.vllm_run) for h in headlines(df)}
+    assert pairs == {("sglang-new-aaaa", "vllm-new-cccc"), ("sglang-old-bbbb", "vllm-old-dddd")}
+
+
+def test_client_paths_compare_one_engine_through_two_clients_lighter_over_heavier() -> None:
+    from hybridrl.report.client_paths import pairs
+    from hybridrl.report.plots import run_labels
+    from hybridrl.report.render import client_paths_table
+
+    df = headline_study(client_run("sglang-old-bbbb", "sglang", 1.0, True),
+                        client_run("sglang-new-aaaa", "sglang", 0.125, False, speed=2.0),
+                        client_run("vllm-new-cccc", "vllm", 0.125, False))  # another engine: no pair
+    [p] = pairs(df)
+    assert (p.baseline[-1], p.other[-1]) == ("sglang-old-bbbb", "sglang-new-aaaa")
+    tput, gen = p.ratios
+    assert tput.contains(2.0) and tput.lo > 1 and gen.hi < 1  # the new path let twice the tokens through
+    assert p.cpu == (80.0, 40.0)
+    table = client_paths_table(df, run_labels(df))
+    assert [row[1].text for row in table.rows] == ["0.125 streamed, a connection per slot"]
+    # the same client on both sides, or another seed (other request sets), is no client comparison
+    same = headline_study(client_run("sglang-a-aaaa", "sglang", 1.0, True),
+                          client_run("sglang-b-bbbb", "sglang", 1.0, True))
+    assert pairs(same) == [] and client_paths_table(same, run_labels(same)) is None
+    reseeded = client_run("sglang-new-aaaa", "sglang", 0.125, False).assign(seed=1)
+    assert pairs(headline_study(client_run("sglang-old-bbbb", "sglang", 1.0, True), reseeded)) == []

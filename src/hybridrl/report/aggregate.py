@@ -19,12 +19,13 @@ from hybridrl.study.run_config import split_replicate
 # the share of each GPU the engine was given, which sets most of its memory, and what a colocated engine gives
 # back while the trainer runs (SGLang: kv_cache keeps the weights resident; vLLM level 1 moves them to CPU)
 PROVENANCE = ["git_commit", "gpu", "sglang_release", "device"]
-# the GPUs a run held (train_tp, train_gpus), its rollouts per step and its warm-up come from its run config too
+# the GPUs a run held (train_tp, train_gpus), its rollouts per step, its warm-up and its rollout client (which
+# requests are streamed, through which pool) come from its run config too
 CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "train_tp", "train_gpus", "prompts_per_step",
-              "group_size", "warmup_steps"]
+              "group_size", "warmup_steps", "stream_fraction", "shared_pool"]
 # Made here from the columns above: which configuration a replicate belongs to, what a colocated engine
-# releases on sleep (the arm), and cost per GPU (cost_columns)
-DERIVED_STRINGS = ["config_id", "release"]
+# releases on sleep (the arm), which rollout client it went through, and cost per GPU (cost_columns)
+DERIVED_STRINGS = ["config_id", "release", "client"]
 COST = ["cost/gpus", "cost/tok_s_per_gpu", "cost/gpu_s_per_step", "cost/gpu_h_per_1k_rollouts"]
 DERIVED = [*DERIVED_STRINGS, "replicate", *COST]
 # The record's keys (hybridrl.run.record), then what each run's provenance adds, then what is derived from both
@@ -34,7 +35,7 @@ BOOLS = list(record.BOOLS)
 NUMBERS = [c for c in KNOWN if c not in STRINGS and c not in BOOLS]
 # Two rows compare as the same configuration when these match; config_id keeps seeds and parameters apart
 # and joins a configuration's replicates (run ids <config_id>, <config_id>-r2, ...).
-CONFIG_KEY = ["engine", "placement", "trainer", "model", "tp", "release", "config_id"]
+CONFIG_KEY = ["engine", "placement", "trainer", "model", "tp", "release", "client", "config_id"]
 
 
 def read_steps(path: Path) -> list[dict[str, Any]]:
@@ -109,6 +110,20 @@ def release_arm(engine: Any, placement: Any, sglang_release: Any, vllm_sleep_lev
     return None
 
 
+def rollout_client(engine: Any, stream_fraction: Any, shared_pool: Any) -> str | None:
+    """Which rollout path a run took (issue 20): the share of requests streamed token by token and, for an HTTP
+    engine, whether they share one connection pool (the old client) or get a connection per concurrency slot.
+    None for runs recorded before the choice existed; those streamed every request through one shared pool."""
+    if _missing(stream_fraction):
+        return None
+    share = float(stream_fraction)
+    streamed = "every request streamed" if share >= 1 else "none streamed" if share <= 0 else f"{share:g} streamed"
+    if str(engine) == "vllm-inprocess":  # no HTTP client: nothing to pool
+        return streamed
+    pool = "one shared pool" if _to_bool(shared_pool) is True else "a connection per slot"
+    return f"{streamed}, {pool}"
+
+
 def run_gpus(row: pd.Series) -> float:
     """GPUs a run held: colocate and restart share the engine's TP GPUs with the trainer (Megatron may span
     more); split adds the trainer's own GPUs (engines/gpus.py: split_engine_devices). NaN on CPU runs."""
@@ -135,6 +150,8 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     df["replicate"] = split.map(lambda t: t[1])
     df["release"] = [release_arm(*r) for r in
                      df[["engine", "placement", "sglang_release", "vllm_sleep_level"]].itertuples(index=False)]
+    df["client"] = [rollout_client(*r) for r in
+                    df[["engine", "stream_fraction", "shared_pool"]].itertuples(index=False)]
     gpus = df.apply(run_gpus, axis=1) if len(df) else pd.Series(dtype=float)
     step = pd.to_numeric(df["timing_s/step"], errors="coerce")
     rollouts = pd.to_numeric(df["prompts_per_step"], errors="coerce") * pd.to_numeric(df["group_size"], errors="coerce")

@@ -19,8 +19,9 @@ from hybridrl.report import stats
 SGLANG = "sglang"
 VLLM_VARIANTS = {"vllm": "vLLM server", "vllm-inprocess": "vLLM in-process"}
 PLACEMENTS = ("colocate", "split", "restart")
-# Two runs are compared only where these match; the request set depends on the seed.
-PAIR_KEY = ("trainer", "model", "tp", "seed")
+# Two runs are compared only where these match; the request set depends on the seed, and the rollout client
+# sets how much of an engine's throughput the controller can take in (issue 20)
+PAIR_KEY = ("trainer", "model", "tp", "seed", "client")
 APART_S = 3600.0  # two runs' first steps further apart than this get a caveat
 DIRECTIONS = {"x": "SGLang / vLLM", "inv": "vLLM / SGLang", "pct": "SGLang vs vLLM"}
 

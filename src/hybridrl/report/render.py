@@ -13,7 +13,7 @@ import jinja2
 import pandas as pd
 
 from hybridrl.engines.client_ceiling import HEADROOM
-from hybridrl.report import headline, learning, stats, trend, wording
+from hybridrl.report import client_paths, headline, learning, stats, trend, wording
 from hybridrl.report.aggregate import CONFIG_KEY, atomic_path, commit_label, read_provenance
 from hybridrl.report.plots import PLOTS, run_labels
 from hybridrl.run.checks import GAP_LIMITS
@@ -353,6 +353,25 @@ def client_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     return table
 
 
+def client_paths_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
+    """One engine through two rollout clients: the lighter path over the one that streams more, with intervals."""
+    found = client_paths.pairs(df)
+    if not found:
+        return None
+    table = Table(["configuration", "client", "vs (streams more)", "its client",
+                   *(f"{h} ratio [95% CI]" for _, h in client_paths.METRICS),
+                   "controller CPU in rollout, % (it / vs)", "runs × steps (it / vs)"])
+    at = CONFIG_KEY.index("client")
+    steady = stats.steady_state(df)
+    for p in found:
+        a, b = stats.select(steady, p.other), stats.select(steady, p.baseline)
+        table.rows.append([Cell(labels[p.other[-1]]), Cell(_field(p.other[at])), Cell(labels[p.baseline[-1]]),
+                           Cell(_field(p.baseline[at])), *(Cell(fmt_est(r), "num") for r in p.ratios),
+                           Cell(f"{fmt(p.cpu[1])} / {fmt(p.cpu[0])}", "num"),
+                           Cell(f"{stats.n_runs(a)} × {len(a)} / {stats.n_runs(b)} × {len(b)}", "num")])
+    return table
+
+
 def gap_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
     """Per run: the trainer-vs-engine logprob gap at step 1 (identical weights: the numeric noise floor), its
     tiers over the run, and its drift over the steps after the first."""
@@ -471,7 +490,10 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
     heads = headline_tables(df)
     moves = transitions(df, by_config)
     n_ratio = (len(ratios[1].rows) * (len(ratios[1].headers) - 3)) if ratios else 0
-    n_comparisons = sum(h["n_comparisons"] for h in heads) + (moves["n_comparisons"] if moves else 0) + n_ratio
+    paths = client_paths_table(df, by_config)
+    n_paths = len(paths.rows) * len(client_paths.METRICS) if paths else 0
+    n_comparisons = (sum(h["n_comparisons"] for h in heads) + (moves["n_comparisons"] if moves else 0) + n_ratio
+                     + n_paths)
     return {
         "summary": summary(df, title),
         "runs": [{"label": labels[r], "run_id": r} for r in stats.run_order(df)],
@@ -485,6 +507,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "correctness": correctness_table(df, labels),
         "accuracy": accuracy_table(df, labels),
         "client": client_table(df, labels),
+        "client_paths": paths,
         "memory_trend": memory_trend_table(df, labels),
         "gap": gap_table(df, labels),
         "gap_warn": ", ".join(f"{w:g} {fam}" for fam, (w, _) in GAP_LIMITS.items()),

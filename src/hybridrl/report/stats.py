@@ -153,12 +153,12 @@ def steady_state(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def with_ids(df: pd.DataFrame) -> pd.DataFrame:
-    """The frame with config_id, replicate and release, for frames built without aggregate.normalise."""
-    if {"config_id", "replicate", "release"} <= set(df.columns):
+    """The frame with config_id, replicate, release and client, for frames built without aggregate.normalise."""
+    if {"config_id", "replicate", "release", "client"} <= set(df.columns):
         return df
     split = df["run_id"].astype(str).map(split_replicate)
     return df.assign(config_id=split.map(lambda t: t[0]), replicate=split.map(lambda t: t[1]),
-                     **({} if "release" in df.columns else {"release": None}))
+                     **{k: None for k in ("release", "client") if k not in df.columns})
 
 
 def configs(df: pd.DataFrame) -> list[tuple]:

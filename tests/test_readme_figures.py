@@ -24,7 +24,7 @@ def test_readme_conclusions_follow_the_wording_rules(readme: Path) -> None:
 def test_the_reference_readmes_quote_figures_from_data() -> None:
     marked = {p.relative_to(REPO).as_posix(): len(figures.MARK.findall(p.read_text())) for p in READMES}
     assert marked["README.md"] >= 20
-    for name in ("2026-11-22-h200", "2026-11-22-4xh200-moe", "2026-11-23-2xh200-moe-full"):
+    for name in ("2026-11-22-h200", "2026-11-22-4xh200-moe", "2026-11-23-2xh200-moe-full", "2026-11-23-h200-client"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
 
 
@@ -50,6 +50,16 @@ def test_a_json_figure_is_read_from_the_committed_result_and_a_wrong_one_fails()
         figures.evaluate(f"value {path} hf.nope")
 
 
+def test_a_json_figure_indexes_a_list_by_number_and_refuses_one_past_its_end() -> None:
+    path = "results/reference/2026-11-23-h200-client/bench/client-ceiling.json"
+    import json
+
+    settings = json.loads((figures.REPO / path).read_text())["settings"]
+    assert figures.evaluate(f"value {path} settings.0.concurrency 1 0") == f"{settings[0]['concurrency']:,}"
+    with pytest.raises(ValueError, match="no field"):
+        figures.evaluate(f"value {path} settings.{len(settings)}.concurrency")
+
+
 def test_the_cli_answers_a_figure_that_names_a_missing_field_in_one_line(tmp_path, capsys) -> None:
     from hybridrl.cli import main
 
@@ -60,3 +70,14 @@ def test_the_cli_answers_a_figure_that_names_a_missing_field_in_one_line(tmp_pat
         main(["figures", str(doc)])
     assert str(exc.value) == ("hybridrl figures: results/reference/2026-11-23-h200-trainer/"
                               "trainer-qwen3-0.6b-mb8.json has no field 'hf.nope'")
+
+
+def test_a_bench_figure_spans_one_paths_repeats_and_names_a_path_it_lacks() -> None:
+    path = "results/reference/2026-11-23-h200-client/bench/vllm-inprocess-new.json"
+    import json
+
+    rows = json.loads((figures.REPO / path).read_text())["repeats"]
+    cpu = [r["controller_cpu_pct"] for r in rows if r["path"] == "raw"]
+    assert figures.evaluate(f"repeats {path} raw controller_cpu_pct 1") == f"{min(cpu):.0f}–{max(cpu):.0f}"
+    with pytest.raises(ValueError, match="no repeats of path 'old_client'"):  # in process: no HTTP client
+        figures.evaluate(f"repeats {path} old_client perf/throughput")

@@ -113,20 +113,38 @@ def tiers(study: str, name: str, family: str) -> str:
 
 def value(path: str, field: str, scale: str = "1", digits: str = "2") -> str:
     """One field of a committed JSON result (benchmarks write JSON, not steps.csv), dotted for nesting
-    (hf.update_s_median), times scale, with `digits` decimals and thousands separators."""
+    (hf.update_s_median; a number indexes a list: settings.4.ceiling_tok_s), times scale, with `digits`
+    decimals and thousands separators."""
     import json
 
     x: object = json.loads((REPO / path).read_text())
     for key in field.split("."):
-        if not isinstance(x, dict) or key not in x:
+        if isinstance(x, list) and key.isdigit() and int(key) < len(x):
+            x = x[int(key)]
+        elif isinstance(x, dict) and key in x:
+            x = x[key]
+        else:
             raise ValueError(f"{path} has no field {field!r}")
-        x = x[key]
     return f"{float(x) * float(scale):,.{int(digits)}f}"
+
+
+def repeats(path: str, which: str, field: str, unit: str = "k") -> str:
+    """min–max of one field over a bench JSON's repeats of one path (raw, client, stream_all, old_client):
+    in thousands ('12.3k–15.0k', unit k) or whole numbers (unit 1)."""
+    import json
+
+    rows = json.loads((REPO / path).read_text()).get("repeats") or []
+    values = [float(r[field]) for r in rows if r.get("path") == which and r.get(field) is not None]
+    if not values:
+        raise ValueError(f"{path} has no repeats of path {which!r} with {field!r}")
+    lo, hi = min(values), max(values)
+    return f"{lo / 1000:.1f}k–{hi / 1000:.1f}k" if unit == "k" else f"{lo:.0f}–{hi:.0f}"
 
 
 FIGURES: dict[str, Callable[..., str]] = {
     "median": median, "interval": interval, "ratio": ratio, "change": change, "steps": steady_steps,
     "records": records, "span": span, "between": between, "tiers": tiers, "value": value,
+    "repeats": repeats,
 }
 
 

@@ -193,9 +193,9 @@ def test_bench_measures_every_path_on_one_engine_start(tmp_path, monkeypatch):
                                  tmp_path / "run", step=1, repeats=2, log_dir=tmp_path / "logs")
     assert starts == [None]  # one engine start for every pass; step 1 rolls out the base model
     assert [(r["repeat"], r["path"]) for r in result["repeats"]] == [
-        (0, "raw"), (0, "client"), (0, "stream_all"), (0, "old_client"),
-        (1, "client"), (1, "stream_all"), (1, "old_client"), (1, "raw")]  # the order rotates
+        (0, "raw"), (0, "client"), (0, "whole"), (0, "stream_all"), (0, "old_client"),
+        (1, "client"), (1, "whole"), (1, "stream_all"), (1, "old_client"), (1, "raw")]  # the order rotates
     streamed = {r["path"]: r["perf/streamed_requests"] for r in result["repeats"]}
-    assert streamed == {"raw": 0, "client": 2, "stream_all": 8, "old_client": 8}
+    assert streamed == {"raw": 0, "client": 2, "whole": 0, "stream_all": 8, "old_client": 8}
     assert all(r["perf/gen_tokens"] == 8 * 5 and r["errors/requests_failed"] == 0 for r in result["repeats"])
     assert result["over_raw"]["raw"] == 1.0 and result["in_loop_over_raw"] is None  # no run recorded here

@@ -2,10 +2,12 @@
 
 Same prompts, seeds, sampling and max tokens as the run's step N (they depend only on the run config and
 the step), the same engine flags, and the adapter the run used at that step. Nothing else runs beside the
-engine: no trainer, no sleep/wake, no checks. Each repeat measures three paths in turn (PATHS): the raw
-one, which bypasses the rollout client (`Engine.generate_raw`), the run's own rollout client, and the same
-client streaming every request (the path before 2026-11-23). The in-loop rollout of a run should reach at
-least 95% of the raw throughput.
+engine: no trainer, no sleep/wake, no checks. Each repeat measures the paths of PATHS in turn: `raw`, which
+bypasses the rollout client (`Engine.generate_raw`); `client`, the run's own rollout client with its share of
+streamed requests; `whole`, the same client with nothing streamed (so `client` against `whole` is the price of
+the streamed share, `whole` against `raw` the client's own); `stream_all`, the client streaming every request;
+and `old_client`, every request streamed through one shared pool (the path before 2026-11-23). The in-loop
+rollout of a run should reach at least 95% of the raw throughput.
 
     python -m hybridrl bench --run-config results/runs/R/config.json --model M --data D \\
         --run-dir results/runs/R --step 3 --repeats 3 --out bench.json
@@ -80,19 +82,20 @@ def probe_engine(engine: Engine, prompt: list[int], adapter: Path | None) -> dic
 # raw (no rollout client), the run's own client and mix of streamed requests, the same client streaming every
 # request, and the client every committed result before 2026-11-23 went through (one shared connection pool,
 # every request streamed; server engines only)
-PATHS = ("raw", "client", "stream_all", "old_client")
+PATHS = ("raw", "client", "whole", "stream_all", "old_client")
 
 
 def _one_pass(engine: Engine, requests: list[Request], path: str) -> tuple[list[Any], float]:
     engine.flush_cache()  # as in the loop after an adapter load: no prefix hits from the last pass
     streamed = [dataclasses.replace(r, stream=True) for r in requests]
+    whole = [dataclasses.replace(r, stream=False) for r in requests]
     t0 = time.perf_counter()
     if path == "raw":
         completions = engine.generate_raw(requests)
     elif path == "old_client":
         completions = engine.generate(streamed, shared_pool=True)
     else:
-        completions = engine.generate(streamed if path == "stream_all" else requests)
+        completions = engine.generate({"stream_all": streamed, "whole": whole}.get(path, requests))
     return completions, time.perf_counter() - t0
 
 

@@ -388,9 +388,11 @@ run_plans() {  # run_plans PLAN...: one after the other; studies not yet set up 
 
 # With HYBRIDRL_ENVS_READY=FILE, `start` may come before the engine overlays are installed: the studies are
 # prepared (the 48-layer model takes minutes) while the overlays travel, and the runs wait for FILE, which the
-# lease's last transfer call touches after `gpu-env install`; HYBRIDRL_ENVS_WAIT_S (default 1200) at most.
+# lease's last transfer call touches after `gpu-env install`; HYBRIDRL_ENVS_WAIT_S at most. The default, 600 s,
+# is four times what 16 transfers and the install took on 2026-11-23 (2.4 min): a lease whose transfers were
+# refused then gives up after 10 minutes, not 20, and its polls return at once with the rest of the budget.
 wait_for_envs() {
-  local f=${HYBRIDRL_ENVS_READY:-} limit=${HYBRIDRL_ENVS_WAIT_S:-1200} waited=0
+  local f=${HYBRIDRL_ENVS_READY:-} limit=${HYBRIDRL_ENVS_WAIT_S:-600} waited=0
   [ -n "$f" ] || return 0
   [ -e "$f" ] || say "waiting for the engine overlays ($f)"
   while [ ! -e "$f" ]; do

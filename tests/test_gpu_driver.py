@@ -89,7 +89,7 @@ def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) ->
 def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
     assert bad.returncode == 2
-    plans = "client faults full learning moe moe2full moe4 moe4full rest rest4 soak trainer verdict"
+    plans = "client faults full learning moe moe2full moe4 moe4full rest rest4 soak trainer verdict verdictkv"
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
@@ -215,23 +215,30 @@ def test_soak_plan_runs_each_engine_for_fifty_steps_one_after_another(root: Path
     assert study["defaults"]["steps"] >= 50 and study["defaults"]["placement"] == "colocate"
 
 
-def test_verdict_plan_interleaves_the_arms_round_by_round_then_benchmarks(root: Path) -> None:
+def test_verdict_plans_keep_the_like_for_like_arms_in_one_lease_interleaved_and_the_kv_arm_in_another(
+        root: Path) -> None:
     from hybridrl.study.config import load_study
     from hybridrl.study.run_config import split_replicate
 
     items = _one_lane_plan(root, "gpu-h200-verdict", "verdict")
-    arms = ["sglang-full", "sglang-kv", "vllm-server", "vllm-inprocess"]
+    arms = ["sglang-full", "vllm-server", "vllm-inprocess"]
     rounds = [f"train {a}{'' if k == 1 else f'-r{k}'} on GPU 0" for k in (1, 2, 3) for a in arms]
-    assert items[0] == "client ceiling"
-    assert items[1:13] == rounds  # A B C D A B C D A B C D: a drift of the host falls on every arm alike
-    assert [i.split(" on ")[0] for i in items[13:]] == [
-        "bench sglang-full step 3", "bench vllm-server step 3", "bench vllm-inprocess step 3"]
+    assert items[:9] == rounds  # A B C A B C A B C: a drift of the host falls on every arm alike
+    assert [i.split(" on ")[0] for i in items[9:]] == [
+        "bench sglang-full step 3", "bench vllm-server step 3", "bench vllm-inprocess step 3", "client ceiling"]
     assert not (root / "gpu-h200-verdict" / "lane-verdict-2.log").exists()  # one run at a time, nothing beside it
-    # the names the plan trains are the run configs `prepare` writes: the arm's name, -rK for replicate k
+    kv = [f"train sglang-kv{'' if k == 1 else f'-r{k}'} on GPU 0" for k in (1, 2, 3)]
+    assert _one_lane_plan(root, "gpu-h200-verdict", "verdictkv") == kv
+    # the two plans train every run config `prepare` writes: the arm's name, -rK for replicate k
     study = load_study(REPO / "config" / "gpu-h200-verdict.yaml")
     names = [run.name + (f"-r{k}" if k > 1 else "") for rid, run in study.runs.items()
              for k in [split_replicate(rid)[1]]]
-    assert [f"train {n} on GPU 0" for n in names] == rounds
+    assert sorted(f"train {n} on GPU 0" for n in names) == sorted(rounds + kv)
+    # the like-for-like arms release weights and KV cache alike; the study has Qwen's vocabulary (issue 17)
+    runs = {r.name: r for r in study.runs.values()}
+    assert runs["sglang-full"].sglang_release == "all" and runs["sglang-kv"].sglang_release == "kv_cache"
+    assert {runs[a].vllm_sleep_level for a in ("vllm-server", "vllm-inprocess")} == {1}
+    assert study.models[runs["sglang-full"].model]["tokenizer"] == "qwen"
 
 
 def test_faults_plan_hits_each_engine_in_a_rollout_and_in_training(root: Path) -> None:

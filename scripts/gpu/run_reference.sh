@@ -317,14 +317,25 @@ interleave() {
 }
 
 plan_verdict() {
-  # issue 16 on one GPU (config/gpu-h200-verdict.yaml): the client's ceiling, then the four colocate arms, three
-  # replicates each, interleaved, one run at a time with nothing else on the host; then the standalone
-  # benchmark of each engine, 5 repeats, on step 3's request set (the same in every replicate)
+  # issue 16 on one GPU (config/gpu-h200-verdict.yaml), first lease: the like-for-like arms (each releases its
+  # weights and KV cache), three replicates each, interleaved round by round, one run at a time with nothing else
+  # on the host; then the standalone benchmark of each engine, 5 repeats, on step 3's request set (the same in
+  # every replicate); the client's ceiling last. About 27 minutes: a lease that ends early keeps whole rounds
   study=config/gpu-h200-verdict.yaml
   gpus=1
   export HYBRIDRL_BENCH_REPEATS=5
   phases=(p1)
-  p1=("0|ceiling;$(interleave 3 sglang-full sglang-kv vllm-server vllm-inprocess);bench sglang-full 3;bench vllm-server 3;bench vllm-inprocess 3")
+  p1=("0|$(interleave 3 sglang-full vllm-server vllm-inprocess);bench sglang-full 3;bench vllm-server 3;bench vllm-inprocess 3;ceiling")
+}
+
+plan_verdictkv() {
+  # issue 16, second lease: SGLang's KV-only release, an arm of its own (its sleep and wake move other bytes than
+  # any other arm's), three replicates; its throughput beside the first lease's arms spans two leases, which the
+  # report's caveats say
+  study=config/gpu-h200-verdict.yaml
+  gpus=1
+  phases=(p1)
+  p1=("0|$(interleave 3 sglang-kv)")
 }
 
 item() {  # item GPUS WORDS...: one plan item; GPUS is the lane's, used where the item names none

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -365,3 +366,32 @@ def test_preflight_names_a_missing_interpreter(model_dir: Path, tmp_path: Path):
     engine = SGLangServer(model_dir, _run(), {"python": "/nonexistent/bin/python3"}, tmp_path / "logs")
     with pytest.raises(EngineError, match="no Python interpreter '/nonexistent/bin/python3' for the engine"):
         engine.preflight()
+
+
+def test_inprocess_stop_cancels_the_output_reader_before_the_engine_core_goes(model_dir: Path, tmp_path: Path):
+    # vLLM's own shutdown stops the core first, and the reader task then logs EngineDeadError
+    eng = VLLMInProcess(model_dir, _run(engine="vllm-inprocess"), {}, tmp_path)
+    order: list[str] = []
+
+    async def read_outputs() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            order.append("reader cancelled")
+            raise
+
+    class FakeLLM:
+        output_handler = None
+
+        def shutdown(self) -> None:
+            order.append("core shut down")
+
+    async def spawn() -> asyncio.Task:
+        return asyncio.get_running_loop().create_task(read_outputs())
+
+    llm = FakeLLM()
+    eng.llm = llm
+    llm.output_handler = eng._call(spawn())
+    eng.stop()
+    assert order == ["reader cancelled", "core shut down"]
+    assert eng.llm is None and eng._loop is None

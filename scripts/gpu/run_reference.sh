@@ -262,7 +262,7 @@ plan_moe4full() {
 
 plan_client() {
   # issue 20 on one GPU: the client's ceiling on this host, then per HTTP engine the new-path colocate run and
-  # the benchmark of raw, new, stream-everything and old paths on its step 3, then their old-path runs (the
+  # the benchmark of its paths (raw, new, whole, stream-everything, old) on its step 3, then their old-path runs (the
   # HTTP client is what the issue measures, so a lease that ends early keeps those pairs), then in-process vLLM
   study=config/gpu-h200-client.yaml
   gpus=1

@@ -226,6 +226,7 @@ def test_verdict_plans_keep_the_like_for_like_arms_in_one_lease_interleaved_and_
     assert items[:9] == rounds  # A B C A B C A B C: a drift of the host falls on every arm alike
     assert [i.split(" on ")[0] for i in items[9:]] == [
         "bench sglang-full step 3", "bench vllm-server step 3", "bench vllm-inprocess step 3", "client ceiling"]
+    assert all(i.endswith("--paths raw client") for i in items[9:12])  # the client lease measured the rest
     assert not (root / "gpu-h200-verdict" / "lane-verdict-2.log").exists()  # one run at a time, nothing beside it
     kv = [f"train sglang-kv{'' if k == 1 else f'-r{k}'} on GPU 0" for k in (1, 2, 3)]
     assert _one_lane_plan(root, "gpu-h200-verdict", "verdictkv") == kv

@@ -191,6 +191,12 @@ def test_bench_measures_every_path_on_one_engine_start(tmp_path, monkeypatch):
     with FakeEngine("vllm") as fake:
         result = bench.run_bench({"run": run, "run_id": run_id}, tmp_path / "model", tmp_path / "data",
                                  tmp_path / "run", step=1, repeats=2, log_dir=tmp_path / "logs")
+        chosen = bench.run_bench({"run": run, "run_id": run_id}, tmp_path / "model", tmp_path / "data",
+                                 tmp_path / "run", step=1, repeats=2, log_dir=tmp_path / "logs",
+                                 paths=("raw", "client"))
+    assert [r["path"] for r in chosen["repeats"]] == ["raw", "client", "client", "raw"]
+    assert set(chosen["tok_s_median"]) == {"raw", "client"}
+    starts.pop()  # the chosen-paths bench's own start
     assert starts == [None]  # one engine start for every pass; step 1 rolls out the base model
     assert [(r["repeat"], r["path"]) for r in result["repeats"]] == [
         (0, "raw"), (0, "client"), (0, "whole"), (0, "stream_all"), (0, "old_client"),

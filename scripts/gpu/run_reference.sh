@@ -320,12 +320,14 @@ plan_verdict() {
   # issue 16 on one GPU (config/gpu-h200-verdict.yaml), first lease: the like-for-like arms (each releases its
   # weights and KV cache), three replicates each, interleaved round by round, one run at a time with nothing else
   # on the host; then the standalone benchmark of each engine, 5 repeats, on step 3's request set (the same in
-  # every replicate); the client's ceiling last. About 27 minutes: a lease that ends early keeps whole rounds
+  # every replicate), raw against the run's client only (the client lease measured the other paths); the client's
+  # ceiling last. About 30 minutes: a lease that ends early keeps whole rounds
+  local vpaths="--paths raw client"
   study=config/gpu-h200-verdict.yaml
   gpus=1
   export HYBRIDRL_BENCH_REPEATS=5
   phases=(p1)
-  p1=("0|$(interleave 3 sglang-full vllm-server vllm-inprocess);bench sglang-full 3;bench vllm-server 3;bench vllm-inprocess 3;ceiling")
+  p1=("0|$(interleave 3 sglang-full vllm-server vllm-inprocess);bench sglang-full 3 $vpaths;bench vllm-server 3 $vpaths;bench vllm-inprocess 3 $vpaths;ceiling")
 }
 
 plan_verdictkv() {

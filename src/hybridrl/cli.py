@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from hybridrl.atomic import write_text
+from hybridrl.engines.base import ROLLOUT_PATHS as BENCH_PATHS
 from hybridrl.study.config import ConfigError, load_study, read_run_spec
 
 
@@ -73,7 +74,7 @@ def _bench(args: argparse.Namespace) -> None:
 
     overrides = dict(kv.split("=", 1) for kv in args.set)
     bench_main(Path(args.run_config), Path(args.model), Path(args.data), Path(args.run_dir), args.step,
-               args.repeats, Path(args.out), probe=args.probe, overrides=overrides)
+               args.repeats, Path(args.out), probe=args.probe, overrides=overrides, paths=tuple(args.paths))
 
 
 def _trainer_bench(args: argparse.Namespace) -> None:
@@ -214,6 +215,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--out", required=True, help="JSON result")
     s.add_argument("--probe", action="store_true", help="server engines: raw HTTP sleep/wake and adapter checks")
+    s.add_argument("--paths", nargs="+", choices=BENCH_PATHS, default=list(BENCH_PATHS),
+                   help="which rollout paths to measure in each repeat (the others are given as shares of raw)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a string run key for the standalone engine, e.g. sglang_release=all")
     s.set_defaults(fn=_bench)

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+# The rollout paths `python -m hybridrl bench` measures an engine through (tools/engine_bench.py says what each is)
+ROLLOUT_PATHS = ("raw", "client", "whole", "stream_all", "old_client")
+
 
 class EngineError(RuntimeError):
     """The engine failed to start, died, or answered something unusable (the loop asks alive() which)."""

@@ -24,7 +24,7 @@ from typing import Any
 
 from hybridrl.atomic import write_text
 from hybridrl.engines import make_engine
-from hybridrl.engines.base import Engine, EngineError, Request, Sampling
+from hybridrl.engines.base import ROLLOUT_PATHS, Engine, EngineError, Request, Sampling
 from hybridrl.nvml import used_gb
 from hybridrl.run.loop import step_requests
 from hybridrl.run.placement import ADAPTER_NAME
@@ -82,7 +82,7 @@ def probe_engine(engine: Engine, prompt: list[int], adapter: Path | None) -> dic
 # raw (no rollout client), the run's own client and mix of streamed requests, the same client streaming every
 # request, and the client every committed result before 2026-11-23 went through (one shared connection pool,
 # every request streamed; server engines only)
-PATHS = ("raw", "client", "whole", "stream_all", "old_client")
+PATHS = ROLLOUT_PATHS
 
 
 def _one_pass(engine: Engine, requests: list[Request], path: str) -> tuple[list[Any], float]:
@@ -158,12 +158,13 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def main(run_config: Path, model_dir: Path, data_dir: Path, run_dir: Path, step: int, repeats: int,
-         out: Path, probe: bool = False, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+         out: Path, probe: bool = False, overrides: dict[str, Any] | None = None,
+         paths: tuple[str, ...] = PATHS) -> dict[str, Any]:
     cfg = json.loads(Path(run_config).read_text())
     # e.g. sglang_release=all: start with the CPU weight backup to probe it
     cfg["run"] = RunConfig.model_validate({**cfg["run"], **(overrides or {})})
     result = run_bench(cfg, Path(model_dir), Path(data_dir), Path(run_dir), step, repeats,
-                       Path(out).parent / f"bench-logs-{cfg['run_id']}", probe)
+                       Path(out).parent / f"bench-logs-{cfg['run_id']}", probe, paths)
     result["overrides"] = overrides or {}
     write_text(Path(out), json.dumps(result, indent=2))
     ratio = result["in_loop_over_raw"]

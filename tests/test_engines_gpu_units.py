@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -395,3 +396,52 @@ def test_inprocess_stop_cancels_the_output_reader_before_the_engine_core_goes(mo
     eng.stop()
     assert order == ["reader cancelled", "core shut down"]
     assert eng.llm is None and eng._loop is None
+
+
+# -- the engines' own per-request timing (run key engine_timing) ---------------------------------------
+def test_engine_timing_asks_each_engine_for_its_request_stats_and_only_then(model_dir: Path, tmp_path: Path):
+    def sglang(**over):
+        return SGLangServer(model_dir, _run(**over), {"python": "py"}, tmp_path).command(1, None)
+
+    def vllm(**over):
+        return VLLMServer(model_dir, _run(engine="vllm", **over), {"python": "py"}, tmp_path).command(1, None)
+
+    assert "--enable-metrics" not in sglang() and "--enable-metrics" in sglang(engine_timing=True)
+    assert "--enable-per-request-metrics" not in vllm()
+    on = vllm(engine_timing=True, engine_args=["--enforce-eager"])
+    assert "--enable-per-request-metrics" in on and on[-1] == "--enforce-eager"  # the study's args stay last
+    # a flag of vLLM's HTTP server: the in-process engine's parser would refuse it
+    inprocess = VLLMInProcess(model_dir, _run(engine="vllm-inprocess", engine_timing=True), {}, tmp_path)
+    assert "--enable-per-request-metrics" not in inprocess.cli_args()
+
+
+def test_sglang_timing_counts_from_arrival_to_the_prefill_then_per_later_token():
+    from hybridrl.engines.sglang import answer_timing
+
+    meta = {"request_received_ts": 100.0, "prefill_finished_time": 100.25, "request_finished_ts": 101.27,
+            "completion_tokens": 256}
+    ttft, tpot = answer_timing({"meta_info": meta})
+    assert ttft == pytest.approx(0.25) and tpot == pytest.approx(1.02 / 255)
+    # a server started without --enable-metrics sends no stamps: unknown, never zero
+    assert all(math.isnan(x) for x in answer_timing({"meta_info": {"completion_tokens": 256, "e2e_latency": 1.3}}))
+    assert math.isnan(answer_timing({"meta_info": {**meta, "completion_tokens": 1}})[1])  # one token: no TPOT
+
+
+def test_vllm_timing_adds_the_queue_to_its_time_to_first_token():
+    from hybridrl.engines.vllm import answer_timing
+
+    answer = {"choices": [], "metrics": {"queue_time_ms": 40.0, "time_to_first_token_ms": 210.0,
+                                         "mean_itl_ms": 7.5, "generation_time_ms": 1912.5}}
+    assert answer_timing(answer) == pytest.approx((0.25, 0.0075))
+    assert all(math.isnan(x) for x in answer_timing({"choices": [], "metrics": None}))
+    assert math.isnan(answer_timing({"metrics": {"time_to_first_token_ms": 210.0}})[0])  # no queue: unknown
+
+
+def test_inprocess_timing_reads_vllms_request_stats_like_the_server():
+    from types import SimpleNamespace
+
+    from hybridrl.engines.vllm_inprocess import stats_timing
+
+    stats = SimpleNamespace(queued_ts=10.0, scheduled_ts=10.04, first_token_ts=10.25, last_token_ts=12.1625)
+    assert stats_timing(stats, 256) == pytest.approx((0.25, 1.9125 / 255))
+    assert all(math.isnan(x) for x in stats_timing(None, 256))  # stats off: unknown

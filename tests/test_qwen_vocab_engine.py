@@ -1,5 +1,6 @@
 """A study model with Qwen's vocabulary served by the real vLLM CPU server (issue 17): the tokenizer files the
-engine loads, its sampler over all 151,936 rows and the logprobs it returns, before a GPU study relies on them."""
+engine loads, its sampler over all 151,936 rows and the logprobs it returns, before a GPU study relies on them; and
+the engine's own timing of a request answered whole (run key engine_timing, issue 20)."""
 
 import json
 import math
@@ -20,7 +21,7 @@ QWEN3_VOCAB = 151_936  # Qwen3's embedding rows: 151,669 tokens, padded
 pytestmark = pytest.mark.integration
 
 
-def test_the_real_vllm_server_samples_over_qwens_whole_vocabulary(tmp_path: Path) -> None:
+def test_the_real_vllm_server_samples_over_qwens_whole_vocabulary_and_times_each_request(tmp_path: Path) -> None:
     if not ENGINE_PYTHON.exists():
         pytest.fail(f"{ENGINE_PYTHON} is missing: run `bash scripts/setup.sh` (make test does)")
     data.write_synthetic(tmp_path / "data", 32, 4, seed=0)
@@ -36,7 +37,8 @@ def test_the_real_vllm_server_samples_over_qwens_whole_vocabulary(tmp_path: Path
 
     prompt = AutoTokenizer.from_pretrained(model)("Question: what is 2 + 3?")["input_ids"]
     run = RunConfig(model="tiny-qwen-vocab", engine="vllm", placement="split", device="cpu", max_new_tokens=32,
-                    max_concurrency=4, engine_args=["--enforce-eager"], startup_timeout_s=600)
+                    max_concurrency=4, engine_args=["--enforce-eager"], startup_timeout_s=600,
+                    engine_timing=True)
     engine = make_engine(run, model, {"python": str(ENGINE_PYTHON)}, tmp_path / "logs")
     sampling = Sampling(temperature=1.0, max_new_tokens=32, ignore_eos=True, seed=0)
     try:
@@ -51,3 +53,7 @@ def test_the_real_vllm_server_samples_over_qwens_whole_vocabulary(tmp_path: Path
     # a random model's samples spread over the whole vocabulary, not over the first rows only
     assert max(t for c in done for t in c.token_ids) > 10_000
     assert [c.streamed for c in done] == [False, True]  # both paths of the rollout client parse these ids
+    # the whole answer carries vLLM's per-request metrics: a first token inside the request's own latency
+    whole = done[0]
+    assert 0 < whole.engine_ttft_s < whole.latency_s and 0 < whole.engine_tpot_s < whole.latency_s
+    assert whole.engine_ttft_s + 31 * whole.engine_tpot_s == pytest.approx(whole.latency_s, rel=0.5)

@@ -73,6 +73,17 @@ def test_rollout_statistics_time_only_the_streamed_requests():
     assert rollout_stats([whole], gen_s=1.0)["perf/events_per_token"] is None
 
 
+def test_the_engines_own_timing_covers_whole_answers_and_is_absent_without_it():
+    timed = [Completion(token_ids=[1] * 5, latency_s=0.4, engine_ttft_s=t, engine_tpot_s=0.01) for t in (0.1, 0.3)]
+    untimed = Completion(token_ids=[1] * 5, latency_s=0.4)
+    stats = rollout_stats([*timed, untimed], gen_s=1.0)
+    assert stats["perf/engine_timed_requests"] == 2 and stats["perf/engine_ttft_s_p50"] == pytest.approx(0.2)
+    assert stats["perf/engine_tpot_ms_p50"] == pytest.approx(10.0)
+    assert stats["perf/ttft_s_p50"] is None  # nothing streamed: the client timed no first token
+    off = rollout_stats([untimed], gen_s=1.0)
+    assert off["perf/engine_timed_requests"] == 0 and off["perf/engine_ttft_s_p50"] is None
+
+
 def test_controller_cpu_of_the_rollout_phase_is_recorded():
     ticks = iter([10.0, 10.5, 20.0, 20.0])  # 0.5 s of this process's CPU in the rollout, none in training
     t = Timings(cpu_reader=lambda: None, own_cpu=lambda: next(ticks))

@@ -47,6 +47,9 @@ class Completion:
     error: str | None = None  # set when the request failed; the other fields are then partial
     streamed: bool = False
     events: int = 0  # stream events that carried tokens (0 for a request answered in one response)
+    # the engine's own timing of the request (run key engine_timing), from its arrival at the engine
+    engine_ttft_s: float = float("nan")
+    engine_tpot_s: float = float("nan")
     last_arrival_s: float = field(default=float("nan"), repr=False)
 
     def add_tokens(self, ids: list[int], logprobs: list[float], now: float, sent_at: float) -> None:

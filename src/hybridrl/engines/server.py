@@ -214,12 +214,18 @@ class RolloutClient:
         """-> (new token ids, their logprobs, finish reason or None); `seen` tokens came before."""
         raise NotImplementedError
 
+    def timing(self, answer: dict[str, Any]) -> tuple[float, float]:
+        """(TTFT, TPOT) in seconds as the engine timed a whole answer, NaN where it reports none."""
+        return float("nan"), float("nan")
+
     def completion(self, answer: dict[str, Any], latency_s: float) -> Completion:
-        """A whole non-streamed answer as a Completion (TTFT unknown: only streamed requests time tokens)."""
+        """A whole non-streamed answer as a Completion: the client cannot time its tokens, the engine may have."""
         if "error" in answer:
             return Completion(error=f"engine error: {json.dumps(answer['error'])[:500]}")
         ids, lps, finish = self.parse(answer, 0)
-        return Completion(token_ids=ids, logprobs=lps, finish_reason=finish, latency_s=latency_s)
+        ttft, tpot = self.timing(answer)
+        return Completion(token_ids=ids, logprobs=lps, finish_reason=finish, latency_s=latency_s,
+                          engine_ttft_s=ttft, engine_tpot_s=tpot)
 
     async def _streamed(self, client: httpx.AsyncClient, req: Request, out: Completion, t0: float) -> None:
         out.streamed = True

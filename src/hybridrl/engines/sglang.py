@@ -83,6 +83,20 @@ def parse_chunk(chunk: dict[str, Any], seen: int) -> tuple[list[int], list[float
     return ids, lps, finish
 
 
+def answer_timing(answer: dict[str, Any]) -> tuple[float, float]:
+    """(TTFT, TPOT) in seconds from a whole /generate answer of a server started with --enable-metrics: from the
+    request's arrival (request_received_ts) to the end of its prefill, whose step samples the first token
+    (prefill_finished_time), then per later token until it finished (request_finished_ts). Wall-clock seconds
+    (SGLang 0.5.16); NaN where a field is missing."""
+    meta = answer.get("meta_info") or {}
+    arrived, first, done = (meta.get(k) for k in ("request_received_ts", "prefill_finished_time",
+                                                  "request_finished_ts"))
+    n = int(meta.get("completion_tokens") or 0)
+    ttft = first - arrived if arrived and first else float("nan")
+    tpot = (done - first) / (n - 1) if first and done and n > 1 else float("nan")
+    return float(ttft), float(tpot)
+
+
 class _SGLangClient(RolloutClient):
     url_path = "/generate"
 
@@ -91,6 +105,9 @@ class _SGLangClient(RolloutClient):
 
     def parse(self, chunk: dict[str, Any], seen: int = 0) -> tuple[list[int], list[float], str | None]:
         return parse_chunk(chunk, seen)
+
+    def timing(self, answer: dict[str, Any]) -> tuple[float, float]:
+        return answer_timing(answer)
 
 
 class SGLangServer(HTTPEngine):
@@ -128,6 +145,8 @@ class SGLangServer(HTTPEngine):
         ]
         if run.sglang_release == "all":
             cmd.append("--enable-weights-cpu-backup")
+        if run.engine_timing:  # per-request timestamps in each answer's meta_info (answer_timing)
+            cmd.append("--enable-metrics")
         if adapter:
             cmd += ["--lora-paths", f"{adapter[0]}={adapter[1]}"]
         return cmd + list(run.engine_args)

@@ -44,6 +44,20 @@ class _VLLMClient(RolloutClient):
         ids = [int(t.rsplit(":", 1)[1]) for t in lp.get("tokens") or []]
         return ids, list(lp.get("token_logprobs") or []), choice.get("finish_reason")
 
+    def timing(self, answer: dict[str, Any]) -> tuple[float, float]:
+        return answer_timing(answer)
+
+
+def answer_timing(answer: dict[str, Any]) -> tuple[float, float]:
+    """(TTFT, TPOT) in seconds from a whole completion of a server started with --enable-per-request-metrics:
+    vLLM's time to first token counts from scheduling, so its queue time is added (from the request's arrival at
+    the engine, as SGLang's); TPOT is its mean inter-token latency, (last - first token) / (tokens - 1). NaN where
+    a field is missing."""
+    m = answer.get("metrics") or {}
+    queue, first, itl = (m.get(k) for k in ("queue_time_ms", "time_to_first_token_ms", "mean_itl_ms"))
+    ttft = (queue + first) / 1000 if queue is not None and first is not None else float("nan")
+    return float(ttft), float(itl) / 1000 if itl is not None else float("nan")
+
 
 FLUSH_TRIES = 10
 
@@ -109,8 +123,10 @@ class VLLMServer(HTTPEngine):
 
     # -- process ---------------------------------------------------------------------------------
     def command(self, port: int, adapter: tuple[str, Path] | None) -> list[str]:
+        # a flag of the HTTP server, not of the engine: in process, the request stats come with each output
+        timing = ["--enable-per-request-metrics"] if self.run.engine_timing else []
         return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-                *engine_flags(self.model, self.run, adapter)]
+                *timing, *engine_flags(self.model, self.run, adapter)]
 
     def environment(self) -> dict[str, str]:
         env = engine_environ()

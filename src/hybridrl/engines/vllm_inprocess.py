@@ -27,6 +27,17 @@ from hybridrl.study.run_config import RunConfig
 CONTROL_TIMEOUT_S = 300.0
 
 
+def stats_timing(stats: Any, tokens: int) -> tuple[float, float]:
+    """(TTFT, TPOT) in seconds from a finished output's request stats (vLLM's RequestStateStats, kept while the
+    engine logs stats, its default), as the server's per-request metrics: from the request's arrival in the
+    engine's queue to its first token, then (last - first token) / (tokens - 1). NaN where a stamp is missing."""
+    queued, first, last = (float(getattr(stats, k, 0.0) or 0.0) for k in ("queued_ts", "first_token_ts",
+                                                                            "last_token_ts"))
+    ttft = first - queued if queued > 0 and first > 0 else float("nan")
+    tpot = (last - first) / (tokens - 1) if first > 0 and last > 0 and tokens > 1 else float("nan")
+    return ttft, tpot
+
+
 def sampling_kwargs(s: Sampling) -> dict[str, Any]:
     """vLLM SamplingParams for one request, with the sampled token's logprob (the output kind is the caller's)."""
     kw: dict[str, Any] = {
@@ -205,6 +216,9 @@ class VLLMInProcess:
                         out.token_ids, out.logprobs = ids, lps
                     if o.finish_reason:
                         out.finish_reason = o.finish_reason
+                    if self.run.engine_timing and o.finish_reason:
+                        out.engine_ttft_s, out.engine_tpot_s = stats_timing(getattr(item, "metrics", None),
+                                                                            len(out.token_ids))
                 out.latency_s = time.perf_counter() - t0
             except Exception as exc:
                 if _is_dead(exc):

@@ -33,6 +33,9 @@ KEY_METRICS = [
     ("perf/ttft_s_p50", "TTFT p50", "s"),
     ("perf/tpot_ms_p50", "TPOT p50 over requests", "ms"),
     ("perf/tpot_ms_p99", "TPOT p99 over requests", "ms"),
+    # the engine's own timing of every request (run key engine_timing), where the client streamed only a few
+    ("perf/engine_ttft_s_p50", "TTFT p50, engine-timed", "s"),
+    ("perf/engine_tpot_ms_p50", "TPOT p50, engine-timed", "ms"),
     ("perf/latency_s_p50", "End-to-end latency p50", "s"),
     ("cost/tok_s_per_gpu", "Tokens/s per GPU, whole step", "tok/s"),
     ("cost/gpu_s_per_step", "GPU-seconds per step", "GPU-s"),

@@ -41,6 +41,9 @@ ROLLOUT = (
     "perf/tpot_ms_p99", "perf/latency_s_p50", "perf/latency_s_p99", "errors/requests_failed",
     # the rollout client: how many requests it streamed and how finely, and the most it can absorb on this host
     "perf/streamed_requests", "perf/events_per_token", "perf/client_ceiling_tok_s",
+    # the engine's own timing of every request, streamed or whole (run key engine_timing)
+    "perf/engine_ttft_s_p50", "perf/engine_ttft_s_p99", "perf/engine_tpot_ms_p50", "perf/engine_tpot_ms_p99",
+    "perf/engine_timed_requests",
     # the step whose adapter rolled out this step's samples, and how many steps older it is than the trainer's
     "rollout/adapter_step", "rollout/staleness",
 )

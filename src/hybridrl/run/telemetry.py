@@ -102,6 +102,9 @@ def rollout_stats(completions: list[Completion], gen_s: float) -> dict[str, floa
     itl_ms = [x * 1000 for c in ok for x in c.itl_s]
     latency = [c.latency_s for c in ok if not math.isnan(c.latency_s)]
     tpot_ms = [t * 1000 for c in ok if (t := c.tpot_s) is not None]
+    # the engine's own per-request timing (run key engine_timing): every request, streamed or whole
+    engine_ttft = [c.engine_ttft_s for c in ok if not math.isnan(c.engine_ttft_s)]
+    engine_tpot_ms = [c.engine_tpot_s * 1000 for c in ok if not math.isnan(c.engine_tpot_s)]
     tokens = sum(len(c.token_ids) for c in ok)
     return {
         "perf/gen_tokens": float(tokens),
@@ -112,6 +115,9 @@ def rollout_stats(completions: list[Completion], gen_s: float) -> dict[str, floa
         "perf/tpot_ms_mean": _mean(tpot_ms), "perf/tpot_ms_p50": _pct(tpot_ms, 50),
         "perf/tpot_ms_p99": _pct(tpot_ms, 99),
         "perf/latency_s_p50": _pct(latency, 50), "perf/latency_s_p99": _pct(latency, 99),
+        "perf/engine_ttft_s_p50": _pct(engine_ttft, 50), "perf/engine_ttft_s_p99": _pct(engine_ttft, 99),
+        "perf/engine_tpot_ms_p50": _pct(engine_tpot_ms, 50), "perf/engine_tpot_ms_p99": _pct(engine_tpot_ms, 99),
+        "perf/engine_timed_requests": float(len(engine_ttft)),
         "errors/requests_failed": float(len(completions) - len(ok)),
         "perf/streamed_requests": float(len(streamed)),
         # 1 for SGLang's token-by-token stream; how much per-event work the client does per token

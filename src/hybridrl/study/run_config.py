@@ -133,6 +133,10 @@ class RunConfig(_Frozen):
     shared_pool: bool = Field(
         False, description="the rollout client before 2026-11-23, one connection pool for every request (with "
         "stream_fraction 1: the old path), to compare with results recorded through it")
+    engine_timing: bool = Field(
+        False, description="ask the engine for its own timing of each request (SGLang --enable-metrics, vLLM "
+        "--enable-per-request-metrics, in-process vLLM's request stats): TTFT and TPOT of the requests answered "
+        "whole too (perf/engine_*), with no stream to pay for")
     client_ceiling_s: float = Field(
         2.0, ge=0, description="seconds spent before the engine starts on measuring the rollout client's ceiling "
         "against a fake engine (perf/client_ceiling_tok_s); 0 skips it")

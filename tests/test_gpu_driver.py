@@ -89,7 +89,7 @@ def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) ->
 def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
     assert bad.returncode == 2
-    plans = "client faults full learning moe moe2full moe4 moe4full rest rest4 soak trainer verdict verdictkv"
+    plans = "client faults full learning moe moe2full moe4 moe4full rest rest4 soak timed trainer verdict verdictkv"
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
@@ -204,6 +204,18 @@ def test_client_plan_measures_the_ceiling_then_the_http_engines_new_and_old_then
         "train sglang-old on GPU 0", "train vllm-old on GPU 0",
         "train vllm-inprocess-new on GPU 0", "bench vllm-inprocess-new step 3 on GPU 0",
         "train vllm-inprocess-old on GPU 0"]
+
+
+def test_timed_plan_runs_each_engine_streaming_nothing_with_its_own_timing_then_benches_it(root: Path) -> None:
+    from hybridrl.study.config import load_study
+
+    items = _one_lane_plan(root, "gpu-h200-client", "timed")
+    engines = ["sglang", "vllm", "vllm-inprocess"]
+    assert [i.split(" on ")[0] for i in items] == [x for e in engines for x in (
+        f"train {e}-timed", f"bench {e}-timed step 3")]
+    assert all(i.endswith("--paths raw client stream_all") for i in items[1::2])
+    runs = {r.name: r for r in load_study(REPO / "config" / "gpu-h200-client.yaml").runs.values()}
+    assert all(runs[f"{e}-timed"].engine_timing and runs[f"{e}-timed"].stream_fraction == 0 for e in engines)
 
 
 def test_soak_plan_runs_each_engine_for_fifty_steps_one_after_another(root: Path) -> None:

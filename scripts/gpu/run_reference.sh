@@ -271,6 +271,18 @@ plan_client() {
   p1=("0|ceiling;train sglang-new;bench sglang-new 3;train vllm-new;bench vllm-new 3;train sglang-old;train vllm-old;train vllm-inprocess-new;bench vllm-inprocess-new 3;train vllm-inprocess-old")
 }
 
+plan_timed() {
+  # issue 20's next step on one GPU: per engine the dense colocate run with nothing streamed and the engine timing
+  # every request itself (engine_timing), then `bench` on its step 3: raw, that path, and every request streamed
+  # (the client's own TTFT and TPOT beside the engine's, on one engine start and request set); about 15 minutes
+  study=config/gpu-h200-client.yaml
+  gpus=1
+  export HYBRIDRL_BENCH_REPEATS=5
+  local paths="--paths raw client stream_all"
+  phases=(p1)
+  p1=("0|train sglang-timed;bench sglang-timed 3 $paths;train vllm-timed;bench vllm-timed 3 $paths;train vllm-inprocess-timed;bench vllm-inprocess-timed 3 $paths")
+}
+
 plan_soak() {
   # issue 19 on one GPU: 50 colocate steps per engine, the asleep-memory gate on; about 10 minutes a run
   study=config/gpu-h200-soak.yaml

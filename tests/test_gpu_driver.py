@@ -15,8 +15,8 @@ DRIVER = REPO / "scripts" / "gpu" / "run_reference.sh"
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
-def _driver(root: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {"PATH": "/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(root), "HYBRIDRL_DRY_RUN": "1"}
+def _driver(root: Path, *args: str, **extra: str) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(root), "HYBRIDRL_DRY_RUN": "1", **extra}
     return subprocess.run(["bash", str(DRIVER), *args], capture_output=True, text=True, env=env, timeout=120)
 
 
@@ -24,11 +24,11 @@ def _items(log: Path) -> list[str]:
     return [line.split("dry run: ", 1)[1].strip() for line in log.read_text().splitlines() if "dry run: " in line]
 
 
-def _one_lane_plan(root: Path, study: str, plan: str) -> list[str]:
+def _one_lane_plan(root: Path, study: str, plan: str, **env: str) -> list[str]:
     """The items of a one-lane plan's dry run, its study marked as set up."""
     (root / study).mkdir(exist_ok=True)
     (root / study / "setup.done").touch()
-    done = _driver(root, "all", plan)
+    done = _driver(root, "all", plan, **env)
     assert done.returncode == 0, done.stderr
     return _items(root / study / f"lane-{plan}-1.log")
 
@@ -89,7 +89,7 @@ def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) ->
 def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
     assert bad.returncode == 2
-    plans = "client faults full learning moe moe2full moe4 moe4full rest rest4 soak timed trainer verdict verdictkv"
+    plans = "client faults full learning moe moe2full moe4 moe4full placement placementlong rest rest4 soak timed trainer verdict verdictkv"
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
@@ -216,6 +216,28 @@ def test_timed_plan_runs_each_engine_streaming_nothing_with_its_own_timing_then_
     assert all(i.endswith("--paths raw client stream_all") for i in items[1::2])
     runs = {r.name: r for r in load_study(REPO / "config" / "gpu-h200-client.yaml").runs.values()}
     assert all(runs[f"{e}-timed"].engine_timing and runs[f"{e}-timed"].stream_fraction == 0 for e in engines)
+
+
+def test_placement_plan_runs_one_round_of_the_six_arms_and_the_long_runs_apart(root: Path) -> None:
+    from hybridrl.study.config import load_study
+
+    first = _one_lane_plan(root, "gpu-2xh200-placement", "placement")
+    arms = ["sglang-colocate", "vllm-colocate", "sglang-split", "vllm-split", "sglang-overlap", "vllm-overlap"]
+    gpus = ["0", "0", "0,1", "0,1", "0,1", "0,1"]  # colocate on one GPU; split: engine on GPU 1, trainer on GPU 0
+    assert first == [f"train {a} on GPU {g}" for a, g in zip(arms, gpus, strict=True)]
+    (root / "gpu-2xh200-placement" / "lane-placement-1.log").unlink()
+    third = _one_lane_plan(root, "gpu-2xh200-placement", "placement", HYBRIDRL_ROUND="3")
+    assert third == [f"train {a}-r3 on GPU {g}" for a, g in zip(arms, gpus, strict=True)]
+    assert _one_lane_plan(root, "gpu-2xh200-placement", "placementlong") == [
+        "train sglang-overlap-long on GPU 0,1", "train vllm-overlap-long on GPU 0,1"]
+    # every item names a run config the study writes; overlap is split with one step of staleness, corrected
+    study = load_study(REPO / "config" / "gpu-2xh200-placement.yaml")
+    runs = {r.name: r for r in study.runs.values()}
+    assert {runs[f"{e}-overlap"].overlap for e in ("sglang", "vllm")} == {1}
+    assert {runs[f"{e}-overlap"].rollout_is for e in ("sglang", "vllm")} == {"truncate"}
+    assert {runs[f"{e}-overlap-long"].steps for e in ("sglang", "vllm")} == {30}
+    names = {rid.rsplit("-", 1)[0] if rid.endswith(("-r2", "-r3")) else rid for rid in study.runs}
+    assert len(names) == 8 and len(study.runs) == 6 * 3 + 2
 
 
 def test_soak_plan_runs_each_engine_for_fifty_steps_one_after_another(root: Path) -> None:

@@ -352,6 +352,29 @@ plan_verdictkv() {
   p1=("0|$(interleave 3 sglang-kv)")
 }
 
+plan_placement() {
+  # issue 18 on two GPUs (config/gpu-2xh200-placement.yaml): one round of the six arms, round HYBRIDRL_ROUND
+  # (default 1; replicate K is ARM-rK), one run at a time: colocate on GPU 0, split and overlap with the engine on
+  # GPU 1 and the trainer on GPU 0; the engines alternate so that a drift of the host falls on both. About 20
+  # minutes, so one lease a round, each holding every comparison of its round
+  study=config/gpu-2xh200-placement.yaml
+  gpus=2
+  local k=${HYBRIDRL_ROUND:-1} arm items=()
+  local suffix=$( ((k > 1)) && echo "-r$k")
+  for arm in sglang-colocate vllm-colocate; do items+=("train $arm$suffix 0"); done
+  for arm in sglang-split vllm-split sglang-overlap vllm-overlap; do items+=("train $arm$suffix"); done
+  phases=(p1)
+  p1=("0,1|$(IFS=';'; echo "${items[*]}")")
+}
+
+plan_placementlong() {
+  # issue 18's drift runs: 30 overlapped steps per engine, one after the other (about 8 minutes each)
+  study=config/gpu-2xh200-placement.yaml
+  gpus=2
+  phases=(p1)
+  p1=("0,1|train sglang-overlap-long;train vllm-overlap-long")
+}
+
 item() {  # item GPUS WORDS...: one plan item; GPUS is the lane's, used where the item names none
   local gpu=$1 what=$2 name=${3:-}
   shift $(($# < 3 ? $# : 3))

@@ -12,6 +12,15 @@ from typing import Any, Protocol
 ROLLOUT_PATHS = ("raw", "client", "whole", "stream_all", "old_client")
 
 
+def stamp_timing(arrived: Any, first: Any, last: Any, tokens: int) -> tuple[float, float]:
+    """(TTFT, TPOT) in seconds from an engine's stamps of one request: its arrival, its first and its last token
+    (one clock, any origin), TPOT being (last - first) / (tokens - 1). NaN where a stamp is missing or zero."""
+    arrived, first, last = (float(x or 0.0) for x in (arrived, first, last))
+    ttft = first - arrived if arrived > 0 and first > 0 else float("nan")
+    tpot = (last - first) / (tokens - 1) if first > 0 and last > 0 and tokens > 1 else float("nan")
+    return ttft, tpot
+
+
 class EngineError(RuntimeError):
     """The engine failed to start, died, or answered something unusable (the loop asks alive() which)."""
 

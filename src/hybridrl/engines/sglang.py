@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hybridrl.engines.base import EngineError, Request, Sampling, SleepVariant
+from hybridrl.engines.base import EngineError, Request, Sampling, SleepVariant, stamp_timing
 from hybridrl.engines.gpus import asleep_readings, awake_readings, split_engine_devices
 from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, max_model_len, model_dtype, post_json
 from hybridrl.study.run_config import RunConfig
@@ -89,12 +89,8 @@ def answer_timing(answer: dict[str, Any]) -> tuple[float, float]:
     (prefill_finished_time), then per later token until it finished (request_finished_ts). Wall-clock seconds
     (SGLang 0.5.16); NaN where a field is missing."""
     meta = answer.get("meta_info") or {}
-    arrived, first, done = (meta.get(k) for k in ("request_received_ts", "prefill_finished_time",
-                                                  "request_finished_ts"))
-    n = int(meta.get("completion_tokens") or 0)
-    ttft = first - arrived if arrived and first else float("nan")
-    tpot = (done - first) / (n - 1) if first and done and n > 1 else float("nan")
-    return float(ttft), float(tpot)
+    return stamp_timing(meta.get("request_received_ts"), meta.get("prefill_finished_time"),
+                        meta.get("request_finished_ts"), int(meta.get("completion_tokens") or 0))
 
 
 class _SGLangClient(RolloutClient):

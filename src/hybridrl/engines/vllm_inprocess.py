@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybridrl.engines.base import Completion, EngineError, Request, Sampling, SleepVariant
+from hybridrl.engines.base import Completion, EngineError, Request, Sampling, SleepVariant, stamp_timing
 from hybridrl.engines.gpus import asleep_readings, awake_readings, nvml_indices, split_engine_devices
 from hybridrl.engines.vllm import engine_flags, multicast_off_env, reset_until_done
 from hybridrl.study.run_config import RunConfig
@@ -31,11 +31,8 @@ def stats_timing(stats: Any, tokens: int) -> tuple[float, float]:
     """(TTFT, TPOT) in seconds from a finished output's request stats (vLLM's RequestStateStats, kept while the
     engine logs stats, its default), as the server's per-request metrics: from the request's arrival in the
     engine's queue to its first token, then (last - first token) / (tokens - 1). NaN where a stamp is missing."""
-    queued, first, last = (float(getattr(stats, k, 0.0) or 0.0) for k in ("queued_ts", "first_token_ts",
-                                                                            "last_token_ts"))
-    ttft = first - queued if queued > 0 and first > 0 else float("nan")
-    tpot = (last - first) / (tokens - 1) if first > 0 and last > 0 and tokens > 1 else float("nan")
-    return ttft, tpot
+    return stamp_timing(*(getattr(stats, k, None) for k in ("queued_ts", "first_token_ts", "last_token_ts")),
+                        tokens)
 
 
 def sampling_kwargs(s: Sampling) -> dict[str, Any]:

@@ -13,10 +13,12 @@ figures [--fix] FILE...`); tests/test_readme_figures.py fails on any difference.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -30,6 +32,12 @@ MARK = re.compile(r"<!--fig (?P<expr>[^>]*?)-->(?P<text>.*?)<!--/fig-->", re.S)
 @cache
 def _table(study: str) -> pd.DataFrame:
     return read_table(REPO / study / "steps.csv")
+
+
+@cache
+def _json(path: str) -> Any:
+    """A committed JSON result, read once however many figures quote it."""
+    return json.loads((REPO / path).read_text())
 
 
 def _config(df: pd.DataFrame, name: str) -> pd.DataFrame:
@@ -115,9 +123,7 @@ def value(path: str, field: str, scale: str = "1", digits: str = "2") -> str:
     """One field of a committed JSON result (benchmarks write JSON, not steps.csv), dotted for nesting
     (hf.update_s_median; a number indexes a list: settings.4.ceiling_tok_s), times scale, with `digits`
     decimals and thousands separators."""
-    import json
-
-    x: object = json.loads((REPO / path).read_text())
+    x: object = _json(path)
     for key in field.split("."):
         if isinstance(x, list) and key.isdigit() and int(key) < len(x):
             x = x[int(key)]
@@ -131,9 +137,7 @@ def value(path: str, field: str, scale: str = "1", digits: str = "2") -> str:
 def repeats(path: str, which: str, field: str, unit: str = "k") -> str:
     """min–max of one field over a bench JSON's repeats of one path (raw, client, stream_all, old_client):
     in thousands ('12.3k–15.0k', unit k) or whole numbers (unit 1)."""
-    import json
-
-    rows = json.loads((REPO / path).read_text()).get("repeats") or []
+    rows = _json(path).get("repeats") or []
     values = [float(r[field]) for r in rows if r.get("path") == which and r.get(field) is not None]
     if not values:
         raise ValueError(f"{path} has no repeats of path {which!r} with {field!r}")

@@ -317,13 +317,16 @@ plan_trainer() {
   p1=("0|tbench qwen3-0.6b;tbench qwen3-30b-a3b")
 }
 
+# replica ARM K: the run name of replicate K of ARM (the first keeps the plain name, as the study's run ids do)
+replica() { if (($2 > 1)); then echo "$1-r$2"; else echo "$1"; fi; }
+
 # interleave ROUNDS ARM...: "train ARM" items round by round (A B C A B C ...), replicate k > 1 as ARM-rK, so
 # that a slow drift of the host falls on every arm alike and a lease that ends early keeps whole rounds
 interleave() {
   local rounds=$1 k arm out=()
   shift
   for ((k = 1; k <= rounds; k++)); do
-    for arm in "$@"; do out+=("train $arm$( ((k > 1)) && echo "-r$k")"); done
+    for arm in "$@"; do out+=("train $(replica "$arm" "$k")"); done
   done
   (IFS=';'; echo "${out[*]}")
 }
@@ -360,9 +363,8 @@ plan_placement() {
   study=config/gpu-2xh200-placement.yaml
   gpus=2
   local k=${HYBRIDRL_ROUND:-1} arm items=()
-  local suffix=$( ((k > 1)) && echo "-r$k")
-  for arm in sglang-colocate vllm-colocate; do items+=("train $arm$suffix 0"); done
-  for arm in sglang-split vllm-split sglang-overlap vllm-overlap; do items+=("train $arm$suffix"); done
+  for arm in sglang-colocate vllm-colocate; do items+=("train $(replica "$arm" "$k") 0"); done
+  for arm in sglang-split vllm-split sglang-overlap vllm-overlap; do items+=("train $(replica "$arm" "$k")"); done
   phases=(p1)
   p1=("0,1|$(IFS=';'; echo "${items[*]}")")
 }

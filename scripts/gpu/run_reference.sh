@@ -332,27 +332,30 @@ interleave() {
 }
 
 plan_verdict() {
-  # issue 16 on one GPU (config/gpu-h200-verdict.yaml), first lease: the like-for-like arms (each releases its
-  # weights and KV cache), three replicates each, interleaved round by round, one run at a time with nothing else
-  # on the host; then the standalone benchmark of each engine, 5 repeats, on step 3's request set (the same in
-  # every replicate), raw against the run's client only (the client lease measured the other paths); the client's
-  # ceiling last. About 30 minutes: a lease that ends early keeps whole rounds
+  # issue 16 on one GPU (config/gpu-h200-verdict.yaml), first lease: the headline pair, SGLang and the vLLM server,
+  # each releasing weights and KV cache, three replicates each, interleaved round by round, one run at a time with
+  # nothing else on the host; then each engine's standalone benchmark, 5 repeats, on step 3's request set (the same
+  # in every replicate), raw against the run's client only (the client lease measured the other paths); the
+  # client's ceiling last. Two arms, not three: with each engine's first start on a bare host, three arms x three
+  # rounds take about 30 minutes before any benchmark, more than a lease holds
   local vpaths="--paths raw client"
   study=config/gpu-h200-verdict.yaml
   gpus=1
   export HYBRIDRL_BENCH_REPEATS=5
   phases=(p1)
-  p1=("0|$(interleave 3 sglang-full vllm-server vllm-inprocess);bench sglang-full 3 $vpaths;bench vllm-server 3 $vpaths;bench vllm-inprocess 3 $vpaths;ceiling")
+  p1=("0|$(interleave 3 sglang-full vllm-server);bench sglang-full 3 $vpaths;bench vllm-server 3 $vpaths;ceiling")
 }
 
 plan_verdictkv() {
-  # issue 16, second lease: SGLang's KV-only release, an arm of its own (its sleep and wake move other bytes than
-  # any other arm's), three replicates; its throughput beside the first lease's arms spans two leases, which the
-  # report's caveats say
+  # issue 16, second lease: in-process vLLM (level 1) and SGLang's KV-only release, an arm of its own (its sleep and
+  # wake move other bytes than any other arm's), three replicates each, interleaved, then their benchmarks; their
+  # comparisons with the first lease's arms span two leases, which the report's caveats say
+  local vpaths="--paths raw client"
   study=config/gpu-h200-verdict.yaml
   gpus=1
+  export HYBRIDRL_BENCH_REPEATS=5
   phases=(p1)
-  p1=("0|$(interleave 3 sglang-kv)")
+  p1=("0|$(interleave 3 vllm-inprocess sglang-kv);bench vllm-inprocess 3 $vpaths;bench sglang-kv 3 $vpaths")
 }
 
 plan_placement() {

@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from hybridrl.report import stats
+from hybridrl.report import conditions, stats, wording
 
 SGLANG = "sglang"
 VLLM_VARIANTS = {"vllm": "vLLM server", "vllm-inprocess": "vLLM in-process"}
@@ -34,6 +34,8 @@ class Metric:
     kind: str  # "x": SGLang/vLLM; "inv": vLLM/SGLang (> 1: SGLang faster); "pct": % change SGLang vs vLLM
     claimed: str
     steady: bool = True  # False: one value per run (engine start), taken from every step
+    better: str = "faster"  # the verdict's word for the side that comes out ahead, and for the other
+    worse: str = "slower"
 
     @property
     def heading(self) -> str:
@@ -48,10 +50,12 @@ METRICS = (
     Metric("TPOT p50 over requests", ("perf/tpot_ms_p50",), "ms", "inv", "–"),
     Metric("TTFT p50", ("perf/ttft_s_p50",), "s", "inv", "–"),
     Metric("p99 latency", ("perf/latency_s_p99",), "s", "pct", "-52%"),
-    Metric("Peak GPU memory", ("mem/peak_gb",), "GB", "pct", "-29%"),
+    Metric("Peak GPU memory", ("mem/peak_gb",), "GB", "pct", "-29%", better="lower", worse="higher"),
     # cost per GPU: the whole step's tokens over every GPU the run held (aggregate.derive)
-    Metric("Tokens/s per GPU, whole step", ("cost/tok_s_per_gpu",), "tok/s", "x", "–"),
-    Metric("GPU-hours per 1,000 rollouts", ("cost/gpu_h_per_1k_rollouts",), "GPU-h", "pct", "–"),
+    Metric("Tokens/s per GPU, whole step", ("cost/tok_s_per_gpu",), "tok/s", "x", "–", better="higher",
+           worse="lower"),
+    Metric("GPU-hours per 1,000 rollouts", ("cost/gpu_h_per_1k_rollouts",), "GPU-h", "pct", "–", better="lower",
+           worse="higher"),
     Metric("Engine startup", ("timing_s/engine_start",), "s", "inv", "3.4x", steady=False),
 )
 
@@ -86,6 +90,26 @@ class Headline:
         arm = f" ({self.release})" if self.release else ""
         return f"{self.placement}: SGLang{arm} vs {VLLM_VARIANTS[self.vllm_engine]}" + (
             f" ({self.label})" if self.label else "")
+
+
+def sentence(row: Row, vllm: str) -> str:
+    """The row's conclusion by the fixed wording rules, each ratio written the way round its table shows it."""
+    est, m = row.est, row.metric
+    n_s, n_v = (row.runs_sglang, row.n_sglang), (row.runs_vllm, row.n_vllm)
+    if m.kind == "inv":  # vLLM / SGLang of a time: above 1, vLLM takes longer
+        return wording.conclusion(m.name, vllm, "SGLang", est, n_v, n_s, False, m.better, m.worse)
+    if m.kind == "pct":  # back from a percent change to the ratio it came from
+        est = stats.Estimate(1 + est.value / 100, 1 + est.lo / 100, 1 + est.hi / 100, est.n, est.n_runs)
+        return wording.conclusion(m.name, "SGLang", vllm, est, n_s, n_v, False, m.better, m.worse)
+    return wording.conclusion(m.name, "SGLang", vllm, est, n_s, n_v, True, m.better, m.worse)
+
+
+def _pairable(key: str, a: Any, b: Any) -> bool:
+    """Whether two configurations agree on a PAIR_KEY field. In-process vLLM has no HTTP client, so its client
+    is only the share of requests streamed: it pairs with an HTTP engine's client that streams the same share."""
+    if key == "client" and isinstance(a, str) and isinstance(b, str) and (", " in a) != (", " in b):
+        return a.split(", ")[0] == b.split(", ")[0]
+    return _same(a, b)
 
 
 def _values(runs: pd.DataFrame, col: str) -> list[pd.Series]:
@@ -126,12 +150,13 @@ def headlines(df: pd.DataFrame) -> list[Headline]:
     that has at least one row. SGLang's KV-only and full-release arms are paired apart."""
     order = [c[-1] for c in stats.configs(df)]
     runs = df.drop_duplicates("config_id").set_index("config_id").loc[order]
+    wins = conditions.windows(df)
     out = []
     for placement, variant in product(PLACEMENTS, VLLM_VARIANTS):
         here = runs[(runs["placement"] == placement).fillna(False).to_numpy(dtype=bool)]
         engines = here["engine"].astype(str)
         pairs = [(s, v) for s, v in product(here.index[engines == SGLANG], here.index[engines == variant])
-                 if all(_same(runs.at[s, k], runs.at[v, k]) for k in PAIR_KEY)]
+                 if all(_pairable(k, runs.at[s, k], runs.at[v, k]) for k in PAIR_KEY)]
         for s, v in pairs:
             found = [compare_metric(m, df[df["config_id"] == s], df[df["config_id"] == v]) for m in METRICS]
             rows = [r for r in found if r is not None]
@@ -139,8 +164,10 @@ def headlines(df: pd.DataFrame) -> list[Headline]:
                 label = f"{_suffix(s)} vs {_suffix(v)}" if len(pairs) > 1 else ""
                 key = {k: runs.at[s, k] for k in PAIR_KEY}
                 release = runs.at[s, "release"] if "release" in runs.columns else None
-                out.append(Headline(placement, variant, s, v, key, rows, label,
-                                    caveats(runs.loc[s], runs.loc[v]), "" if pd.isna(release) else str(release)))
+                order_note = conditions.order_caveat(wins, s, v, "SGLang", VLLM_VARIANTS[variant])
+                notes = caveats(runs.loc[s], runs.loc[v]) + ((order_note,) if order_note else ())
+                out.append(Headline(placement, variant, s, v, key, rows, label, notes,
+                                    "" if pd.isna(release) else str(release)))
     return out
 
 

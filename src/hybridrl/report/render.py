@@ -13,7 +13,7 @@ import jinja2
 import pandas as pd
 
 from hybridrl.engines.client_ceiling import HEADROOM
-from hybridrl.report import client_paths, headline, learning, stats, trend, wording
+from hybridrl.report import client_paths, conditions, headline, learning, stats, trend, wording
 from hybridrl.report.aggregate import CONFIG_KEY, atomic_path, commit_label, read_provenance
 from hybridrl.report.plots import PLOTS, run_labels
 from hybridrl.run.checks import GAP_LIMITS
@@ -265,8 +265,32 @@ def headline_tables(df: pd.DataFrame) -> list[dict[str, Any]]:
         shared = ", ".join(f"{k} {_field(v)}" for k, v in h.key.items())
         out.append({"title": h.title, "table": table, "shared": shared, "caveats": list(h.caveats),
                     "sglang_run": h.sglang_run, "vllm_run": h.vllm_run, "conclusions": conclusions,
+                    "verdict": [headline.sentence(r, vllm) for r in h.rows],
                     "n_comparisons": sum(math.isfinite(r.est.lo) for r in h.rows)})
     return out
+
+
+def recording(df: pd.DataFrame, labels: dict[str, str]) -> dict[str, Any] | None:
+    """The runs in the order they were recorded: when, on which GPU and commit, and which other runs of the study
+    shared the host meanwhile (their windows overlapped, engine start-up included)."""
+    wins = conditions.windows(df)
+    if not wins:
+        return None
+    near = conditions.beside(wins)
+    first = df.drop_duplicates("run_id").set_index("run_id")
+    table = Table(["#", "run", "recorded", "minutes", "GPU", "code", "beside it"])
+    for i, w in enumerate(wins, 1):
+        table.rows.append([Cell(str(i), "num"), Cell(labels[w.run_id]), Cell(conditions.span(w.start, w.stop)),
+                           Cell(f"{(w.stop - w.start) / 60:.1f}", "num"), Cell(_field(first.at[w.run_id, "gpu"])),
+                           Cell(_field(first.at[w.run_id, "git_commit"])),
+                           Cell(", ".join(labels[o] for o in near[w.run_id]) or "none",
+                                "fail" if near[w.run_id] else "ok")])
+    shared = sum(bool(v) for v in near.values())
+    note = ("No run shared the host with another run of this study: each one's window (its engine's start to its "
+            "last step) overlaps no other's." if not shared else
+            f"{shared} of {len(wins)} runs shared the host with another run of this study for part of their window; "
+            "their timings may hold the other's load (see the timeline plot).")
+    return {"table": table, "note": note}
 
 
 def _detectable(est: stats.Estimate, kind: str) -> str:
@@ -507,6 +531,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "baseline": ratios[0] if ratios else None,
         "ratios": ratios[1] if ratios else None,
         "warmup": warmup_table(df, labels),
+        "recording": recording(df, labels),
         "correctness": correctness_table(df, labels),
         "accuracy": accuracy_table(df, labels),
         "client": client_table(df, labels),

@@ -40,7 +40,11 @@ def basis(est: Estimate, n_a: tuple[int, int], n_b: tuple[int, int]) -> str:
 
 
 def ratio_text(est: Estimate) -> str:
-    return f"{est.value:.2f}x [{est.lo:.2f}, {est.hi:.2f}]"
+    """'0.83x [0.74, 0.89]'; more digits where two would print an interval that excludes 1 as [1.00, 1.00]."""
+    digits = 2
+    while digits < 4 and f"{est.lo:.{digits}f}" == f"{est.hi:.{digits}f}":
+        digits += 1
+    return f"{est.value:.{digits}f}x [{est.lo:.{digits}f}, {est.hi:.{digits}f}]"
 
 
 def conclusion(what: str, a: str, b: str, est: Estimate, n_a: tuple[int, int], n_b: tuple[int, int],

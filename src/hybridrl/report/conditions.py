@@ -1,0 +1,75 @@
+"""When each run was recorded, and what else ran beside it (issue 16: fair comparisons need runs recorded close
+in time, interleaved between arms, with nothing else on the host).
+
+A run's window runs from its engine's start (step 1's `timing_s/engine_start`, before that step began) to its
+last step's end, from each step's `time_unix` (its end) and `timing_s/step`: another run's start-up keeps the
+host busy for minutes, so it counts as beside. Two runs whose windows overlap shared the host while measuring.
+Two arms are interleaved where neither arm's runs all come before the other's; otherwise a drift of the host,
+or a change of machine between two leases, falls on one arm only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+
+@dataclass(frozen=True)
+class Window:
+    run_id: str
+    config_id: str
+    start: float  # unix seconds
+    stop: float
+
+    def overlaps(self, other: Window) -> bool:
+        return self.start < other.stop and other.start < self.stop
+
+
+def windows(df: pd.DataFrame) -> list[Window]:
+    """Each run's wall-clock window, in the order the runs started; runs without times are left out."""
+    if "time_unix" not in df.columns or "timing_s/step" not in df.columns:
+        return []
+    stop = pd.to_numeric(df["time_unix"], errors="coerce")
+    step = pd.to_numeric(df["timing_s/step"], errors="coerce")
+    engine = (pd.to_numeric(df["timing_s/engine_start"], errors="coerce").fillna(0.0)
+              if "timing_s/engine_start" in df.columns else 0.0)
+    frame = pd.DataFrame({"run_id": df["run_id"], "config_id": df["config_id"], "start": stop - step - engine,
+                          "stop": stop}).dropna()
+    by_run = frame.groupby("run_id").agg(config_id=("config_id", "first"), start=("start", "min"),
+                                         stop=("stop", "max"))
+    return [Window(str(r), str(row.config_id), float(row.start), float(row.stop))
+            for r, row in by_run.sort_values("start").iterrows()]
+
+
+def beside(wins: list[Window]) -> dict[str, list[str]]:
+    """For each run, the other runs whose windows overlapped its own."""
+    return {w.run_id: [o.run_id for o in wins if o is not w and w.overlaps(o)] for w in wins}
+
+
+def utc(t: float) -> str:
+    return pd.Timestamp(t, unit="s").strftime("%Y-%m-%d %H:%M")
+
+
+def span(start: float, stop: float) -> str:
+    """'2026-11-23 21:42–21:58 UTC', the date once where both ends share it."""
+    a, b = utc(start), utc(stop)
+    return f"{a}–{b[11:] if a[:10] == b[:10] else b} UTC"
+
+
+def order_caveat(wins: list[Window], a: str, b: str, name_a: str, name_b: str) -> str | None:
+    """A caveat where configurations a and b, one of them replicated, were not interleaved: every run of one after
+    every run of the other. (One run a side cannot interleave; the pair's time apart is its own caveat.)"""
+    wa = [w for w in wins if w.config_id == a]
+    wb = [w for w in wins if w.config_id == b]
+    if not wa or not wb or max(len(wa), len(wb)) < 2:
+        return None
+    for first, later, n_first, n_later in ((wa, wb, name_a, name_b), (wb, wa, name_b, name_a)):
+        if max(w.start for w in first) < min(w.start for w in later):
+            gap = min(w.start for w in later) - max(w.stop for w in first)
+            return (f"not interleaved: every {n_later} run was recorded after every {n_first} run "
+                    f"({n_first} {span(min(w.start for w in first), max(w.stop for w in first))}, "
+                    f"{n_later} {span(min(w.start for w in later), max(w.stop for w in later))}, "
+                    f"{max(gap, 0) / 60:.0f} min between them), so a drift of the host or a change of machine "
+                    "between them falls on one arm only")
+    return None

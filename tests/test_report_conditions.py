@@ -1,0 +1,124 @@
+"""The verdict's wording per metric, the pairing of in-process vLLM, and when each run was recorded (issue 16)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from test_report import client_run, headline_run, headline_study
+
+from hybridrl.report import conditions
+from hybridrl.report.headline import headlines, sentence
+from hybridrl.report.stats import Estimate
+from hybridrl.report.wording import RATIO, ratio_text
+
+T0 = 1_795_470_000.0  # 2026-11-23 UTC
+
+
+def timed(run: pd.DataFrame, start: float, step_s: float = 10.0) -> pd.DataFrame:
+    """The run's steps back to back from `start`, each step_s long (time_unix is a step's end)."""
+    return run.assign(**{"timing_s/step": step_s, "time_unix": start + step_s * run["step"]})
+
+
+def test_windows_run_from_the_engine_start_to_the_last_step_and_find_runs_that_shared_the_host() -> None:
+    a = timed(headline_run("sglang-colocate-aaaa1111", "sglang"), T0)  # steps end at T0 + 10 ... T0 + 100
+    b = timed(headline_run("vllm-colocate-bbbb2222", "vllm"), T0 + 200)
+    wins = conditions.windows(headline_study(a, b))
+    assert [w.run_id for w in wins] == ["sglang-colocate-aaaa1111", "vllm-colocate-bbbb2222"]
+    # step 1 began at T0 + 0 after the engine's 60 s start; the last step ended at T0 + 100
+    assert (wins[0].start, wins[0].stop) == (T0 - 60, T0 + 100)
+    assert conditions.beside(wins) == {"sglang-colocate-aaaa1111": [], "vllm-colocate-bbbb2222": []}
+    # b's engine starting during a's last steps is a start-up beside a's measured steps
+    late = conditions.windows(headline_study(a, timed(headline_run("vllm-colocate-bbbb2222", "vllm"), T0 + 140)))
+    assert conditions.beside(late) == {"sglang-colocate-aaaa1111": ["vllm-colocate-bbbb2222"],
+                                       "vllm-colocate-bbbb2222": ["sglang-colocate-aaaa1111"]}
+    assert conditions.windows(headline_study(a).drop(columns=["time_unix"])) == []
+
+
+def _arms(order: str) -> pd.DataFrame:
+    """Runs of configurations s (SGLang) and v (vLLM) recorded one after another in the given order."""
+    runs, seen = [], {"s": 0, "v": 0}
+    for i, arm in enumerate(order):
+        seen[arm] += 1
+        base = "sglang-colocate-aaaa1111" if arm == "s" else "vllm-colocate-bbbb2222"
+        run_id = base if seen[arm] == 1 else f"{base}-r{seen[arm]}"
+        runs.append(timed(headline_run(run_id, "sglang" if arm == "s" else "vllm", trainer="hf"), T0 + 600 * i))
+    return headline_study(*runs)
+
+
+def test_a_pair_recorded_arm_after_arm_gets_a_caveat_and_an_interleaved_one_none() -> None:
+    wins = conditions.windows(_arms("svsvsv"))
+    assert conditions.order_caveat(wins, "sglang-colocate-aaaa1111", "vllm-colocate-bbbb2222", "SGLang", "vLLM") is None
+    wins = conditions.windows(_arms("sssvvv"))
+    note = conditions.order_caveat(wins, "sglang-colocate-aaaa1111", "vllm-colocate-bbbb2222", "SGLang", "vLLM")
+    assert note is not None and note.startswith("not interleaved: every vLLM run was recorded after every SGLang run")
+    assert "7 min between them" in note  # the last SGLang run ended at T0 + 1300, the first vLLM began at T0 + 1740
+    # one run a side cannot interleave: the time apart is the caveat that applies there
+    wins = conditions.windows(_arms("sv"))
+    assert conditions.order_caveat(wins, "sglang-colocate-aaaa1111", "vllm-colocate-bbbb2222", "SGLang", "vLLM") is None
+    [h] = headlines(_arms("sssvvv"))
+    assert any(c.startswith("not interleaved") for c in h.caveats)
+    [h] = headlines(_arms("svvssv"))
+    assert not any(c.startswith("not interleaved") for c in h.caveats)
+
+
+def test_the_verdict_says_which_side_is_ahead_the_way_round_each_ratio_is_written() -> None:
+    df = headline_study(headline_run("sglang-colocate-aaaa1111", "sglang", speed=2.0),
+                        headline_run("sglang-colocate-aaaa1111-r2", "sglang", speed=2.0, seed=5),
+                        headline_run("vllm-colocate-bbbb2222", "vllm"),
+                        headline_run("vllm-colocate-bbbb2222-r2", "vllm", seed=6))
+    [h] = headlines(df)
+    said = {r.metric.name: sentence(r, "vLLM server") for r in h.rows}
+    assert said["Rollout throughput"].startswith("Rollout throughput: SGLang is faster than vLLM server, "
+                                                 "SGLang / vLLM server ")
+    assert said["ITL, mean"].startswith("ITL, mean: vLLM server is slower than SGLang, vLLM server / SGLang ")
+    assert said["p99 latency"].startswith("p99 latency: SGLang is faster than vLLM server, SGLang / vLLM server ")
+    # each ratio the way round its words say: SGLang twice as fast, so half the latency
+    quoted = {k: float(RATIO.search(v).group(1)) for k, v in said.items()}
+    assert quoted["Rollout throughput"] == pytest.approx(2, rel=0.05)
+    assert quoted["ITL, mean"] == pytest.approx(2, rel=0.05) and quoted["p99 latency"] == pytest.approx(0.5, rel=0.05)
+    assert said["Peak GPU memory"].startswith("Peak GPU memory: SGLang is lower than vLLM server")
+    assert "(2 runs, 16 steps vs 2 runs, 16 steps)" in said["Rollout throughput"]
+    # the same engine speed on both sides: nothing is ranked
+    df = headline_study(headline_run("sglang-colocate-aaaa1111", "sglang"), headline_run("sglang-colocate-aaaa1111-r2",
+                        "sglang", seed=5), headline_run("vllm-colocate-bbbb2222", "vllm", seed=7),
+                        headline_run("vllm-colocate-bbbb2222-r2", "vllm", seed=8))
+    [h] = headlines(df)
+    tput = next(r for r in h.rows if r.metric.name == "Rollout throughput")
+    assert tput.est.contains(1.0)
+    assert "could not be told apart" in sentence(tput, "vLLM server")
+
+
+def test_an_interval_that_excludes_one_never_prints_as_one_to_one() -> None:
+    assert ratio_text(Estimate(0.83, 0.74, 0.89, 24)) == "0.83x [0.74, 0.89]"
+    assert ratio_text(Estimate(0.9968, 0.9961, 0.9975, 24)) == "0.997x [0.996, 0.998]"
+
+
+def test_in_process_vllm_pairs_with_the_http_engine_that_streams_the_same_share() -> None:
+    df = headline_study(client_run("sglang-new-aaaa1111", "sglang", 0.125, False),
+                        client_run("sglang-old-bbbb2222", "sglang", 1.0, True),
+                        client_run("vllm-inprocess-new-cccc3333", "vllm-inprocess", 0.125, False),
+                        client_run("vllm-inprocess-old-dddd4444", "vllm-inprocess", 1.0, False))
+    pairs = {(h.sglang_run, h.vllm_run) for h in headlines(df)}
+    assert pairs == {("sglang-new-aaaa1111", "vllm-inprocess-new-cccc3333"),
+                     ("sglang-old-bbbb2222", "vllm-inprocess-old-dddd4444")}
+
+
+@pytest.mark.parametrize("gap_s, shared", [(600.0, False), (50.0, True)])
+def test_report_lists_the_runs_in_recording_order_and_flags_runs_that_shared_the_host(
+        tmp_path: Path, gap_s: float, shared: bool) -> None:
+    from hybridrl.report.render import render
+
+    df = headline_study(timed(headline_run("sglang-colocate-aaaa1111", "sglang"), T0),
+                        timed(headline_run("vllm-colocate-bbbb2222", "vllm"), T0 + gap_s))
+    md = tmp_path / "report.md"
+    render(df, md, tmp_path / "report.html", {}, "study", tmp_path / "runs")
+    text = md.read_text()
+    section = text.split("## When each run was recorded")[1].split("\n## ")[0]
+    assert ("2 of 2 runs shared the host" in section) is shared
+    assert ("No run shared the host" in section) is not shared
+    rows = [line for line in section.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
+    assert len(rows) == 2 and "2026-11-23" in rows[0]
+    assert rows[0].rstrip(" |").endswith("none") is not shared
+    assert "## Verdict" in text and "Rollout throughput: SGLang" in text.split("## Verdict")[1]

@@ -580,3 +580,7 @@ def test_client_paths_compare_one_engine_through_two_clients_lighter_over_heavie
     assert pairs(same) == [] and client_paths_table(same, run_labels(same)) is None
     reseeded = client_run("sglang-new-aaaa", "sglang", 0.125, False).assign(seed=1)
     assert pairs(headline_study(client_run("sglang-old-bbbb", "sglang", 1.0, True), reseeded)) == []
+    # runs older than the client key have none recorded: no comparison, and no error on the missing values
+    old = headline_study(client_run("sglang-a-aaaa", "sglang", None, None), client_run("sglang-b-bbbb", "sglang", None,
+                                                                                        None).assign(seed=1))
+    assert pairs(old) == []

@@ -44,11 +44,13 @@ def pairs(df: pd.DataFrame) -> list[ClientPair]:
     """Every two configurations that differ only in their rollout client (and share the seed, so the request
     sets match), with the other path over the baseline's steady-state medians and 95% intervals."""
     keep = [i for i, k in enumerate(CONFIG_KEY) if k not in APART]
+    at = CONFIG_KEY.index("client")
     steady = stats.steady_state(df)
     out = []
     for a, b in combinations(stats.configs(df), 2):
-        if [a[i] for i in keep] != [b[i] for i in keep] or a[CONFIG_KEY.index("client")] == b[
-                CONFIG_KEY.index("client")] or _seed(df, a) != _seed(df, b):
+        # as text, so that fields never recorded (NA, as in runs older than the client key) compare as equal
+        if ([str(a[i]) for i in keep] != [str(b[i]) for i in keep] or str(a[at]) == str(b[at])
+                or _seed(df, a) != _seed(df, b)):
             continue
         base, other = (a, b) if _streaming(df, a) >= _streaming(df, b) else (b, a)
         ratios = tuple(stats.compare(df, m, other, base) for m, _ in METRICS)

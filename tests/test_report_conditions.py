@@ -122,3 +122,20 @@ def test_report_lists_the_runs_in_recording_order_and_flags_runs_that_shared_the
     assert len(rows) == 2 and "2026-11-23" in rows[0]
     assert rows[0].rstrip(" |").endswith("none") is not shared
     assert "## Verdict" in text and "Rollout throughput: SGLang" in text.split("## Verdict")[1]
+
+
+def test_runs_name_their_machine_by_boot_id_and_a_pair_from_two_machines_says_so(tmp_path: Path) -> None:
+    from hybridrl.report.aggregate import provenance_fields
+    from hybridrl.run.provenance import host_info
+
+    boot = host_info()["boot_id"]
+    assert boot is None or len(boot) >= 8  # Linux always has one; elsewhere it is simply not recorded
+    prov = {"host": {"boot_id": "1a2b3c4d-0000-4000-8000-000000000000"}, "git": {"commit": "464302c"}}
+    assert provenance_fields(prov)["machine"] == "1a2b3c4d"
+    assert provenance_fields({"git": {}})["machine"] is None  # recorded before boot ids
+    one = headline_run("sglang-colocate-aaaa1111", "sglang").assign(machine="1a2b3c4d")
+    same = headline_run("vllm-colocate-bbbb2222", "vllm").assign(machine="1a2b3c4d")
+    [h] = headlines(headline_study(one, same))
+    assert not any("machines" in c for c in h.caveats)
+    [h] = headlines(headline_study(one, same.assign(machine="99990000")))
+    assert "recorded by different machines (boot ids): 1a2b3c4d (SGLang) vs 99990000" in h.caveats

@@ -18,7 +18,7 @@ from hybridrl.study.run_config import split_replicate
 # From each run's provenance.json: which code and which GPU recorded it (comparisons across them get a caveat),
 # the share of each GPU the engine was given, which sets most of its memory, and what a colocated engine gives
 # back while the trainer runs (SGLang: kv_cache keeps the weights resident; vLLM level 1 moves them to CPU)
-PROVENANCE = ["git_commit", "gpu", "sglang_release", "device"]
+PROVENANCE = ["git_commit", "gpu", "machine", "sglang_release", "device"]
 # the GPUs a run held (train_tp, train_gpus), its rollouts per step, its warm-up and its rollout client (which
 # requests are streamed, through which pool) come from its run config too
 CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "train_tp", "train_gpus", "prompts_per_step",
@@ -87,13 +87,16 @@ def commit_label(git: dict[str, Any]) -> str | None:
 
 
 def provenance_fields(prov: dict[str, Any] | None) -> dict[str, Any]:
-    """The commit, the GPU name and the engine's memory settings a run recorded; None where unknown."""
+    """The commit, the GPU name, the machine (its boot id's start) and the engine's memory settings a run
+    recorded; None where unknown."""
     if prov is None:
         return dict.fromkeys(PROVENANCE + CONFIGURED)
     devices = (prov.get("gpu") or {}).get("devices") or []
     names = sorted({d.get("name") for d in devices if d.get("name")})
     recorded = prov.get("run_config") or {}  # as that run wrote it: older runs may lack a key
+    boot = (prov.get("host") or {}).get("boot_id")  # recorded since 2026-11-23: which machine (and boot) ran it
     return {"git_commit": commit_label(prov.get("git") or {}), "gpu": " + ".join(names) or None,
+            "machine": boot[:8] if isinstance(boot, str) and boot else None,
             **{k: recorded.get(k) for k in ["sglang_release", "device"] + CONFIGURED}}
 
 

@@ -174,7 +174,7 @@ def headlines(df: pd.DataFrame) -> list[Headline]:
 def caveats(sglang: pd.Series, vllm: pd.Series) -> tuple[str, ...]:
     """What a reader must know to read the pair: different code or GPUs, and what peak memory compares."""
     out = []
-    for col, what in (("git_commit", "code versions"), ("gpu", "GPUs")):
+    for col, what in (("git_commit", "code versions"), ("gpu", "GPUs"), ("machine", "machines (boot ids)")):
         a, b = sglang.get(col), vllm.get(col)
         if not (pd.isna(a) or pd.isna(b)) and a != b:
             out.append(f"recorded by different {what}: {a} (SGLang) vs {b}")

@@ -278,10 +278,11 @@ def recording(df: pd.DataFrame, labels: dict[str, str]) -> dict[str, Any] | None
         return None
     near = conditions.beside(wins)
     first = df.drop_duplicates("run_id").set_index("run_id")
-    table = Table(["#", "run", "recorded", "minutes", "GPU", "code", "beside it"])
+    table = Table(["#", "run", "recorded", "minutes", "GPU", "machine (boot id)", "code", "beside it"])
     for i, w in enumerate(wins, 1):
         table.rows.append([Cell(str(i), "num"), Cell(labels[w.run_id]), Cell(conditions.span(w.start, w.stop)),
                            Cell(f"{(w.stop - w.start) / 60:.1f}", "num"), Cell(_field(first.at[w.run_id, "gpu"])),
+                           Cell(_field(first.at[w.run_id, "machine"]) if "machine" in first.columns else "–"),
                            Cell(_field(first.at[w.run_id, "git_commit"])),
                            Cell(", ".join(labels[o] for o in near[w.run_id]) or "none",
                                 "fail" if near[w.run_id] else "ok")])

@@ -78,9 +78,18 @@ def cpu_model() -> str | None:
     return platform.processor() or None
 
 
+def boot_id() -> str | None:
+    """The kernel's id of this boot: leased machines may share a hostname ("vm"), but never a boot id, so two runs
+    with different ones ran on different machines (or across a reboot)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
 def host_info() -> dict[str, Any]:
     return {"hostname": socket.gethostname(), "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
-            "platform": platform.platform()}
+            "platform": platform.platform(), "boot_id": boot_id()}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -93,6 +93,8 @@ def test_the_verdict_says_which_side_is_ahead_the_way_round_each_ratio_is_writte
 def test_an_interval_that_excludes_one_never_prints_as_one_to_one() -> None:
     assert ratio_text(Estimate(0.83, 0.74, 0.89, 24)) == "0.83x [0.74, 0.89]"
     assert ratio_text(Estimate(0.9968, 0.9961, 0.9975, 24)) == "0.997x [0.996, 0.998]"
+    assert ratio_text(Estimate(1.0534, 1.0008, 1.3084, 5)) == "1.053x [1.001, 1.308]"  # not [1.00, 1.31]
+    assert ratio_text(Estimate(1.05, 0.998, 1.31, 5)) == "1.05x [1.00, 1.31]"  # includes 1: nothing hidden
 
 
 def test_in_process_vllm_pairs_with_the_http_engine_that_streams_the_same_share() -> None:
@@ -139,3 +141,19 @@ def test_runs_name_their_machine_by_boot_id_and_a_pair_from_two_machines_says_so
     assert not any("machines" in c for c in h.caveats)
     [h] = headlines(headline_study(one, same.assign(machine="99990000")))
     assert "recorded by different machines (boot ids): 1a2b3c4d (SGLang) vs 99990000" in h.caveats
+
+
+def test_readme_verdict_and_bench_figures_come_from_the_committed_data() -> None:
+    from hybridrl.report.figures import evaluate
+
+    study = "results/reference/2026-11-23-h200-verdict"
+    said = evaluate(f"verdict {study} sglang-full vllm-server perf/throughput")
+    assert said.startswith("Rollout throughput: sglang-full is ") and "(3 runs, 24 steps vs 3 runs, 24 steps)" in said
+    step = evaluate(f"verdict {study} sglang-full vllm-server timing_s/step time")
+    assert step.startswith("Step time: sglang-full is ") or "could not be told apart" in step
+    with pytest.raises(ValueError, match="unknown verdict mode"):
+        evaluate(f"verdict {study} sglang-full vllm-server timing_s/step quick")
+    bench = evaluate(f"bench_ratio {study}/bench/sglang-full.json {study}/bench/vllm-server.json raw")
+    assert RATIO.fullmatch(bench)
+    with pytest.raises(ValueError, match="no repeats of path 'stream_all'"):
+        evaluate(f"bench_ratio {study}/bench/sglang-full.json {study}/bench/vllm-server.json stream_all")

@@ -81,6 +81,38 @@ def change(study: str, a: str, b: str, column: str) -> str:
     return f"{100 * (est.value - 1):+.0f}% [{100 * (est.lo - 1):+.0f}%, {100 * (est.hi - 1):+.0f}%]"
 
 
+# verdict MODE: (higher is better, word for the side ahead, for the other)
+MODES = {"rate": (True, "faster", "slower"), "time": (False, "faster", "slower"),
+         "cost": (False, "lower", "higher"), "size": (True, "higher", "lower")}
+
+
+def verdict(study: str, a: str, b: str, column: str, mode: str = "rate") -> str:
+    """The report's sentence on a / b by the fixed wording rules (report.wording.conclusion): 'Rollout throughput:
+    sglang-full is faster than vllm-server, sglang-full / vllm-server 1.11x [1.04, 1.22] (3 runs, 24 steps vs ...).'
+    MODE says which way is better: rate (higher, faster), time (lower, faster), cost (lower), size (higher)."""
+    from hybridrl.report.render import KEY_METRICS
+
+    if mode not in MODES:
+        raise ValueError(f"unknown verdict mode {mode!r} (known: {', '.join(MODES)})")
+    what = next((h for c, h, _ in KEY_METRICS if c == column), column)
+    sa, sb = _steady(study, a), _steady(study, b)
+    est = stats.hierarchical_ratio(stats.per_run(sa, column), stats.per_run(sb, column))
+    higher, better, worse = MODES[mode]
+    n = [(stats.n_runs(d), int(pd.to_numeric(d[column], errors="coerce").notna().sum())) for d in (sa, sb)]
+    return wording.conclusion(what, a, b, est, n[0], n[1], higher, better, worse)
+
+
+def bench_ratio(path_a: str, path_b: str, which: str, field: str = "perf/throughput") -> str:
+    """a / b of two bench JSONs' medians over the repeats of one path, with a bootstrap 95% interval over those
+    repeats (one engine start a side: repeat-to-repeat noise only): '1.05x [0.98, 1.21]'."""
+    def values(path: str) -> list[float]:
+        rows = [r for r in _json(path).get("repeats") or [] if r.get("path") == which and r.get(field) is not None]
+        if not rows:
+            raise ValueError(f"{path} has no repeats of path {which!r} with {field!r}")
+        return [float(r[field]) for r in rows]
+    return wording.ratio_text(stats.ratio_of_medians(values(path_a), values(path_b)))
+
+
 def steady_steps(study: str, name: str) -> str:
     """How many steady-state steps the configuration's medians rest on."""
     return str(len(_steady(study, name)))
@@ -148,7 +180,7 @@ def repeats(path: str, which: str, field: str, unit: str = "k") -> str:
 FIGURES: dict[str, Callable[..., str]] = {
     "median": median, "interval": interval, "ratio": ratio, "change": change, "steps": steady_steps,
     "records": records, "span": span, "between": between, "tiers": tiers, "value": value,
-    "repeats": repeats,
+    "repeats": repeats, "verdict": verdict, "bench_ratio": bench_ratio,
 }
 
 

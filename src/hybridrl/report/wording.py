@@ -40,9 +40,14 @@ def basis(est: Estimate, n_a: tuple[int, int], n_b: tuple[int, int]) -> str:
 
 
 def ratio_text(est: Estimate) -> str:
-    """'0.83x [0.74, 0.89]'; more digits where two would print an interval that excludes 1 as [1.00, 1.00]."""
+    """'0.83x [0.74, 0.89]'; more digits where two would hide whether the interval excludes 1: both ends
+    printed alike ([1.00, 1.00]), or an end that excludes 1 printed as 1.00."""
+    def hidden(d: int) -> bool:
+        lo, hi, one = f"{est.lo:.{d}f}", f"{est.hi:.{d}f}", f"{1:.{d}f}"
+        return lo == hi or (est.excludes(1.0) and one in (lo, hi))
+
     digits = 2
-    while digits < 4 and f"{est.lo:.{digits}f}" == f"{est.hi:.{digits}f}":
+    while digits < 4 and hidden(digits):
         digits += 1
     return f"{est.value:.{digits}f}x [{est.lo:.{digits}f}, {est.hi:.{digits}f}]"
 

@@ -24,7 +24,8 @@ def test_readme_conclusions_follow_the_wording_rules(readme: Path) -> None:
 def test_the_reference_readmes_quote_figures_from_data() -> None:
     marked = {p.relative_to(REPO).as_posix(): len(figures.MARK.findall(p.read_text())) for p in READMES}
     assert marked["README.md"] >= 20
-    for name in ("2026-11-22-h200", "2026-11-22-4xh200-moe", "2026-11-23-2xh200-moe-full", "2026-11-23-h200-client"):
+    for name in ("2026-11-22-h200", "2026-11-22-4xh200-moe", "2026-11-23-2xh200-moe-full", "2026-11-23-h200-client",
+                 "2026-11-23-h200-verdict"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
 
 

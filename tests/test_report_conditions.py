@@ -157,3 +157,13 @@ def test_readme_verdict_and_bench_figures_come_from_the_committed_data() -> None
     assert RATIO.fullmatch(bench)
     with pytest.raises(ValueError, match="no repeats of path 'stream_all'"):
         evaluate(f"bench_ratio {study}/bench/sglang-full.json {study}/bench/vllm-server.json stream_all")
+
+
+def test_the_wording_check_reads_each_list_item_as_its_own_sentence() -> None:
+    from hybridrl.report.wording import violations
+
+    items = ("Medians over runs:\n\n- Rollout throughput: A is faster than B, A / B 1.11x [1.04, 1.22] (3 runs)\n"
+             "- TTFT p50: A and B could not be told apart, A / B 1.06x [0.80, 1.23] (3 runs)\n")
+    assert violations(items) == []
+    assert len(violations(items + "- Step time: A and B are equally fast, 1.12x [1.06, 1.17]\n")) == 1
+    assert len(violations("- Step time: A is faster than B, 1.02x [0.96, 1.07]\n")) == 1

@@ -79,8 +79,12 @@ def comparisons_note(n: int, level: float = 0.95) -> str:
 
 
 def _sentences(text: str) -> list[str]:
-    flat = re.sub(r"\s+", " ", text)
-    return [s for s in re.split(r"(?<=[.;!?])\s+(?=[A-Z*(])", flat) if s]
+    """Sentences, never across a paragraph, a list item, a heading or a table row."""
+    out = []
+    for block in re.split(r"\n\s*\n|\n(?=\s*(?:[-*+] |#|\|))", text):
+        flat = re.sub(r"\s+", " ", block).strip()
+        out += [s for s in re.split(r"(?<=[.;!?])\s+(?=[A-Z*(])", flat) if s]
+    return out
 
 
 def _intervals(sentence: str) -> list[bool]:

@@ -90,11 +90,12 @@ def verdict(study: str, a: str, b: str, column: str, mode: str = "rate") -> str:
     """The report's sentence on a / b by the fixed wording rules (report.wording.conclusion): 'Rollout throughput:
     sglang-full is faster than vllm-server, sglang-full / vllm-server 1.11x [1.04, 1.22] (3 runs, 24 steps vs ...).'
     MODE says which way is better: rate (higher, faster), time (lower, faster), cost (lower), size (higher)."""
-    from hybridrl.report.render import KEY_METRICS
+    from hybridrl.report.render import KEY_METRICS, TRANSITIONS
 
     if mode not in MODES:
         raise ValueError(f"unknown verdict mode {mode!r} (known: {', '.join(MODES)})")
-    what = next((h for c, h, _ in KEY_METRICS if c == column), column)
+    names = {c: h for c, h, _ in KEY_METRICS} | {c: f"{n.capitalize()} time" for c, n in TRANSITIONS}
+    what = names.get(column, column)
     sa, sb = _steady(study, a), _steady(study, b)
     est = stats.hierarchical_ratio(stats.per_run(sa, column), stats.per_run(sb, column))
     higher, better, worse = MODES[mode]

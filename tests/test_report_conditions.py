@@ -167,3 +167,64 @@ def test_the_wording_check_reads_each_list_item_as_its_own_sentence() -> None:
     assert violations(items) == []
     assert len(violations(items + "- Step time: A and B are equally fast, 1.12x [1.06, 1.17]\n")) == 1
     assert len(violations("- Step time: A is faster than B, 1.02x [0.96, 1.07]\n")) == 1
+
+
+def _proc(tmp_path: Path, parents: dict[int, int]) -> Path:
+    """A fake /proc: <pid>/stat with the parent in its fourth field, and a command name with a space."""
+    for pid, ppid in parents.items():
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (python3 -m x) S {ppid} 1 1 0\n")
+    return tmp_path
+
+
+def test_gpu_processes_outside_the_runs_process_tree_are_foreign(tmp_path: Path) -> None:
+    from hybridrl.run.telemetry import foreign_pids, parent_pid
+
+    # 100 the controller; 200 its engine server, 201 the engine's scheduler; 300 another job under init
+    proc = _proc(tmp_path, {100: 50, 200: 100, 201: 200, 300: 1, 50: 1})
+    assert parent_pid(201, proc) == 200 and parent_pid(999, proc) is None
+    assert foreign_pids({100, 200, 201}, root=100, proc=proc) == set()
+    assert foreign_pids({100, 201, 300}, root=100, proc=proc) == {300}
+    assert foreign_pids({999}, root=100, proc=proc) == set()  # not visible here: cannot be told apart
+
+
+def test_the_memory_sampler_counts_foreign_gpu_processes_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybridrl.run import telemetry
+
+    class FakeDevices:
+        handles = [(0, object())]
+        pids = {4242}
+
+        def used_gb(self) -> dict[int, float]:
+            return {0: 1.0}
+
+        def compute_pids(self) -> set[int]:
+            return self.pids
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(telemetry.nvml, "open_devices", lambda indices=None: FakeDevices())
+    monkeypatch.setattr(telemetry, "foreign_pids", lambda pids, root: set(pids))
+    sampler = telemetry.MemorySampler([0])
+    sampler.set_phase("gen")
+    assert sampler.take()["host/foreign_gpu_procs"] == 1.0
+    FakeDevices.pids = set()
+    sampler.set_phase("gen")
+    assert sampler.take()["host/foreign_gpu_procs"] == 0.0  # counted afresh each step
+    sampler.close()
+
+
+def test_report_flags_runs_that_saw_another_jobs_process_on_their_gpus(tmp_path: Path) -> None:
+    from hybridrl.report.render import render
+
+    a = timed(headline_run("sglang-colocate-aaaa1111", "sglang"), T0)
+    b = timed(headline_run("vllm-colocate-bbbb2222", "vllm"), T0 + 600)
+    for foreign, says in ((0.0, "No run saw another job's process"), (1.0, "1 run(s) saw another job's process")):
+        df = headline_study(a.assign(**{"host/foreign_gpu_procs": 0.0}),
+                            b.assign(**{"host/foreign_gpu_procs": [foreign] * 3 + [0.0] * 7}))
+        md = tmp_path / "report.md"
+        render(df, md, tmp_path / "report.html", {}, "study", tmp_path / "runs")
+        section = md.read_text().split("## When each run was recorded")[1].split("\n## ")[0]
+        assert says in section
+        assert ("another job's GPU process in 3 step(s)" in section) is bool(foreign)

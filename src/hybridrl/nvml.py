@@ -40,6 +40,14 @@ class Devices:
                         total += proc.usedGpuMemory / GB
         return total
 
+    def compute_pids(self) -> set[int]:
+        """Every process with a CUDA context on these GPUs, whoever started it."""
+        pids: set[int] = set()
+        for _, handle in self.handles:
+            with contextlib.suppress(Exception):
+                pids.update(int(proc.pid) for proc in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+        return pids
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._nvml.nvmlShutdown()  # NVML counts its inits: this ends only our own

@@ -271,26 +271,36 @@ def headline_tables(df: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def recording(df: pd.DataFrame, labels: dict[str, str]) -> dict[str, Any] | None:
-    """The runs in the order they were recorded: when, on which GPU and commit, and which other runs of the study
-    shared the host meanwhile (their windows overlapped, engine start-up included)."""
+    """The runs in the order they were recorded: when, on which GPU, machine and commit, and what shared the host
+    meanwhile: other runs of the study (their windows overlapped, engine start-up included) and GPU processes of
+    other jobs (host/foreign_gpu_procs, where recorded)."""
     wins = conditions.windows(df)
     if not wins:
         return None
     near = conditions.beside(wins)
     first = df.drop_duplicates("run_id").set_index("run_id")
+    seen = (pd.to_numeric(df["host/foreign_gpu_procs"], errors="coerce") if "host/foreign_gpu_procs" in df.columns
+            else pd.Series(float("nan"), index=df.index))
+    outside = seen.gt(0).groupby(df["run_id"]).sum()
     table = Table(["#", "run", "recorded", "minutes", "GPU", "machine (boot id)", "code", "beside it"])
     for i, w in enumerate(wins, 1):
+        others = [labels[o] for o in near[w.run_id]]
+        if outside.get(w.run_id, 0):
+            others.append(f"another job's GPU process in {int(outside[w.run_id])} step(s)")
         table.rows.append([Cell(str(i), "num"), Cell(labels[w.run_id]), Cell(conditions.span(w.start, w.stop)),
                            Cell(f"{(w.stop - w.start) / 60:.1f}", "num"), Cell(_field(first.at[w.run_id, "gpu"])),
                            Cell(_field(first.at[w.run_id, "machine"]) if "machine" in first.columns else "–"),
                            Cell(_field(first.at[w.run_id, "git_commit"])),
-                           Cell(", ".join(labels[o] for o in near[w.run_id]) or "none",
-                                "fail" if near[w.run_id] else "ok")])
+                           Cell(", ".join(others) or "none", "fail" if others else "ok")])
     shared = sum(bool(v) for v in near.values())
     note = ("No run shared the host with another run of this study: each one's window (its engine's start to its "
             "last step) overlaps no other's." if not shared else
             f"{shared} of {len(wins)} runs shared the host with another run of this study for part of their window; "
             "their timings may hold the other's load (see the timeline plot).")
+    if outside.sum():
+        note += f" {int((outside > 0).sum())} run(s) saw another job's process on their GPUs."
+    elif seen.notna().any():
+        note += " No run saw another job's process on its GPUs."
     return {"table": table, "note": note}
 
 

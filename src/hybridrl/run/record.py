@@ -33,8 +33,10 @@ HOST_LOAD_PHASES = ("gen", "update_actor")
 # Phases whose controller CPU use is recorded (% of one core, all its threads): a rollout client near 100% of a
 # core limits the throughput it measures.
 CONTROLLER_CPU_PHASES = ("gen",)
+# GPU processes outside this run (not descended from its controller) seen at the step's phase changes: another
+# job on the run's GPUs would disturb every figure of the step
 HOST = (*(f"host/cpu_busy_pct_{p}" for p in HOST_LOAD_PHASES),
-        *(f"host/controller_cpu_pct_{p}" for p in CONTROLLER_CPU_PHASES))
+        *(f"host/controller_cpu_pct_{p}" for p in CONTROLLER_CPU_PHASES), "host/foreign_gpu_procs")
 ROLLOUT = (
     "perf/gen_tokens", "perf/throughput", "perf/ttft_s_mean", "perf/ttft_s_p50", "perf/ttft_s_p99",
     "perf/itl_ms_mean", "perf/itl_ms_p50", "perf/itl_ms_p99", "perf/tpot_ms_mean", "perf/tpot_ms_p50",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import threading
 import time
 from collections import defaultdict
@@ -31,6 +32,30 @@ def host_cpu_jiffies(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
         return None
     ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
     return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def parent_pid(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The parent of `pid` from /proc/<pid>/stat; None where the process is gone or not visible here."""
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # the command name, in parentheses, may hold spaces
+    return int(fields[1]) if len(fields) > 1 else None
+
+
+def foreign_pids(pids: set[int], root: int, proc: Path = Path("/proc")) -> set[int]:
+    """The pids that are visible here and do not descend from `root` (this run's controller): another job's.
+    A pid /proc does not show (another PID namespace) is not counted: it cannot be told apart."""
+    out = set()
+    for pid in pids:
+        chain, cur = set(), pid
+        while cur not in (None, 0, 1, root) and cur not in chain:
+            chain.add(cur)
+            cur = parent_pid(cur, proc)
+        if cur != root and parent_pid(pid, proc) is not None and pid != root:
+            out.add(pid)
+    return out
 
 
 def busy_pct(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
@@ -143,6 +168,8 @@ class MemorySampler:
         if gpu_indices is None:  # this process's GPUs (CUDA_VISIBLE_DEVICES), else every GPU
             gpu_indices = nvml_indices()
         self._devices = nvml.open_devices(gpu_indices)  # None on a CPU machine
+        self.foreign: set[int] = set()  # GPU processes of other jobs seen this step (foreign_pids)
+        self._root = os.getpid()
         self._thread = threading.Thread(target=self._loop, daemon=True) if self.active else None
 
     @property
@@ -157,6 +184,8 @@ class MemorySampler:
     def set_phase(self, phase: str) -> None:
         with self._lock:
             self.phase = phase
+        if self._devices is not None:  # a few times a step: cheap enough, and a job beside us shows up
+            self.foreign |= foreign_pids(self._devices.compute_pids(), self._root)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -176,9 +205,11 @@ class MemorySampler:
             samples, per_gpu = dict(self.samples), {p: dict(g) for p, g in self.per_gpu.items()}
             self.samples.clear()
             self.per_gpu.clear()
+        foreign, self.foreign = self.foreign, set()
         if not self.active:
             return {}
-        out: dict[str, float | None] = {"mem/peak_gb": max((max(v) for v in samples.values() if v), default=None)}
+        out: dict[str, float | None] = {"mem/peak_gb": max((max(v) for v in samples.values() if v), default=None),
+                                        "host/foreign_gpu_procs": float(len(foreign))}
         for phase, values in samples.items():
             out[f"mem/used_gb_{phase}"] = float(np.mean(values)) if values else None
             out[f"mem/peak_gb_{phase}"] = max(values) if values else None

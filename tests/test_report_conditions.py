@@ -228,3 +228,16 @@ def test_report_flags_runs_that_saw_another_jobs_process_on_their_gpus(tmp_path:
         section = md.read_text().split("## When each run was recorded")[1].split("\n## ")[0]
         assert says in section
         assert ("another job's GPU process in 3 step(s)" in section) is bool(foreign)
+
+
+def test_each_configuration_says_how_it_was_recorded_against_the_baseline() -> None:
+    from hybridrl.report.render import config_labels, ratio_table
+
+    wins = conditions.windows(_arms("sssvvv"))
+    assert conditions.relation(wins, "vllm-colocate-bbbb2222", "sglang-colocate-aaaa1111").startswith("after it")
+    assert conditions.relation(wins, "sglang-colocate-aaaa1111", "vllm-colocate-bbbb2222").startswith("before it")
+    assert conditions.relation(conditions.windows(_arms("svsvsv")), "vllm-colocate-bbbb2222",
+                               "sglang-colocate-aaaa1111") == "interleaved"
+    df = _arms("svvssv")
+    _, table = ratio_table(df, config_labels(df))
+    assert table.headers[-1] == "recorded, against the baseline" and table.rows[0][-1].text == "interleaved"

@@ -214,7 +214,8 @@ def normalise(df: pd.DataFrame) -> pd.DataFrame:
     for col in extras:
         df[col] = _tidy_extra(df[col])
     df = df[KNOWN + extras]
-    return df.sort_values(["run_id", "step"], kind="stable").reset_index(drop=True)
+    # one block per dtype: columns added one by one leave a fragmented frame that pandas warns about downstream
+    return df.sort_values(["run_id", "step"], kind="stable").reset_index(drop=True).copy()
 
 
 def gather(run_dirs: Iterable[Path]) -> pd.DataFrame:

@@ -57,6 +57,29 @@ def span(start: float, stop: float) -> str:
     return f"{a}–{b[11:] if a[:10] == b[:10] else b} UTC"
 
 
+def _gap_min(first: list[Window], later: list[Window]) -> float:
+    """Minutes from the end of the earlier arm's last run to the start of the later arm's first."""
+    return max(min(w.start for w in later) - max(w.stop for w in first), 0.0) / 60
+
+
+def _arm_after(wa: list[Window], wb: list[Window]) -> bool:
+    """Every run of arm a started after every run of arm b."""
+    return min(w.start for w in wa) > max(w.start for w in wb)
+
+
+def relation(wins: list[Window], a: str, b: str) -> str:
+    """How configuration a was recorded against b: 'interleaved', or all of it before or after the other."""
+    wa = [w for w in wins if w.config_id == a]
+    wb = [w for w in wins if w.config_id == b]
+    if not wa or not wb:
+        return "–"
+    if _arm_after(wa, wb):
+        return f"after it ({_gap_min(wb, wa):.0f} min between)"
+    if _arm_after(wb, wa):
+        return f"before it ({_gap_min(wa, wb):.0f} min between)"
+    return "interleaved"
+
+
 def order_caveat(wins: list[Window], a: str, b: str, name_a: str, name_b: str) -> str | None:
     """A caveat where configurations a and b, one of them replicated, were not interleaved: every run of one after
     every run of the other. (One run a side cannot interleave; the pair's time apart is its own caveat.)"""
@@ -65,11 +88,10 @@ def order_caveat(wins: list[Window], a: str, b: str, name_a: str, name_b: str) -
     if not wa or not wb or max(len(wa), len(wb)) < 2:
         return None
     for first, later, n_first, n_later in ((wa, wb, name_a, name_b), (wb, wa, name_b, name_a)):
-        if max(w.start for w in first) < min(w.start for w in later):
-            gap = min(w.start for w in later) - max(w.stop for w in first)
+        if _arm_after(later, first):
             return (f"not interleaved: every {n_later} run was recorded after every {n_first} run "
                     f"({n_first} {span(min(w.start for w in first), max(w.stop for w in first))}, "
                     f"{n_later} {span(min(w.start for w in later), max(w.stop for w in later))}, "
-                    f"{max(gap, 0) / 60:.0f} min between them), so a drift of the host or a change of machine "
-                    "between them falls on one arm only")
+                    f"{_gap_min(first, later):.0f} min between them), so a drift of the host or a change of "
+                    "machine between them falls on one arm only")
     return None

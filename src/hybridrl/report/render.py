@@ -194,13 +194,16 @@ def ratio_table(df: pd.DataFrame, labels: dict[str, str]) -> tuple[str, Table] |
         return None
     base = configs[0]
     headers = [f"{h} ratio [95% CI]" for _, h in metrics]
-    table = Table(["configuration", "vs baseline", *headers, "runs × steps (configuration / baseline)"])
+    table = Table(["configuration", "vs baseline", *headers, "runs × steps (configuration / baseline)",
+                   "recorded, against the baseline"])
     steady = stats.steady_state(df)
+    wins = conditions.windows(df)
     for config in configs[1:]:
         cells = [Cell(fmt_est(stats.compare(df, m, config, base)), "num") for m, _ in metrics]
         a, b = stats.select(steady, config), stats.select(steady, base)
         n_pair = f"{stats.n_runs(a)} × {len(a)} / {stats.n_runs(b)} × {len(b)}"
-        table.rows.append([Cell(labels[config[-1]]), Cell(labels[base[-1]]), *cells, Cell(n_pair, "num")])
+        table.rows.append([Cell(labels[config[-1]]), Cell(labels[base[-1]]), *cells, Cell(n_pair, "num"),
+                           Cell(conditions.relation(wins, config[-1], base[-1]))])
     return labels[base[-1]], table
 
 
@@ -527,7 +530,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
     ratios = ratio_table(df, by_config)
     heads = headline_tables(df)
     moves = transitions(df, by_config)
-    n_ratio = (len(ratios[1].rows) * (len(ratios[1].headers) - 3)) if ratios else 0
+    n_ratio = (len(ratios[1].rows) * sum(h.endswith("[95% CI]") for h in ratios[1].headers)) if ratios else 0
     paths = client_paths_table(df, by_config)
     n_paths = len(paths.rows) * len(client_paths.METRICS) if paths else 0
     n_comparisons = (sum(h["n_comparisons"] for h in heads) + (moves["n_comparisons"] if moves else 0) + n_ratio

@@ -8,7 +8,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from hybridrl.atomic import atomic_path
@@ -199,10 +198,8 @@ def _tidy_extra(col: pd.Series) -> pd.Series:
 
 def normalise(df: pd.DataFrame) -> pd.DataFrame:
     """Every known column present with its dtype, known columns first, sorted by run and step."""
-    df = df.copy()
-    for col in KNOWN:
-        if col not in df.columns:
-            df[col] = np.nan
+    # the missing known columns at once (NaN): one at a time fragments the frame
+    df = df.reindex(columns=[*df.columns, *(c for c in KNOWN if c not in df.columns)])
     df = derive(df)
     for col in STRINGS:
         df[col] = df[col].map(lambda v: pd.NA if _missing(v) else str(v)).astype("string")

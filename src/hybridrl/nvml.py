@@ -30,23 +30,22 @@ class Devices:
                 out[i] = self._nvml.nvmlDeviceGetMemoryInfo(handle).used / GB
         return out
 
-    def process_gb(self, pid: int) -> float:
-        """Memory NVML charges to `pid`, summed over these GPUs."""
-        total = 0.0
+    def _processes(self) -> list[Any]:
+        """NVML's compute processes on these GPUs (one entry per process and GPU); a GPU that fails is left out."""
+        out: list[Any] = []
         for _, handle in self.handles:
             with contextlib.suppress(Exception):
-                for proc in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                    if proc.pid == pid and proc.usedGpuMemory is not None:
-                        total += proc.usedGpuMemory / GB
-        return total
+                out.extend(self._nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+        return out
+
+    def process_gb(self, pid: int) -> float:
+        """Memory NVML charges to `pid`, summed over these GPUs."""
+        return sum((p.usedGpuMemory / GB for p in self._processes() if p.pid == pid and p.usedGpuMemory is not None),
+                   0.0)
 
     def compute_pids(self) -> set[int]:
         """Every process with a CUDA context on these GPUs, whoever started it."""
-        pids: set[int] = set()
-        for _, handle in self.handles:
-            with contextlib.suppress(Exception):
-                pids.update(int(proc.pid) for proc in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle))
-        return pids
+        return {int(p.pid) for p in self._processes()}
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

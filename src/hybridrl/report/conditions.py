@@ -57,6 +57,10 @@ def span(start: float, stop: float) -> str:
     return f"{a}–{b[11:] if a[:10] == b[:10] else b} UTC"
 
 
+def _arm(wins: list[Window], config: str) -> list[Window]:
+    return [w for w in wins if w.config_id == config]
+
+
 def _gap_min(first: list[Window], later: list[Window]) -> float:
     """Minutes from the end of the earlier arm's last run to the start of the later arm's first."""
     return max(min(w.start for w in later) - max(w.stop for w in first), 0.0) / 60
@@ -69,8 +73,7 @@ def _arm_after(wa: list[Window], wb: list[Window]) -> bool:
 
 def relation(wins: list[Window], a: str, b: str) -> str:
     """How configuration a was recorded against b: 'interleaved', or all of it before or after the other."""
-    wa = [w for w in wins if w.config_id == a]
-    wb = [w for w in wins if w.config_id == b]
+    wa, wb = _arm(wins, a), _arm(wins, b)
     if not wa or not wb:
         return "–"
     if _arm_after(wa, wb):
@@ -83,8 +86,7 @@ def relation(wins: list[Window], a: str, b: str) -> str:
 def order_caveat(wins: list[Window], a: str, b: str, name_a: str, name_b: str) -> str | None:
     """A caveat where configurations a and b, one of them replicated, were not interleaved: every run of one after
     every run of the other. (One run a side cannot interleave; the pair's time apart is its own caveat.)"""
-    wa = [w for w in wins if w.config_id == a]
-    wb = [w for w in wins if w.config_id == b]
+    wa, wb = _arm(wins, a), _arm(wins, b)
     if not wa or not wb or max(len(wa), len(wb)) < 2:
         return None
     for first, later, n_first, n_later in ((wa, wb, name_a, name_b), (wb, wa, name_b, name_a)):

@@ -92,15 +92,19 @@ class Headline:
             f" ({self.label})" if self.label else "")
 
 
+def as_ratio(est: stats.Estimate) -> stats.Estimate:
+    """A "pct" metric's estimate (100 * (ratio - 1)) back as the ratio it came from."""
+    return stats.Estimate(1 + est.value / 100, 1 + est.lo / 100, 1 + est.hi / 100, est.n, est.n_runs)
+
+
 def sentence(row: Row, vllm: str) -> str:
     """The row's conclusion by the fixed wording rules, each ratio written the way round its table shows it."""
     est, m = row.est, row.metric
     n_s, n_v = (row.runs_sglang, row.n_sglang), (row.runs_vllm, row.n_vllm)
     if m.kind == "inv":  # vLLM / SGLang of a time: above 1, vLLM takes longer
         return wording.conclusion(m.name, vllm, "SGLang", est, n_v, n_s, False, m.better, m.worse)
-    if m.kind == "pct":  # back from a percent change to the ratio it came from
-        est = stats.Estimate(1 + est.value / 100, 1 + est.lo / 100, 1 + est.hi / 100, est.n, est.n_runs)
-        return wording.conclusion(m.name, "SGLang", vllm, est, n_s, n_v, False, m.better, m.worse)
+    if m.kind == "pct":
+        return wording.conclusion(m.name, "SGLang", vllm, as_ratio(est), n_s, n_v, False, m.better, m.worse)
     return wording.conclusion(m.name, "SGLang", vllm, est, n_s, n_v, True, m.better, m.worse)
 
 

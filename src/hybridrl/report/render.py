@@ -282,8 +282,7 @@ def recording(df: pd.DataFrame, labels: dict[str, str]) -> dict[str, Any] | None
         return None
     near = conditions.beside(wins)
     first = df.drop_duplicates("run_id").set_index("run_id")
-    seen = (pd.to_numeric(df["host/foreign_gpu_procs"], errors="coerce") if "host/foreign_gpu_procs" in df.columns
-            else pd.Series(float("nan"), index=df.index))
+    seen = pd.to_numeric(df["host/foreign_gpu_procs"], errors="coerce")
     outside = seen.gt(0).groupby(df["run_id"]).sum()
     table = Table(["#", "run", "recorded", "minutes", "GPU", "machine (boot id)", "code", "beside it"])
     for i, w in enumerate(wins, 1):
@@ -292,7 +291,7 @@ def recording(df: pd.DataFrame, labels: dict[str, str]) -> dict[str, Any] | None
             others.append(f"another job's GPU process in {int(outside[w.run_id])} step(s)")
         table.rows.append([Cell(str(i), "num"), Cell(labels[w.run_id]), Cell(conditions.span(w.start, w.stop)),
                            Cell(f"{(w.stop - w.start) / 60:.1f}", "num"), Cell(_field(first.at[w.run_id, "gpu"])),
-                           Cell(_field(first.at[w.run_id, "machine"]) if "machine" in first.columns else "–"),
+                           Cell(_field(first.at[w.run_id, "machine"])),
                            Cell(_field(first.at[w.run_id, "git_commit"])),
                            Cell(", ".join(others) or "none", "fail" if others else "ok")])
     shared = sum(bool(v) for v in near.values())
@@ -311,9 +310,7 @@ def _detectable(est: stats.Estimate, kind: str) -> str:
     """For an interval that includes no difference: the smallest effect these data could have detected."""
     if not math.isfinite(est.lo) or est.excludes(0.0 if kind == "pct" else 1.0):
         return "–"
-    if kind == "pct":  # back to ratios: the interval is of 100 * (ratio - 1)
-        est = stats.Estimate(1 + est.value / 100, 1 + est.lo / 100, 1 + est.hi / 100, est.n, est.n_runs)
-    ratio = wording.detectable(est)
+    ratio = wording.detectable(headline.as_ratio(est) if kind == "pct" else est)
     return f"beyond {ratio:.2f}x" if math.isfinite(ratio) else "–"
 
 

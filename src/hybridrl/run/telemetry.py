@@ -49,11 +49,14 @@ def foreign_pids(pids: set[int], root: int, proc: Path = Path("/proc")) -> set[i
     A pid /proc does not show (another PID namespace) is not counted: it cannot be told apart."""
     out = set()
     for pid in pids:
-        chain, cur = set(), pid
+        cur = parent_pid(pid, proc)
+        if pid == root or cur is None:  # the controller itself, or not visible here
+            continue
+        chain = {pid}
         while cur not in (None, 0, 1, root) and cur not in chain:
             chain.add(cur)
             cur = parent_pid(cur, proc)
-        if cur != root and parent_pid(pid, proc) is not None and pid != root:
+        if cur != root:
             out.add(pid)
     return out
 

@@ -107,3 +107,26 @@ def test_multi_step_problems_are_worked_step_by_step_and_parse():
     assert data.synthesize(50, seed=3, steps=2) != data.synthesize(50, seed=3, steps=3)
     assert dataset_name({"source": "synthetic"}) == "synthetic-s0-n512-128"
     assert dataset_name({"source": "synthetic", "steps": 3}) == "synthetic-s0-n512-128-k3"
+
+
+@pytest.mark.parametrize("target, stops_early", [(0.0, True), (1.0, False)])
+def test_a_target_accuracy_stops_the_warm_start_on_held_out_train_problems(tmp_path, target, stops_early):
+    data.write_synthetic(tmp_path / "data", 64, 8, seed=0)
+    spec = {**TINY, "warm_start": {"tokens": 8_000, "lr": 1e-2, "batch_size": 16, "eval_problems": 8,
+                                   "max_new_tokens": 8, "target_accuracy": target, "check_tokens": 2_000,
+                                   "check_problems": 8}}
+    models.build_random(spec, tmp_path / "data" / "train.jsonl", tmp_path / "m", tmp_path / "data" / "test.jsonl")
+    result = json.loads((tmp_path / "m" / warm_start.WARM_START_FILE).read_text())
+    assert result["stopped_at_target"] is stops_early
+    if stops_early:  # any accuracy reaches 0: the first check stops it, a quarter into the budget
+        assert len(result["checks"]) == 1 and 2_000 <= result["tokens"] < 4_000
+    else:  # a tiny model is never all right: checked at 2k, 4k and 6k tokens, then the whole budget trained
+        assert [c["tokens"] // 2_000 for c in result["checks"]] == [1, 2, 3] and result["tokens"] >= 8_000
+    assert all(0 <= c["accuracy"] <= 1 for c in result["checks"])
+
+
+def test_too_few_train_problems_to_hold_out_are_refused(tmp_path):
+    data.write_synthetic(tmp_path / "data", 8, 2, seed=0)
+    spec = {**TINY, "warm_start": {"tokens": 100, "target_accuracy": 0.3, "check_problems": 8}}
+    with pytest.raises(ValueError, match=r"check_problems \(8\) must be fewer than the train split's 8"):
+        models.build_random(spec, tmp_path / "data" / "train.jsonl", tmp_path / "m", tmp_path / "data" / "test.jsonl")

@@ -301,12 +301,13 @@ plan_faults() {
 }
 
 plan_learning() {
-  # issue 17 on one GPU (config/gpu-h200-learning.yaml; prepare warm-starts the model): the vocabulary
-  # measurement first (short, rollout only, the two vocabularies side by side per engine), then 30 steps per engine
+  # issue 17 on one GPU (config/gpu-h200-learning.yaml; prepare warm-starts the model): 30 steps per engine
+  # first (what the issue needs most), then the vocabulary measurement (short, rollout only, the two
+  # vocabularies side by side per engine)
   study=config/gpu-h200-learning.yaml
   gpus=1
   phases=(p1)
-  p1=("0|train sglang-vocab-small;train sglang-vocab-qwen;train vllm-vocab-small;train vllm-vocab-qwen;train sglang-colocate;train vllm-colocate")
+  p1=("0|train sglang-colocate;train vllm-colocate;train sglang-vocab-small;train sglang-vocab-qwen;train vllm-vocab-small;train vllm-vocab-qwen")
 }
 
 plan_trainer() {

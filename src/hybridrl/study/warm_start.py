@@ -12,6 +12,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from hybridrl.task import data as gsm8k
 
 WARM_START_FILE = "warm_start.json"
 DEFAULTS = {"tokens": 200_000, "lr": 3e-3, "batch_size": 32, "warmup_frac": 0.05, "eval_problems": 64,
-            "max_new_tokens": 64, "seed": 0}
+            "max_new_tokens": 64, "seed": 0, "target_accuracy": None, "check_tokens": None, "check_problems": 128}
 
 
 def settings(spec: dict[str, Any]) -> dict[str, Any]:
@@ -54,9 +55,10 @@ def batch_tensors(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tupl
 
 
 def pretrain(model: Any, tokenizer: Any, rows: list[dict[str, Any]], cfg: dict[str, Any], device: str,
-             log: Any = print) -> dict[str, Any]:
+             log: Any = print, check: Callable[[], float] | None = None) -> dict[str, Any]:
     """Train until `cfg["tokens"]` tokens (prompt and answer, no padding) went through the model; AdamW with
-    linear warm-up and cosine decay. Returns what was done."""
+    linear warm-up and cosine decay over that budget. With `check`, every `cfg["check_tokens"]` tokens: stop early
+    once check() (an accuracy) reaches `cfg["target_accuracy"]`. Returns what was done, the checks included."""
     import torch
 
     data = examples(rows, tokenizer)
@@ -70,7 +72,8 @@ def pretrain(model: Any, tokenizer: Any, rows: list[dict[str, Any]], cfg: dict[s
     model.train()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu",
                                                                                                    enabled=False)
-    seen, step, t0, loss_ema, order = 0, 0, time.perf_counter(), None, []
+    seen, step, t0, loss_ema, order, checks = 0, 0, time.perf_counter(), None, [], []
+    next_check = cfg["check_tokens"] or cfg["tokens"]
     while seen < cfg["tokens"]:
         if len(order) < cfg["batch_size"]:
             order += rng.sample(range(len(data)), len(data))
@@ -90,8 +93,18 @@ def pretrain(model: Any, tokenizer: Any, rows: list[dict[str, Any]], cfg: dict[s
         if step % 25 == 0 or seen >= cfg["tokens"]:
             log(f"warm start: step {step}/{total_steps}, {seen:,} tokens, loss {loss_ema:.3f}, "
                 f"{time.perf_counter() - t0:.0f} s")
+        if check is not None and seen >= next_check and seen < cfg["tokens"]:
+            next_check += cfg["check_tokens"]
+            model.eval()
+            checks.append({"tokens": seen, "accuracy": check()})
+            model.train()
+            log(f"warm start: held-out accuracy {checks[-1]['accuracy']:.3f} after {seen:,} tokens "
+                f"(target {cfg['target_accuracy']})")
+            if checks[-1]["accuracy"] >= cfg["target_accuracy"]:
+                break
     model.eval()
-    return {"tokens": seen, "steps": step, "seconds": round(time.perf_counter() - t0, 1), "final_loss": loss_ema}
+    return {"tokens": seen, "steps": step, "seconds": round(time.perf_counter() - t0, 1), "final_loss": loss_ema,
+            "checks": checks, "stopped_at_target": bool(checks) and checks[-1]["accuracy"] >= cfg["target_accuracy"]}
 
 
 def greedy_accuracy(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int, device: str,
@@ -128,6 +141,9 @@ def warm_start(model: Any, tokenizer: Any, train_rows: list[dict[str, Any]], tes
                spec: dict[str, Any], out_dir: Path, log: Any = print) -> dict[str, Any]:
     """Pretrain `model` in place, measure it on the first `eval_problems` test problems and write WARM_START_FILE.
 
+    With `target_accuracy`, the last `check_problems` train problems are held out of the training and checked
+    every `check_tokens` (default a fifth of the budget); training stops once they reach the target, so a token
+    budget need not be tuned per model and GPU. The test split is only measured, never used to stop.
     Runs on the GPU where there is one; the model stays in float32 while it trains (bf16 autocast on the GPU)."""
     import torch
 
@@ -135,7 +151,18 @@ def warm_start(model: Any, tokenizer: Any, train_rows: list[dict[str, Any]], tes
     device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg["seed"])
     model.to(device=device, dtype=torch.float32)
-    done = pretrain(model, tokenizer, train_rows, cfg, device, log)
+    check = None
+    if cfg["target_accuracy"] is not None:
+        if len(train_rows) <= cfg["check_problems"]:
+            raise ValueError(f"warm_start.check_problems ({cfg['check_problems']}) must be fewer than the train "
+                             f"split's {len(train_rows)} problems")
+        cfg["check_tokens"] = cfg["check_tokens"] or max(1, cfg["tokens"] // 5)
+        train_rows, held_out = train_rows[:-cfg["check_problems"]], train_rows[-cfg["check_problems"]:]
+
+        def check() -> float:
+            return greedy_accuracy(model, tokenizer, held_out, cfg["max_new_tokens"], device)["accuracy"]
+
+    done = pretrain(model, tokenizer, train_rows, cfg, device, log, check)
     t0 = time.perf_counter()
     evaluated = greedy_accuracy(model, tokenizer, test_rows[:cfg["eval_problems"]], cfg["max_new_tokens"], device)
     result = {"settings": cfg, "device": device, **done, "base_accuracy": evaluated.pop("accuracy"),

@@ -25,7 +25,7 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
     marked = {p.relative_to(REPO).as_posix(): len(figures.MARK.findall(p.read_text())) for p in READMES}
     assert marked["README.md"] >= 20
     for name in ("2026-11-22-h200", "2026-11-22-4xh200-moe", "2026-11-23-2xh200-moe-full", "2026-11-23-h200-client",
-                 "2026-11-23-h200-verdict"):
+                 "2026-11-23-h200-verdict", "2026-11-24-h200-learning", "2026-11-24-h200-trainer"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
 
 
@@ -82,3 +82,15 @@ def test_a_bench_figure_spans_one_paths_repeats_and_names_a_path_it_lacks() -> N
     assert figures.evaluate(f"repeats {path} raw controller_cpu_pct 1") == f"{min(cpu):.0f}–{max(cpu):.0f}"
     with pytest.raises(ValueError, match="no repeats of path 'old_client'"):  # in process: no HTTP client
         figures.evaluate(f"repeats {path} old_client perf/throughput")
+
+
+def test_series_and_logged_figures_read_the_committed_data_and_fail_on_what_is_not_there() -> None:
+    study = "results/reference/2026-11-24-h200-learning"
+    evals = figures.evaluate(f"series {study} vllm-colocate eval/accuracy 100 1")
+    assert evals.startswith("step 5: 44.5, step 10: ") and evals.count("step ") == 6  # every 5th of 30 steps
+    with pytest.raises(ValueError, match="has no 'eval/accuracy' at any step"):
+        figures.evaluate(f"series {study} vllm-vocab-qwen eval/accuracy")  # the rollout-only runs never evaluate
+    log = f"{study}/logs/prepare-gpu-h200-learning.log"
+    assert figures.evaluate(rf"logged {log} base\saccuracy\s(\S+)\son") == "0.441"
+    with pytest.raises(ValueError, match="nothing matches"):
+        figures.evaluate(rf"logged {log} accuracy\s(\S+)\sof\s1,000,000")

@@ -178,10 +178,34 @@ def repeats(path: str, which: str, field: str, unit: str = "k") -> str:
     return f"{lo / 1000:.1f}k–{hi / 1000:.1f}k" if unit == "k" else f"{lo:.0f}–{hi:.0f}"
 
 
+def series(study: str, name: str, column: str, scale: str = "1", digits: str = "1") -> str:
+    """The column at every step that has it (eval columns exist every `eval_every` steps), times scale:
+    'step 5: 44.5, step 10: 44.9'."""
+    df = _config(_table(study), name)
+    rows = df[["step", column]].assign(v=pd.to_numeric(df[column], errors="coerce")).dropna(subset=["v"])
+    if rows.empty:
+        raise ValueError(f"{study}: {name} has no {column!r} at any step")
+    return ", ".join(f"step {int(r.step)}: {r.v * float(scale):.{int(digits)}f}" for r in rows.itertuples())
+
+
+@cache
+def _text(path: str) -> str:
+    return (REPO / path).read_text(errors="replace")
+
+
+def logged(path: str, pattern: str) -> str:
+    """The first group of the first match of `pattern` (a regex without spaces: write \\s) in a committed log,
+    for what a run printed but wrote to no table (the warm start's checks, for one)."""
+    found = re.search(pattern, _text(path))
+    if found is None:
+        raise ValueError(f"{path}: nothing matches {pattern!r}")
+    return found.group(1)
+
+
 FIGURES: dict[str, Callable[..., str]] = {
     "median": median, "interval": interval, "ratio": ratio, "change": change, "steps": steady_steps,
     "records": records, "span": span, "between": between, "tiers": tiers, "value": value,
-    "repeats": repeats, "verdict": verdict, "bench_ratio": bench_ratio,
+    "repeats": repeats, "verdict": verdict, "bench_ratio": bench_ratio, "series": series, "logged": logged,
 }
 
 

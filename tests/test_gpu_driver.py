@@ -155,11 +155,18 @@ def test_pack_keeps_the_first_error_of_a_long_engine_log(root: Path, tmp_path: P
     lines = [f"loading {i}" for i in range(1000)] + ["ERROR RuntimeError: the root cause"]
     lines += [f"cascade {i}" for i in range(2000)]
     (run / "logs" / "engine.log").write_text("\n".join(lines) + "\n")
+    model = root / "gpu-h200" / "models" / "warm"
+    model.mkdir(parents=True)
+    (model / "warm_start.json").write_text('{"base_accuracy": 0.44}\n')
+    (model / "model.safetensors").write_bytes(b"weights")
     done = _driver(root, "pack", str(tmp_path / "out.tar.gz"))
     assert done.returncode == 0, done.stderr
     with tarfile.open(tmp_path / "out.tar.gz") as tar:
         kept = tar.extractfile("ref/gpu-h200/runs/r1/logs/engine.log").read().decode().splitlines()
         assert tar.extractfile("ref/gpu-h200/runs/r1/steps.jsonl").read() == b'{"step": 1}\n'
+        # a warm start's record travels, its model does not
+        assert tar.extractfile("ref/gpu-h200/models/warm/warm_start.json").read() == b'{"base_accuracy": 0.44}\n'
+        assert not any(name.endswith(".safetensors") for name in tar.getnames())
     assert "ERROR RuntimeError: the root cause" in kept
     assert kept[0] == "loading 0" and kept[-1] == "cascade 1999"
     assert len(kept) < 700
@@ -308,7 +315,9 @@ def test_trainer_plan_benchmarks_the_dense_then_the_moe_shape_on_one_gpu(root: P
     from hybridrl.tools.trainer_bench import SHAPES
 
     items = _one_lane_plan(root, "gpu-h200", "trainer")
-    assert items == ["trainer-bench qwen3-0.6b on GPU 0", "trainer-bench qwen3-30b-a3b on GPU 0"]
+    assert items == ["trainer-bench qwen3-0.6b hf mb 32 on GPU 0", "trainer-bench qwen3-0.6b megatron mb 32 on GPU 0",
+                     "trainer-bench qwen3-30b-a3b hf mb 16 on GPU 0",
+                     "trainer-bench qwen3-30b-a3b megatron mb 16 on GPU 0"]
     assert not (root / "gpu-h200" / "lane-trainer-2.log").exists()  # one benchmark at a time
     moe = SHAPES["qwen3-30b-a3b"]
     assert moe.config["num_hidden_layers"] == 48 and (moe.samples, moe.completion) == (64, 256)
@@ -419,3 +428,20 @@ def test_prepare_of_a_bad_study_is_one_clear_line(tmp_path: Path) -> None:
     assert done.stderr.splitlines() == [
         f"hybridrl: config error: {config}: unknown key 'stepz' in defaults; did you mean 'steps'?"]
     assert not (root / "tiny" / "setup.done").exists() and not (root / "tiny" / "cfg").exists()
+
+
+def test_tbench_leaves_no_process_of_its_benchmark_behind(root: Path, tmp_path: Path) -> None:
+    # a stand-in python3 that starts a worker and dies, as the 30B benchmark did when the host killed it
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    pid_file = tmp_path / "worker.pid"
+    (bin_dir / "python3").write_text(f"#!/bin/bash\nsleep 300 &\necho $! > {pid_file}\nexit 137\n")
+    (bin_dir / "python3").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(root)}
+    done = subprocess.run(["bash", str(DRIVER), "tbench", "tiny", "0", "hf", "4"], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "trainer-bench tiny hf mb 4 exit 137" in done.stdout
+    worker = int(pid_file.read_text())
+    time.sleep(0.2)
+    assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]

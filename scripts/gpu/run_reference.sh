@@ -177,18 +177,22 @@ ceiling() {
 }
 
 # tbench SHAPE GPU [ARGS]: the trainer benchmark (python -m hybridrl trainer-bench) on one shape, both trainers
-tbench() {
-  local shape=$1 gpu=$2
-  shift 2
-  [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: trainer-bench $shape on GPU $gpu $*"; return 0; }
-  [ -f "$ref/bench/trainer-$shape.json" ] && { say "trainer-bench $shape already done"; return 0; }
+tbench() {  # tbench SHAPE GPU TRAINER MICRO_BATCH: one trainer in a process of its own, bench/trainer-SHAPE-TRAINER-mbN
+  local shape=$1 gpu=$2 trainer=$3 mb=$4 name pid rc=0
+  name="trainer-$shape-$trainer-mb$mb"
+  [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: trainer-bench $shape $trainer mb $mb on GPU $gpu"; return 0; }
+  [ -f "$ref/bench/$name.json" ] && { say "$name already done"; return 0; }
   mkdir -p "$ref/bench" "$root/trainer-bench"
-  say "trainer-bench $shape on GPU $gpu $*"
-  local rc=0
-  CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH="/tmp/envs/trainer:$ctl_path" timeout "${HYBRIDRL_TBENCH_TIMEOUT_S:-1500}" \
-    python3 -m hybridrl trainer-bench --shape "$shape" --workdir "$root/trainer-bench" \
-    --out "$ref/bench/trainer-$shape.json" "$@" > "$ref/bench/trainer-$shape.log" 2>&1 || rc=$?
-  say "trainer-bench $shape exit $rc"
+  say "trainer-bench $shape $trainer mb $mb on GPU $gpu"
+  # a session of its own, killed whole afterwards: a benchmark killed by the host once left a worker holding
+  # the GPU under the next one (results/reference/2026-11-24-h200-trainer)
+  CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH="/tmp/envs/trainer:$ctl_path" setsid timeout "${HYBRIDRL_TBENCH_TIMEOUT_S:-900}" \
+    python3 -m hybridrl trainer-bench --shape "$shape" --trainer "$trainer" --micro-batch "$mb" \
+    --workdir "$root/trainer-bench" --out "$ref/bench/$name.json" > "$ref/bench/$name.log" 2>&1 &
+  pid=$!
+  wait "$pid" || rc=$?
+  kill -KILL -- "-$pid" 2> /dev/null || true
+  say "trainer-bench $shape $trainer mb $mb exit $rc"
 }
 
 plan_full() {
@@ -312,10 +316,12 @@ plan_learning() {
 
 plan_trainer() {
   # issue 15 on one GPU: the trainer benchmark, HF and Megatron TP 1 on a fixed batch, 5 updates after a
-  # warm-up: the dense 0.6B shape (128 x 256) first, then the 48-layer Qwen3-30B-A3B shape (64 x 256)
+  # warm-up, one trainer a process (both in one held the 30B checkpoint twice over: killed by the host): the dense
+  # 0.6B shape (128 x 256) at 32 samples a pass, then the 48-layer Qwen3-30B-A3B shape (64 x 256) at 16, the
+  # most that fits (2026-11-24)
   gpus=1
   phases=(p1)
-  p1=("0|tbench qwen3-0.6b;tbench qwen3-30b-a3b")
+  p1=("0|tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32;tbench qwen3-30b-a3b hf 16;tbench qwen3-30b-a3b megatron 16")
 }
 
 # replica ARM K: the run name of replicate K of ARM (the first keeps the plain name, as the study's run ids do)
@@ -559,6 +565,10 @@ pack() {  # pack OUT_FILE: small files only (no adapters, no models); long logs 
       for l in "$d"/logs/*; do [ -f "$l" ] && trim_log "$l" "$stage/ref/$name/runs/$r/logs/$(basename "$l")"; done
     done
     cp "$s"bench/*.json "$stage/ref/$name/bench/" 2>/dev/null || true
+    for w in "$s"models/*/warm_start.json; do  # a warm start's record (the model itself stays behind)
+      [ -f "$w" ] && mkdir -p "$stage/ref/$name/models/$(basename "$(dirname "$w")")" \
+        && cp "$w" "$stage/ref/$name/models/$(basename "$(dirname "$w")")/"
+    done
     for l in "$s"bench/*.log; do [ -f "$l" ] && trim_log "$l" "$stage/ref/$name/bench/$(basename "$l")" 200; done
     cp "$s"*.log "$stage/ref/$name/" 2>/dev/null || true
   done
@@ -589,7 +599,7 @@ case "$cmd" in
     say "plans $* started in the background (pid $!); logs in $root" ;;
   plans) run_plans "$@" ;;
   all) all "$@" ;;
-  train|bench) use_study "${HYBRIDRL_STUDY:-$default_study}"; "$cmd" "$@" ;;
+  train|bench|tbench) use_study "${HYBRIDRL_STUDY:-$default_study}"; "$cmd" "$@" ;;
   status) status ;;
   pack) pack "$@" ;;
   poll) poll "$@" ;;

@@ -395,6 +395,11 @@ def test_headline_says_when_the_pair_ran_hours_apart_or_kept_weights_resident() 
     assert resident.caveats == ("colocated, SGLang kept its weights on the GPU while the trainer ran (it released "
                                 "only its KV cache) and vLLM slept at level 1, moving its weights to CPU memory: "
                                 "peak GPU memory follows that setting",)
+    # rollout only (trainer none): nothing trains beside the sleeping engine, so the caveat would mislead
+    [rollout] = headlines(headline_study(
+        headline_run("sglang-colocate-aaaa", "sglang", trainer="none").assign(sglang_release="kv_cache"),
+        headline_run("vllm-colocate-bbbb", "vllm", trainer="none").assign(vllm_sleep_level=1)))
+    assert not any("while the trainer ran" in c for c in rollout.caveats)
     split = [h for h in headlines(headline_study(
         headline_run("sglang-split-aaaa", "sglang", "split").assign(sglang_release="kv_cache"),
         headline_run("vllm-split-bbbb", "vllm", "split")))]

@@ -188,9 +188,10 @@ def caveats(sglang: pd.Series, vllm: pd.Series) -> tuple[str, ...]:
         when = [pd.Timestamp(t, unit="s").strftime("%Y-%m-%d %H:%M") for t in (a, b)]
         out.append(f"recorded {abs(a - b) / 3600:.0f} h apart ({when[0]} UTC SGLang, {when[1]} UTC vLLM), "
                    "perhaps on different machines of the same kind")
-    # in colocate the trainer's peak comes on top of what the engine keeps while asleep
+    # in colocate the trainer's peak comes on top of what the engine keeps while asleep (no trainer, no peak)
     release, level = sglang.get("sglang_release"), vllm.get("vllm_sleep_level")
-    if sglang.get("placement") == "colocate" and isinstance(release, str) and release == "kv_cache":
+    if (sglang.get("placement") == "colocate" and isinstance(release, str) and release == "kv_cache"
+            and sglang.get("trainer") != "none"):
         slept = "" if pd.isna(level) else f" and vLLM slept at level {level:g}, moving its weights to CPU memory"
         out.append("colocated, SGLang kept its weights on the GPU while the trainer ran (it released only its KV "
                    f"cache){slept}: peak GPU memory follows that setting")

@@ -19,6 +19,7 @@ from hybridrl import nvml
 from hybridrl.atomic import write_bytes
 from hybridrl.engines.base import Completion
 from hybridrl.engines.gpus import nvml_indices
+from hybridrl.proc import stat_fields
 from hybridrl.run.record import CONTROLLER_CPU_PHASES, HOST_LOAD_PHASES, PHASES
 
 
@@ -36,12 +37,8 @@ def host_cpu_jiffies(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
 
 def parent_pid(pid: int, proc: Path = Path("/proc")) -> int | None:
     """The parent of `pid` from /proc/<pid>/stat; None where the process is gone or not visible here."""
-    try:
-        stat = (proc / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[-1].split()  # the command name, in parentheses, may hold spaces
-    return int(fields[1]) if len(fields) > 1 else None
+    fields = stat_fields(pid, proc)
+    return int(fields[1]) if fields is not None and len(fields) > 1 else None
 
 
 def foreign_pids(pids: set[int], root: int, proc: Path = Path("/proc")) -> set[int]:

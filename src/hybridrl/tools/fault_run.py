@@ -24,6 +24,7 @@ from typing import Any
 from rich.console import Console
 
 from hybridrl import atomic
+from hybridrl.proc import stat_fields
 from hybridrl.run.telemetry import read_records
 
 console = Console(stderr=True)
@@ -54,12 +55,7 @@ def _children(pid: int) -> dict[int, int]:
     """{descendant pid: its process group} of pid, from /proc."""
     kids: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp
+        if entry.isdigit() and (fields := stat_fields(int(entry))) is not None:
             kids.setdefault(int(fields[1]), []).append(int(entry))
     found: dict[int, int] = {}
     frontier = [pid]
@@ -74,11 +70,8 @@ def _children(pid: int) -> dict[int, int]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"  # a zombie holds nothing; its parent has not reaped it yet
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"  # a zombie holds nothing; its parent has not reaped it yet
 
 
 def _phase(run_dir: Path) -> tuple[int, str] | None:

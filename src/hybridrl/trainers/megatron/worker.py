@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.atomic import write_text
+from hybridrl.proc import stat_fields
 
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -50,11 +51,8 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def _wait_for_job(path: Path, controller_pid: int) -> dict[str, Any]:

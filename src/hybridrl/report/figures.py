@@ -106,12 +106,17 @@ def verdict(study: str, a: str, b: str, column: str, mode: str = "rate") -> str:
 def bench_ratio(path_a: str, path_b: str, which: str, field: str = "perf/throughput") -> str:
     """a / b of two bench JSONs' medians over the repeats of one path, with a bootstrap 95% interval over those
     repeats (one engine start a side: repeat-to-repeat noise only): '1.05x [0.98, 1.21]'."""
-    def values(path: str) -> list[float]:
-        rows = [r for r in _json(path).get("repeats") or [] if r.get("path") == which and r.get(field) is not None]
-        if not rows:
-            raise ValueError(f"{path} has no repeats of path {which!r} with {field!r}")
-        return [float(r[field]) for r in rows]
-    return wording.ratio_text(stats.ratio_of_medians(values(path_a), values(path_b)))
+    return wording.ratio_text(stats.ratio_of_medians(_repeat_values(path_a, which, field),
+                                                     _repeat_values(path_b, which, field)))
+
+
+def _repeat_values(path: str, which: str, field: str) -> list[float]:
+    """One field over a bench JSON's repeats of one path (raw, client, stream_all, old_client)."""
+    values = [float(r[field]) for r in _json(path).get("repeats") or []
+              if r.get("path") == which and r.get(field) is not None]
+    if not values:
+        raise ValueError(f"{path} has no repeats of path {which!r} with {field!r}")
+    return values
 
 
 def steady_steps(study: str, name: str) -> str:
@@ -170,10 +175,7 @@ def value(path: str, field: str, scale: str = "1", digits: str = "2") -> str:
 def repeats(path: str, which: str, field: str, unit: str = "k") -> str:
     """min–max of one field over a bench JSON's repeats of one path (raw, client, stream_all, old_client):
     in thousands ('12.3k–15.0k', unit k) or whole numbers (unit 1)."""
-    rows = _json(path).get("repeats") or []
-    values = [float(r[field]) for r in rows if r.get("path") == which and r.get(field) is not None]
-    if not values:
-        raise ValueError(f"{path} has no repeats of path {which!r} with {field!r}")
+    values = _repeat_values(path, which, field)
     lo, hi = min(values), max(values)
     return f"{lo / 1000:.1f}k–{hi / 1000:.1f}k" if unit == "k" else f"{lo:.0f}–{hi:.0f}"
 

@@ -72,8 +72,8 @@ def pretrain(model: Any, tokenizer: Any, rows: list[dict[str, Any]], cfg: dict[s
     model.train()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu",
                                                                                                    enabled=False)
-    seen, step, t0, loss_ema, order, checks = 0, 0, time.perf_counter(), None, [], []
-    next_check = cfg["check_tokens"] or cfg["tokens"]
+    seen, step, t0, loss_ema, order, checks, reached = 0, 0, time.perf_counter(), None, [], [], False
+    next_check = cfg["check_tokens"]
     while seen < cfg["tokens"]:
         if len(order) < cfg["batch_size"]:
             order += rng.sample(range(len(data)), len(data))
@@ -100,11 +100,12 @@ def pretrain(model: Any, tokenizer: Any, rows: list[dict[str, Any]], cfg: dict[s
             model.train()
             log(f"warm start: held-out accuracy {checks[-1]['accuracy']:.3f} after {seen:,} tokens "
                 f"(target {cfg['target_accuracy']})")
-            if checks[-1]["accuracy"] >= cfg["target_accuracy"]:
+            reached = checks[-1]["accuracy"] >= cfg["target_accuracy"]
+            if reached:
                 break
     model.eval()
     return {"tokens": seen, "steps": step, "seconds": round(time.perf_counter() - t0, 1), "final_loss": loss_ema,
-            "checks": checks, "stopped_at_target": bool(checks) and checks[-1]["accuracy"] >= cfg["target_accuracy"]}
+            "checks": checks, "stopped_at_target": reached}
 
 
 def greedy_accuracy(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int, device: str,

@@ -549,7 +549,7 @@ trim_log() {  # trim_log SRC DEST [TAIL]: a long log as its start, the lines fro
 }
 
 pack() {  # pack OUT_FILE: small files only (no adapters, no models); long logs trimmed (trim_log)
-  local dest=${1:?usage: run_reference.sh pack OUT_FILE} stage s d r l name
+  local dest=${1:?usage: run_reference.sh pack OUT_FILE} stage s d r l name w m
   stage=$(mktemp -d)
   for s in "$root"/*/; do
     [ -f "$s/setup.done" ] || continue
@@ -566,8 +566,9 @@ pack() {  # pack OUT_FILE: small files only (no adapters, no models); long logs 
     done
     cp "$s"bench/*.json "$stage/ref/$name/bench/" 2>/dev/null || true
     for w in "$s"models/*/warm_start.json; do  # a warm start's record (the model itself stays behind)
-      [ -f "$w" ] && mkdir -p "$stage/ref/$name/models/$(basename "$(dirname "$w")")" \
-        && cp "$w" "$stage/ref/$name/models/$(basename "$(dirname "$w")")/"
+      [ -f "$w" ] || continue
+      m="$stage/ref/$name/models/$(basename "$(dirname "$w")")"
+      mkdir -p "$m" && cp "$w" "$m/"
     done
     for l in "$s"bench/*.log; do [ -f "$l" ] && trim_log "$l" "$stage/ref/$name/bench/$(basename "$l")" 200; done
     cp "$s"*.log "$stage/ref/$name/" 2>/dev/null || true

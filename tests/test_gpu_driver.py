@@ -297,6 +297,14 @@ def test_faults_plan_hits_each_engine_in_a_rollout_and_in_training(root: Path) -
     assert all(runs[f"{e}-fault"].steps > 4 for e in ("sglang", "vllm", "vllm-inprocess"))
 
 
+def test_a_lease_can_take_the_rest_of_a_plan_that_an_earlier_one_began(root: Path) -> None:
+    items = _one_lane_plan(root, "gpu-h200-soak", "faults", HYBRIDRL_SKIP="sglang-fault vllm-inprocess")
+    # only whole run names match: vllm-inprocess names no run of this plan, so vllm-inprocess-fault stays
+    assert [i.split(" on ")[0] for i in items] == ["fault vllm-fault", "fault vllm-inprocess-fault"]
+    log = (root / "gpu-h200-soak" / "lane-faults-1.log").read_text()
+    assert "skipped: fault sglang-fault 2 4 (HYBRIDRL_SKIP)" in log
+
+
 def test_learning_plan_runs_the_long_runs_then_measures_the_vocabularies(root: Path) -> None:
     from hybridrl.study.config import load_study
 

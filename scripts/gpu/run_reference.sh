@@ -400,10 +400,19 @@ item() {  # item GPUS WORDS...: one plan item; GPUS is the lane's, used where th
   esac
 }
 
+# HYBRIDRL_SKIP="RUN RUN ...": items of these runs are left out, so that a lease can take the rest of a plan that
+# an earlier lease began (for example `HYBRIDRL_SKIP=sglang-fault start faults soak`)
+skipped() {  # skipped ITEM: true where the item's run is in HYBRIDRL_SKIP
+  local words
+  read -ra words <<< "$1"
+  [ "${#words[@]}" -ge 2 ] && [[ " ${HYBRIDRL_SKIP:-} " == *" ${words[1]} "* ]]
+}
+
 lane() {  # lane "GPUS|ITEM;ITEM;...": the items one after the other, a snapshot after each
   local gpu=${1%%|*} items it
   IFS=';' read -ra items <<< "${1#*|}"
   for it in "${items[@]}"; do
+    if skipped "$it"; then say "skipped: $it (HYBRIDRL_SKIP)"; continue; fi
     # shellcheck disable=SC2086
     item "$gpu" $it
     # only a lane's first run meets the others at the start barrier

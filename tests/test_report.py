@@ -468,7 +468,7 @@ def test_report_shows_engine_memory_across_sleeps(study: list[Path], tmp_path: P
     report_main(table, tmp_path / "r.md", tmp_path / "r.html", tmp_path / "plots", "t")
     section = (tmp_path / "r.md").read_text().split("## Engine memory across sleep and wake")[1].split("## ")[0]
     row = next(line for line in section.splitlines() if line.startswith("| split |"))
-    assert "| 8 |" in row and "2.10 / 5.60" in row and "grows +0.5 GB a step" in row
+    assert "| 8 |" in row and "2.10 / 3.10 / 5.60" in row and "grows +0.5 GB a step" in row
     assert "3/8 ok (failed at step 4, 5, 6, 7, 8)" in row
     assert "restart" not in section  # a run whose engine never slept has no row
     # a study where no engine slept has no such section
@@ -476,6 +476,24 @@ def test_report_shows_engine_memory_across_sleeps(study: list[Path], tmp_path: P
     plain.to_parquet(tmp_path / "plain.parquet", index=False)
     report_main(tmp_path / "plain.parquet", tmp_path / "p.md", tmp_path / "p.html", tmp_path / "plots", "t")
     assert "Engine memory across sleep and wake" not in (tmp_path / "p.md").read_text()
+    assert not (tmp_path / "plots" / "sleep_memory.png").exists()  # no engine slept: no plot, none left over
+
+
+def test_memory_trend_leaves_warm_up_out(study: list[Path], tmp_path: Path) -> None:
+    """A one-off rise in warm-up (caches and pools filling) then flat memory is no growth; as on the H200 soak
+    runs, whose slope over all steps read as growth only because of warm-up's rise."""
+    df = gather(study)
+    first = (df["run_id"] == "vllm-split-aaaa1111").to_numpy()
+    steps = df.loc[first, "step"]
+    df.loc[first, "mem/engine_asleep_gb"] = np.where(steps <= 2, 2.5 + 0.4 * (steps - 1), 2.9)
+    table = tmp_path / "steps.parquet"
+    df.to_parquet(table, index=False)
+    report_main(table, tmp_path / "r.md", tmp_path / "r.html", tmp_path / "plots", "t")
+    section = (tmp_path / "r.md").read_text().split("## Engine memory across sleep and wake")[1].split("## ")[0]
+    row = next(line for line in section.splitlines() if line.startswith("| split |"))
+    assert "2.50 / 2.90 / 2.90" in row and "grows" not in row and "no trend shown" in row
+    assert (tmp_path / "plots" / "sleep_memory.png").read_bytes()[:8] == PNG_MAGIC
+    assert "![Engine GPU memory across sleep and wake](plots/sleep_memory.png)" in (tmp_path / "r.md").read_text()
 
 
 def test_a_commit_that_looks_like_a_number_stays_text_in_the_csv(study: list[Path], tmp_path: Path) -> None:

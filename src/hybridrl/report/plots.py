@@ -105,6 +105,13 @@ def plot_reward(df: pd.DataFrame, out: Path) -> Path | None:
                           ("response/stop_ratio", "share stopped at EOS")], "Learning per step", out)
 
 
+def plot_sleep_memory(df: pd.DataFrame, out: Path) -> Path | None:
+    """NVML's used GPU memory right after each sleep and each wake, per step: a leak shows as a rising line."""
+    return _per_step(df, [("mem/engine_asleep_gb", "used after sleep (GB)"),
+                          ("mem/engine_awake_gb", "used after wake (GB)")],
+                     "Engine GPU memory across sleep and wake (NVML, whole GPU; shaded: warm-up)", out)
+
+
 def plot_learning(df: pd.DataFrame, out: Path) -> Path | None:
     """Eval accuracy and rollout reward against the step and against the wall clock the run has trained for
     (report.learning), one line per run; None when no run has an eval."""
@@ -290,6 +297,7 @@ PLOTS: dict[str, tuple[str, Callable[[pd.DataFrame, Path], Path | None]]] = {
     "reward": ("Reward per step", plot_reward),
     "learning": ("Accuracy and reward against steps and wall clock", plot_learning),
     "memory": ("GPU memory per phase", plot_memory),
+    "sleep_memory": ("Engine GPU memory across sleep and wake", plot_sleep_memory),
     "timeline": ("Steps on the wall clock", plot_timeline),
 }
 

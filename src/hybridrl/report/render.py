@@ -434,9 +434,10 @@ def gap_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
 
 
 def memory_trend_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
-    """Per run whose engine slept: its GPU memory after each sleep and wake, and the trend over steps."""
-    table = Table(["run", "sleeps", "asleep GB, first / last", "asleep: trend (GB a step, 95% CI)",
-                   "awake GB, first / last", "asleep memory gate"])
+    """Per run whose engine slept: its GPU memory after each sleep and wake, what warm-up added, and the trend
+    over the steps after warm-up (a one-off rise while caches and allocator pools fill is not a leak)."""
+    table = Table(["run", "sleeps", "asleep GB: first / after warm-up / last",
+                   "asleep: trend after warm-up (GB a step, 95% CI)", "awake GB, first / last", "asleep memory gate"])
     for run_id in stats.run_order(df):
         run = _select(df, run_id).sort_values("step")
         if "mem/engine_asleep_gb" not in run.columns:
@@ -445,14 +446,19 @@ def memory_trend_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None
         if not asleep.notna().any():
             continue
         awake = pd.to_numeric(run.get("mem/engine_awake_gb", pd.Series(dtype=float)), errors="coerce").dropna()
-        first_last = f"{fmt(asleep.dropna().iloc[0])} / {fmt(asleep.dropna().iloc[-1])}"
+        steady = (run["step"] > stats.warmup_steps(run)).to_numpy(dtype=bool)
+        after = asleep[steady].dropna()
+        readings = [asleep.dropna().iloc[0], after.iloc[0] if len(after) else None, asleep.dropna().iloc[-1]]
         woke = f"{fmt(awake.iloc[0])} / {fmt(awake.iloc[-1])}" if len(awake) else "–"
-        est = trend.bootstrap_slope(run["step"], asleep)
+        est = trend.bootstrap_slope(run.loc[steady, "step"], asleep[steady])
         gate = (_bool_cell(run["check/asleep_memory_ok"], run["step"]) if "check/asleep_memory_ok" in run.columns
                 else Cell("not checked", "na"))
-        table.rows.append([Cell(labels[run_id]), Cell(str(int(asleep.notna().sum())), "num"), Cell(first_last, "num"),
+        table.rows.append([Cell(labels[run_id]), Cell(str(int(asleep.notna().sum())), "num"),
+                           Cell(" / ".join("–" if r is None else fmt(r) for r in readings), "num"),
                            Cell(trend.trend_words(est, "GB"), "num"), Cell(woke, "num"), gate])
     return table if table.rows else None
+
+
 def accuracy_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
     """Time to accuracy X per run (report.learning); None when no run has an eval."""
     header, rows = learning.time_to_accuracy(df, labels)

@@ -25,7 +25,8 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
     marked = {p.relative_to(REPO).as_posix(): len(figures.MARK.findall(p.read_text())) for p in READMES}
     assert marked["README.md"] >= 20
     for name in ("2026-11-22-h200", "2026-11-22-4xh200-moe", "2026-11-23-2xh200-moe-full", "2026-11-23-h200-client",
-                 "2026-11-23-h200-verdict", "2026-11-24-h200-learning", "2026-11-24-h200-trainer"):
+                 "2026-11-23-h200-verdict", "2026-11-24-h200-learning", "2026-11-24-h200-trainer",
+                 "2026-11-24-h200-soak"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
     for name in ("2026-11-24-h200-faults",):
         assert marked[f"results/reference/{name}/README.md"] >= 2, name
@@ -96,3 +97,14 @@ def test_series_and_logged_figures_read_the_committed_data_and_fail_on_what_is_n
     assert figures.evaluate(rf"logged {log} base\saccuracy\s(\S+)\son") == "0.441"
     with pytest.raises(ValueError, match="nothing matches"):
         figures.evaluate(rf"logged {log} accuracy\s(\S+)\sof\s1,000,000")
+
+
+def test_at_and_slope_figures_read_one_step_and_the_steady_trend() -> None:
+    study = "results/reference/2026-11-24-h200-soak"
+    # warm-up's rise (step 1 to 3) is in `at`, and out of `slope`, which is fitted over the steps after warm-up
+    assert figures.evaluate(f"at {study} vllm-soak mem/engine_asleep_gb 1") == "2.54"
+    assert figures.evaluate(f"at {study} vllm-soak mem/engine_asleep_gb 3") == "3.02"
+    assert figures.evaluate(f"slope {study} vllm-soak mem/engine_asleep_gb GB").startswith("no trend shown: ")
+    assert figures.evaluate(f"slope {study} sglang-soak mem/engine_asleep_gb GB").startswith("grows +0.00016 GB")
+    with pytest.raises(ValueError, match="has 0 readings of 'mem/engine_asleep_gb' at step 51"):
+        figures.evaluate(f"at {study} vllm-soak mem/engine_asleep_gb 51")  # the run has 50 steps

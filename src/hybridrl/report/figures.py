@@ -190,6 +190,23 @@ def series(study: str, name: str, column: str, scale: str = "1", digits: str = "
     return ", ".join(f"step {int(r.step)}: {r.v * float(scale):.{int(digits)}f}" for r in rows.itertuples())
 
 
+def at(study: str, name: str, column: str, step: str, digits: str = "2") -> str:
+    """The column at one step of the configuration (its only run): 'at 3' of a memory reading."""
+    df = _config(_table(study), name)
+    values = pd.to_numeric(df.loc[df["step"] == int(step), column], errors="coerce").dropna()
+    if len(values) != 1:
+        raise ValueError(f"{study}: {name} has {len(values)} readings of {column!r} at step {step}")
+    return f"{values.iloc[0]:.{int(digits)}f}"
+
+
+def slope(study: str, name: str, column: str, unit: str = "") -> str:
+    """The column's trend over the steady-state steps, worded as the report words it (report.trend)."""
+    from hybridrl.report import trend
+
+    df = _steady(study, name)
+    return trend.trend_words(trend.bootstrap_slope(df["step"], pd.to_numeric(df[column], errors="coerce")), unit)
+
+
 @cache
 def _text(path: str) -> str:
     return (REPO / path).read_text(errors="replace")
@@ -208,6 +225,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "median": median, "interval": interval, "ratio": ratio, "change": change, "steps": steady_steps,
     "records": records, "span": span, "between": between, "tiers": tiers, "value": value,
     "repeats": repeats, "verdict": verdict, "bench_ratio": bench_ratio, "series": series, "logged": logged,
+    "at": at, "slope": slope,
 }
 
 

@@ -407,6 +407,11 @@ def test_engine_timing_asks_each_engine_for_its_request_stats_and_only_then(mode
         return VLLMServer(model_dir, _run(engine="vllm", **over), {"python": "py"}, tmp_path).command(1, None)
 
     assert "--enable-metrics" not in sglang() and "--enable-metrics" in sglang(engine_timing=True)
+    # and every token reaches its API server, whose first-token stamp a whole answer's timing then rests on
+    env = SGLangServer(model_dir, _run(engine_timing=True), {"python": "py"}, tmp_path).environment()
+    assert env["SGLANG_FORCE_STREAM_INTERVAL"] == "1"
+    plain = SGLangServer(model_dir, _run(), {"python": "py"}, tmp_path).environment()
+    assert "SGLANG_FORCE_STREAM_INTERVAL" not in plain
     assert "--enable-per-request-metrics" not in vllm()
     on = vllm(engine_timing=True, engine_args=["--enforce-eager"])
     assert "--enable-per-request-metrics" in on and on[-1] == "--enforce-eager"  # the study's args stay last
@@ -425,6 +430,13 @@ def test_sglang_timing_counts_from_arrival_to_the_prefill_then_per_later_token()
     # a server started without --enable-metrics sends no stamps: unknown, never zero
     assert all(math.isnan(x) for x in answer_timing({"meta_info": {"completion_tokens": 256, "e2e_latency": 1.3}}))
     assert math.isnan(answer_timing({"meta_info": {**meta, "completion_tokens": 1}})[1])  # one token: no TPOT
+    # SGLang 0.5.16 on the H200 sent no prefill stamp: the API server's first token, from its decode throughput
+    api = {"request_received_ts": 100.0, "request_finished_ts": 101.27, "decode_throughput": 250.0,
+           "completion_tokens": 256}
+    assert answer_timing({"meta_info": api}) == pytest.approx((0.25, 1 / 250.0))
+    one = {"request_received_ts": 100.0, "request_finished_ts": 100.2, "completion_tokens": 1}
+    ttft, tpot = answer_timing({"meta_info": one})
+    assert ttft == pytest.approx(0.2) and math.isnan(tpot)
 
 
 def test_vllm_timing_adds_the_queue_to_its_time_to_first_token():

@@ -10,6 +10,8 @@ import pytest
 from hybridrl import cli
 from hybridrl.engines.base import Completion, stream_flags
 from hybridrl.engines.client_ceiling import (
+    TPOT_S,
+    TTFT_S,
     FakeEngine,
     client_class,
     client_headroom_ok,
@@ -82,6 +84,19 @@ def test_the_engines_own_timing_covers_whole_answers_and_is_absent_without_it():
     assert stats["perf/ttft_s_p50"] is None  # nothing streamed: the client timed no first token
     off = rollout_stats([untimed], gen_s=1.0)
     assert off["perf/engine_timed_requests"] == 0 and off["perf/engine_ttft_s_p50"] is None
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+def test_the_client_reads_the_engines_timing_from_whole_answers_and_from_a_streams_last_event(fmt):
+    """SGLang puts its stamps on a stream's last token event, vLLM on the usage event after it, which only a
+    stream that asks for its usage gets (on the H200 every streamed request came back without either)."""
+    with FakeEngine(fmt, tokens_per_event=3) as server:
+        out = client_class(fmt)(server, timeout_s=30, max_concurrency=2).generate(fake_requests(2, 7, 0.5))
+    assert [c.streamed for c in out] == [False, True]
+    for c in out:
+        assert c.error is None and len(c.token_ids) == 7 and c.finish_reason == "length"
+        assert c.engine_ttft_s == pytest.approx(TTFT_S) and c.engine_tpot_s == pytest.approx(TPOT_S)
+    assert out[1].events == 3  # the usage event adds no tokens and no event to the client's count
 
 
 def test_controller_cpu_of_the_rollout_phase_is_recorded():

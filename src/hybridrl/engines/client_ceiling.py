@@ -30,11 +30,21 @@ TOKEN, LOGPROB = 42, -0.5  # every fake token; the client parses them all the sa
 HEADROOM = 0.8  # a rollout above this share of the ceiling may be limited by the client
 
 
+# the timing each fake answer reports as the engine's own (engine_timing): arrival, first token, then per token
+ARRIVED_S, TTFT_S, TPOT_S = 1000.0, 0.25, 0.01
+
+
 def _sglang_event(ids: int, total: int, last: bool) -> dict[str, Any]:
     finish = {"type": "length", "length": total} if last else None
-    return {"text": "", "output_ids": [TOKEN] * ids,
-            "meta_info": {"completion_tokens": total, "finish_reason": finish,
-                          "output_token_logprobs": [[LOGPROB, TOKEN, None]] * ids}}
+    meta: dict[str, Any] = {"completion_tokens": total, "finish_reason": finish,
+                            "output_token_logprobs": [[LOGPROB, TOKEN, None]] * ids}
+    if last:  # --enable-metrics' stamps as SGLang 0.5.16 sent them on the H200: no scheduler prefill stamp
+        meta.update(request_received_ts=ARRIVED_S, request_finished_ts=ARRIVED_S + TTFT_S + (total - 1) * TPOT_S,
+                    decode_throughput=1 / TPOT_S)
+    return {"text": "", "output_ids": [TOKEN] * ids, "meta_info": meta}
+
+
+VLLM_METRICS = {"queue_time_ms": 50.0, "time_to_first_token_ms": TTFT_S * 1000 - 50.0, "mean_itl_ms": TPOT_S * 1000}
 
 
 def _vllm_event(ids: int, total: int, last: bool) -> dict[str, Any]:
@@ -42,25 +52,39 @@ def _vllm_event(ids: int, total: int, last: bool) -> dict[str, Any]:
                          "logprobs": {"tokens": [f"token_id:{TOKEN}"] * ids, "token_logprobs": [LOGPROB] * ids}}]}
 
 
+def _vllm_usage(total: int) -> dict[str, Any]:
+    """The event that ends a stream asked for its usage (stream_options.include_usage), with the metrics."""
+    return {"choices": [], "usage": {"completion_tokens": total}, "metrics": VLLM_METRICS}
+
+
 EVENTS = {"sglang": _sglang_event, "vllm": _vllm_event}
 
 
+def _sse(event: dict[str, Any] | str) -> bytes:
+    data = f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n".encode()
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
 @cache
-def stream_chunks(fmt: str, tokens: int, tokens_per_event: int) -> tuple[bytes, ...]:
-    """One streamed answer as HTTP chunks, one server-sent event each (incremental, as the engines send)."""
+def stream_chunks(fmt: str, tokens: int, tokens_per_event: int, usage: bool = False) -> tuple[bytes, ...]:
+    """One streamed answer as HTTP chunks, one server-sent event each (incremental, as the engines send); with
+    `usage`, vLLM's closing usage event too."""
     chunks, sent = [], 0
     while sent < tokens:
         k = min(tokens_per_event, tokens - sent)
         sent += k
-        event = f"data: {json.dumps(EVENTS[fmt](k, sent, sent == tokens))}\n\n".encode()
-        chunks.append(b"%x\r\n%b\r\n" % (len(event), event))
-    done = b"data: [DONE]\n\n"
-    return (*chunks, b"%x\r\n%b\r\n" % (len(done), done), b"0\r\n\r\n")
+        chunks.append(_sse(EVENTS[fmt](k, sent, sent == tokens)))
+    if usage and fmt == "vllm":
+        chunks.append(_sse(_vllm_usage(tokens)))
+    return (*chunks, _sse("[DONE]"), b"0\r\n\r\n")
 
 
 @cache
 def whole_answer(fmt: str, tokens: int) -> bytes:
-    return json.dumps(EVENTS[fmt](tokens, tokens, True)).encode()
+    answer = EVENTS[fmt](tokens, tokens, True)
+    if fmt == "vllm":  # a whole completion carries its metrics itself
+        answer["metrics"] = VLLM_METRICS
+    return json.dumps(answer).encode()
 
 
 def _max_tokens(body: dict[str, Any]) -> int:
@@ -84,7 +108,8 @@ async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, fm
             if body.get("stream"):
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                              b"Transfer-Encoding: chunked\r\n\r\n")
-                for chunk in stream_chunks(fmt, _max_tokens(body), tokens_per_event):
+                usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                for chunk in stream_chunks(fmt, _max_tokens(body), tokens_per_event, usage):
                     writer.write(chunk)
                     await writer.drain()  # lets the other connections' events interleave with this one's
                     if event_interval_s:

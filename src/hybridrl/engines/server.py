@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -245,6 +246,10 @@ class RolloutClient:
                 out.add_tokens(ids, lps, time.perf_counter(), t0)
                 if finish:
                     out.finish_reason = finish
+                if finish or not ids:  # the engine's timing rides on a stream's last events, if it sends any
+                    ttft, tpot = self.timing(chunk)
+                    if math.isfinite(ttft):
+                        out.engine_ttft_s, out.engine_tpot_s = ttft, tpot
         out.latency_s = time.perf_counter() - t0
 
     async def _one(self, client: httpx.AsyncClient, req: Request) -> Completion:

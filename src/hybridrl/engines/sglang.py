@@ -84,13 +84,23 @@ def parse_chunk(chunk: dict[str, Any], seen: int) -> tuple[list[int], list[float
 
 
 def answer_timing(answer: dict[str, Any]) -> tuple[float, float]:
-    """(TTFT, TPOT) in seconds from a whole /generate answer of a server started with --enable-metrics: from the
-    request's arrival (request_received_ts) to the end of its prefill, whose step samples the first token
-    (prefill_finished_time), then per later token until it finished (request_finished_ts). Wall-clock seconds
-    (SGLang 0.5.16); NaN where a field is missing."""
+    """(TTFT, TPOT) in seconds from a finished /generate answer (whole, or a stream's last event) of a server
+    started with --enable-metrics. From the request's arrival at the server (request_received_ts) to its first
+    token, then per later token until it finished (request_finished_ts). The first token is the scheduler's end
+    of prefill (prefill_finished_time) where the answer has it; SGLang 0.5.16 on the H200 sent none
+    (results/reference/2026-11-24-h200-timed), so otherwise the API server's own first-token stamp, which its
+    decode_throughput gives: (tokens - 1) / (finished - first token). Wall-clock seconds; NaN where a field is
+    missing."""
     meta = answer.get("meta_info") or {}
-    return stamp_timing(meta.get("request_received_ts"), meta.get("prefill_finished_time"),
-                        meta.get("request_finished_ts"), int(meta.get("completion_tokens") or 0))
+    tokens = int(meta.get("completion_tokens") or 0)
+    first = meta.get("prefill_finished_time")
+    if not first and meta.get("request_finished_ts"):
+        rate = float(meta.get("decode_throughput") or 0.0)
+        if rate > 0 and tokens > 1:
+            first = float(meta["request_finished_ts"]) - (tokens - 1) / rate
+        elif tokens == 1:  # one token: it came at the end
+            first = meta["request_finished_ts"]
+    return stamp_timing(meta.get("request_received_ts"), first, meta.get("request_finished_ts"), tokens)
 
 
 class _SGLangClient(RolloutClient):
@@ -150,6 +160,10 @@ class SGLangServer(HTTPEngine):
     def environment(self) -> dict[str, str]:
         env = engine_environ()
         env.update({"HF_HUB_OFFLINE": "1", "SGLANG_DISABLE_REQUEST_LOGGING": "1"})
+        if self.run.engine_timing:
+            # a request answered whole reaches SGLang's API server every 50 tokens by default, so its first-token
+            # stamp would be the 50th token's: every token, as a streamed request does (answer_timing)
+            env["SGLANG_FORCE_STREAM_INTERVAL"] = "1"
         env.update(split_engine_devices(self.run, env))
         env.update(self.extra_env)
         return env

@@ -34,11 +34,15 @@ class _VLLMClient(RolloutClient):
             "return_tokens_as_token_ids": True,
             "stream": req.stream,
         }
+        if req.stream:  # a stream's last event then carries the usage and, if asked, the per-request metrics
+            body["stream_options"] = {"include_usage": True}
         if s.seed is not None:
             body["seed"] = s.seed
         return body
 
     def parse(self, chunk: dict[str, Any], seen: int = 0) -> tuple[list[int], list[float], str | None]:
+        if not chunk["choices"]:  # the usage event that ends a stream (stream_options.include_usage)
+            return [], [], None
         choice = chunk["choices"][0]
         lp = choice.get("logprobs") or {}
         ids = [int(t.rsplit(":", 1)[1]) for t in lp.get("tokens") or []]

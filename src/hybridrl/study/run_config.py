@@ -134,7 +134,8 @@ class RunConfig(_Frozen):
         False, description="the rollout client before 2026-11-23, one connection pool for every request (with "
         "stream_fraction 1: the old path), to compare with results recorded through it")
     engine_timing: bool = Field(
-        False, description="ask the engine for its own timing of each request (SGLang --enable-metrics, vLLM "
+        False, description="ask the engine for its own timing of each request (SGLang --enable-metrics with "
+        "SGLANG_FORCE_STREAM_INTERVAL=1, so that its API server sees every token; vLLM "
         "--enable-per-request-metrics, in-process vLLM's request stats): TTFT and TPOT of the requests answered "
         "whole too (perf/engine_*), with no stream to pay for")
     client_ceiling_s: float = Field(

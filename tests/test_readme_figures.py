@@ -26,7 +26,7 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
     assert marked["README.md"] >= 20
     for name in ("2026-11-22-h200", "2026-11-22-4xh200-moe", "2026-11-23-2xh200-moe-full", "2026-11-23-h200-client",
                  "2026-11-23-h200-verdict", "2026-11-24-h200-learning", "2026-11-24-h200-trainer",
-                 "2026-11-24-h200-soak"):
+                 "2026-11-24-h200-soak", "2026-11-24-h200-timed"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
     for name in ("2026-11-24-h200-faults",):
         assert marked[f"results/reference/{name}/README.md"] >= 2, name

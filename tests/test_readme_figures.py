@@ -108,3 +108,7 @@ def test_at_and_slope_figures_read_one_step_and_the_steady_trend() -> None:
     assert figures.evaluate(f"slope {study} sglang-soak mem/engine_asleep_gb GB").startswith("grows +0.00016 GB")
     with pytest.raises(ValueError, match="has 0 readings of 'mem/engine_asleep_gb' at step 51"):
         figures.evaluate(f"at {study} vllm-soak mem/engine_asleep_gb 51")  # the run has 50 steps
+    with pytest.raises(ValueError, match=r"steps.csv has no column 'mem/engine_asleep_GB'"):
+        figures.evaluate(f"slope {study} vllm-soak mem/engine_asleep_GB GB")
+    with pytest.raises(ValueError, match="step 'three' is not a step number"):
+        figures.evaluate(f"at {study} vllm-soak mem/engine_asleep_gb three")

@@ -190,10 +190,19 @@ def series(study: str, name: str, column: str, scale: str = "1", digits: str = "
     return ", ".join(f"step {int(r.step)}: {r.v * float(scale):.{int(digits)}f}" for r in rows.itertuples())
 
 
+def _column(df: pd.DataFrame, study: str, column: str) -> pd.Series:
+    """A column of a study's table as numbers; a column the table lacks is named in the error."""
+    if column not in df.columns:
+        raise ValueError(f"{study}/steps.csv has no column {column!r}")
+    return pd.to_numeric(df[column], errors="coerce")
+
+
 def at(study: str, name: str, column: str, step: str, digits: str = "2") -> str:
     """The column at one step of the configuration (its only run): 'at 3' of a memory reading."""
+    if not step.isdigit():
+        raise ValueError(f"step {step!r} is not a step number")
     df = _config(_table(study), name)
-    values = pd.to_numeric(df.loc[df["step"] == int(step), column], errors="coerce").dropna()
+    values = _column(df, study, column)[df["step"] == int(step)].dropna()
     if len(values) != 1:
         raise ValueError(f"{study}: {name} has {len(values)} readings of {column!r} at step {step}")
     return f"{values.iloc[0]:.{int(digits)}f}"
@@ -204,7 +213,7 @@ def slope(study: str, name: str, column: str, unit: str = "") -> str:
     from hybridrl.report import trend
 
     df = _steady(study, name)
-    return trend.trend_words(trend.bootstrap_slope(df["step"], pd.to_numeric(df[column], errors="coerce")), unit)
+    return trend.trend_words(trend.bootstrap_slope(df["step"], _column(df, study, column)), unit)
 
 
 @cache

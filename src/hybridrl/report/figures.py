@@ -22,7 +22,7 @@ from typing import Any
 
 import pandas as pd
 
-from hybridrl.report import stats, wording
+from hybridrl.report import stats, trend, wording
 from hybridrl.report.aggregate import read_table
 
 REPO = Path(__file__).resolve().parents[3]
@@ -180,21 +180,21 @@ def repeats(path: str, which: str, field: str, unit: str = "k") -> str:
     return f"{lo / 1000:.1f}k–{hi / 1000:.1f}k" if unit == "k" else f"{lo:.0f}–{hi:.0f}"
 
 
-def series(study: str, name: str, column: str, scale: str = "1", digits: str = "1") -> str:
-    """The column at every step that has it (eval columns exist every `eval_every` steps), times scale:
-    'step 5: 44.5, step 10: 44.9'."""
-    df = _config(_table(study), name)
-    rows = df[["step", column]].assign(v=pd.to_numeric(df[column], errors="coerce")).dropna(subset=["v"])
-    if rows.empty:
-        raise ValueError(f"{study}: {name} has no {column!r} at any step")
-    return ", ".join(f"step {int(r.step)}: {r.v * float(scale):.{int(digits)}f}" for r in rows.itertuples())
-
-
 def _column(df: pd.DataFrame, study: str, column: str) -> pd.Series:
     """A column of a study's table as numbers; a column the table lacks is named in the error."""
     if column not in df.columns:
         raise ValueError(f"{study}/steps.csv has no column {column!r}")
     return pd.to_numeric(df[column], errors="coerce")
+
+
+def series(study: str, name: str, column: str, scale: str = "1", digits: str = "1") -> str:
+    """The column at every step that has it (eval columns exist every `eval_every` steps), times scale:
+    'step 5: 44.5, step 10: 44.9'."""
+    df = _config(_table(study), name)
+    rows = df[["step"]].assign(v=_column(df, study, column)).dropna(subset=["v"])
+    if rows.empty:
+        raise ValueError(f"{study}: {name} has no {column!r} at any step")
+    return ", ".join(f"step {int(r.step)}: {r.v * float(scale):.{int(digits)}f}" for r in rows.itertuples())
 
 
 def at(study: str, name: str, column: str, step: str, digits: str = "2") -> str:
@@ -209,10 +209,8 @@ def at(study: str, name: str, column: str, step: str, digits: str = "2") -> str:
 
 
 def slope(study: str, name: str, column: str, unit: str = "") -> str:
-    """The column's trend over the steady-state steps, worded as the report words it (report.trend)."""
-    from hybridrl.report import trend
-
-    df = _steady(study, name)
+    """The column's trend over the steps after warm-up, fitted and worded as the report's memory table does."""
+    df = stats.after_warmup(_config(_table(study), name))
     return trend.trend_words(trend.bootstrap_slope(df["step"], _column(df, study, column)), unit)
 
 

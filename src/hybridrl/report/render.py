@@ -446,11 +446,12 @@ def memory_trend_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None
         if not asleep.notna().any():
             continue
         awake = pd.to_numeric(run.get("mem/engine_awake_gb", pd.Series(dtype=float)), errors="coerce").dropna()
-        steady = (run["step"] > stats.warmup_steps(run)).to_numpy(dtype=bool)
-        after = asleep[steady].dropna()
-        readings = [asleep.dropna().iloc[0], after.iloc[0] if len(after) else None, asleep.dropna().iloc[-1]]
+        later = stats.after_warmup(run)
+        after = asleep[later.index]
+        taken, first_after = asleep.dropna(), after.dropna()
+        readings = [taken.iloc[0], first_after.iloc[0] if len(first_after) else None, taken.iloc[-1]]
         woke = f"{fmt(awake.iloc[0])} / {fmt(awake.iloc[-1])}" if len(awake) else "–"
-        est = trend.bootstrap_slope(run.loc[steady, "step"], asleep[steady])
+        est = trend.bootstrap_slope(later["step"], after)
         gate = (_bool_cell(run["check/asleep_memory_ok"], run["step"]) if "check/asleep_memory_ok" in run.columns
                 else Cell("not checked", "na"))
         table.rows.append([Cell(labels[run_id]), Cell(str(int(asleep.notna().sum())), "num"),

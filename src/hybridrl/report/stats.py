@@ -143,9 +143,14 @@ def warmup(df: pd.DataFrame) -> pd.DataFrame:
     return df[(df["step"] <= warmup_steps(df)).to_numpy(dtype=bool)]
 
 
+def after_warmup(df: pd.DataFrame) -> pd.DataFrame:
+    """Every step after its run's warm-up, whatever its gates said (what a memory trend is fitted over)."""
+    return df[(df["step"] > warmup_steps(df)).to_numpy(dtype=bool)]
+
+
 def steady_state(df: pd.DataFrame) -> pd.DataFrame:
     """Steps after warm-up whose adapter was applied (a LoRA result counts only where it held)."""
-    after = df[(df["step"] > warmup_steps(df)).to_numpy(dtype=bool)]
+    after = after_warmup(df)
     if "check/adapter_applied" in after.columns:
         applied = after["check/adapter_applied"].astype("boolean")
         after = after[applied.fillna(True).astype(bool)]

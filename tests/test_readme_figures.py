@@ -112,3 +112,11 @@ def test_at_and_slope_figures_read_one_step_and_the_steady_trend() -> None:
         figures.evaluate(f"slope {study} vllm-soak mem/engine_asleep_GB GB")
     with pytest.raises(ValueError, match="step 'three' is not a step number"):
         figures.evaluate(f"at {study} vllm-soak mem/engine_asleep_gb three")
+
+
+def test_a_path_ratio_compares_two_paths_of_one_bench_with_an_interval_over_repeats() -> None:
+    path = "results/reference/2026-11-24-h200-timed/bench/sglang-timed.json"
+    text = figures.evaluate(f"path_ratio {path} stream_all raw")
+    assert text.startswith("0.59x [") and f"{figures._json(path)['over_raw']['stream_all']:.2f}x" in text
+    with pytest.raises(ValueError, match="has no repeats of path 'old_client'"):
+        figures.evaluate(f"path_ratio {path} old_client raw")  # the timed plan measured no old client

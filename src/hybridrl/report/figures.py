@@ -110,6 +110,13 @@ def bench_ratio(path_a: str, path_b: str, which: str, field: str = "perf/through
                                                      _repeat_values(path_b, which, field)))
 
 
+def path_ratio(path: str, which_a: str, which_b: str, field: str = "perf/throughput") -> str:
+    """a / b of two paths' medians in one bench JSON (one engine start, the paths interleaved repeat by repeat),
+    with a bootstrap 95% interval over the repeats: 'stream_all against raw'."""
+    return wording.ratio_text(stats.ratio_of_medians(_repeat_values(path, which_a, field),
+                                                     _repeat_values(path, which_b, field)))
+
+
 def _repeat_values(path: str, which: str, field: str) -> list[float]:
     """One field over a bench JSON's repeats of one path (raw, client, stream_all, old_client)."""
     values = [float(r[field]) for r in _json(path).get("repeats") or []
@@ -231,7 +238,8 @@ def logged(path: str, pattern: str) -> str:
 FIGURES: dict[str, Callable[..., str]] = {
     "median": median, "interval": interval, "ratio": ratio, "change": change, "steps": steady_steps,
     "records": records, "span": span, "between": between, "tiers": tiers, "value": value,
-    "repeats": repeats, "verdict": verdict, "bench_ratio": bench_ratio, "series": series, "logged": logged,
+    "repeats": repeats, "verdict": verdict, "bench_ratio": bench_ratio, "path_ratio": path_ratio,
+    "series": series, "logged": logged,
     "at": at, "slope": slope,
 }
 

@@ -14,6 +14,10 @@ from hybridrl.tools import megatron_parity as parity  # noqa: E402
 
 LOGP_TOL = 1e-5  # absolute, per token, fp32
 GRAD_TOL = 1e-4  # relative (Frobenius), per LoRA tensor
+# After the AdamW step at TP 2: AdamW's first step is lr * g / (|g| + 1e-8), so a gradient entry near 1e-8 turns
+# fp32 noise into a weight gap of up to 1e-2 * lr (allowed below). Packed at TP 2, the qwen2 case's gate_proj
+# lora_A entry of 9.0e-8 (HF) against 8.4e-8 (the median entry is 4.6e-3) moved the logprobs 1.05e-5.
+LOGP_AFTER_TOL_TP2 = 2e-5
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +37,20 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]
     return out
 
 
-def _check(case: dict[str, Any], got: dict[str, Any], export_dir: Path) -> None:
+def _check(case: dict[str, Any], got: dict[str, Any], export_dir: Path, logp_after_tol: float = LOGP_TOL) -> None:
     gaps = parity.compare(case["ref"], got)
     name = case["name"]
     assert gaps["logp"] < LOGP_TOL, (name, gaps)
+    # the run packs its micro-batches (pack_sequences); the padded forward of the same policy agrees too
+    assert case["run"].pack_sequences
+    padded = max(float((a - b).abs().max()) for a, b in zip(case["ref"]["logp"], got["logp_padded"], strict=True))
+    assert padded < LOGP_TOL, (name, "padded forward", padded)
     assert gaps["grad_rel"] < GRAD_TOL, (name, gaps)
     assert gaps["grad_norm_rel"] < GRAD_TOL, (name, gaps)
     assert gaps["loss"] < 1e-6, (name, gaps)
     # AdamW's first step is ~lr * sign(g): entries with g near 0 amplify fp32 noise, so scale by lr
     assert gaps["weights_after"] < 1e-2 * case["run"].lr, (name, gaps)
-    assert gaps["logp_after"] < LOGP_TOL, (name, gaps)
+    assert gaps["logp_after"] < logp_after_tol, (name, gaps)
     # the update moved the policy, so the after-step check is not vacuous
     moved = max(float((a - b).abs().max()) for a, b in zip(case["ref"]["logp"], got["logp_after"], strict=True))
     assert moved > 1e-3, (name, moved)
@@ -74,7 +82,7 @@ def test_parity_tp2_dense_architectures(cases: dict[str, dict[str, Any]], tmp_pa
     archs = ["llama", "qwen2", "qwen3"]
     got = _run_group(cases, archs, 2, tmp_path)
     for arch in archs:
-        _check(cases[arch], got[arch], tmp_path / f"{arch}-export-tp2")
+        _check(cases[arch], got[arch], tmp_path / f"{arch}-export-tp2", LOGP_AFTER_TOL_TP2)
 
 
 @pytest.mark.parametrize("rope", [

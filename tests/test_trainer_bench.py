@@ -47,7 +47,7 @@ def _s(n: int) -> Sample:
 
 def test_micro_batches_by_tokens_keep_the_padded_size_within_the_budget() -> None:
     samples = [_s(n) for n in (4, 4, 6, 10, 3, 3)]
-    run = RunConfig(model="m", micro_batch_tokens=12)
+    run = RunConfig(model="m", micro_batch_tokens=12, pack_sequences=False)
     got = [[len(s.prompt_ids) + len(s.completion_ids) for s in mb] for mb in micro_batches(samples, run)]
     assert got == [[4, 4], [6], [10], [3, 3]]  # 3 x 6 = 18 > 12; a 10 alone; 2 x 3 fits
     assert sum(got, []) == [4, 4, 6, 10, 3, 3]  # the order is kept
@@ -56,5 +56,28 @@ def test_micro_batches_by_tokens_keep_the_padded_size_within_the_budget() -> Non
 
 
 def test_a_sample_longer_than_the_budget_gets_a_micro_batch_of_its_own() -> None:
-    run = RunConfig(model="m", micro_batch_tokens=5)
-    assert [len(mb) for mb in micro_batches([_s(9), _s(3), _s(9)], run)] == [1, 1, 1]
+    for pack in (True, False):
+        run = RunConfig(model="m", micro_batch_tokens=5, pack_sequences=pack)
+        assert [len(mb) for mb in micro_batches([_s(9), _s(3), _s(9)], run)] == [1, 1, 1]
+
+
+def test_trainer_bench_packs_by_default_and_pads_with_no_pack(tmp_path: Path) -> None:
+    from hybridrl.tools.trainer_bench import main as bench
+
+    packed = bench("tiny", ["hf"], 1, "cpu", tmp_path, None, varied=True)
+    padded = bench("tiny", ["hf"], 1, "cpu", tmp_path, None, varied=True, pack=False)
+    assert packed["pack_sequences"] is True and padded["pack_sequences"] is False
+    assert packed["lengths"] == "varied" and packed["completion_tokens"] == padded["completion_tokens"]
+    # the same samples and weights: packing changes the layout, not the update
+    assert packed["hf"]["last_loss"] == pytest.approx(padded["hf"]["last_loss"], abs=1e-5)
+
+
+@pytest.mark.parametrize("trainer", ["hf", "megatron"])
+def test_trainer_profile_writes_the_operator_table(trainer: str, tmp_path: Path) -> None:
+    out = tmp_path / "profile.txt"
+    rc = main(["trainer-profile", "--shape", "tiny", "--trainer", trainer, "--device", "cpu",
+               "--workdir", str(tmp_path / "w"), "--out", str(out)])
+    assert rc == 0
+    text = out.read_text()
+    assert text.startswith(f"trainer-profile tiny {trainer} micro_batch 8 pack True lengths fixed device cpu")
+    assert "Self CPU" in text and "aten::mm" in text

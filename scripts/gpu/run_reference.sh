@@ -176,23 +176,47 @@ ceiling() {
     > "$ref/bench/client-ceiling.log" 2>&1 || say "client ceiling exit $?"
 }
 
-# tbench SHAPE GPU [ARGS]: the trainer benchmark (python -m hybridrl trainer-bench) on one shape, both trainers
-tbench() {  # tbench SHAPE GPU TRAINER MICRO_BATCH: one trainer in a process of its own, bench/trainer-SHAPE-TRAINER-mbN
-  local shape=$1 gpu=$2 trainer=$3 mb=$4 name pid rc=0
+# tbench SHAPE GPU TRAINER MICRO_BATCH [FLAG...]: the trainer benchmark (python -m hybridrl trainer-bench), one
+# trainer in a process of its own; FLAGs (no-pack, varied) pass on as --FLAG and name the result:
+# bench/trainer-SHAPE-TRAINER-mbN[-FLAG...].json
+tbench() {
+  local shape=$1 gpu=$2 trainer=$3 mb=$4 name pid rc=0 flag args=()
+  shift 4
   name="trainer-$shape-$trainer-mb$mb"
-  [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: trainer-bench $shape $trainer mb $mb on GPU $gpu"; return 0; }
+  for flag in "$@"; do name+="-$flag"; args+=("--$flag"); done
+  [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: trainer-bench $shape $trainer mb $mb${*:+ $*} on GPU $gpu"; return 0; }
   [ -f "$ref/bench/$name.json" ] && { say "$name already done"; return 0; }
   mkdir -p "$ref/bench" "$root/trainer-bench"
-  say "trainer-bench $shape $trainer mb $mb on GPU $gpu"
+  say "trainer-bench $shape $trainer mb $mb${*:+ $*} on GPU $gpu"
   # a session of its own, killed whole afterwards: a benchmark killed by the host once left a worker holding
   # the GPU under the next one (results/reference/2026-11-24-h200-trainer)
   CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH="/tmp/envs/trainer:$ctl_path" setsid timeout "${HYBRIDRL_TBENCH_TIMEOUT_S:-900}" \
-    python3 -m hybridrl trainer-bench --shape "$shape" --trainer "$trainer" --micro-batch "$mb" \
+    python3 -m hybridrl trainer-bench --shape "$shape" --trainer "$trainer" --micro-batch "$mb" "${args[@]}" \
     --workdir "$root/trainer-bench" --out "$ref/bench/$name.json" > "$ref/bench/$name.log" 2>&1 &
   pid=$!
   wait "$pid" || rc=$?
   kill -KILL -- "-$pid" 2> /dev/null || true
-  say "trainer-bench $shape $trainer mb $mb exit $rc"
+  say "trainer-bench $shape $trainer mb $mb${*:+ $*} exit $rc"
+}
+
+# tprof SHAPE GPU TRAINER MICRO_BATCH [FLAG...]: one update under torch.profiler (python -m hybridrl
+# trainer-profile), its operator table in bench/profile-SHAPE-TRAINER-mbN[-FLAG...].txt
+tprof() {
+  local shape=$1 gpu=$2 trainer=$3 mb=$4 name pid rc=0 flag args=()
+  shift 4
+  name="profile-$shape-$trainer-mb$mb"
+  for flag in "$@"; do name+="-$flag"; args+=("--$flag"); done
+  [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: trainer-profile $shape $trainer mb $mb${*:+ $*} on GPU $gpu"; return 0; }
+  [ -f "$ref/bench/$name.txt" ] && { say "$name already done"; return 0; }
+  mkdir -p "$ref/bench" "$root/trainer-bench"
+  say "trainer-profile $shape $trainer mb $mb${*:+ $*} on GPU $gpu"
+  CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH="/tmp/envs/trainer:$ctl_path" setsid timeout "${HYBRIDRL_TBENCH_TIMEOUT_S:-900}" \
+    python3 -m hybridrl trainer-profile --shape "$shape" --trainer "$trainer" --micro-batch "$mb" "${args[@]}" \
+    --workdir "$root/trainer-bench" --out "$ref/bench/$name.txt" > "$ref/bench/$name.log" 2>&1 &
+  pid=$!
+  wait "$pid" || rc=$?
+  kill -KILL -- "-$pid" 2> /dev/null || true
+  say "trainer-profile $shape $trainer mb $mb${*:+ $*} exit $rc"
 }
 
 plan_full() {
@@ -324,6 +348,16 @@ plan_trainer() {
   p1=("0|tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32;tbench qwen3-30b-a3b hf 16;tbench qwen3-30b-a3b megatron 16")
 }
 
+plan_packing() {
+  # issue 15, packed sequences: per shape both trainers packed (the default now) and padded (--no-pack) on
+  # completions of varied length, then packed on the fixed lengths of `trainer`'s rows; one update of each
+  # trainer on the dense shape under torch.profiler (Megatron's gap to HF); the 48-layer shape last (its model
+  # build takes minutes)
+  gpus=1
+  phases=(p1)
+  p1=("0|tbench qwen3-0.6b hf 32 varied;tbench qwen3-0.6b megatron 32 varied;tbench qwen3-0.6b hf 32 varied no-pack;tbench qwen3-0.6b megatron 32 varied no-pack;tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32;tprof qwen3-0.6b hf 32;tprof qwen3-0.6b megatron 32;tbench qwen3-30b-a3b hf 16 varied;tbench qwen3-30b-a3b megatron 16 varied;tbench qwen3-30b-a3b hf 16 varied no-pack;tbench qwen3-30b-a3b megatron 16 varied no-pack;tbench qwen3-30b-a3b megatron 16")
+}
+
 # replica ARM K: the run name of replicate K of ARM (the first keeps the plain name, as the study's run ids do)
 replica() { if (($2 > 1)); then echo "$1-r$2"; else echo "$1"; fi; }
 
@@ -396,6 +430,7 @@ item() {  # item GPUS WORDS...: one plan item; GPUS is the lane's, used where th
     ceiling) ceiling ;;
     fault) fault "$name" "$gpu" "$@" ;;
     tbench) tbench "$name" "$gpu" "$@" ;;
+    tprof) tprof "$name" "$gpu" "$@" ;;
     *) echo "unknown plan item: $what" >&2; return 2 ;;
   esac
 }

@@ -82,7 +82,15 @@ def _trainer_bench(args: argparse.Namespace) -> None:
 
     trainer_bench_main(args.shape, args.trainer, args.updates, args.device, Path(args.workdir),
                        Path(args.out) if args.out else None, micro_batch=args.micro_batch,
-                       micro_batch_tokens=args.micro_batch_tokens, samples=args.samples)
+                       micro_batch_tokens=args.micro_batch_tokens, samples=args.samples, pack=not args.no_pack,
+                       varied=args.varied)
+
+
+def _trainer_profile(args: argparse.Namespace) -> None:
+    from hybridrl.tools.trainer_profile import main as profile_main
+
+    profile_main(args.shape, args.trainer, args.device, Path(args.workdir), Path(args.out),
+                 micro_batch=args.micro_batch, pack=not args.no_pack, varied=args.varied)
 
 
 def _client_ceiling(args: argparse.Namespace) -> None:
@@ -229,10 +237,26 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     s.add_argument("--samples", type=int, help="override the shape's batch size")
     s.add_argument("--micro-batch", type=int, default=8)
-    s.add_argument("--micro-batch-tokens", type=int, help="size micro-batches by padded tokens instead")
+    s.add_argument("--micro-batch-tokens", type=int,
+                   help="size micro-batches by the tokens a forward computes instead (packed: their sum)")
+    s.add_argument("--no-pack", action="store_true", help="pad every row to the longest (pack_sequences false)")
+    s.add_argument("--varied", action="store_true",
+                   help="completion lengths drawn from completion/8 .. completion instead of all equal")
     s.add_argument("--workdir", required=True, help="the random-init model and the adapters go here")
     s.add_argument("--out", help="JSON result")
     s.set_defaults(fn=_trainer_bench)
+
+    s = sub.add_parser("trainer-profile", help="one trainer update under torch.profiler: the operators that take "
+                       "its time, in this process (Megatron at TP 1)")
+    s.add_argument("--shape", default="qwen3-0.6b", help="qwen3-0.6b, qwen3-30b-a3b, tiny, tiny-moe")
+    s.add_argument("--trainer", choices=["hf", "megatron"], required=True)
+    s.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    s.add_argument("--micro-batch", type=int, default=8)
+    s.add_argument("--no-pack", action="store_true", help="pad every row to the longest (pack_sequences false)")
+    s.add_argument("--varied", action="store_true", help="completion lengths drawn from completion/8 .. completion")
+    s.add_argument("--workdir", required=True, help="the random-init model goes here")
+    s.add_argument("--out", required=True, help="the operator table (text)")
+    s.set_defaults(fn=_trainer_profile)
 
     s = sub.add_parser("fault-run", help="one run hit on purpose (engine SIGKILL in a rollout, SIGTERM in "
                        "training), started again after the SIGTERM, then checked: steps, restarts, leftovers")

@@ -85,8 +85,12 @@ class RunConfig(_Frozen):
                                                   "over the step's whole batch")
     micro_batch_tokens: int | None = Field(
         None, ge=1, description="when set, replaces micro_batch: each micro-batch takes samples, in order, while "
-        "its padded size (rows x longest prompt + completion) stays within this many tokens; a longer sample "
-        "gets a micro-batch of its own")
+        "the tokens its forward computes stay within this many (packed: the sum of prompt + completion lengths; "
+        "padded: rows x the longest); a longer sample gets a micro-batch of its own")
+    pack_sequences: bool = Field(
+        True, description="the trainers run each micro-batch's samples back to back in one row, kept apart by "
+        "variable-length causal attention (torch's flash varlen kernel on a GPU), so no layer computes padding; "
+        "false pads every row to the longest")
     keep_base_on_gpu: bool = Field(
         False, description="colocate: the trainer's frozen base weights stay on the GPU while the engine runs "
         "(only the LoRA weights and the optimizer state are offloaded); recorded as train/keep_base_on_gpu")

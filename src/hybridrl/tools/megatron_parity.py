@@ -15,6 +15,7 @@ import os
 import random
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ import torch
 from hybridrl.study.run_config import RunConfig
 from hybridrl.task.rl import policy_loss, token_logprobs
 from hybridrl.trainers.base import Sample
-from hybridrl.trainers.grpo import pad_batch
+from hybridrl.trainers.grpo import Batch, pad_batch
+from hybridrl.trainers.packing import pack
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
@@ -169,14 +171,17 @@ def megatron_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run
     device = device or torch.device("cpu")
     policy = MegatronPolicy(model_dir, run.model_copy(update={"train_dtype": "fp32"}), device)
     policy.resume(adapter_dir)
-    batch = pad_batch(samples).to(device)
-    inputs, targets, mask = batch.inputs, batch.targets, batch.mask
+    padded = pad_batch(samples)
+    batch = replace(padded, packed=pack(samples) if run.pack_sequences else None).to(device)
+    padded = padded.to(device)
+    inputs, mask = batch.inputs, batch.mask
 
-    def per_sample() -> list[torch.Tensor]:
+    def per_sample(b: Batch = batch) -> list[torch.Tensor]:
         with torch.no_grad():
-            return _per_sample(policy.logprobs(inputs, targets), mask)
+            return _per_sample(policy.logprobs(b), mask)
 
     before = per_sample()
+    before_padded = per_sample(padded)  # the other layout: packed and padded forwards agree
     metrics = policy.backward(samples)
     names = [n for n, _, _ in export._entries(policy.adapters)]
     grads = export.gather_full(policy.adapters, {n: p.grad for n, (_, p, _) in
@@ -193,7 +198,8 @@ def megatron_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run
         parts = [torch.empty_like(logits) for _ in range(policy.tp)]
         dist.all_gather(parts, logits.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
         logits = torch.cat(parts, dim=-1)
-    return {"logp": before, "grads": grads, "grad_norm": norm, "loss": metrics["train/loss"],
+    return {"logp": before, "logp_padded": before_padded, "grads": grads, "grad_norm": norm,
+            "loss": metrics["train/loss"],
             "kl": metrics["train/kl"], "weights_after": export.gather_full(policy.adapters),
             "logp_after": after, "logits_after": logits.float().cpu(), "experts_impl": policy.experts_impl}
 

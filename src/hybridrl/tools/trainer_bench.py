@@ -6,7 +6,8 @@ An update is what the loop's update_actor and save_adapter phases time: logprobs
 and the adapter export (`update_s`); `compute_s` is the same without the export, timed by the trainer, and is what
 perf/mfu and the tokens/s read. The first update is a warm-up and is left out. Peak memory is NVML's reading of
 the GPUs (sampled every 50 ms during the updates), torch's peak where NVML is absent, None on CPU. The model is a
-random-init checkpoint of the shape (no download), built once under --workdir.
+random-init checkpoint of the shape (no download), built once under --workdir. Micro-batches are packed
+(pack_sequences) unless --no-pack; --varied draws each completion's length, where padding would cost.
 """
 
 from __future__ import annotations
@@ -84,12 +85,18 @@ def random_model(path: Path, shape: Shape, dtype: str) -> Path:
     return path
 
 
-def fixed_batch(vocab: int, n: int, prompt: int, completion: int, seed: int = 0) -> list[Sample]:
-    """The same samples for every trainer and every update: random ids, advantages of both signs."""
+def fixed_batch(vocab: int, n: int, prompt: int, completion: int, seed: int = 0,
+                varied: bool = False) -> list[Sample]:
+    """The same samples for every trainer and every update: random ids, advantages of both signs. varied: each
+    completion's length is drawn uniformly from completion // 8 .. completion, as sampled answers differ."""
     rng = random.Random(seed)
-    return [Sample(prompt_ids=[rng.randrange(2, vocab) for _ in range(prompt)],
-                   completion_ids=[rng.randrange(2, vocab) for _ in range(completion)],
-                   engine_logprobs=[-1.0] * completion, advantage=rng.gauss(0, 1)) for _ in range(n)]
+    out = []
+    for _ in range(n):
+        c = rng.randint(max(1, completion // 8), completion) if varied else completion
+        out.append(Sample(prompt_ids=[rng.randrange(2, vocab) for _ in range(prompt)],
+                          completion_ids=[rng.randrange(2, vocab) for _ in range(c)],
+                          engine_logprobs=[-1.0] * c, advantage=rng.gauss(0, 1)))
+    return out
 
 
 class PeakMemory:
@@ -121,10 +128,11 @@ class PeakMemory:
             self.peak_gb = torch.cuda.max_memory_allocated() / nvml.GB
 
 
-def bench_run(shape: Shape, trainer: str, device: str, micro_batch: int, micro_batch_tokens: int | None) -> RunConfig:
+def bench_run(shape: Shape, trainer: str, device: str, micro_batch: int, micro_batch_tokens: int | None,
+              pack: bool = True) -> RunConfig:
     return RunConfig(model="bench", trainer=trainer, device=device, seed=0, lr=1e-5, weight_decay=0.0,
                      clip_eps=0.2, kl_coef=0.0, grad_clip=1.0, micro_batch=micro_batch,
-                     micro_batch_tokens=micro_batch_tokens,
+                     micro_batch_tokens=micro_batch_tokens, pack_sequences=pack,
                      lora=RunLora(rank=8, alpha=16.0, dropout=0.0, target_modules=shape.lora_targets))
 
 
@@ -166,7 +174,8 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
 
 
 def main(shape_name: str, trainers: list[str], updates: int, device: str, workdir: Path, out: Path | None,
-         micro_batch: int = 8, micro_batch_tokens: int | None = None, samples: int | None = None) -> dict[str, Any]:
+         micro_batch: int = 8, micro_batch_tokens: int | None = None, samples: int | None = None,
+         pack: bool = True, varied: bool = False) -> dict[str, Any]:
     """Benchmark the trainers on the shape's fixed batch; prints and returns one JSON object (and writes it)."""
     import torch
 
@@ -180,14 +189,17 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
     workdir.mkdir(parents=True, exist_ok=True)
     model = random_model(workdir / f"model-{shape_name}", shape, "bfloat16" if device == "cuda" else "float32")
     n = samples or shape.samples
-    batch = fixed_batch(shape.config["vocab_size"], n, shape.prompt, shape.completion)
+    batch = fixed_batch(shape.config["vocab_size"], n, shape.prompt, shape.completion, varied=varied)
     report: dict[str, Any] = {
         "shape": shape_name, "samples": n, "prompt": shape.prompt, "completion": shape.completion,
+        "lengths": "varied" if varied else "fixed",
+        "completion_tokens": sum(len(x.completion_ids) for x in batch),
         "updates": updates, "micro_batch": micro_batch, "micro_batch_tokens": micro_batch_tokens,
+        "pack_sequences": pack,
         "device": device_name(device) or "cpu", "torch": torch.__version__, "lora_targets": list(shape.lora_targets),
     }
     for kind in trainers:
-        run = bench_run(shape, kind, device, micro_batch, micro_batch_tokens)
+        run = bench_run(shape, kind, device, micro_batch, micro_batch_tokens, pack)
         report[kind] = bench_trainer(kind, model, run, batch, updates, workdir)
         if device == "cuda":
             torch.cuda.empty_cache()

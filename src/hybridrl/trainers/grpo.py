@@ -16,16 +16,19 @@ import torch
 from hybridrl.study.run_config import RunConfig
 from hybridrl.task.rl import LogprobGaps, engine_logprob_tensor, policy_loss, rollout_is_weights
 from hybridrl.trainers.base import Sample
+from hybridrl.trainers.packing import Packed, pack
 
 
 @dataclass
 class Batch:
     """Prompt + completion rows, right padded: ids [B, T], attention [B, T], and the completion mask over
-    the T-1 targets (target t is token t+1)."""
+    the T-1 targets (target t is token t+1). With `packed`, the forward runs on the packed row instead and
+    returns its logprobs in this padded layout (Packed.unpack)."""
 
     ids: torch.Tensor
     attention: torch.Tensor
     mask: torch.Tensor
+    packed: Packed | None = None
 
     @property
     def inputs(self) -> torch.Tensor:
@@ -37,7 +40,8 @@ class Batch:
         return self.ids[:, 1:]
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(self.ids.to(device), self.attention.to(device), self.mask.to(device))
+        return Batch(self.ids.to(device), self.attention.to(device), self.mask.to(device),
+                     None if self.packed is None else self.packed.to(device))
 
 
 def pad_batch(samples: list[Sample], pad_id: int = 0) -> Batch:
@@ -56,19 +60,20 @@ def pad_batch(samples: list[Sample], pad_id: int = 0) -> Batch:
 
 def micro_batches(samples: list[Sample], run: RunConfig) -> list[list[Sample]]:
     """Consecutive slices of the batch: run.micro_batch samples each, or, with run.micro_batch_tokens, as many
-    as keep rows x longest sequence (the padded tokens a forward computes) within that budget."""
+    as keep the tokens a forward computes within that budget: their sum when packed, rows x longest padded."""
     if run.micro_batch_tokens is None:
         return [samples[lo : lo + run.micro_batch] for lo in range(0, len(samples), run.micro_batch)]
     out: list[list[Sample]] = []
     cur: list[Sample] = []
-    width = 0
+    width = total = 0
     for s in samples:
         n = len(s.prompt_ids) + len(s.completion_ids)
-        if cur and (len(cur) + 1) * max(width, n) > run.micro_batch_tokens:
+        size = total + n if run.pack_sequences else (len(cur) + 1) * max(width, n)
+        if cur and size > run.micro_batch_tokens:
             out.append(cur)
-            cur, width = [], 0
+            cur, width, total = [], 0, 0
         cur.append(s)
-        width = max(width, n)
+        width, total = max(width, n), total + n
     if cur:
         out.append(cur)
     return out
@@ -84,14 +89,18 @@ def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device,
     the old logprobs are this forward's, detached (ratio 1, gradient of the clipped objective intact); a second
     pass runs only for the KL reference (kl_coef > 0, LoRA off, no grad).
 
-    logprobs(batch) -> [B, T-1] log p(target) in fp32; adapter_off() disables LoRA for the KL reference.
+    logprobs(batch) -> [B, T-1] log p(target) in fp32, from the packed row when batch.packed is set (as
+    run.pack_sequences asks); adapter_off() disables LoRA for the KL reference.
     The loss is a token mean over the whole batch, however it is split.
     """
     n_tokens = sum(len(s.completion_ids) for s in samples)
     totals = {"loss": 0.0, "kl": 0.0, "clipfrac": 0.0, "is_changed": 0.0}
     gaps = LogprobGaps()
     for chunk in micro_batches(samples, run):
-        batch = pad_batch(chunk, pad_id).to(device)
+        batch = pad_batch(chunk, pad_id)
+        if run.pack_sequences:
+            batch.packed = pack(chunk)
+        batch = batch.to(device)
         logp = logprobs(batch)
         old = logp.detach()  # one update per batch: the sampling policy is the current one
         ref = None

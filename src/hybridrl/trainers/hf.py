@@ -17,8 +17,32 @@ from hybridrl.trainers import grouped_mm
 from hybridrl.trainers.base import Sample, TrainResult
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
+from hybridrl.trainers.packing import varlen_causal_attention
 
 OPTIMIZER_FILE = "optimizer.pt"
+PACKED_ATTENTION = "hybridrl_packed"  # the attention implementation registered with transformers for packed rows
+
+
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: object) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface for packed rows: causal within each sequence of cu_seq_lens_q; a
+    forward without it (right-padded rows, where the causal mask suffices) goes to SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [1, heads, N, D] -> [N, heads, D]
+    out = varlen_causal_attention(q, k, v, cu, int(kwargs["max_length_q"]), scaling)  # type: ignore[arg-type]
+    return out.unsqueeze(0), None  # [1, N, heads, D], as the interface returns
+
+
+def register_packed_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
 
 
 def experts_implementation(model_dir: Path, device: torch.device, dtype: torch.dtype) -> dict[str, str]:
@@ -43,7 +67,11 @@ class HFTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         experts = experts_implementation(Path(model_dir), self.device, dtype)
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **experts)
+        attention: dict[str, str] = {}
+        if run.pack_sequences:
+            register_packed_attention()
+            attention = {"attn_implementation": PACKED_ATTENTION}
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **experts, **attention)
         # what transformers settled on for the MoE experts (grouped_mm or eager); None for a dense model
         self.experts_impl: str | None = base.config._experts_implementation if experts else None
         lora = run.lora
@@ -63,9 +91,17 @@ class HFTrainer:
 
     # -- the step --------------------------------------------------------------------------------
     def _logprobs(self, batch: Batch) -> torch.Tensor:
+        p = batch.packed
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            logits = self.model(input_ids=batch.ids, attention_mask=batch.attention).logits[:, :-1]
-        return token_logprobs(logits, batch.targets)
+            if p is None:
+                logits = self.model(input_ids=batch.ids, attention_mask=batch.attention).logits[:, :-1]
+            else:  # no attention mask: packed_attention keeps the sequences apart; RoPE restarts in each
+                logits = self.model(input_ids=p.ids, position_ids=p.positions, cu_seq_lens_q=p.cu_seqlens,
+                                    cu_seq_lens_k=p.cu_seqlens, max_length_q=p.max_len,
+                                    max_length_k=p.max_len).logits[:, :-1]
+        if p is None:
+            return token_logprobs(logits, batch.targets)
+        return p.unpack(token_logprobs(logits, p.targets))
 
     def step(self, step: int, samples: list[Sample], out_dir: Path) -> TrainResult:
         if self.offloaded:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
@@ -27,14 +29,28 @@ from safetensors import safe_open
 from hybridrl.trainers.megatron import mapping
 from hybridrl.trainers.megatron.experts import GroupedExperts
 from hybridrl.trainers.megatron.spec import ArchSpec
+from hybridrl.trainers.packing import Packed, varlen_causal_attention
+
+
+@dataclass
+class PackedRows(PackedSeqParams):
+    """A packed row in megatron's ordinary [s, b=1] layout (not 'thd', whose RoPE loops over the sequences):
+    RoPE reads `positions` per token (HFRotaryEmbedding) and SDPACoreAttention keeps the sequences apart."""
+
+    positions: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, packed: Packed) -> PackedRows:
+        return cls(qkv_format="sbhd", cu_seqlens_q=packed.cu_seqlens, cu_seqlens_kv=packed.cu_seqlens,
+                   max_seqlen_q=packed.max_len, max_seqlen_kv=packed.max_len, positions=packed.positions[0])
 
 
 class SDPACoreAttention(MegatronModule):
     """Causal attention through torch's scaled_dot_product_attention.
 
     Same call signature as megatron's local DotProductAttention, which materialises the full [b, n, s, s]
-    score matrix; SDPA picks a fused kernel instead. Batches are right-padded, so the causal mask alone
-    keeps real tokens from attending to padding and no padding mask is needed.
+    score matrix; SDPA picks a fused kernel instead. Padded batches are right-padded, so the causal mask alone
+    keeps real tokens from attending to padding; a packed row (PackedRows) gets variable-length attention.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: Any,
@@ -52,8 +68,13 @@ class SDPACoreAttention(MegatronModule):
                 attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
                 attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None,
                 **_: Any) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPACoreAttention supports plain causal batches only")
+        if attention_bias is not None or (packed_seq_params is not None
+                                          and not isinstance(packed_seq_params, PackedRows)):
+            raise NotImplementedError("SDPACoreAttention takes plain causal batches and PackedRows only")
+        if packed_seq_params is not None:  # [N, 1, heads, dim], one packed row
+            out = varlen_causal_attention(query[:, 0], key[:, 0], value[:, 0], packed_seq_params.cu_seqlens_q,
+                                          packed_seq_params.max_seqlen_q, self.scale)
+            return out.reshape(out.shape[0], 1, -1)
         # megatron layout [s, b, heads, dim] -> SDPA layout [b, heads, s, dim]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if self.heads != self.groups:
@@ -78,9 +99,18 @@ class HFRotaryEmbedding(RotaryEmbedding):
         emb = torch.cat((freqs, freqs), dim=-1)  # HF rotate_half layout (not interleaved)
         return emb[:, None, None, :]
 
+    def get_rotary_seq_len(self, inference_context: Any, transformer: Any, transformer_input: Any,
+                           transformer_config: Any, packed_seq_params: Any = None, **kw: Any) -> int:
+        # GPTModel asks this just before forward(): a packed row's per-token positions are kept for it
+        self._positions = getattr(packed_seq_params, "positions", None)
+        return super().get_rotary_seq_len(inference_context, transformer, transformer_input, transformer_config,
+                                          packed_seq_params, **kw)
+
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
                 cp_group: Any = None) -> torch.Tensor:
-        return self.get_emb(max_seq_len, offset)
+        emb = self.get_emb(max_seq_len, offset)
+        positions, self._positions = getattr(self, "_positions", None), None
+        return emb if positions is None else emb[positions]  # [N, 1, 1, dim]: RoPE restarts in each sequence
 
 
 class CPUSafeTopKRouter(TopKRouter):

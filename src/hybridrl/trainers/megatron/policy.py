@@ -17,11 +17,11 @@ from hybridrl.study.run_config import RunConfig
 from hybridrl.task.rl import token_logprobs
 from hybridrl.trainers.base import Sample
 from hybridrl.trainers.flops import read_flop_shape, update_perf
-from hybridrl.trainers.grpo import grpo_backward
+from hybridrl.trainers.grpo import Batch, grpo_backward
 from hybridrl.trainers.megatron import export
 from hybridrl.trainers.megatron.experts import experts_impl
 from hybridrl.trainers.megatron.lora import apply_lora, lora_disabled, lora_parameters
-from hybridrl.trainers.megatron.model import build_model, load_hf_weights
+from hybridrl.trainers.megatron.model import PackedRows, build_model, load_hf_weights
 from hybridrl.trainers.megatron.spec import MegatronSetupError, check_parallel, effective_targets, read_spec
 
 
@@ -73,14 +73,24 @@ class MegatronPolicy:
         self.offloaded = False
 
     # -- forward ---------------------------------------------------------------------------------------
-    def logprobs(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Per-token log p(target) [B, T] in fp32; the vocabulary may be split over TP ranks."""
-        b, t = inputs.shape
-        pos = torch.arange(t, device=inputs.device).unsqueeze(0).expand(b, t)
-        logits = self.model(input_ids=inputs, position_ids=pos, attention_mask=None)  # [B, T, V/tp]
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        """Per-token log p(target) [B, T-1] in fp32, from the packed row when batch.packed is set; the
+        vocabulary may be split over TP ranks."""
+        p = batch.packed
+        if p is None:
+            inputs, targets = batch.inputs, batch.targets
+            b, t = inputs.shape
+            pos = torch.arange(t, device=inputs.device).unsqueeze(0).expand(b, t)
+            logits = self.model(input_ids=inputs, position_ids=pos, attention_mask=None)  # [B, T, V/tp]
+        else:
+            logits = self.model(input_ids=p.ids, position_ids=p.positions, attention_mask=None,
+                                packed_seq_params=PackedRows.of(p))[:, :-1]  # [1, N-1, V/tp]
+            targets = p.targets
         if self.tp == 1:
-            return token_logprobs(logits, targets)
-        return -vocab_parallel_cross_entropy(logits.float(), targets)
+            logp = token_logprobs(logits, targets)
+        else:
+            logp = -vocab_parallel_cross_entropy(logits.float(), targets)
+        return logp if p is None else p.unpack(logp)
 
     # -- the GRPO step ---------------------------------------------------------------------------------
     def step(self, samples: list[Sample]) -> dict[str, float]:
@@ -111,10 +121,11 @@ class MegatronPolicy:
             self.onload()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        # sorting by length keeps padding low; the loss is a token mean over the whole batch either way
-        order = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
-        return grpo_backward(order, self.run, self.device, lambda b: self.logprobs(b.inputs, b.targets),
-                             lambda: lora_disabled(self.model))
+        # padded: sorting by length keeps padding low (packed rows have none); the loss is a token mean over the
+        # whole batch either way
+        order = samples if self.run.pack_sequences else sorted(
+            samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
+        return grpo_backward(order, self.run, self.device, self.logprobs, lambda: lora_disabled(self.model))
 
     def optimizer_step(self) -> float:
         """Clip by the global grad norm, one AdamW step, drop the gradients; returns the pre-clip norm."""

@@ -1,0 +1,109 @@
+"""One trainer update under torch.profiler: where an update's time goes, operator by operator.
+
+    python -m hybridrl trainer-profile --shape qwen3-0.6b --trainer megatron --micro-batch 32 --workdir W --out P.txt
+
+The trainer runs in this process (Megatron at TP 1 in a one-process group, not under torchrun), on
+trainer_bench's fixed batch: two warm-up updates, then one profiled (logprobs, loss, backward, optimizer step; no
+adapter export). The text written holds the update's wall time and the operators sorted by their own time on the
+device (CUDA; the CPU where there is no GPU), so two trainers' tables can be read side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridrl.tools.trainer_bench import SHAPES, bench_run, fixed_batch, random_model
+from hybridrl.trainers.base import Sample
+
+WARMUP = 2
+
+
+def _megatron_update(model: Path, run: Any, device: Any) -> tuple[Any, Any]:
+    """A TP 1 MegatronPolicy in this process; returns (one update on samples, close)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from hybridrl.trainers.megatron.policy import MegatronPolicy, init_parallel
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    init_parallel(1, device)
+    policy = MegatronPolicy(model, run, device)
+
+    def close() -> None:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+    return (lambda samples: policy.step(samples)), close
+
+
+def _hf_update(model: Path, run: Any, device: Any) -> tuple[Any, Any]:
+    from hybridrl.trainers.hf import HFTrainer
+
+    trainer = HFTrainer(model, run, str(device))
+
+    def update(samples: list[Sample]) -> dict[str, Any]:
+        import torch
+
+        from hybridrl.trainers.grpo import grpo_backward
+
+        trainer.model.train()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        metrics = grpo_backward(samples, run, trainer.device, trainer._logprobs, trainer.model.disable_adapter)
+        torch.nn.utils.clip_grad_norm_(trainer.params, run.grad_clip)
+        trainer.optimizer.step()
+        return metrics
+
+    return update, trainer.close
+
+
+def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, micro_batch: int = 8,
+         pack: bool = True, varied: bool = False, rows: int = 40) -> str:
+    """Profile one update of `trainer` on the shape's fixed batch; writes and returns the table."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if shape_name not in SHAPES:
+        raise ValueError(f"unknown shape {shape_name!r}: {', '.join(SHAPES)}")
+    shape = SHAPES[shape_name]
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = random_model(workdir / f"model-{shape_name}", shape, "bfloat16" if device == "cuda" else "float32")
+    samples = fixed_batch(shape.config["vocab_size"], shape.samples, shape.prompt, shape.completion, varied=varied)
+    run = bench_run(shape, trainer, device, micro_batch, None, pack)
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(dev)
+    update, close = (_megatron_update(model, run, dev) if trainer == "megatron"
+                     else _hf_update(model, run, dev))
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        update(samples)
+        if device == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - t0
+
+    try:
+        for _ in range(WARMUP):
+            timed()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=activities) as prof:
+            wall = timed()
+    finally:
+        close()
+    sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    head = (f"trainer-profile {shape_name} {trainer} micro_batch {micro_batch} pack {pack} "
+            f"lengths {'varied' if varied else 'fixed'} device {device}: profiled update {wall:.3f} s\n")
+    text = head + prof.key_averages().table(sort_by=sort, row_limit=rows) + "\n"
+    from hybridrl.atomic import write_text
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text(out, text)
+    print(text)
+    return text

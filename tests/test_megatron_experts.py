@@ -4,9 +4,6 @@ receives no tokens."""
 
 from __future__ import annotations
 
-import os
-import socket
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,7 +12,6 @@ import torch.nn.functional as F
 
 pytest.importorskip("megatron.core", reason="megatron-core not installed (scripts/setup-megatron-cpu.sh)")
 
-from megatron.core import parallel_state  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
@@ -24,27 +20,6 @@ from hybridrl.trainers.megatron import experts as ex  # noqa: E402
 
 E, HIDDEN, FFN = 4, 32, 24
 COUNTS = [5, 0, 9, 3]  # expert 1 gets no tokens
-
-
-@pytest.fixture(scope="module")
-def groups() -> Iterator[ProcessGroupCollection]:
-    """A one-process gloo group, as the TP = 1 trainer has, so megatron's modules can be built."""
-    import torch.distributed as dist
-
-    started = not dist.is_initialized()
-    if started:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, create_gloo_process_groups=False)
-    try:
-        yield ProcessGroupCollection.use_mpu_process_groups()
-    finally:
-        parallel_state.destroy_model_parallel()
-        if started:
-            dist.destroy_process_group()
 
 
 def _config(dtype: torch.dtype) -> TransformerConfig:

@@ -358,6 +358,15 @@ plan_packing() {
   p1=("0|tbench qwen3-0.6b hf 32 varied;tbench qwen3-0.6b megatron 32 varied;tbench qwen3-0.6b hf 32 varied no-pack;tbench qwen3-0.6b megatron 32 varied no-pack;tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32;tprof qwen3-0.6b hf 32;tprof qwen3-0.6b megatron 32;tbench qwen3-30b-a3b hf 16 varied;tbench qwen3-30b-a3b megatron 16 varied;tbench qwen3-30b-a3b hf 16 varied no-pack;tbench qwen3-30b-a3b megatron 16 varied no-pack;tbench qwen3-30b-a3b megatron 16")
 }
 
+plan_trainerloop() {
+  # issue 15 after the Megatron LoRA's matmuls moved to the activations' dtype: Megatron TP 1 packed on both
+  # shapes (fixed lengths, then varied) with HF beside it in the same lease, its profiled update, and a dense
+  # SGLang colocate run with the Megatron trainer (packed, in the loop, its logprob gap gated against the engine)
+  gpus=1
+  phases=(p1)
+  p1=("0|tbench qwen3-0.6b megatron 32;tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32 varied;tprof qwen3-0.6b megatron 32;train sglang-colocate-megatron;tbench qwen3-30b-a3b megatron 16;tbench qwen3-30b-a3b hf 16")
+}
+
 # replica ARM K: the run name of replicate K of ARM (the first keeps the plain name, as the study's run ids do)
 replica() { if (($2 > 1)); then echo "$1-r$2"; else echo "$1"; fi; }
 
@@ -608,7 +617,7 @@ pack() {  # pack OUT_FILE: small files only (no adapters, no models); long logs 
       [ -f "$d/train.log" ] && trim_log "$d/train.log" "$stage/ref/$name/runs/$r/train.log" 400
       for l in "$d"/logs/*; do [ -f "$l" ] && trim_log "$l" "$stage/ref/$name/runs/$r/logs/$(basename "$l")"; done
     done
-    cp "$s"bench/*.json "$stage/ref/$name/bench/" 2>/dev/null || true
+    cp "$s"bench/*.json "$s"bench/*.txt "$stage/ref/$name/bench/" 2>/dev/null || true  # results; profiles (tprof)
     for w in "$s"models/*/warm_start.json; do  # a warm start's record (the model itself stays behind)
       [ -f "$w" ] || continue
       m="$stage/ref/$name/models/$(basename "$(dirname "$w")")"

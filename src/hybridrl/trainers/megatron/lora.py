@@ -22,7 +22,9 @@ from collections.abc import Iterator
 import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from torch import nn
+from torch.nn import functional as F
 
 from hybridrl.trainers.megatron.mapping import LORA_SITES, lora_a_split_dim, shard
 from hybridrl.trainers.megatron.spec import ArchSpec
@@ -69,10 +71,16 @@ class LoraAdapter(nn.Module):
         self.B = ColumnParallelLinear(rank, out_features, config=config, init_method=_no_init, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, _ = self.A(x.to(self.A.weight.dtype))
+        # the weights stay fp32 (the optimizer's copy); the matmuls run in the activations' dtype, as autocast runs
+        # PEFT's: casting each [tokens, hidden] input up to fp32 instead cost more than the matmuls and put them on
+        # fp32 kernels (trainer-profile, H200, 2026-11-24)
+        wa, wb = self.A.weight.to(x.dtype), self.B.weight.to(x.dtype)
         if self.kind == "column":
+            h, _ = self.A(x, weight=wa)
             h = _gather(h)  # full r for every rank's B shard
-        y, _ = self.B(h)
+        else:  # RowParallelLinear's forward with input_is_parallel, on the cast weight
+            h = reduce_from_tensor_model_parallel_region(F.linear(x, wa))
+        y, _ = self.B(h, weight=wb)
         if self.kind == "row":
             y = _gather(y)  # the row-parallel base output is full width
         return y * self.scaling
@@ -94,7 +102,7 @@ class LoraSite(nn.Module):
         def part(proj: str) -> torch.Tensor:
             if proj in self.adapters:
                 return self.adapters[proj](x)
-            return x.new_zeros(*x.shape[:-1], self.local_sizes[proj], dtype=torch.float32)
+            return x.new_zeros(*x.shape[:-1], self.local_sizes[proj])
 
         if self.fused == "qkv":
             g, qw, d = self.group_split  # type: ignore[misc]
@@ -117,7 +125,7 @@ def _hook(module: nn.Module, args: tuple, output: tuple) -> tuple:
 
 
 def _lora_config(config: object) -> object:
-    # adapters train in fp32 whatever the base dtype; the input is cast in LoraAdapter.forward
+    # adapters keep fp32 weights whatever the base dtype; LoraAdapter.forward computes in the input's dtype
     cfg = copy.copy(config)
     cfg.params_dtype = torch.float32  # type: ignore[attr-defined]
     cfg.bf16 = False  # type: ignore[attr-defined]

@@ -360,11 +360,11 @@ plan_packing() {
 
 plan_trainerloop() {
   # issue 15 after the Megatron LoRA's matmuls moved to the activations' dtype: Megatron TP 1 packed on both
-  # shapes (fixed lengths, then varied) with HF beside it in the same lease, its profiled update, and a dense
+  # shapes (fixed lengths; dense also varied) with HF dense beside it in the same lease, its profiled update, a dense
   # SGLang colocate run with the Megatron trainer (packed, in the loop, its logprob gap gated against the engine)
   gpus=1
   phases=(p1)
-  p1=("0|tbench qwen3-0.6b megatron 32;tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32 varied;tprof qwen3-0.6b megatron 32;train sglang-colocate-megatron;tbench qwen3-30b-a3b megatron 16;tbench qwen3-30b-a3b hf 16")
+  p1=("0|tbench qwen3-0.6b megatron 32;tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32 varied;tprof qwen3-0.6b megatron 32;train sglang-colocate-megatron;tbench qwen3-30b-a3b megatron 16")
 }
 
 # replica ARM K: the run name of replicate K of ARM (the first keeps the plain name, as the study's run ids do)

@@ -17,7 +17,9 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 shared=${HYBRIDRL_SHARED_GPU:-$repo/../shared/gpu}
 gpu=${HYBRIDRL_GPU_DIR:-$repo/.gpu}  # tests point this elsewhere
 carry_limit=${HYBRIDRL_CARRY_LIMIT:-$((64 * 1024 * 1024))}  # the device tool's limit per call
-margin=$((1024 * 1024))  # gpu-env itself, folder entries, files written before the call
+# gpu-env itself, folder entries, files written before the call, and the transfer's own overhead per file: with
+# 1 MiB alone, a 24 MB tree of 1,090 files and 41.9 MB parts were refused as over 64 MiB (2026-11-24)
+margin=$((4 * 1024 * 1024))
 if [ ! -x "$shared/gpu-env" ]; then
   echo "prepare-transfer: no gpu-env in $shared. It is not in this repository: it comes with the project's" \
     "shared folder (shared/gpu: gpu-env and its sglang.txt, vllm.txt, trainer.txt), which lies beside the" \
@@ -38,6 +40,8 @@ tree_bytes() {
     | awk '{s += $1} END {print s + 0}'
 }
 tree=$(tree_bytes)
+files=$({ git ls-files; git ls-files --others --exclude-standard; } | wc -l)
+margin=$((margin + files * 1024))  # a header and padding per file, as an archive of the tree has
 part=$((carry_limit - tree - margin))
 if [ "$part" -lt $((8 * 1024 * 1024)) ]; then
   echo "prepare-transfer: the working tree is $((tree / 1000000)) MB, which leaves less than 8 MiB of the 64 MiB" \

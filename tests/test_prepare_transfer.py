@@ -25,16 +25,25 @@ def _fake(tmp: Path, stream: bytes) -> dict[str, str]:
     return {**os.environ, "HYBRIDRL_SHARED_GPU": str(shared), "HYBRIDRL_GPU_DIR": str(gpu)}
 
 
-def _tree_bytes() -> int:
+def _tree_files() -> list[Path]:
     files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                            capture_output=True, check=True).stdout.split(b"\0")
-    return sum((REPO / f.decode()).stat().st_size for f in files if f and (REPO / f.decode()).is_file())
+    return [REPO / f.decode() for f in files if f and (REPO / f.decode()).is_file()]
+
+
+def _tree_bytes() -> int:
+    return sum(f.stat().st_size for f in _tree_files())
+
+
+def _margin() -> int:
+    """What the script keeps free beside a part: 4 MiB, and 1 KiB per file of the tree (archive headers)."""
+    return 4 * MiB + 1024 * len(_tree_files())
 
 
 def test_parts_are_cut_so_that_each_call_fits_beside_the_tree(tmp_path: Path) -> None:
     stream = os.urandom(40 * MiB)
     env = _fake(tmp_path, stream)
-    limit = _tree_bytes() + 12 * MiB  # leaves 11 MiB a part after the margin
+    limit = _tree_bytes() + _margin() + 11 * MiB  # leaves 11 MiB a part after the margin
     res = subprocess.run(["bash", str(SCRIPT), "vllm"], env={**env, "HYBRIDRL_CARRY_LIMIT": str(limit)},
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
@@ -42,14 +51,15 @@ def test_parts_are_cut_so_that_each_call_fits_beside_the_tree(tmp_path: Path) ->
     assert len(dirs) == 4  # 40 MiB in parts of at most 11 MiB
     parts = [next(d.glob("part.*")) for d in dirs]
     tree = _tree_bytes()
-    assert all(tree + p.stat().st_size + (p.parent / "gpu-env").stat().st_size <= limit for p in parts)
+    assert all(tree + p.stat().st_size + (p.parent / "gpu-env").stat().st_size + 1024 * len(_tree_files()) <= limit
+               for p in parts)
     assert b"".join(p.read_bytes() for p in parts) == stream  # gpu-env install joins them by name
     assert "carry .gpu/ctl alone in the first call" in res.stdout
 
 
 def test_a_tree_too_large_for_any_part_is_refused_with_the_cause(tmp_path: Path) -> None:
     env = _fake(tmp_path, os.urandom(MiB))
-    limit = _tree_bytes() + 4 * MiB
+    limit = _tree_bytes() + _margin() + 4 * MiB
     res = subprocess.run(["bash", str(SCRIPT), "vllm"], env={**env, "HYBRIDRL_CARRY_LIMIT": str(limit)},
                          capture_output=True, text=True)
     assert res.returncode == 1

@@ -81,3 +81,24 @@ def test_trainer_profile_writes_the_operator_table(trainer: str, tmp_path: Path)
     text = out.read_text()
     assert text.startswith(f"trainer-profile tiny {trainer} micro_batch 8 pack True lengths fixed device cpu")
     assert "Self CPU" in text and "aten::mm" in text
+
+
+def test_a_checkpoint_write_that_fails_leaves_nothing_to_reuse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+
+    from hybridrl.tools import trainer_bench
+
+    real = transformers.PreTrainedModel.save_pretrained
+
+    def disk_full(self, path, *a, **k):  # config.json is written, then the weights fail
+        self.config.save_pretrained(path)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", disk_full)
+    target = tmp_path / "model-tiny"
+    with pytest.raises(OSError, match="No space left"):
+        trainer_bench.random_model(target, trainer_bench.SHAPES["tiny"], "float32")
+    assert not target.exists() and not list(tmp_path.iterdir())  # no half checkpoint, no temp dir left
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", real)
+    trainer_bench.random_model(target, trainer_bench.SHAPES["tiny"], "float32")
+    assert (target / "config.json").exists() and list(target.glob("*.safetensors"))

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridrl import atomic
+from hybridrl.atomic import atomic_dir
 from hybridrl.run.telemetry import MemorySampler
 from hybridrl.study.run_config import RunConfig, RunLora
 from hybridrl.trainers.base import Sample
@@ -66,7 +68,10 @@ _CONFIG_CLASSES = {"qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
 
 
 def random_model(path: Path, shape: Shape, dtype: str) -> Path:
-    """A random-init checkpoint of the shape with a word-level tokenizer over its vocab; reused if present."""
+    """A random-init checkpoint of the shape with a word-level tokenizer over its vocab; reused if present.
+
+    Written to a temporary directory and renamed when whole: a write that failed half way (the disk filled at
+    the 61 GB MoE shape, 2026-11-24) leaves no config.json that a later call would take for a checkpoint."""
     if (path / "config.json").exists():
         return path
     import torch
@@ -78,10 +83,11 @@ def random_model(path: Path, shape: Shape, dtype: str) -> Path:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):  # a 30B random init on the CPU takes minutes
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
-    model.save_pretrained(path)
     vocab = shape.config["vocab_size"]
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1").save_pretrained(path)
+    with atomic_dir(path) as tmp:
+        model.save_pretrained(tmp)
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1").save_pretrained(tmp)
     return path
 
 
@@ -206,8 +212,6 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
     text = json.dumps(report, indent=2)
     print(text)
     if out is not None:
-        from hybridrl.atomic import write_text
-
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_text(out, text + "\n")
+        atomic.write_text(out, text + "\n")
     return report

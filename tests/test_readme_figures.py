@@ -26,7 +26,8 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
     assert marked["README.md"] >= 20
     for name in ("2026-11-22-h200", "2026-11-22-4xh200-moe", "2026-11-23-2xh200-moe-full", "2026-11-23-h200-client",
                  "2026-11-23-h200-verdict", "2026-11-24-h200-learning", "2026-11-24-h200-trainer",
-                 "2026-11-24-h200-soak", "2026-11-24-h200-timed"):
+                 "2026-11-24-h200-soak", "2026-11-24-h200-timed", "2026-11-24-h200-packing",
+                 "2026-11-24-h200-trainerloop", "2026-11-24-h200-timed-sglang"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
     for name in ("2026-11-24-h200-faults",):
         assert marked[f"results/reference/{name}/README.md"] >= 2, name
@@ -120,3 +121,22 @@ def test_a_path_ratio_compares_two_paths_of_one_bench_with_an_interval_over_repe
     assert text.startswith("0.59x [") and f"{figures._json(path)['over_raw']['stream_all']:.2f}x" in text
     with pytest.raises(ValueError, match="has no repeats of path 'old_client'"):
         figures.evaluate(f"path_ratio {path} old_client raw")  # the timed plan measured no old client
+
+
+def test_an_update_ratio_compares_two_trainer_benchmarks_over_their_updates() -> None:
+    bench = "results/reference/2026-11-24-h200-packing/bench"
+    packed = f"{bench}/trainer-qwen3-0.6b-hf-mb32-varied.json"
+    padded = f"{bench}/trainer-qwen3-0.6b-hf-mb32-varied-no-pack.json"
+    text = figures.evaluate(f"update_ratio {packed} hf {padded} hf")
+    ratio = figures._json(packed)["hf"]["update_s_median"] / figures._json(padded)["hf"]["update_s_median"]
+    assert text.startswith(f"{ratio:.2f}x [")
+    with pytest.raises(ValueError, match="has no update_s_all of trainer 'megatron'"):
+        figures.evaluate(f"update_ratio {packed} megatron {padded} hf")  # that file holds HF's row only
+
+
+def test_a_profile_total_reads_the_trainer_profile_table() -> None:
+    path = "results/reference/2026-11-24-h200-packing/bench/profile-qwen3-0.6b-megatron-mb32.txt"
+    assert figures.evaluate(f"profile_total {path} cuda") == "1.27"  # 'Self CUDA time total: 1.268s'
+    assert figures.evaluate(f"profile_total {path} cpu") == "1.61"
+    with pytest.raises(ValueError, match="cuda or cpu"):
+        figures.evaluate(f"profile_total {path} gpu")

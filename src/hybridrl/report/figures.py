@@ -117,6 +117,32 @@ def path_ratio(path: str, which_a: str, which_b: str, field: str = "perf/through
                                                      _repeat_values(path, which_b, field)))
 
 
+def update_ratio(path_a: str, trainer_a: str, path_b: str, trainer_b: str) -> str:
+    """a / b of two trainer-bench JSONs' median update times (update_s_all of that trainer), with a bootstrap 95%
+    interval over the timed updates (one process a side: update-to-update noise only): '0.85x [0.80, 0.90]'."""
+    def updates(path: str, trainer: str) -> list[float]:
+        values = (_json(path).get(trainer) or {}).get("update_s_all")
+        if not values:
+            raise ValueError(f"{path} has no update_s_all of trainer {trainer!r}")
+        return [float(v) for v in values]
+
+    return wording.ratio_text(stats.ratio_of_medians(updates(path_a, trainer_a), updates(path_b, trainer_b)))
+
+
+def profile_total(path: str, device: str) -> str:
+    """The self time total, in seconds, that a trainer-profile table (bench/profile-*.txt) gives for the device
+    ('cuda': GPU kernels; 'cpu': the host's operators)."""
+    label = {"cuda": "Self CUDA time total", "cpu": "Self CPU time total"}.get(device)
+    if label is None:
+        raise ValueError(f"profile_total device {device!r}: cuda or cpu")
+    text = (REPO / path).read_text()
+    match = re.search(rf"^{label}: ([0-9.]+)(ms|us|s)$", text, re.M)
+    if match is None:
+        raise ValueError(f"{path} has no line '{label}: ...'")
+    scale = {"s": 1.0, "ms": 1e-3, "us": 1e-6}[match[2]]
+    return f"{float(match[1]) * scale:.2f}"
+
+
 def _repeat_values(path: str, which: str, field: str) -> list[float]:
     """One field over a bench JSON's repeats of one path (raw, client, stream_all, old_client)."""
     values = [float(r[field]) for r in _json(path).get("repeats") or []
@@ -181,10 +207,13 @@ def value(path: str, field: str, scale: str = "1", digits: str = "2") -> str:
 
 def repeats(path: str, which: str, field: str, unit: str = "k") -> str:
     """min–max of one field over a bench JSON's repeats of one path (raw, client, stream_all, old_client):
-    in thousands ('12.3k–15.0k', unit k) or whole numbers (unit 1)."""
+    in thousands ('12.3k–15.0k', unit k), whole numbers (unit 1) or with N decimals (unit dN: '0.12–0.34')."""
     values = _repeat_values(path, which, field)
     lo, hi = min(values), max(values)
-    return f"{lo / 1000:.1f}k–{hi / 1000:.1f}k" if unit == "k" else f"{lo:.0f}–{hi:.0f}"
+    if unit == "k":
+        return f"{lo / 1000:.1f}k–{hi / 1000:.1f}k"
+    digits = int(unit[1:]) if unit.startswith("d") and unit[1:].isdigit() else 0
+    return f"{lo:.{digits}f}–{hi:.{digits}f}"
 
 
 def _column(df: pd.DataFrame, study: str, column: str) -> pd.Series:
@@ -239,6 +268,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "median": median, "interval": interval, "ratio": ratio, "change": change, "steps": steady_steps,
     "records": records, "span": span, "between": between, "tiers": tiers, "value": value,
     "repeats": repeats, "verdict": verdict, "bench_ratio": bench_ratio, "path_ratio": path_ratio,
+    "update_ratio": update_ratio, "profile_total": profile_total,
     "series": series, "logged": logged,
     "at": at, "slope": slope,
 }

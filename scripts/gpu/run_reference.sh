@@ -179,44 +179,30 @@ ceiling() {
 # tbench SHAPE GPU TRAINER MICRO_BATCH [FLAG...]: the trainer benchmark (python -m hybridrl trainer-bench), one
 # trainer in a process of its own; FLAGs (no-pack, varied) pass on as --FLAG and name the result:
 # bench/trainer-SHAPE-TRAINER-mbN[-FLAG...].json
-tbench() {
-  local shape=$1 gpu=$2 trainer=$3 mb=$4 name pid rc=0 flag args=()
-  shift 4
-  name="trainer-$shape-$trainer-mb$mb"
-  for flag in "$@"; do name+="-$flag"; args+=("--$flag"); done
-  [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: trainer-bench $shape $trainer mb $mb${*:+ $*} on GPU $gpu"; return 0; }
-  [ -f "$ref/bench/$name.json" ] && { say "$name already done"; return 0; }
-  mkdir -p "$ref/bench" "$root/trainer-bench"
-  say "trainer-bench $shape $trainer mb $mb${*:+ $*} on GPU $gpu"
-  # a session of its own, killed whole afterwards: a benchmark killed by the host once left a worker holding
-  # the GPU under the next one (results/reference/2026-11-24-h200-trainer)
-  CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH="/tmp/envs/trainer:$ctl_path" setsid timeout "${HYBRIDRL_TBENCH_TIMEOUT_S:-900}" \
-    python3 -m hybridrl trainer-bench --shape "$shape" --trainer "$trainer" --micro-batch "$mb" "${args[@]}" \
-    --workdir "$root/trainer-bench" --out "$ref/bench/$name.json" > "$ref/bench/$name.log" 2>&1 &
-  pid=$!
-  wait "$pid" || rc=$?
-  kill -KILL -- "-$pid" 2> /dev/null || true
-  say "trainer-bench $shape $trainer mb $mb${*:+ $*} exit $rc"
-}
+tbench() { trainer_tool trainer-bench trainer json "$@"; }
 
 # tprof SHAPE GPU TRAINER MICRO_BATCH [FLAG...]: one update under torch.profiler (python -m hybridrl
 # trainer-profile), its operator table in bench/profile-SHAPE-TRAINER-mbN[-FLAG...].txt
-tprof() {
-  local shape=$1 gpu=$2 trainer=$3 mb=$4 name pid rc=0 flag args=()
-  shift 4
-  name="profile-$shape-$trainer-mb$mb"
+tprof() { trainer_tool trainer-profile profile txt "$@"; }
+
+trainer_tool() {  # trainer_tool COMMAND PREFIX EXT SHAPE GPU TRAINER MICRO_BATCH [FLAG...]
+  local cmd=$1 prefix=$2 ext=$3 shape=$4 gpu=$5 trainer=$6 mb=$7 name pid rc=0 flag args=()
+  shift 7
+  name="$prefix-$shape-$trainer-mb$mb"
   for flag in "$@"; do name+="-$flag"; args+=("--$flag"); done
-  [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: trainer-profile $shape $trainer mb $mb${*:+ $*} on GPU $gpu"; return 0; }
-  [ -f "$ref/bench/$name.txt" ] && { say "$name already done"; return 0; }
+  [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: $cmd $shape $trainer mb $mb${*:+ $*} on GPU $gpu"; return 0; }
+  [ -f "$ref/bench/$name.$ext" ] && { say "$name already done"; return 0; }
   mkdir -p "$ref/bench" "$root/trainer-bench"
-  say "trainer-profile $shape $trainer mb $mb${*:+ $*} on GPU $gpu"
+  say "$cmd $shape $trainer mb $mb${*:+ $*} on GPU $gpu"
+  # a session of its own, killed whole afterwards: a benchmark killed by the host once left a worker holding
+  # the GPU under the next one (results/reference/2026-11-24-h200-trainer)
   CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH="/tmp/envs/trainer:$ctl_path" setsid timeout "${HYBRIDRL_TBENCH_TIMEOUT_S:-900}" \
-    python3 -m hybridrl trainer-profile --shape "$shape" --trainer "$trainer" --micro-batch "$mb" "${args[@]}" \
-    --workdir "$root/trainer-bench" --out "$ref/bench/$name.txt" > "$ref/bench/$name.log" 2>&1 &
+    python3 -m hybridrl "$cmd" --shape "$shape" --trainer "$trainer" --micro-batch "$mb" "${args[@]}" \
+    --workdir "$root/trainer-bench" --out "$ref/bench/$name.$ext" > "$ref/bench/$name.log" 2>&1 &
   pid=$!
   wait "$pid" || rc=$?
   kill -KILL -- "-$pid" 2> /dev/null || true
-  say "trainer-profile $shape $trainer mb $mb${*:+ $*} exit $rc"
+  say "$cmd $shape $trainer mb $mb${*:+ $*} exit $rc"
 }
 
 plan_full() {
@@ -365,6 +351,14 @@ plan_trainerloop() {
   gpus=1
   phases=(p1)
   p1=("0|tbench qwen3-0.6b megatron 32;tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32 varied;tprof qwen3-0.6b megatron 32;train sglang-colocate-megatron;tbench qwen3-30b-a3b megatron 16")
+}
+
+plan_trainermoe() {
+  # the 48-layer row that `trainerloop` lost to a full disk: Megatron TP 1 then HF on the MoE shape, packed, fixed
+  # lengths, in a lease with only the `trainer` overlay (the 61 GB checkpoint fits the 64 GiB disk beside it)
+  gpus=1
+  phases=(p1)
+  p1=("0|tbench qwen3-30b-a3b megatron 16;tbench qwen3-30b-a3b hf 16")
 }
 
 # replica ARM K: the run name of replicate K of ARM (the first keeps the plain name, as the study's run ids do)

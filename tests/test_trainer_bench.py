@@ -102,3 +102,15 @@ def test_a_checkpoint_write_that_fails_leaves_nothing_to_reuse(tmp_path: Path, m
     monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", real)
     trainer_bench.random_model(target, trainer_bench.SHAPES["tiny"], "float32")
     assert (target / "config.json").exists() and list(target.glob("*.safetensors"))
+
+
+def test_an_isolated_build_runs_in_a_child_process_and_names_its_failure(tmp_path: Path) -> None:
+    from hybridrl.tools import trainer_bench
+
+    shape = trainer_bench.SHAPES["tiny"]
+    built = trainer_bench.random_model(tmp_path / "m", shape, "float32", isolate=True)
+    assert (built / "config.json").exists() and list(built.glob("*.safetensors"))
+    # a dtype torch lacks fails inside the child: one message with its exit code, and no checkpoint
+    with pytest.raises(RuntimeError, match=r"failed in its own process \(exit code 1"):
+        trainer_bench.random_model(tmp_path / "bad", shape, "float99", isolate=True)
+    assert not (tmp_path / "bad").exists()

@@ -67,13 +67,33 @@ SHAPES: dict[str, Shape] = {
 _CONFIG_CLASSES = {"qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
 
 
-def random_model(path: Path, shape: Shape, dtype: str) -> Path:
+def random_model(path: Path, shape: Shape, dtype: str, isolate: bool | None = None) -> Path:
     """A random-init checkpoint of the shape with a word-level tokenizer over its vocab; reused if present.
 
-    Written to a temporary directory and renamed when whole: a write that failed half way (the disk filled at
-    the 61 GB MoE shape, 2026-11-24) leaves no config.json that a later call would take for a checkpoint."""
+    isolate (default: where there is a GPU, whose shapes are the large ones) builds it in a child process, whose
+    memory the host gets back before a trainer loads it: the 61 GB MoE build and a trainer in one process passed
+    the host's 128 GiB twice (2026-11-24). Written to a temporary directory and renamed when whole: a write that
+    failed half way (the disk filled at that shape) leaves no config.json a later call would take for a checkpoint.
+    """
     if (path / "config.json").exists():
         return path
+    import torch
+
+    if not (torch.cuda.is_available() if isolate is None else isolate):
+        _build_random_model(path, shape, dtype)
+        return path
+    import multiprocessing
+
+    proc = multiprocessing.get_context("spawn").Process(target=_build_random_model, args=(path, shape, dtype))
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0 or not (path / "config.json").exists():
+        raise RuntimeError(f"building the random checkpoint {path} failed in its own process (exit code "
+                           f"{proc.exitcode}; -9 is the host's out-of-memory kill); its error is printed above")
+    return path
+
+
+def _build_random_model(path: Path, shape: Shape, dtype: str) -> None:
     import torch
     import transformers
     from tokenizers import Tokenizer, models
@@ -88,7 +108,6 @@ def random_model(path: Path, shape: Shape, dtype: str) -> Path:
     with atomic_dir(path) as tmp:
         model.save_pretrained(tmp)
         transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1").save_pretrained(tmp)
-    return path
 
 
 def fixed_batch(vocab: int, n: int, prompt: int, completion: int, seed: int = 0,

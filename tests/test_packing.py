@@ -100,3 +100,14 @@ def test_hf_trainer_packed_gives_the_padded_logprobs_loss_and_gradients(shape: s
     assert set(g_pack) == set(g_pad) and g_pack
     for name, g in g_pad.items():
         assert float((g_pack[name] - g).norm() / g.norm().clamp(min=1e-12)) < 1e-4, name
+
+
+def test_packed_attention_refuses_a_sliding_window_with_the_setting_to_change() -> None:
+    from hybridrl.trainers.hf import packed_attention
+
+    q = torch.randn(1, 2, 5, 4)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    out, _ = packed_attention(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=cu, max_length_q=3)
+    assert out.shape == (1, 5, 2, 4)
+    with pytest.raises(ValueError, match="set pack_sequences: false"):
+        packed_attention(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=cu, max_length_q=3, sliding_window=4)

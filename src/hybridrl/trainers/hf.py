@@ -31,6 +31,9 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None and (kwargs.get("sliding_window") or dropout):
+        raise ValueError(f"{type(module).__name__}: packed sequences take full causal attention without dropout; "
+                         "this model has a sliding window or attention dropout: set pack_sequences: false")
     if cu is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

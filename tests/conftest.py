@@ -1,5 +1,4 @@
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,12 +18,11 @@ def groups() -> Iterator[Any]:
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from hybridrl.engines.server import free_port
+
     started = not dist.is_initialized()
     if started:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, create_gloo_process_groups=False)
     try:

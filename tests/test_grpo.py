@@ -100,7 +100,9 @@ def test_both_trainers_take_the_shared_step_and_pad_no_batch_of_their_own() -> N
     from hybridrl.trainers import hf
     from hybridrl.trainers.megatron import policy
 
-    assert "grpo_backward" in hf.HFTrainer.step.__code__.co_names
+    # HFTrainer.step times HFTrainer.update (also trainer-profile's update), which takes the shared step
+    assert "update" in hf.HFTrainer.step.__code__.co_names
+    assert "grpo_backward" in hf.HFTrainer.update.__code__.co_names
     assert "grpo_backward" in policy.MegatronPolicy.backward.__code__.co_names
     for module in (hf, policy):
         source = inspect.getsource(module)

@@ -279,10 +279,8 @@ plan_client() {
   # the benchmark of its paths (raw, new, whole, stream-everything, old) on its step 3, then their old-path runs (the
   # HTTP client is what the issue measures, so a lease that ends early keeps those pairs), then in-process vLLM
   study=config/gpu-h200-client.yaml
-  gpus=1
   export HYBRIDRL_BENCH_REPEATS=5
-  phases=(p1)
-  p1=("0|ceiling;train sglang-new;bench sglang-new 3;train vllm-new;bench vllm-new 3;train sglang-old;train vllm-old;train vllm-inprocess-new;bench vllm-inprocess-new 3;train vllm-inprocess-old")
+  one_lane "ceiling;train sglang-new;bench sglang-new 3;train vllm-new;bench vllm-new 3;train sglang-old;train vllm-old;train vllm-inprocess-new;bench vllm-inprocess-new 3;train vllm-inprocess-old"
 }
 
 plan_timed() {
@@ -290,28 +288,22 @@ plan_timed() {
   # every request itself (engine_timing), then `bench` on its step 3: raw, that path, and every request streamed
   # (the client's own TTFT and TPOT beside the engine's, on one engine start and request set); about 15 minutes
   study=config/gpu-h200-client.yaml
-  gpus=1
   export HYBRIDRL_BENCH_REPEATS=5
   local paths="--paths raw client stream_all"
-  phases=(p1)
-  p1=("0|train sglang-timed;bench sglang-timed 3 $paths;train vllm-timed;bench vllm-timed 3 $paths;train vllm-inprocess-timed;bench vllm-inprocess-timed 3 $paths")
+  one_lane "train sglang-timed;bench sglang-timed 3 $paths;train vllm-timed;bench vllm-timed 3 $paths;train vllm-inprocess-timed;bench vllm-inprocess-timed 3 $paths"
 }
 
 plan_soak() {
   # issue 19 on one GPU: 50 colocate steps per engine, the asleep-memory gate on; about 10 minutes a run
   study=config/gpu-h200-soak.yaml
-  gpus=1
-  phases=(p1)
-  p1=("0|train sglang-soak;train vllm-soak;train vllm-inprocess-soak")
+  one_lane "train sglang-soak;train vllm-soak;train vllm-inprocess-soak"
 }
 
 plan_faults() {
   # issue 19's fault runs on one GPU: per engine, its engine killed in step 2's rollout and SIGTERM in step 4's
   # training (then resumed); a few minutes a run, so it fits beside part of `soak` in a lease
   study=config/gpu-h200-soak.yaml
-  gpus=1
-  phases=(p1)
-  p1=("0|fault sglang-fault 2 4;fault vllm-fault 2 4;fault vllm-inprocess-fault 2 4")
+  one_lane "fault sglang-fault 2 4;fault vllm-fault 2 4;fault vllm-inprocess-fault 2 4"
 }
 
 plan_learning() {
@@ -319,9 +311,7 @@ plan_learning() {
   # first (what the issue needs most), then the vocabulary measurement (short, rollout only, the two
   # vocabularies side by side per engine)
   study=config/gpu-h200-learning.yaml
-  gpus=1
-  phases=(p1)
-  p1=("0|train sglang-colocate;train vllm-colocate;train sglang-vocab-small;train sglang-vocab-qwen;train vllm-vocab-small;train vllm-vocab-qwen")
+  one_lane "train sglang-colocate;train vllm-colocate;train sglang-vocab-small;train sglang-vocab-qwen;train vllm-vocab-small;train vllm-vocab-qwen"
 }
 
 plan_trainer() {
@@ -329,9 +319,7 @@ plan_trainer() {
   # warm-up, one trainer a process (both in one held the 30B checkpoint twice over: killed by the host): the dense
   # 0.6B shape (128 x 256) at 32 samples a pass, then the 48-layer Qwen3-30B-A3B shape (64 x 256) at 16, the
   # most that fits (2026-11-24)
-  gpus=1
-  phases=(p1)
-  p1=("0|tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32;tbench qwen3-30b-a3b hf 16;tbench qwen3-30b-a3b megatron 16")
+  one_lane "tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32;tbench qwen3-30b-a3b hf 16;tbench qwen3-30b-a3b megatron 16"
 }
 
 plan_packing() {
@@ -339,27 +327,24 @@ plan_packing() {
   # completions of varied length, then packed on the fixed lengths of `trainer`'s rows; one update of each
   # trainer on the dense shape under torch.profiler (Megatron's gap to HF); the 48-layer shape last (its model
   # build takes minutes)
-  gpus=1
-  phases=(p1)
-  p1=("0|tbench qwen3-0.6b hf 32 varied;tbench qwen3-0.6b megatron 32 varied;tbench qwen3-0.6b hf 32 varied no-pack;tbench qwen3-0.6b megatron 32 varied no-pack;tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32;tprof qwen3-0.6b hf 32;tprof qwen3-0.6b megatron 32;tbench qwen3-30b-a3b hf 16 varied;tbench qwen3-30b-a3b megatron 16 varied;tbench qwen3-30b-a3b hf 16 varied no-pack;tbench qwen3-30b-a3b megatron 16 varied no-pack;tbench qwen3-30b-a3b megatron 16")
+  one_lane "tbench qwen3-0.6b hf 32 varied;tbench qwen3-0.6b megatron 32 varied;tbench qwen3-0.6b hf 32 varied no-pack;tbench qwen3-0.6b megatron 32 varied no-pack;tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32;tprof qwen3-0.6b hf 32;tprof qwen3-0.6b megatron 32;tbench qwen3-30b-a3b hf 16 varied;tbench qwen3-30b-a3b megatron 16 varied;tbench qwen3-30b-a3b hf 16 varied no-pack;tbench qwen3-30b-a3b megatron 16 varied no-pack;tbench qwen3-30b-a3b megatron 16"
 }
 
 plan_trainerloop() {
   # issue 15 after the Megatron LoRA's matmuls moved to the activations' dtype: Megatron TP 1 packed on both
   # shapes (fixed lengths; dense also varied) with HF dense beside it in the same lease, its profiled update, a dense
   # SGLang colocate run with the Megatron trainer (packed, in the loop, its logprob gap gated against the engine)
-  gpus=1
-  phases=(p1)
-  p1=("0|tbench qwen3-0.6b megatron 32;tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32 varied;tprof qwen3-0.6b megatron 32;train sglang-colocate-megatron;tbench qwen3-30b-a3b megatron 16")
+  one_lane "tbench qwen3-0.6b megatron 32;tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32 varied;tprof qwen3-0.6b megatron 32;train sglang-colocate-megatron;tbench qwen3-30b-a3b megatron 16"
 }
 
 plan_trainermoe() {
   # the 48-layer row that `trainerloop` lost to a full disk: Megatron TP 1 then HF on the MoE shape, packed, fixed
   # lengths, in a lease with only the `trainer` overlay (the 61 GB checkpoint fits the 64 GiB disk beside it)
-  gpus=1
-  phases=(p1)
-  p1=("0|tbench qwen3-30b-a3b megatron 16;tbench qwen3-30b-a3b hf 16")
+  one_lane "tbench qwen3-30b-a3b megatron 16;tbench qwen3-30b-a3b hf 16"
 }
+
+# one_lane ITEMS: a plan of one phase whose one lane holds GPU 0 ("ITEM;ITEM;...", as a lane takes them)
+one_lane() { gpus=1; phases=(p1); p1=("0|$1"); }
 
 # replica ARM K: the run name of replicate K of ARM (the first keeps the plain name, as the study's run ids do)
 replica() { if (($2 > 1)); then echo "$1-r$2"; else echo "$1"; fi; }
@@ -384,10 +369,8 @@ plan_verdict() {
   # rounds take about 30 minutes before any benchmark, more than a lease holds
   local vpaths="--paths raw client"
   study=config/gpu-h200-verdict.yaml
-  gpus=1
   export HYBRIDRL_BENCH_REPEATS=5
-  phases=(p1)
-  p1=("0|$(interleave 3 sglang-full vllm-server);bench sglang-full 3 $vpaths;bench vllm-server 3 $vpaths;ceiling")
+  one_lane "$(interleave 3 sglang-full vllm-server);bench sglang-full 3 $vpaths;bench vllm-server 3 $vpaths;ceiling"
 }
 
 plan_verdictkv() {
@@ -396,10 +379,8 @@ plan_verdictkv() {
   # comparisons with the first lease's arms span two leases, which the report's caveats say
   local vpaths="--paths raw client"
   study=config/gpu-h200-verdict.yaml
-  gpus=1
   export HYBRIDRL_BENCH_REPEATS=5
-  phases=(p1)
-  p1=("0|$(interleave 3 vllm-inprocess sglang-kv);bench vllm-inprocess 3 $vpaths;bench sglang-kv 3 $vpaths")
+  one_lane "$(interleave 3 vllm-inprocess sglang-kv);bench vllm-inprocess 3 $vpaths;bench sglang-kv 3 $vpaths"
 }
 
 plan_placement() {

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from hybridrl.engines.server import free_port
 from hybridrl.study.run_config import RunConfig
 from hybridrl.task.rl import policy_loss, token_logprobs
 from hybridrl.trainers.base import Sample
@@ -227,12 +227,6 @@ def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, float]:
             "logp_after": logp_gap(ref["logp_after"], got["logp_after"])}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _group_main(rank: int, tp: int, port: int, cases: list[dict[str, Any]], out_path: str,
                 device_type: str = "cpu") -> None:
     import torch.distributed as dist
@@ -264,11 +258,11 @@ def run_megatron_group(tp: int, cases: list[dict[str, Any]], out_path: Path,
     """megatron_side for each case in a fresh group of tp processes: gloo on the CPU, NCCL on GPUs
     (CPU with tp == 1: in this process)."""
     if tp == 1 and device_type == "cpu":
-        _group_main(0, 1, _free_port(), cases, str(out_path))
+        _group_main(0, 1, free_port(), cases, str(out_path))
     else:
         import torch.multiprocessing as mp
 
-        mp.start_processes(_group_main, args=(tp, _free_port(), cases, str(out_path), device_type), nprocs=tp,
+        mp.start_processes(_group_main, args=(tp, free_port(), cases, str(out_path), device_type), nprocs=tp,
                            start_method="spawn", join=True)
     return torch.load(out_path, weights_only=False)
 

@@ -11,13 +11,12 @@ device (CUDA; the CPU where there is no GPU), so two trainers' tables can be rea
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
+from hybridrl.engines.server import free_port
 from hybridrl.tools.trainer_bench import SHAPES, bench_run, fixed_batch, random_model
-from hybridrl.trainers.base import Sample
 
 WARMUP = 2
 
@@ -29,10 +28,8 @@ def _megatron_update(model: Path, run: Any, device: Any) -> tuple[Any, Any]:
 
     from hybridrl.trainers.megatron.policy import MegatronPolicy, init_parallel
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
     init_parallel(1, device)
     policy = MegatronPolicy(model, run, device)
 
@@ -47,20 +44,7 @@ def _hf_update(model: Path, run: Any, device: Any) -> tuple[Any, Any]:
     from hybridrl.trainers.hf import HFTrainer
 
     trainer = HFTrainer(model, run, str(device))
-
-    def update(samples: list[Sample]) -> dict[str, Any]:
-        import torch
-
-        from hybridrl.trainers.grpo import grpo_backward
-
-        trainer.model.train()
-        trainer.optimizer.zero_grad(set_to_none=True)
-        metrics = grpo_backward(samples, run, trainer.device, trainer._logprobs, trainer.model.disable_adapter)
-        torch.nn.utils.clip_grad_norm_(trainer.params, run.grad_clip)
-        trainer.optimizer.step()
-        return metrics
-
-    return update, trainer.close
+    return trainer.update, trainer.close
 
 
 def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, micro_batch: int = 8,

@@ -1,37 +1,35 @@
-"""LoRA on megatron-core's own parallel linears, one adapter per HF projection.
+"""LoRA on megatron-core's parallel linears, one adapter per HF projection, added to each base output by a
+forward hook.
 
-Each adapter is built from megatron's ColumnParallelLinear/RowParallelLinear, so the TP collectives that
-make forward and backward exact live inside megatron's autograd functions and nothing is synced by hand:
+The adapters of one base linear (q/k/v on linear_qkv, gate/up on linear_fc1) run as one site: one matmul for
+their stacked A, and one addmm that adds h @ B^T, with B the adapters' block diagonal arranged in the fused
+layout and scaled, into the base output. Per-adapter matmuls, a scaled copy and a concatenation of each delta
+and a separate add cost the host more launches than the GPU work they did (trainer-profile, H200, 2026-11-24).
+TP ranks hold these shards (the collectives are megatron's autograd mappings, plus _GatherLastDim):
   column-parallel base (x full, output split):
-      A = ColumnParallelLinear(in -> r), then gather     A split on r, output gathered to full r
-      B = ColumnParallelLinear(r -> out)                 B split on out, like the base output
+      A split on r: h = gather(x @ A^T), full r      B split on out, like the base output
   row-parallel base (x split on in, output all-reduced):
-      A = RowParallelLinear(in -> r)                     A split on in, output all-reduced to full r
-      B = ColumnParallelLinear(r -> out), then gather    B split on out, output gathered to full out
-An adapter's output is added to the base output by a forward hook; for the fused linear_qkv and
-linear_fc1 the q/k/v (gate/up) deltas are first arranged in the fused per-rank layout.
+      A split on in: h = all-reduce(x @ A^T)         B split on out: gather(h @ B^T) is full width
+h is used by every rank's own B shard, so its gradient is summed over the ranks (copy_to region) before the
+gather's or the reduce's backward.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from collections.abc import Iterator
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 from torch import nn
-from torch.nn import functional as F
 
 from hybridrl.trainers.megatron.mapping import LORA_SITES, lora_a_split_dim, shard
 from hybridrl.trainers.megatron.spec import ArchSpec
-
-
-def _no_init(_: torch.Tensor) -> None:  # weights are set explicitly after construction
-    return None
 
 
 class _GatherLastDim(torch.autograd.Function):
@@ -53,67 +51,95 @@ class _GatherLastDim(torch.autograd.Function):
         return grad.chunk(tp, dim=-1)[parallel_state.get_tensor_model_parallel_rank()].contiguous()
 
 
-def _gather(x: torch.Tensor) -> torch.Tensor:
-    return x if parallel_state.get_tensor_model_parallel_world_size() == 1 else _GatherLastDim.apply(x)
+class _Weight(nn.Module):
+    """A bare `weight` parameter, so an adapter's tensors keep the names lora.A.weight and lora.B.weight."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=torch.float32))
 
 
 class LoraAdapter(nn.Module):
-    def __init__(self, kind: str, in_features: int, out_features: int, rank: int, alpha: float,
-                 config: object) -> None:
+    """One projection's adapter: this TP rank's shards of A [r, in] and B [out, r], fp32 (the optimizer's
+    copy); the site casts them to the activations' dtype, as autocast casts PEFT's."""
+
+    def __init__(self, kind: str, in_features: int, out_features: int, rank: int, alpha: float, tp: int) -> None:
         super().__init__()
         self.kind = kind
         self.scaling = alpha / rank
-        if kind == "column":
-            self.A = ColumnParallelLinear(in_features, rank, config=config, init_method=_no_init, bias=False)
-        else:
-            self.A = RowParallelLinear(in_features, rank, config=config, init_method=_no_init, bias=False,
-                                       input_is_parallel=True, skip_bias_add=True)
-        self.B = ColumnParallelLinear(rank, out_features, config=config, init_method=_no_init, bias=False)
+        self.A = _Weight(rank // tp, in_features) if kind == "column" else _Weight(rank, in_features // tp)
+        self.B = _Weight(out_features // tp, rank)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the weights stay fp32 (the optimizer's copy); the matmuls run in the activations' dtype, as autocast runs
-        # PEFT's: casting each [tokens, hidden] input up to fp32 instead cost more than the matmuls and put them on
-        # fp32 kernels (trainer-profile, H200, 2026-11-24)
-        wa, wb = self.A.weight.to(x.dtype), self.B.weight.to(x.dtype)
-        if self.kind == "column":
-            h, _ = self.A(x, weight=wa)
-            h = _gather(h)  # full r for every rank's B shard
-        else:  # RowParallelLinear's forward with input_is_parallel, on the cast weight
-            h = reduce_from_tensor_model_parallel_region(F.linear(x, wa))
-        y, _ = self.B(h, weight=wb)
-        if self.kind == "row":
-            y = _gather(y)  # the row-parallel base output is full width
-        return y * self.scaling
+
+def _qkv_rows(groups: int, q_width: int, head_dim: int) -> torch.Tensor:
+    """Rows of [q; k; v] (each rank's local shards, one after another) in linear_qkv's per-group order."""
+    q_all, k_all = groups * q_width, groups * head_dim
+    rows = []
+    for j in range(groups):
+        rows += range(j * q_width, (j + 1) * q_width)
+        rows += range(q_all + j * head_dim, q_all + (j + 1) * head_dim)
+        rows += range(q_all + k_all + j * head_dim, q_all + k_all + (j + 1) * head_dim)
+    return torch.tensor(rows)
+
+
+def _gathered_columns(n_adapters: int, rank: int, tp: int) -> torch.Tensor:
+    """For each column of the gathered h (rank-major: every rank's r/tp of each adapter), its column in the
+    adapters' block diagonal of B (adapter-major, each adapter's full r)."""
+    part = rank // tp
+    return torch.tensor([k * rank + i * part + m for i in range(tp) for k in range(n_adapters) for m in range(part)])
 
 
 class LoraSite(nn.Module):
     """The adapters on one base linear, and how their outputs line up with the base's local output."""
 
-    def __init__(self, fused: str, adapters: dict[str, LoraAdapter], local_sizes: dict[str, int],
-                 group_split: tuple[int, int, int] | None = None) -> None:
+    def __init__(self, kind: str, adapters: dict[str, LoraAdapter], widths: dict[str, int], rank: int,
+                 row_order: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.fused = fused  # "qkv", "gate_up" or "single"
+        self.kind = kind  # "column" or "row", as the base linear
         self.adapters = nn.ModuleDict(adapters)
-        self.local_sizes = local_sizes  # per projection, the base's local output width
-        self.group_split = group_split  # qkv: (local groups, q width per group, head dim)
+        self.widths = widths  # every projection of the base's local output, in its order: adapted or not
+        self.order = [p for p in widths if p in adapters]  # A's rows and B's blocks follow the output layout
+        (self.scaling,) = {ad.scaling for ad in adapters.values()}
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        if kind == "row" and len(adapters) != 1:
+            raise ValueError("a row-parallel base has one projection")
+        cols = _gathered_columns(len(adapters), rank, self.tp) if kind == "column" and self.tp > 1 else None
+        # index buffers move with the model (onload/offload); not part of any checkpoint
+        self.register_buffer("row_order", row_order, persistent=False)
+        self.register_buffer("col_order", cols, persistent=False)
         self.enabled = True
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        def part(proj: str) -> torch.Tensor:
-            if proj in self.adapters:
-                return self.adapters[proj](x)
-            return x.new_zeros(*x.shape[:-1], self.local_sizes[proj])
+    def fused_a(self, dtype: torch.dtype) -> torch.Tensor:
+        """[adapters x r (this rank's share), in]: the A shards stacked, in dtype."""
+        a = [self.adapters[p].A.weight for p in self.order]
+        return (torch.cat(a) if len(a) > 1 else a[0]).to(dtype)
 
-        if self.fused == "qkv":
-            g, qw, d = self.group_split  # type: ignore[misc]
-            q, k, v = (part(p) for p in ("q_proj", "k_proj", "v_proj"))
-            lead = q.shape[:-1]
-            return torch.cat([q.reshape(*lead, g, qw), k.reshape(*lead, g, d), v.reshape(*lead, g, d)],
-                             dim=-1).reshape(*lead, -1)
-        if self.fused == "gate_up":
-            return torch.cat([part("gate_proj"), part("up_proj")], dim=-1)
-        (only,) = self.adapters.values()
-        return only(x)
+    def fused_b(self, dtype: torch.dtype) -> torch.Tensor:
+        """[local out, adapters x r]: the B shards as one block diagonal, zero rows for an unadapted projection,
+        in the base's output layout, times the LoRA scaling, in dtype."""
+        ref = next(iter(self.adapters.values())).B.weight
+        blocks = [self.adapters[p].B.weight if p in self.adapters else ref.new_zeros(w, 0)
+                  for p, w in self.widths.items()]
+        b = torch.block_diag(*blocks) if len(blocks) > 1 else blocks[0]
+        if self.row_order is not None:
+            b = b.index_select(0, self.row_order)
+        if self.col_order is not None:
+            b = b.index_select(1, self.col_order)
+        return (b * self.scaling).to(dtype)
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out + the adapters' delta for input x ([s, b, in] -> [s, b, local out])."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.tp > 1 and self.kind == "column":
+            x2 = copy_to_tensor_model_parallel_region(x2)  # x is whole on every rank: its gradient sums theirs
+        h = x2 @ self.fused_a(x.dtype).t()
+        b = self.fused_b(x.dtype)
+        if self.tp > 1:
+            h = _GatherLastDim.apply(h) if self.kind == "column" else reduce_from_tensor_model_parallel_region(h)
+            h = copy_to_tensor_model_parallel_region(h)
+            if self.kind == "row":  # this rank's slice of the full-width output
+                return out + _GatherLastDim.apply(h @ b.t()).view_as(out)
+        return torch.addmm(out.reshape(-1, out.shape[-1]), h, b.t()).view_as(out)
 
 
 def _hook(module: nn.Module, args: tuple, output: tuple) -> tuple:
@@ -121,16 +147,7 @@ def _hook(module: nn.Module, args: tuple, output: tuple) -> tuple:
     if not site.enabled:
         return output
     out, bias = output
-    return out + site.delta(args[0]).to(out.dtype), bias
-
-
-def _lora_config(config: object) -> object:
-    # adapters keep fp32 weights whatever the base dtype; LoraAdapter.forward computes in the input's dtype
-    cfg = copy.copy(config)
-    cfg.params_dtype = torch.float32  # type: ignore[attr-defined]
-    cfg.bf16 = False  # type: ignore[attr-defined]
-    cfg.fp16 = False  # type: ignore[attr-defined]
-    return cfg
+    return site.add_to(args[0], out), bias
 
 
 def _full_a(seed: int, layer: int, proj_index: int, rank: int, in_features: int) -> torch.Tensor:
@@ -152,7 +169,6 @@ def apply_lora(model: nn.Module, spec: ArchSpec, rank: int, alpha: float, target
         p.requires_grad_(False)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    cfg = _lora_config(model.config)
     h, d = spec.hidden_size, spec.head_dim
     full = {"q_proj": (h, spec.num_heads * d), "k_proj": (h, spec.num_kv_heads * d),
             "v_proj": (h, spec.num_kv_heads * d), "o_proj": (spec.num_heads * d, h),
@@ -166,7 +182,7 @@ def apply_lora(model: nn.Module, spec: ArchSpec, rank: int, alpha: float, target
             if path.startswith("mlp.") and spec.layer_is_moe(i):
                 continue
             fin, fout = full[proj]
-            ad = LoraAdapter(kind, fin, fout, rank, alpha, cfg)
+            ad = LoraAdapter(kind, fin, fout, rank, alpha, tp)
             with torch.no_grad():
                 a = _full_a(seed, i, list(full).index(proj), rank, fin)
                 ad.A.weight.copy_(shard(a, lora_a_split_dim(proj), tp, tp_rank))
@@ -178,12 +194,14 @@ def apply_lora(model: nn.Module, spec: ArchSpec, rank: int, alpha: float, target
             if path.endswith("linear_qkv"):
                 g = spec.num_kv_heads // tp
                 qw = (spec.num_heads // spec.num_kv_heads) * d
-                site = LoraSite("qkv", ads, {"q_proj": g * qw, "k_proj": g * d, "v_proj": g * d}, (g, qw, d))
+                site = LoraSite("column", ads, {"q_proj": g * qw, "k_proj": g * d, "v_proj": g * d}, rank,
+                                _qkv_rows(g, qw, d))
             elif path.endswith("linear_fc1"):
                 n = spec.ffn_hidden_size // tp
-                site = LoraSite("gate_up", ads, {"gate_proj": n, "up_proj": n})
+                site = LoraSite("column", ads, {"gate_proj": n, "up_proj": n}, rank)
             else:
-                site = LoraSite("single", ads, {})
+                (proj,) = ads
+                site = LoraSite("row", ads, {proj: full[proj][1]}, rank)
             base.add_module("lora", site)
             base.register_forward_hook(_hook)
     return adapters

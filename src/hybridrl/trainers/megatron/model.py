@@ -14,7 +14,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -26,8 +25,9 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors import safe_open
 
-from hybridrl.trainers.megatron import mapping
+from hybridrl.trainers.megatron import mapping, rope
 from hybridrl.trainers.megatron.experts import GroupedExperts
+from hybridrl.trainers.megatron.rope import HFRotaryEmbedding, hf_inv_freq
 from hybridrl.trainers.megatron.spec import ArchSpec
 from hybridrl.trainers.packing import Packed, varlen_causal_attention
 
@@ -87,32 +87,6 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-class HFRotaryEmbedding(RotaryEmbedding):
-    """Megatron's RoPE with HF's inverse frequencies and no CUDA assumption.
-
-    The upstream class moves inv_freq to the current CUDA device on first use and caches its output with
-    lru_cache; both break on CPU and across offload/onload. This one follows the device of the input.
-    """
-
-    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
-        emb = torch.cat((freqs, freqs), dim=-1)  # HF rotate_half layout (not interleaved)
-        return emb[:, None, None, :]
-
-    def get_rotary_seq_len(self, inference_context: Any, transformer: Any, transformer_input: Any,
-                           transformer_config: Any, packed_seq_params: Any = None, **kw: Any) -> int:
-        # GPTModel asks this just before forward(): a packed row's per-token positions are kept for it
-        self._positions = getattr(packed_seq_params, "positions", None)
-        return super().get_rotary_seq_len(inference_context, transformer, transformer_input, transformer_config,
-                                          packed_seq_params, **kw)
-
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
-                cp_group: Any = None) -> torch.Tensor:
-        emb = self.get_emb(max_seq_len, offset)
-        positions, self._positions = getattr(self, "_positions", None), None
-        return emb if positions is None else emb[positions]  # [N, 1, 1, dim]: RoPE restarts in each sequence
-
-
 class CPUSafeTopKRouter(TopKRouter):
     """TopKRouter whose gating leaves the weight on the device it is on (upstream moves it to CUDA)."""
 
@@ -121,27 +95,6 @@ class CPUSafeTopKRouter(TopKRouter):
 
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
         return router_gating_linear(input, self.weight, self.bias, dtype)
-
-
-def hf_inv_freq(spec: ArchSpec) -> torch.Tensor:
-    """Inverse RoPE frequencies exactly as transformers computes them for this rope type."""
-    theta = float(spec.rope["rope_theta"])
-    dim = spec.head_dim
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
-    kind = spec.rope["rope_type"]
-    if kind == "linear":
-        inv = inv / float(spec.rope["factor"])
-    elif kind == "llama3":
-        factor = float(spec.rope["factor"])
-        low, high = float(spec.rope["low_freq_factor"]), float(spec.rope["high_freq_factor"])
-        old_len = float(spec.rope["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-        inv = torch.where(medium, smoothed, scaled)
-    return inv
 
 
 def transformer_config(spec: ArchSpec, tp: int, dtype: torch.dtype) -> TransformerConfig:
@@ -221,6 +174,7 @@ def _block_spec(spec: ArchSpec) -> TransformerBlockSubmodules:
 
 def build_model(spec: ArchSpec, tp: int, dtype: torch.dtype) -> GPTModel:
     """An uninitialised GPTModel (weights on the CPU) for this rank's TP shard."""
+    rope.install()
     config = transformer_config(spec, tp, dtype)
     model = GPTModel(
         config=config,
@@ -234,12 +188,12 @@ def build_model(spec: ArchSpec, tp: int, dtype: torch.dtype) -> GPTModel:
         position_embedding_type="rope",
         rotary_base=int(spec.rope["rope_theta"]),
     )
-    rope = HFRotaryEmbedding(kv_channels=spec.head_dim, rotary_percent=1.0, rotary_interleaved=False,
-                             rotary_base=int(spec.rope["rope_theta"]), use_cpu_initialization=True)
+    emb = HFRotaryEmbedding(kv_channels=spec.head_dim, rotary_percent=1.0, rotary_interleaved=False,
+                            rotary_base=int(spec.rope["rope_theta"]), use_cpu_initialization=True)
     # a buffer (upstream keeps a plain attribute), so .to(device) moves it with the model
-    del rope.inv_freq
-    rope.register_buffer("inv_freq", hf_inv_freq(spec), persistent=False)
-    model.rotary_pos_emb = rope
+    del emb.inv_freq
+    emb.register_buffer("inv_freq", hf_inv_freq(spec), persistent=False)
+    model.rotary_pos_emb = emb
     return model
 
 

@@ -343,6 +343,13 @@ plan_trainermoe() {
   one_lane "tbench qwen3-30b-a3b megatron 16;tbench qwen3-30b-a3b hf 16"
 }
 
+plan_trainerfuse() {
+  # issue 15 after the Megatron trainer's launch cuts (one LoRA site per base linear, RoPE tables once per
+  # forward): Megatron TP 1 and HF on the dense shape in one lease, fixed lengths (Megatron also varied), both
+  # trainers' profiled updates, then the 48-layer rows (trainer overlay only: the 61 GB checkpoint needs the disk)
+  one_lane "tbench qwen3-0.6b megatron 32;tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32 varied;tprof qwen3-0.6b megatron 32;tprof qwen3-0.6b hf 32;tbench qwen3-30b-a3b megatron 16;tbench qwen3-30b-a3b hf 16"
+}
+
 # one_lane ITEMS: a plan of one phase whose one lane holds GPU 0 ("ITEM;ITEM;...", as a lane takes them)
 one_lane() { gpus=1; phases=(p1); p1=("0|$1"); }
 

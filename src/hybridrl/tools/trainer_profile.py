@@ -5,7 +5,8 @@
 The trainer runs in this process (Megatron at TP 1 in a one-process group, not under torchrun), on
 trainer_bench's fixed batch: two warm-up updates, then one profiled (logprobs, loss, backward, optimizer step; no
 adapter export). The text written holds the update's wall time and the operators sorted by their own time on the
-device (CUDA; the CPU where there is no GPU), so two trainers' tables can be read side by side.
+device (CUDA; the CPU where there is no GPU), so two trainers' tables can be read side by side, then the same
+split by the operators' input shapes, which tells a norm's or an adapter's elementwise work from the rest.
 """
 
 from __future__ import annotations
@@ -77,14 +78,16 @@ def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, m
         for _ in range(WARMUP):
             timed()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, record_shapes=True) as prof:
             wall = timed()
     finally:
         close()
     sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
     head = (f"trainer-profile {shape_name} {trainer} micro_batch {micro_batch} pack {pack} "
             f"lengths {'varied' if varied else 'fixed'} device {device}: profiled update {wall:.3f} s\n")
-    text = head + prof.key_averages().table(sort_by=sort, row_limit=rows) + "\n"
+    by_shape = prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=rows)
+    text = (head + prof.key_averages().table(sort_by=sort, row_limit=rows) + "\n\nthe same, by input shapes:\n"
+            + by_shape + "\n")
     from hybridrl.atomic import write_text
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -34,3 +34,20 @@ def test_site_computes_in_the_input_dtype_on_fp32_weights(groups: Any, kind: str
         assert p.grad is not None and p.grad.dtype == torch.float32 and p.grad.abs().sum() > 0
     # fp32 input: the fp32 path, exactly the reference
     torch.testing.assert_close(site.add_to(x, base), want, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_model_keeps_every_base_weight_bf16(groups: Any, tmp_path: Any) -> None:
+    """Norms included: megatron's torch-norm fallback makes them fp32, which sends torch.rms_norm off its fused
+    kernel beside bf16 activations; only the adapters stay fp32."""
+    from hybridrl.tools.megatron_parity import tiny_checkpoint
+    from hybridrl.trainers.megatron.lora import apply_lora
+    from hybridrl.trainers.megatron.model import build_model
+    from hybridrl.trainers.megatron.spec import read_spec
+
+    spec = read_spec(tiny_checkpoint("qwen3", tmp_path / "model"))
+    model = build_model(spec, 1, torch.bfloat16)
+    apply_lora(model, spec, rank=4, alpha=8.0, targets=["q_proj", "o_proj"])
+    dtypes = {(".lora." in n, p.dtype) for n, p in model.named_parameters()}
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}, dtypes
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert len(norms) == 2 * spec.num_layers * 2 + 1  # input, pre-MLP, q and k per layer, the final one

@@ -188,6 +188,11 @@ def build_model(spec: ArchSpec, tp: int, dtype: torch.dtype) -> GPTModel:
         position_embedding_type="rope",
         rotary_base=int(spec.rope["rope_theta"]),
     )
+    # megatron's torch-norm fallback builds its RMSNorms in torch's default dtype (fp32); beside bf16 activations
+    # torch.rms_norm then leaves its fused kernel for casts and five kernels a norm (trainer-profile, H200)
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.RMSNorm):
+            mod.to(dtype)
     emb = HFRotaryEmbedding(kv_channels=spec.head_dim, rotary_percent=1.0, rotary_interleaved=False,
                             rotary_base=int(spec.rope["rope_theta"]), use_cpu_initialization=True)
     # a buffer (upstream keeps a plain attribute), so .to(device) moves it with the model

@@ -344,10 +344,12 @@ plan_trainermoe() {
 }
 
 plan_trainerfuse() {
-  # issue 15 after the Megatron trainer's launch cuts (one LoRA site per base linear, RoPE tables once per
-  # forward): Megatron TP 1 and HF on the dense shape in one lease, fixed lengths (Megatron also varied), both
-  # trainers' profiled updates, then the 48-layer rows (trainer overlay only: the 61 GB checkpoint needs the disk)
-  one_lane "tbench qwen3-0.6b megatron 32;tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32 varied;tprof qwen3-0.6b megatron 32;tprof qwen3-0.6b hf 32;tbench qwen3-30b-a3b megatron 16;tbench qwen3-30b-a3b hf 16"
+  # issue 15 after the trainers' launch cuts (Megatron: one LoRA site per base linear, RoPE tables once per forward,
+  # norms in the model's dtype; HF: no fp32 copy of each adapter input): Megatron TP 1 and HF on the dense shape in
+  # one lease, fixed and varied lengths, both profiled, then a dense SGLang colocate run with the Megatron trainer
+  # (its logprobs gated against the engine's). The 48-layer rows are `trainermoe` (their 61 GB checkpoint and the
+  # SGLang overlay do not share the disk)
+  one_lane "tbench qwen3-0.6b megatron 32;tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32 varied;tbench qwen3-0.6b hf 32 varied;tprof qwen3-0.6b megatron 32;tprof qwen3-0.6b hf 32;train sglang-colocate-megatron"
 }
 
 # one_lane ITEMS: a plan of one phase whose one lane holds GPU 0 ("ITEM;ITEM;...", as a lane takes them)

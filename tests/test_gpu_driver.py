@@ -90,7 +90,7 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
     assert bad.returncode == 2
     plans = ("client faults full learning moe moe2full moe4 moe4full packing placement placementlong rest rest4 soak "
-             "timed trainer trainerfuse trainerloop trainermoe verdict verdictkv")
+             "timed trainer trainerfast trainerfuse trainerloop trainermoe verdict verdictkv")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()

@@ -352,6 +352,12 @@ plan_trainerfuse() {
   one_lane "tbench qwen3-0.6b megatron 32;tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32 varied;tbench qwen3-0.6b hf 32 varied;tprof qwen3-0.6b megatron 32;tprof qwen3-0.6b hf 32;train sglang-colocate-megatron"
 }
 
+plan_trainerfast() {
+  # issue 15 after HF's norms went through torch's fused kernel: both trainers on both shapes in one lease with
+  # only the `trainer` overlay (dense fixed and varied lengths, HF's update profiled, then the 48-layer rows)
+  one_lane "tbench qwen3-0.6b megatron 32;tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32 varied;tbench qwen3-0.6b hf 32 varied;tprof qwen3-0.6b hf 32;tbench qwen3-30b-a3b megatron 16;tbench qwen3-30b-a3b hf 16"
+}
+
 # one_lane ITEMS: a plan of one phase whose one lane holds GPU 0 ("ITEM;ITEM;...", as a lane takes them)
 one_lane() { gpus=1; phases=(p1); p1=("0|$1"); }
 

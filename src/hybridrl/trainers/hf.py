@@ -17,6 +17,7 @@ from hybridrl.trainers import grouped_mm
 from hybridrl.trainers.base import Sample, TrainResult
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
+from hybridrl.trainers.hf_fast import fuse_rms_norms, keep_adapter_inputs
 from hybridrl.trainers.packing import varlen_causal_attention
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -60,20 +61,6 @@ def experts_implementation(model_dir: Path, device: torch.device, dtype: torch.d
     return {"experts_implementation": "grouped_mm" if grouped_mm.kernel_runs(device.type, dtype) else "eager"}
 
 
-def keep_adapter_inputs(model: torch.nn.Module) -> int:
-    """Stop PEFT casting each adapter's input to the adapter's fp32 weight dtype; returns the layers changed.
-
-    Under autocast the matmul casts that fp32 copy straight back to bf16, so the two full-size copies per adapter
-    and pass change nothing but the time: they were HF's largest GPU cost (trainer-profile, H200, 2026-11-24).
-    PEFT's own switch (peft.helpers.disable_input_dtype_casting), set once instead of around every forward."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    for m in layers:
-        m.cast_input_dtype_enabled = False
-    return len(layers)
-
-
 class HFTrainer:
     def __init__(self, model_dir: Path, run: RunConfig, device: str | None = None) -> None:
         from peft import LoraConfig, get_peft_model
@@ -101,6 +88,7 @@ class HFTrainer:
             if p.requires_grad:
                 p.data = p.data.float()
         keep_adapter_inputs(self.model)
+        fuse_rms_norms(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=run.lr, weight_decay=run.weight_decay)
         self.flop_shape = read_flop_shape(model_dir)

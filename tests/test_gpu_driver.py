@@ -90,7 +90,7 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
     assert bad.returncode == 2
     plans = ("client faults full learning moe moe2full moe4 moe4full packing placement placementlong rest rest4 soak "
-             "timed trainer trainerfast trainerfuse trainerloop trainermoe verdict verdictkv")
+             "timed timingcost trainer trainerfast trainerfuse trainerloop trainermoe verdict verdictkv")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
@@ -275,11 +275,18 @@ def test_verdict_plans_keep_the_like_for_like_arms_in_one_lease_interleaved_and_
     items = _one_lane_plan(root, "gpu-h200-verdict", "verdictkv")
     assert items[:6] == kv
     assert [i.split(" on ")[0] for i in items[6:]] == ["bench vllm-inprocess step 3", "bench sglang-kv step 3"]
-    # the two plans train every run config `prepare` writes: the arm's name, -rK for replicate k
+    # SGLang's timing pair: two replicates each, interleaved, differing in engine_timing alone
+    timing = [f"train {a}{'' if k == 1 else f'-r{k}'} on GPU 0" for k in (1, 2) for a in ("sglang-untimed",
+                                                                                         "sglang-timed")]
+    assert _one_lane_plan(root, "gpu-h200-verdict", "timingcost") == timing
+    # the three plans train every run config `prepare` writes: the arm's name, -rK for replicate k
     study = load_study(REPO / "config" / "gpu-h200-verdict.yaml")
     names = [run.name + (f"-r{k}" if k > 1 else "") for rid, run in study.runs.items()
              for k in [split_replicate(rid)[1]]]
-    assert sorted(f"train {n} on GPU 0" for n in names) == sorted(rounds + kv)
+    assert sorted(f"train {n} on GPU 0" for n in names) == sorted(rounds + kv + timing)
+    pair = [next(r for r in study.runs.values() if r.name == n) for n in ("sglang-untimed", "sglang-timed")]
+    differ = {k for k in type(pair[0]).model_fields if getattr(pair[0], k) != getattr(pair[1], k)}
+    assert differ == {"name", "engine_timing"} and pair[1].engine_timing and pair[0].stream_fraction == 0
     # the like-for-like arms release weights and KV cache alike; the study has Qwen's vocabulary (issue 17)
     runs = {r.name: r for r in study.runs.values()}
     assert runs["sglang-full"].sglang_release == "all" and runs["sglang-kv"].sglang_release == "kv_cache"

@@ -388,6 +388,13 @@ plan_verdict() {
   one_lane "$(interleave 3 sglang-full vllm-server);bench sglang-full 3 $vpaths;bench vllm-server 3 $vpaths;ceiling"
 }
 
+plan_timingcost() {
+  # issue 20's open question on one GPU (config/gpu-h200-verdict.yaml): SGLang with nothing streamed, its own
+  # request timing off and on (engine_timing forces its stream interval to 1), two replicates each, interleaved
+  study=config/gpu-h200-verdict.yaml
+  one_lane "$(interleave 2 sglang-untimed sglang-timed)"
+}
+
 plan_verdictkv() {
   # issue 16, second lease: in-process vLLM (level 1) and SGLang's KV-only release, an arm of its own (its sleep and
   # wake move other bytes than any other arm's), three replicates each, interleaved, then their benchmarks; their

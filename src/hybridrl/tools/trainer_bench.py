@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import statistics
 import time
@@ -23,6 +24,7 @@ from typing import Any
 
 from hybridrl import atomic
 from hybridrl.atomic import atomic_dir
+from hybridrl.run.provenance import git_info, host_info
 from hybridrl.run.telemetry import MemorySampler
 from hybridrl.study.run_config import RunConfig, RunLora
 from hybridrl.trainers.base import Sample
@@ -166,6 +168,7 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
     """Warm-up plus `updates` updates of one trainer on `samples`; best and median figures."""
     from hybridrl.trainers import make_trainer
 
+    load_before = os.getloadavg()  # a host busy with something else slows these launch-bound updates
     t0 = time.perf_counter()
     trainer = make_trainer(run, model, workdir / kind)
     start_s = time.perf_counter() - t0
@@ -195,6 +198,7 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
         "mfu_median": None if any(math.isnan(m) for m in mfu) else statistics.median(mfu),
         "update_flops": metrics["perf/update_flops"], "peak_gb": mem.peak_gb, "last_loss": metrics["train/loss"],
         "experts_impl": metrics.get("train/experts_impl"),
+        "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg(),
     }
 
 
@@ -222,6 +226,8 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
         "updates": updates, "micro_batch": micro_batch, "micro_batch_tokens": micro_batch_tokens,
         "pack_sequences": pack,
         "device": device_name(device) or "cpu", "torch": torch.__version__, "lora_targets": list(shape.lora_targets),
+        # the same code's update moved by tens of percent between two leases' hosts (2026-11-24): say which ran it
+        "host": host_info(), "git": git_info(),
     }
     for kind in trainers:
         run = bench_run(shape, kind, device, micro_batch, micro_batch_tokens, pack)

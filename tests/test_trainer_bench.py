@@ -117,3 +117,19 @@ def test_an_isolated_build_runs_in_a_child_process_and_names_its_failure(tmp_pat
     with pytest.raises(RuntimeError, match=r"failed in its own process \(exit code 1"):
         trainer_bench.random_model(tmp_path / "bad", shape, "float99", isolate=True)
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["trainer-bench", "--shape", "nope"], "hybridrl trainer-bench: unknown shape 'nope' (known: qwen3-0.6b"),
+    (["trainer-profile", "--shape", "nope", "--trainer", "hf", "--out", "p.txt"], "unknown shape 'nope'"),
+    (["trainer-bench", "--shape", "tiny", "--updates", "0"], "argument --updates: must be at least 1, got 0"),
+    (["trainer-bench", "--shape", "tiny", "--micro-batch", "x"], "argument --micro-batch: 'x' is not a whole"),
+])
+def test_trainer_tools_refuse_bad_arguments_in_one_line(argv: list[str], said: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--workdir", str(tmp_path / "w")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err
+    assert not (tmp_path / "w").exists()  # refused before anything was built

@@ -77,9 +77,31 @@ def _bench(args: argparse.Namespace) -> None:
                args.repeats, Path(args.out), probe=args.probe, overrides=overrides, paths=tuple(args.paths))
 
 
+def _at_least_one(text: str) -> int:
+    """argparse type of a count (updates, samples, micro-batch sizes): a whole number of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _known_shape(command: str, shape: str) -> None:
+    """The trainer tools' shapes, checked before any model is built (importing the list costs the CLI too much
+    to give it to argparse as choices)."""
+    from hybridrl.tools.trainer_bench import SHAPES
+
+    if shape not in SHAPES:
+        print(f"hybridrl {command}: unknown shape {shape!r} (known: {', '.join(SHAPES)})", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def _trainer_bench(args: argparse.Namespace) -> None:
     from hybridrl.tools.trainer_bench import main as trainer_bench_main
 
+    _known_shape("trainer-bench", args.shape)
     trainer_bench_main(args.shape, args.trainer, args.updates, args.device, Path(args.workdir),
                        Path(args.out) if args.out else None, micro_batch=args.micro_batch,
                        micro_batch_tokens=args.micro_batch_tokens, samples=args.samples, pack=not args.no_pack,
@@ -89,6 +111,7 @@ def _trainer_bench(args: argparse.Namespace) -> None:
 def _trainer_profile(args: argparse.Namespace) -> None:
     from hybridrl.tools.trainer_profile import main as profile_main
 
+    _known_shape("trainer-profile", args.shape)
     profile_main(args.shape, args.trainer, args.device, Path(args.workdir), Path(args.out),
                  micro_batch=args.micro_batch, pack=not args.no_pack, varied=args.varied)
 
@@ -233,11 +256,11 @@ def parser() -> argparse.ArgumentParser:
                        "updates, tokens/s, MFU, peak memory")
     s.add_argument("--shape", default="qwen3-0.6b", help="qwen3-0.6b, qwen3-30b-a3b, tiny, tiny-moe")
     s.add_argument("--trainer", nargs="+", choices=["hf", "megatron"], default=["hf", "megatron"])
-    s.add_argument("--updates", type=int, default=5, help="timed updates, after one warm-up")
+    s.add_argument("--updates", type=_at_least_one, default=5, help="timed updates, after one warm-up")
     s.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    s.add_argument("--samples", type=int, help="override the shape's batch size")
-    s.add_argument("--micro-batch", type=int, default=8)
-    s.add_argument("--micro-batch-tokens", type=int,
+    s.add_argument("--samples", type=_at_least_one, help="override the shape's batch size")
+    s.add_argument("--micro-batch", type=_at_least_one, default=8)
+    s.add_argument("--micro-batch-tokens", type=_at_least_one,
                    help="size micro-batches by the tokens a forward computes instead (packed: their sum)")
     s.add_argument("--no-pack", action="store_true", help="pad every row to the longest (pack_sequences false)")
     s.add_argument("--varied", action="store_true",
@@ -251,7 +274,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--shape", default="qwen3-0.6b", help="qwen3-0.6b, qwen3-30b-a3b, tiny, tiny-moe")
     s.add_argument("--trainer", choices=["hf", "megatron"], required=True)
     s.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    s.add_argument("--micro-batch", type=int, default=8)
+    s.add_argument("--micro-batch", type=_at_least_one, default=8)
     s.add_argument("--no-pack", action="store_true", help="pad every row to the longest (pack_sequences false)")
     s.add_argument("--varied", action="store_true", help="completion lengths drawn from completion/8 .. completion")
     s.add_argument("--workdir", required=True, help="the random-init model goes here")

@@ -91,11 +91,13 @@ def _at_least_one(text: str) -> int:
 def _known_shape(command: str, shape: str) -> None:
     """The trainer tools' shapes, checked before any model is built (importing the list costs the CLI too much
     to give it to argparse as choices)."""
-    from hybridrl.tools.trainer_bench import SHAPES
+    from hybridrl.tools.trainer_bench import shape_of
 
-    if shape not in SHAPES:
-        print(f"hybridrl {command}: unknown shape {shape!r} (known: {', '.join(SHAPES)})", file=sys.stderr)
-        raise SystemExit(2)
+    try:
+        shape_of(shape)
+    except ValueError as exc:
+        print(f"hybridrl {command}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _trainer_bench(args: argparse.Namespace) -> None:

@@ -69,6 +69,13 @@ SHAPES: dict[str, Shape] = {
 _CONFIG_CLASSES = {"qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
 
 
+def shape_of(name: str) -> Shape:
+    """The named shape; ValueError naming the known ones otherwise."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r} (known: {', '.join(SHAPES)})")
+    return SHAPES[name]
+
+
 def random_model(path: Path, shape: Shape, dtype: str, isolate: bool | None = None) -> Path:
     """A random-init checkpoint of the shape with a word-level tokenizer over its vocab; reused if present.
 
@@ -212,9 +219,7 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
 
     if updates < 1:
         raise ValueError("--updates must be at least 1")
-    if shape_name not in SHAPES:
-        raise ValueError(f"unknown shape {shape_name!r}: {', '.join(SHAPES)}")
-    shape = SHAPES[shape_name]
+    shape = shape_of(shape_name)
     workdir.mkdir(parents=True, exist_ok=True)
     model = random_model(workdir / f"model-{shape_name}", shape, "bfloat16" if device == "cuda" else "float32")
     n = samples or shape.samples

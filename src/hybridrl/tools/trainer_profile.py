@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.server import free_port
-from hybridrl.tools.trainer_bench import SHAPES, bench_run, fixed_batch, random_model
+from hybridrl.tools.trainer_bench import bench_run, fixed_batch, random_model, shape_of
 
 WARMUP = 2
 
@@ -54,9 +54,7 @@ def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, m
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    if shape_name not in SHAPES:
-        raise ValueError(f"unknown shape {shape_name!r}: {', '.join(SHAPES)}")
-    shape = SHAPES[shape_name]
+    shape = shape_of(shape_name)
     workdir.mkdir(parents=True, exist_ok=True)
     model = random_model(workdir / f"model-{shape_name}", shape, "bfloat16" if device == "cuda" else "float32")
     samples = fixed_batch(shape.config["vocab_size"], shape.samples, shape.prompt, shape.completion, varied=varied)

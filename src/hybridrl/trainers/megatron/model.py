@@ -27,7 +27,6 @@ from safetensors import safe_open
 
 from hybridrl.trainers.megatron import mapping, rope
 from hybridrl.trainers.megatron.experts import GroupedExperts
-from hybridrl.trainers.megatron.rope import HFRotaryEmbedding, hf_inv_freq
 from hybridrl.trainers.megatron.spec import ArchSpec
 from hybridrl.trainers.packing import Packed, varlen_causal_attention
 
@@ -193,11 +192,11 @@ def build_model(spec: ArchSpec, tp: int, dtype: torch.dtype) -> GPTModel:
     for mod in model.modules():
         if isinstance(mod, torch.nn.RMSNorm):
             mod.to(dtype)
-    emb = HFRotaryEmbedding(kv_channels=spec.head_dim, rotary_percent=1.0, rotary_interleaved=False,
-                            rotary_base=int(spec.rope["rope_theta"]), use_cpu_initialization=True)
+    emb = rope.HFRotaryEmbedding(kv_channels=spec.head_dim, rotary_percent=1.0, rotary_interleaved=False,
+                                 rotary_base=int(spec.rope["rope_theta"]), use_cpu_initialization=True)
     # a buffer (upstream keeps a plain attribute), so .to(device) moves it with the model
     del emb.inv_freq
-    emb.register_buffer("inv_freq", hf_inv_freq(spec), persistent=False)
+    emb.register_buffer("inv_freq", rope.hf_inv_freq(spec), persistent=False)
     model.rotary_pos_emb = emb
     return model
 

@@ -264,6 +264,14 @@ plan_moe2full() {
   p1=("0,1|train sglang-colocate-megatron;train vllm-inprocess-colocate-megatron;train vllm-colocate-megatron")
 }
 
+plan_moe1full() {
+  # issue 15's 48-layer colocate run on one H200 (config/gpu-h200-moefull.yaml: the engine at TP 1, the trainer's
+  # base kept on the GPU, SGLang releasing its weights to a CPU copy): Megatron, then HF. Needs the `sglang` and
+  # `trainer` overlays (the 61 GB checkpoint fits the 64 GiB disk beside them)
+  study=config/gpu-h200-moefull.yaml
+  one_lane "train sglang-colocate-megatron;train sglang-colocate-hf"
+}
+
 plan_moe4full() {
   # config/gpu-4xh200-moe.yaml (issue 6 at the write-up's shape, engines at TP 2; about 15 min a run): the
   # colocate pair side by side on the two GPU pairs, then split on all four, then in-process vLLM

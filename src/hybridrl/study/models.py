@@ -137,9 +137,11 @@ def link_local(spec: dict[str, Any], out_dir: Path) -> None:
 
 
 def _publish(tmp_dir: Path, out_dir: Path) -> None:
-    """Move a finished checkpoint into place, so a half-written one never carries the final name."""
+    """Move a finished checkpoint into place, so a half-written one never carries the final name. Moved, not
+    copied: the temporary directory is a sibling (a rename), and a 61 GB checkpoint copied needs its size twice."""
     with atomic_dir(out_dir) as staging:
-        shutil.copytree(tmp_dir, staging, dirs_exist_ok=True)
+        for entry in tmp_dir.iterdir():
+            shutil.move(entry, staging / entry.name)
         staging.chmod(0o755)  # mkdtemp makes 0700; others (containers, colleagues) must read it
 
 

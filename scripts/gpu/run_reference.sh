@@ -269,7 +269,7 @@ plan_moe1full() {
   # base kept on the GPU, SGLang releasing its weights to a CPU copy): Megatron, then HF. Needs the `sglang` and
   # `trainer` overlays (the 61 GB checkpoint fits the 64 GiB disk beside them)
   study=config/gpu-h200-moefull.yaml
-  one_lane "train sglang-colocate-megatron;train sglang-colocate-hf"
+  one_lane "train sglang-colocate-megatron;train sglang-colocate"
 }
 
 plan_moe4full() {

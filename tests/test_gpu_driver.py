@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash
 
 
 def _driver(root: Path, *args: str, **extra: str) -> subprocess.CompletedProcess:
-    env = {"PATH": "/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(root), "HYBRIDRL_DRY_RUN": "1", **extra}
+    # this Python as python3: the driver lists a plan's study's runs through `python3 -m hybridrl`
+    env = {**_python3_on_path(root.parent), "HYBRIDRL_REF_DIR": str(root), "HYBRIDRL_DRY_RUN": "1", **extra}
     return subprocess.run(["bash", str(DRIVER), *args], capture_output=True, text=True, env=env, timeout=120)
 
 
@@ -89,8 +90,8 @@ def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) ->
 def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
     assert bad.returncode == 2
-    plans = ("client faults full learning moe moe1full moe2full moe4 moe4full packing placement placementlong rest rest4 soak "
-             "timed timingcost trainer trainerfast trainerfuse trainerloop trainermoe verdict verdictkv")
+    plans = ("client faults full learning moe moe1full moe2full moe4 moe4full packing placement placementlong rest "
+             "rest4 soak timed timingcost trainer trainerfast trainerfuse trainerloop trainermoe verdict verdictkv")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
@@ -124,7 +125,7 @@ def test_full_shape_moe_on_two_gpus_runs_colocate_one_at_a_time(root: Path) -> N
 
 def test_runs_wait_for_the_engine_overlays_when_asked(root: Path, tmp_path: Path) -> None:
     ready = tmp_path / "envs.ready"
-    env = {"PATH": "/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(root), "HYBRIDRL_DRY_RUN": "1",
+    env = {**_python3_on_path(root.parent), "HYBRIDRL_REF_DIR": str(root), "HYBRIDRL_DRY_RUN": "1",
            "HYBRIDRL_ENVS_READY": str(ready), "HYBRIDRL_ENVS_WAIT_S": "2"}
     late = subprocess.run(["bash", str(DRIVER), "plans", "moe"], capture_output=True, text=True, env=env,
                           timeout=60)
@@ -460,3 +461,34 @@ def test_tbench_leaves_no_process_of_its_benchmark_behind(root: Path, tmp_path: 
     worker = int(pid_file.read_text())
     time.sleep(0.2)
     assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]
+
+
+def test_a_plan_naming_a_run_its_study_lacks_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    # a copy of the driver with one plan more, whose second item misnames a run (as moe1full's HF item once did:
+    # it failed after the first run's 11 minutes)
+    repo = tmp_path / "repo"
+    (repo / "scripts" / "gpu").mkdir(parents=True)
+    for d in ("config", "src"):
+        (repo / d).symlink_to(REPO / d)
+    driver = repo / "scripts" / "gpu" / "run_reference.sh"
+    misnamed = ('plan_misnamed() {\n  study=config/gpu-h200-moefull.yaml\n'
+                '  one_lane "train sglang-colocate-megatron;train sglang-colocate-hf"\n}\n\n')
+    driver.write_text(DRIVER.read_text().replace("plan_moe4full() {", misnamed + "plan_moe4full() {"))
+    root = tmp_path / "ref"
+    (root / "gpu-h200-moefull").mkdir(parents=True)
+    (root / "gpu-h200-moefull" / "setup.done").touch()
+    env = {**_python3_on_path(tmp_path), "HYBRIDRL_REF_DIR": str(root), "HYBRIDRL_DRY_RUN": "1"}
+    for args in (["all", "misnamed"], ["start", "misnamed"]):
+        done = subprocess.run(["bash", str(driver), *args], capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 2
+        assert done.stderr.strip().splitlines() == [
+            "plan misnamed names runs its study (config/gpu-h200-moefull.yaml) does not have: sglang-colocate-hf "
+            "(it has: sglang-colocate-megatron sglang-colocate )"]
+    assert not (root / "gpu-h200-moefull" / "lane-misnamed-1.log").exists()  # nothing ran
+    # the same plan with the run's right name goes through
+    driver.write_text(driver.read_text().replace("train sglang-colocate-hf", "train sglang-colocate"))
+    done = subprocess.run(["bash", str(driver), "all", "misnamed"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert _items(root / "gpu-h200-moefull" / "lane-misnamed-1.log") == [
+        "train sglang-colocate-megatron on GPU 0", "train sglang-colocate on GPU 0"]

@@ -519,11 +519,38 @@ wait_for_envs() {
   done
 }
 
+# check_names PLAN: refuses, in one line, a plan whose train, bench or fault item names no run of its study (such an
+# item would fail only when its turn came, after the runs before it)
+check_names() {
+  local study gpus phases phase l it words tmp names bad=()
+  load_plan "$1"
+  use_study "$study"
+  tmp=$(mktemp -d)
+  PYTHONPATH=$ctl_path python3 -m hybridrl prepare-study --config "$config" --out "$tmp" --configs-only > /dev/null ||
+    { echo "cannot list the runs of $study (python3 -m hybridrl prepare-study failed: run \`$0 controller\` first?)" >&2
+      exit 2; }
+  names=" $(cd "$tmp/cfg" && ls | sed 's/\.json$//' | tr '\n' ' ')"
+  rm -rf "$tmp"
+  for phase in "${phases[@]}"; do
+    declare -n lanes=$phase
+    for l in "${lanes[@]}"; do
+      IFS=';' read -ra items <<< "${l#*|}"
+      for it in "${items[@]}"; do
+        read -ra words <<< "$it"
+        [[ ${words[0]} =~ ^(train|bench|fault)$ && $names != *" ${words[1]} "* ]] && bad+=("${words[1]}")
+      done
+    done
+    unset -n lanes
+  done
+  [ "${#bad[@]}" -eq 0 ] || { echo "plan $1 names runs its study ($study) does not have: ${bad[*]} (it has:$names)" >&2; exit 2; }
+}
+
 known_plans() { declare -F | awk '$3 ~ /^plan_/ {sub("plan_", "", $3); printf "%s ", $3}'; }
 
 all() {
   local plan=${1:-full} study gpus phases n=0 have
   load_plan "$plan"
+  check_names "$plan"
   use_study "$study"
   [ -f "$ref/setup.done" ] || { echo "run setup first ($ref/setup.done is missing): \`$0 setup WHEELS_DIR" \
     "$study\` builds its data and models; a dry run checks only that the marker is there (docs/gpu.md)" >&2; exit 1; }
@@ -645,7 +672,7 @@ case "$cmd" in
   prepare) for c in "$@"; do prepare "$c"; done ;;
   start)
     [ $# -gt 0 ] || { echo "usage: run_reference.sh start PLAN [PLAN...] ($(known_plans))" >&2; exit 2; }
-    for p in "$@"; do study_of "$p" > /dev/null; done
+    for p in "$@"; do study_of "$p" > /dev/null; check_names "$p"; done
     # the leased machine's copy of the tree may sit on a .git that is not its own: name the commit here
     [ -n "${HYBRIDRL_GIT_COMMIT:-}" ] || say "warning: HYBRIDRL_GIT_COMMIT is not set; provenance takes the" \
       "commit from this checkout's .git, which may not be the code that travelled (source_sha256 still is)"

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from hybridrl.report import figures, wording
@@ -142,3 +143,25 @@ def test_a_profile_total_reads_the_trainer_profile_table() -> None:
     assert figures.evaluate(f"profile_total {path} cpu") == "1.61"
     with pytest.raises(ValueError, match="cuda or cpu"):
         figures.evaluate(f"profile_total {path} gpu")
+
+
+def test_share_and_unattributed_figures_split_a_step_into_its_phases(tmp_path: Path) -> None:
+    study = "results/reference/2026-11-24-h200-moe1full"
+    df = pd.read_csv(REPO / study / "steps.csv")
+    run = df[df["config_id"].str.startswith("sglang-colocate-megatron-")]
+    steady = run[run["step"] > 2]
+    share = 100 * steady["timing_s/update_actor"] / steady["timing_s/step"]
+    assert figures.evaluate(f"share {study} sglang-colocate-megatron timing_s/update_actor").startswith(
+        f"{share.median():.1f}% [")
+    assert figures.evaluate(f"unattributed {study} sglang-colocate-megatron") == "0.00"  # every second is a phase's
+    # three seconds no phase names, in one step, show up; and a table without the step's time is named
+    df.loc[run.index[4], "timing_s/step"] += 3.0
+    (tmp_path / "steps.csv").write_text(df.to_csv(index=False))
+    assert figures.evaluate(f"unattributed {tmp_path} sglang-colocate-megatron") == "3.00"
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    df.drop(columns=["timing_s/step"]).to_csv(bare / "steps.csv", index=False)
+    with pytest.raises(ValueError, match="no steady-state step with both timing_s/update_actor and timing_s/step"):
+        figures.evaluate(f"share {bare} sglang-colocate-megatron timing_s/update_actor")
+    with pytest.raises(ValueError, match="has no step with its timing_s/step"):
+        figures.evaluate(f"unattributed {bare} sglang-colocate-megatron")

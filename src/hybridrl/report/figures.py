@@ -250,6 +250,28 @@ def slope(study: str, name: str, column: str, unit: str = "") -> str:
     return trend.trend_words(trend.bootstrap_slope(df["step"], _column(df, study, column)), unit)
 
 
+def share(study: str, name: str, column: str) -> str:
+    """The column's share of each steady-state step's time, median [95% CI] in percent: training's 4.1% [3.9, 4.4]."""
+    df = _steady(study, name).copy()
+    df["share"] = 100 * _column(df, study, column) / _column(df, study, "timing_s/step")
+    if df["share"].notna().sum() == 0:
+        raise ValueError(f"{study}: {name} has no steady-state step with both {column} and timing_s/step")
+    est = stats.estimate(df, "share")
+    return f"{est.value:.1f}% [{est.lo:.1f}, {est.hi:.1f}]"
+
+
+def unattributed(study: str, name: str) -> str:
+    """The most seconds of any step (warm-up too) that no named phase explains: step time less its phases."""
+    from hybridrl.run.record import PHASE_KEYS
+
+    df = _config(_table(study), name)
+    phases = sum(_column(df, study, k).fillna(0) for k in PHASE_KEYS)
+    rest = (_column(df, study, "timing_s/step") - phases).dropna()
+    if rest.empty:
+        raise ValueError(f"{study}: {name} has no step with its timing_s/step")
+    return f"{rest.max():.2f}"
+
+
 @cache
 def _text(path: str) -> str:
     return (REPO / path).read_text(errors="replace")
@@ -270,7 +292,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "repeats": repeats, "verdict": verdict, "bench_ratio": bench_ratio, "path_ratio": path_ratio,
     "update_ratio": update_ratio, "profile_total": profile_total,
     "series": series, "logged": logged,
-    "at": at, "slope": slope,
+    "at": at, "slope": slope, "share": share, "unattributed": unattributed,
 }
 
 

@@ -607,3 +607,21 @@ def test_client_paths_compare_one_engine_through_two_clients_lighter_over_heavie
     old = headline_study(client_run("sglang-a-aaaa", "sglang", None, None), client_run("sglang-b-bbbb", "sglang", None,
                                                                                         None).assign(seed=1))
     assert pairs(old) == []
+
+
+def test_the_step_breakdown_names_as_other_only_what_each_steps_phases_leave_out() -> None:
+    from hybridrl.report.plots import step_breakdown
+    from hybridrl.run.record import PHASE_KEYS
+
+    # three steady steps whose phases explain every second, but whose phases peak in different steps: the median
+    # step (10 s) less the phases' medians (4 + 4) would invent 2 s
+    config = {"engine": "sglang", "placement": "colocate", "trainer": "hf", "model": "m", "tp": 1}
+    rows = [{"run_id": "r", "config_id": "c", "step": s, **config, **dict.fromkeys(PHASE_KEYS, 0.0)}
+            for s in (3, 4, 5)]
+    for row, (gen, train) in zip(rows, [(4.0, 6.0), (6.0, 4.0), (4.0, 4.0)], strict=True):
+        row.update({"timing_s/gen": gen, "timing_s/update_actor": train, "timing_s/step": gen + train})
+    table = step_breakdown(pd.DataFrame(rows))
+    assert table.loc["r", "other"] == 0.0
+    rows[0]["timing_s/step"] += 3.0  # one step with 3 s no phase names, two with none: the median is 0
+    rows[1]["timing_s/step"] += 2.0
+    assert step_breakdown(pd.DataFrame(rows)).loc["r", "other"] == 2.0

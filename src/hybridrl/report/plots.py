@@ -138,15 +138,17 @@ def plot_learning(df: pd.DataFrame, out: Path) -> Path | None:
 
 
 def step_breakdown(df: pd.DataFrame) -> pd.DataFrame:
-    """Median steady-state seconds per phase and run; 'other' is what the phases do not explain."""
+    """Median steady-state seconds per phase and run; 'other' is the median of what each step's phases do not
+    explain (not the median step less the phases' medians: medians do not add, and that gap is no time of any step)."""
     steady = steady_state(df)
     if steady.empty:
         steady = df
     rows = {}
     for rid, run in _runs(steady):
-        phases = {p: float(np.nan_to_num(pd.to_numeric(run[p], errors="coerce").median())) for p in PHASES}
-        total = float(pd.to_numeric(run["timing_s/step"], errors="coerce").median())
-        phases["other"] = max(0.0, total - sum(phases.values())) if np.isfinite(total) else 0.0
+        seconds = {p: pd.to_numeric(run[p], errors="coerce") for p in PHASES}
+        phases = {p: float(np.nan_to_num(v.median())) for p, v in seconds.items()}
+        rest = pd.to_numeric(run["timing_s/step"], errors="coerce") - sum(v.fillna(0) for v in seconds.values())
+        phases["other"] = max(0.0, float(np.nan_to_num(rest.median())))
         rows[rid] = phases
     return pd.DataFrame.from_dict(rows, orient="index")
 

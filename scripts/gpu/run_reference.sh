@@ -272,6 +272,13 @@ plan_moe1full() {
   one_lane "train sglang-colocate-megatron;train sglang-colocate"
 }
 
+plan_moe1vllm() {
+  # the vLLM server in moe1full's layout (sleep level 1: its weights to CPU memory, as SGLang's full release), then
+  # SGLang's second replicate beside it in the same lease. Needs the `sglang`, `vllm` and `trainer` overlays
+  study=config/gpu-h200-moefull.yaml
+  one_lane "train vllm-colocate-megatron;train sglang-colocate-megatron-r2"
+}
+
 plan_moe4full() {
   # config/gpu-4xh200-moe.yaml (issue 6 at the write-up's shape, engines at TP 2; about 15 min a run): the
   # colocate pair side by side on the two GPU pairs, then split on all four, then in-process vLLM

@@ -595,3 +595,26 @@ def test_the_run_keeps_its_step_and_phase_in_phase_json(assets, tmp_path):
              progress=False, engine=Watching())
     assert (1, "gen") in seen and (2, "gen") in seen
     assert json.loads((tmp_path / "phase.json").read_text())["step"] == 2
+
+
+def test_an_identity_adapter_is_judged_neither_applied_nor_not(assets, tmp_path):
+    # a step whose advantages were all zero leaves LoRA's B at zero: the adapter is the identity, and no engine can
+    # show it applied (the vLLM server's 48-layer run read "not applied" for six such steps, 2026-11-24)
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from hybridrl.run.checks import Canary
+    from hybridrl.run.loop import Trained, check
+    from hybridrl.run.telemetry import Timings
+
+    engine = ScriptedEngine()
+    engine.start()
+    canary = Canary(AutoTokenizer.from_pretrained(assets / "model"), tmp_path / "canary.json")
+    canary.record_baseline(engine)
+    ctx = SimpleNamespace(canary=canary, engine=engine, sampler=None, run_id="r")
+    identity = check(ctx, 1, Trained(tmp_path / "a1", {"train/lora_norm": 0.0}), Timings())
+    moved = check(ctx, 2, Trained(tmp_path / "a2", {"train/lora_norm": 0.25}), Timings())
+    assert identity["check/adapter_applied"] is None and moved["check/adapter_applied"] is True
+    # a trainer that reports no norm is judged as before
+    assert check(ctx, 3, Trained(tmp_path / "a3", {}), Timings())["check/adapter_applied"] is True

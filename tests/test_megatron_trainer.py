@@ -69,6 +69,9 @@ def test_steps_write_peft_adapters(tp1_run: dict[str, Any]) -> None:
                                                             "optimizer.pt"}
     a1, a2 = (load_file(str(r.adapter_dir / "adapter_model.safetensors")) for r in tp1_run["results"])
     assert any(not torch.equal(a1[k], a2[k]) for k in a1)  # the second step changed the adapter
+    for r, saved in zip(tp1_run["results"], (a1, a2), strict=True):  # the norm of what was written, B alone
+        want = sum(float(v.float().pow(2).sum()) for k, v in saved.items() if ".lora_B." in k) ** 0.5
+        assert want > 0 and r.metrics["train/lora_norm"] == pytest.approx(want, rel=1e-5)
     base = AutoModelForCausalLM.from_pretrained(tp1_run["model"], dtype=torch.float32)
     model = PeftModel.from_pretrained(base, tp1_run["results"][1].adapter_dir)
     loaded = {k.replace(".default", ""): v for k, v in model.state_dict().items() if "lora_" in k}
@@ -95,7 +98,7 @@ def test_tp2_resumes_tp1_adapter_and_reports_worker_errors(tp1_run: dict[str, An
         res = trainer.step(2, tp1_run["batches"][1], root / "adapters-tp2/step2")
         ref = tp1_run["results"][1]
         for k in ("train/loss", "train/grad_norm", "train/kl", "check/rollout_logprob_abs_diff",
-                  "check/logprob_gap_sample_max", "check/logprob_gap_token_max"):
+                  "check/logprob_gap_sample_max", "check/logprob_gap_token_max", "train/lora_norm"):
             assert res.metrics[k] == pytest.approx(ref.metrics[k], rel=1e-4, abs=1e-6), k
         got = load_file(str(res.adapter_dir / "adapter_model.safetensors"))
         want = load_file(str(ref.adapter_dir / "adapter_model.safetensors"))

@@ -625,3 +625,24 @@ def test_the_step_breakdown_names_as_other_only_what_each_steps_phases_leave_out
     rows[0]["timing_s/step"] += 3.0  # one step with 3 s no phase names, two with none: the median is 0
     rows[1]["timing_s/step"] += 2.0
     assert step_breakdown(pd.DataFrame(rows)).loc["r", "other"] == 2.0
+
+
+def test_steps_whose_adapter_was_still_the_identity_stay_in_the_statistics() -> None:
+    from hybridrl.report.stats import identity_adapter, steady_state
+
+    def run(rid: str, grads: list[float], applied: list[bool], lora: list[float] | None = None) -> pd.DataFrame:
+        rows = {"run_id": rid, "step": range(1, len(grads) + 1), "train/grad_norm": grads,
+                "check/adapter_applied": applied}
+        return pd.DataFrame(rows if lora is None else {**rows, "train/lora_norm": lora})
+
+    # no gradient before step 5: steps 3-4's adapters were the identity, which no engine can show applied
+    untouched = run("a", [0, 0, 0, 0, 0.1, 0], [False] * 4 + [True, True])
+    assert identity_adapter(untouched).tolist() == [True] * 4 + [False] * 2
+    assert steady_state(untouched)["step"].tolist() == [3, 4, 5, 6]
+    # a gradient in warm-up moved every later adapter: a later "not applied" is a failure and leaves the statistics
+    moved = run("b", [0.1, 0, 0, 0], [True, True, False, True])
+    assert steady_state(moved)["step"].tolist() == [4]
+    # a recorded LoRA norm decides where there is one: zero is the identity, whatever the gradients said
+    normed = run("c", [0.1, 0, 0, 0], [True, True, False, False], lora=[0.0, 0.0, 0.0, 0.2])
+    assert identity_adapter(normed).tolist() == [True, True, True, False]
+    assert steady_state(normed)["step"].tolist() == [3]

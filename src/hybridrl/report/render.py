@@ -340,6 +340,15 @@ def _bool_cell(col: pd.Series, steps: pd.Series) -> Cell:
     return Cell(f"{text} (failed at step {shown})", "fail")
 
 
+def _adapter_cell(run: pd.DataFrame) -> Cell:
+    """The adapter gate over the steps it could judge: an identity adapter (no gradient yet) changes nothing."""
+    identity = stats.identity_adapter(run)
+    cell = _bool_cell(run["check/adapter_applied"].astype("boolean").mask(identity), run["step"])
+    if identity.any():
+        cell.text += f"; {int(identity.sum())} with the identity adapter, not judged"
+    return cell
+
+
 def correctness_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     table = Table(["run"] + [h for _, h in BOOL_CHECKS] +
                   ["|Δ logprob| median [95% CI]", "|Δ logprob| max", "worst sample's |Δ logprob|", "failed requests",
@@ -353,7 +362,8 @@ def correctness_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
         restarts = pd.to_numeric(run["errors/engine_restarts"], errors="coerce")
         table.rows.append([
             Cell(labels[run_id]),
-            *(_bool_cell(run[c], run["step"]) for c, _ in BOOL_CHECKS),
+            *(_adapter_cell(run) if c == "check/adapter_applied" else _bool_cell(run[c], run["step"])
+              for c, _ in BOOL_CHECKS),
             Cell(fmt_est(stats.bootstrap_median(diff)), "num"),
             Cell(fmt(diff.max()), "num"),
             Cell(fmt(worst.max()) if worst.notna().any() else "–", "num"),

@@ -148,11 +148,28 @@ def after_warmup(df: pd.DataFrame) -> pd.DataFrame:
     return df[(df["step"] > warmup_steps(df)).to_numpy(dtype=bool)]
 
 
+def identity_adapter(df: pd.DataFrame) -> pd.Series:
+    """Rows whose adapter was still the identity (LoRA's B all zero), which no engine can show applied: its
+    `train/lora_norm` is 0, or, in records without that norm (the Megatron trainer's before 2026-11-24), no step of
+    its run up to this one had a gradient (AdamW moves nothing before a first nonzero gradient). Pass every step of
+    the runs, warm-up too: a gradient in step 1 moves every adapter after it."""
+    norm = pd.to_numeric(df.get("train/lora_norm", pd.Series(float("nan"), index=df.index)), errors="coerce")
+    out = (norm == 0).fillna(False)
+    if "train/grad_norm" in df.columns and "run_id" in df.columns:
+        grads = pd.to_numeric(df["train/grad_norm"], errors="coerce").fillna(0.0).abs()
+        ordered = grads[df.sort_values("step").index]
+        so_far = ordered.groupby(df.loc[ordered.index, "run_id"]).cummax().reindex(df.index)
+        out |= norm.isna() & (so_far == 0)
+    return out
+
+
 def steady_state(df: pd.DataFrame) -> pd.DataFrame:
-    """Steps after warm-up whose adapter was applied (a LoRA result counts only where it held)."""
+    """Steps after warm-up whose adapter was applied (a LoRA result counts only where it held). A step whose
+    adapter was still the identity counts: the check could not judge it (identity_adapter)."""
     after = after_warmup(df)
     if "check/adapter_applied" in after.columns:
-        applied = after["check/adapter_applied"].astype("boolean")
+        identity = identity_adapter(df).loc[after.index]
+        applied = after["check/adapter_applied"].astype("boolean").mask(identity)
         after = after[applied.fillna(True).astype(bool)]
     return after
 

@@ -151,14 +151,16 @@ class MegatronPolicy:
         return norm
 
     # -- state -----------------------------------------------------------------------------------------
-    def save(self, out_dir: Path) -> None:
-        """Collective: gathers shards on every rank; TP rank 0 writes the PEFT dir (+ optimizer.pt)."""
+    def save(self, out_dir: Path) -> float:
+        """Collective: gathers shards on every rank; TP rank 0 writes the PEFT dir (+ optimizer.pt). Returns the
+        norm of the adapter's B matrices (train/lora_norm: zero, the identity adapter no engine can show applied)."""
         weights = export.gather_full(self.adapters)
         opt = export.optimizer_state(self.adapters, self.optimizer)
         if parallel_state.get_tensor_model_parallel_rank() == 0:
             export.write_adapter_dir(Path(out_dir), weights, self.adapter_config, opt)
         if self.tp > 1:
             dist.barrier(group=parallel_state.get_tensor_model_parallel_group())
+        return export.lora_b_norm(weights)
 
     def resume(self, adapter_dir: Path) -> None:
         if self.offloaded:

@@ -151,7 +151,7 @@ def _handle(policy: Any, job: dict[str, Any]) -> dict[str, Any]:
         samples = [Sample(**s) for s in job["samples"]]
         metrics = policy.step(samples)
         t1 = time.perf_counter()
-        policy.save(Path(job["out_dir"]))
+        metrics["train/lora_norm"] = policy.save(Path(job["out_dir"]))
         metrics["timing_s/save_adapter"] = time.perf_counter() - t1
         if job.get("offload_after"):
             policy.offload()

@@ -152,3 +152,21 @@ def test_random_moe_model_pads_its_vocab_and_keeps_norm_topk_prob(tmp_path):
     # vocab_multiple: 1 keeps the tokenizer's length (how the first H200 study's model was built)
     models.build_random({**spec, "vocab_multiple": 1}, tmp_path / "data" / "train.jsonl", tmp_path / "unpadded")
     assert json.loads((tmp_path / "unpadded" / "config.json").read_text())["vocab_size"] == n_tokens
+
+
+def test_a_finished_checkpoint_is_moved_into_place_not_copied(tmp_path, monkeypatch):
+    # a copy needs the checkpoint's size twice on the disk: the 48-layer one (61 GB) filled a 64 GiB disk so
+    import shutil
+
+    from hybridrl.study import models
+
+    tmp = tmp_path / ".model.build"
+    (tmp / "sub").mkdir(parents=True)
+    (tmp / "model.safetensors").write_bytes(b"w" * 1000)
+    (tmp / "sub" / "tokenizer.json").write_text("{}")
+    copies = []
+    monkeypatch.setattr(shutil, "copy2", lambda *a, **k: copies.append(a))  # a rename within one disk copies nothing
+    models._publish(tmp, tmp_path / "model")
+    assert (tmp_path / "model" / "model.safetensors").read_bytes() == b"w" * 1000
+    assert (tmp_path / "model" / "sub" / "tokenizer.json").read_text() == "{}"
+    assert list(tmp.iterdir()) == [] and copies == []

@@ -262,11 +262,7 @@ def share(study: str, name: str, column: str) -> str:
 
 def unattributed(study: str, name: str) -> str:
     """The most seconds of any step (warm-up too) that no named phase explains: step time less its phases."""
-    from hybridrl.run.record import PHASE_KEYS
-
-    df = _config(_table(study), name)
-    phases = sum(_column(df, study, k).fillna(0) for k in PHASE_KEYS)
-    rest = (_column(df, study, "timing_s/step") - phases).dropna()
+    rest = stats.unattributed_s(_config(_table(study), name)).dropna()
     if rest.empty:
         raise ValueError(f"{study}: {name} has no step with its timing_s/step")
     return f"{rest.max():.2f}"

@@ -16,7 +16,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from hybridrl.report.aggregate import atomic_path  # noqa: E402
 from hybridrl.report.learning import evals, with_wall_clock  # noqa: E402
-from hybridrl.report.stats import WARMUP_STEPS, run_order, steady_state  # noqa: E402
+from hybridrl.report.stats import WARMUP_STEPS, run_order, steady_state, unattributed_s  # noqa: E402
 from hybridrl.run.record import PHASE_KEYS as PHASES  # noqa: E402
 
 LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp", "release"]
@@ -145,10 +145,8 @@ def step_breakdown(df: pd.DataFrame) -> pd.DataFrame:
         steady = df
     rows = {}
     for rid, run in _runs(steady):
-        seconds = {p: pd.to_numeric(run[p], errors="coerce") for p in PHASES}
-        phases = {p: float(np.nan_to_num(v.median())) for p, v in seconds.items()}
-        rest = pd.to_numeric(run["timing_s/step"], errors="coerce") - sum(v.fillna(0) for v in seconds.values())
-        phases["other"] = max(0.0, float(np.nan_to_num(rest.median())))
+        phases = {p: float(np.nan_to_num(pd.to_numeric(run[p], errors="coerce").median())) for p in PHASES}
+        phases["other"] = max(0.0, float(np.nan_to_num(unattributed_s(run).median())))
         rows[rid] = phases
     return pd.DataFrame.from_dict(rows, orient="index")
 

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from hybridrl.report.aggregate import CONFIG_KEY
+from hybridrl.run.record import PHASE_KEYS
 from hybridrl.study.run_config import split_replicate
 
 WARMUP_STEPS = 2  # where a run recorded none: step 1 rolls out the base model, step 2 the first adapter
@@ -146,6 +147,13 @@ def warmup(df: pd.DataFrame) -> pd.DataFrame:
 def after_warmup(df: pd.DataFrame) -> pd.DataFrame:
     """Every step after its run's warm-up, whatever its gates said (what a memory trend is fitted over)."""
     return df[(df["step"] > warmup_steps(df)).to_numpy(dtype=bool)]
+
+
+def unattributed_s(df: pd.DataFrame) -> pd.Series:
+    """Each step's seconds that no named phase explains: its timing_s/step less its phases (NaN without a step
+    time)."""
+    phases = sum(pd.to_numeric(df[k], errors="coerce").fillna(0) for k in PHASE_KEYS)
+    return pd.to_numeric(df["timing_s/step"], errors="coerce") - phases
 
 
 def identity_adapter(df: pd.DataFrame) -> pd.Series:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass
@@ -21,6 +22,13 @@ class TrainResult:
     metrics: dict[str, float]  # train/loss, train/grad_norm, train/kl, train/clipfrac, perf/train_tokens,
     # check/rollout_logprob_abs_diff (trainer logprobs before the update vs engine logprobs), and
     # timing_s/save_adapter: seconds of step() spent writing the adapter (the loop records it as its own phase)
+
+
+def lora_b_norm(named: Iterable[tuple[str, Any]]) -> float:
+    """L2 norm of an adapter's LoRA B matrices over (name, tensor) pairs, PEFT's names or a model's parameters
+    (train/lora_norm): zero means the adapter is still the identity it was built as, which no engine can show
+    applied."""
+    return float(sum(float(t.detach().float().pow(2).sum()) for name, t in named if "lora_B" in name) ** 0.5)
 
 
 class Trainer(Protocol):

@@ -14,7 +14,7 @@ from hybridrl.run.checks import model_family
 from hybridrl.study.run_config import RunConfig
 from hybridrl.task.rl import token_logprobs
 from hybridrl.trainers import grouped_mm
-from hybridrl.trainers.base import Sample, TrainResult
+from hybridrl.trainers.base import Sample, TrainResult, lora_b_norm
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
 from hybridrl.trainers.hf_fast import fuse_rms_norms, keep_adapter_inputs
@@ -136,16 +136,11 @@ class HFTrainer:
         return TrainResult(out_dir, {
             **metrics,
             **update_perf(self.flop_shape, samples, update_s, 1, self.device, kl=self.run.kl_coef > 0),
-            "train/lora_norm": self.lora_norm(),
+            "train/lora_norm": lora_b_norm(self.model.named_parameters()),
             "train/keep_base_on_gpu": self.run.keep_base_on_gpu,
             "train/experts_impl": self.experts_impl,
             "timing_s/save_adapter": save_s,
         })
-
-    def lora_norm(self) -> float:
-        """Norm of the LoRA B matrices: zero means the adapter is still the identity."""
-        return float(sum(p.detach().float().pow(2).sum() for n, p in self.model.named_parameters()
-                         if "lora_B" in n) ** 0.5)
 
     # -- state -----------------------------------------------------------------------------------
     def save(self, out_dir: Path) -> None:

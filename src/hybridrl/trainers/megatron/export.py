@@ -73,11 +73,6 @@ def adapter_config(rank: int, alpha: float, targets: list[str], base_model: str)
     return d
 
 
-def lora_b_norm(weights: dict[str, torch.Tensor]) -> float:
-    """L2 norm of an adapter's B matrices (PEFT names): zero means the adapter is still the identity, as built."""
-    return float(sum(float(w.float().pow(2).sum()) for name, w in weights.items() if ".lora_B." in name) ** 0.5)
-
-
 def write_adapter_dir(out_dir: Path, weights: dict[str, torch.Tensor], config: dict[str, Any],
                       optimizer: dict[str, Any] | None) -> None:
     """Write atomically: a sibling temp dir, then rename over out_dir."""

@@ -15,7 +15,7 @@ from hybridrl import nvml
 from hybridrl.engines.gpus import nvml_indices, visible_devices
 from hybridrl.study.run_config import RunConfig
 from hybridrl.task.rl import token_logprobs
-from hybridrl.trainers.base import Sample
+from hybridrl.trainers.base import Sample, lora_b_norm
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
 from hybridrl.trainers.megatron import export
@@ -160,7 +160,7 @@ class MegatronPolicy:
             export.write_adapter_dir(Path(out_dir), weights, self.adapter_config, opt)
         if self.tp > 1:
             dist.barrier(group=parallel_state.get_tensor_model_parallel_group())
-        return export.lora_b_norm(weights)
+        return lora_b_norm(weights.items())
 
     def resume(self, adapter_dir: Path) -> None:
         if self.offloaded:

@@ -82,6 +82,19 @@ def test_release_all_always_keeps_a_cpu_backup(model_dir: Path, tmp_path: Path):
     assert eng.tags == ["kv_cache", "weights", "cuda_graph"]
 
 
+def test_release_all_keeps_its_pinned_cpu_copy_between_sleeps_unless_told_not_to(model_dir: Path, tmp_path: Path,
+                                                                                 monkeypatch):
+    monkeypatch.setenv("TMS_RETAIN_CPU_BACKUP", "1")  # an inherited value must not decide it
+    off = SGLangServer(model_dir, _run(sglang_release="all", sglang_retain_cpu_backup=False), {}, tmp_path)
+    assert off.environment()["TMS_RETAIN_CPU_BACKUP"] == "0"
+    on = SGLangServer(model_dir, _run(sglang_release="all"), {}, tmp_path)
+    assert on.environment()["TMS_RETAIN_CPU_BACKUP"] == "1"
+    assert on.describe()["env"]["TMS_RETAIN_CPU_BACKUP"] == "1"  # recorded with the run
+    monkeypatch.delenv("TMS_RETAIN_CPU_BACKUP")
+    kv = SGLangServer(model_dir, _run(sglang_release="kv_cache"), {}, tmp_path)
+    assert "TMS_RETAIN_CPU_BACKUP" not in kv.environment()  # no CPU copy to keep
+
+
 def test_restart_with_adapter_preloads_it(model_dir: Path, tmp_path: Path):
     eng = SGLangServer(model_dir, _run(engine_args=["--disable-cuda-graph"]), {}, tmp_path)
     cmd = eng.command(1, ("policy", Path("/a/step-0002")))

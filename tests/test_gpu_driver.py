@@ -92,7 +92,7 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     assert bad.returncode == 2
     plans = ("client faults full learning moe moe1full moe1vllm moe2full moe4 moe4full packing placement "
              "placementlong rest rest4 soak timed timingcost trainer trainerfast trainerfuse trainerloop trainermoe "
-             "verdict verdictkv")
+             "verdict verdictkv verdictpin")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
@@ -281,6 +281,7 @@ def test_verdict_plans_keep_the_like_for_like_arms_in_one_lease_interleaved_and_
     timing = [f"train {a}{'' if k == 1 else f'-r{k}'} on GPU 0" for k in (1, 2) for a in ("sglang-untimed",
                                                                                          "sglang-timed")]
     assert _one_lane_plan(root, "gpu-h200-verdict", "timingcost") == timing
+    assert _one_lane_plan(root, "gpu-h200-verdict", "verdictpin") == rounds  # the pair again, SGLang's copy kept
     # the three plans train every run config `prepare` writes: the arm's name, -rK for replicate k
     study = load_study(REPO / "config" / "gpu-h200-verdict.yaml")
     names = [run.name + (f"-r{k}" if k > 1 else "") for rid, run in study.runs.items()

@@ -525,23 +525,45 @@ def test_transition_times_are_compared_only_between_releases_that_move_the_same_
     from hybridrl.report.render import NO_VLLM_KV_ONLY, transitions
 
     frames = []
-    for rid, engine, release, level in (("sglang-colocate-aaaa1111", "sglang", "kv_cache", None),
-                                        ("sglang-colocate-cccc3333", "sglang", "all", None),
-                                        ("vllm-colocate-bbbb2222", "vllm", None, 1)):
+    # SGLang's full release twice: its CPU copy kept pinned (as vLLM's), and pinned anew every sleep (a run
+    # recorded before the key existed: NaN)
+    for rid, engine, release, level, retain in (("sglang-colocate-aaaa1111", "sglang", "kv_cache", None, None),
+                                                ("sglang-colocate-cccc3333", "sglang", "all", None, True),
+                                                ("sglang-colocate-dddd4444", "sglang", "all", None, None),
+                                                ("vllm-colocate-bbbb2222", "vllm", None, 1, None)):
         run = headline_run(rid, engine)
         run["timing_s/sleep"], run["timing_s/wake"] = 0.5, 0.6
         run["sglang_release"], run["vllm_sleep_level"] = release, level
+        run["sglang_retain_cpu_backup"] = retain
         frames.append(run)
     df = headline_study(*frames)
-    labels = {c: lab for c, lab in zip(sorted(df["config_id"].unique()), [""] * 3, strict=True)}
+    labels = {c: lab for c, lab in zip(sorted(df["config_id"].unique()), [""] * 4, strict=True)}
     labels = {**labels, **run_labels(df)}
     found = transitions(df, labels)
     groups = {g["moves"]: [row[0].text for row in g["table"].rows] for g in found["groups"]}
     kv_only = groups.pop("KV cache only (weights stay on the GPU)")
     assert len(kv_only) == 1 and "kv-only" in kv_only[0]  # alone: no ratio against a weights-moving release
+    [repinned] = groups.pop("weights and KV cache, pinning the CPU copy anew every sleep")
+    assert "re-pinned" in repinned  # alone too: vLLM reuses its pinned buffers
     [both] = groups.values()
-    assert sorted(both) == sorted(lab for lab in labels.values() if "full release" in lab or "level 1" in lab)
+    assert sorted(both) == sorted(lab for lab in labels.values()
+                                  if ("full release" in lab and "re-pinned" not in lab) or "level 1" in lab)
     assert found["note"] == NO_VLLM_KV_ONLY and found["n_comparisons"] == 2  # sleep and wake, full vs level 1
+
+
+def test_a_pair_whose_sglang_pinned_its_cpu_copy_anew_every_sleep_says_so() -> None:
+    from hybridrl.report.headline import headlines
+
+    def pair(retain: bool | None) -> tuple[str, ...]:
+        sglang, vllm = headline_run("sglang-colocate-aaaa1111", "sglang"), headline_run("vllm-colocate-bbbb", "vllm")
+        sglang["sglang_release"], sglang["sglang_retain_cpu_backup"] = "all", retain
+        vllm["vllm_sleep_level"] = 1
+        [h] = headlines(headline_study(sglang, vllm))
+        return h.caveats
+
+    assert any("pinned its CPU copy of the weights anew" in n for n in pair(None))  # recorded before the key
+    assert any("pinned its CPU copy of the weights anew" in n for n in pair(False))
+    assert not any("pinned its CPU copy" in n for n in pair(True))
 
 
 def test_every_phase_of_a_step_has_a_colour_in_the_breakdown() -> None:

@@ -410,6 +410,15 @@ plan_timingcost() {
   one_lane "$(interleave 2 sglang-untimed sglang-timed)"
 }
 
+plan_verdictpin() {
+  # the headline pair again (config/gpu-h200-verdict.yaml), SGLang's full release now keeping its pinned CPU copy of
+  # the weights from one sleep to the next (sglang_retain_cpu_backup), as vLLM's level 1 keeps its pinned buffers;
+  # `verdict` ran SGLang re-pinning the copy every sleep. Three replicates each, interleaved; no benchmarks (the
+  # runs' client was measured in `verdict`)
+  study=config/gpu-h200-verdict.yaml
+  one_lane "$(interleave 3 sglang-full vllm-server)"
+}
+
 plan_verdictkv() {
   # issue 16, second lease: in-process vLLM (level 1) and SGLang's KV-only release, an arm of its own (its sleep and
   # wake move other bytes than any other arm's), three replicates each, interleaved, then their benchmarks; their

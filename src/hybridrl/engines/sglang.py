@@ -4,7 +4,10 @@ Sleep is `/release_memory_occupation` with explicit tags (torch_memory_saver, `-
 - `sglang_release: kv_cache` frees the KV cache and the CUDA graphs' memory and keeps the weights
   resident: LoRA training never changes the base, so nothing has to come back but the cache;
 - `sglang_release: all` frees the weights too. Released weights come back as garbage unless the
-  server keeps a CPU copy, so this policy always starts it with `--enable-weights-cpu-backup`.
+  server keeps a CPU copy, so this policy always starts it with `--enable-weights-cpu-backup`. That copy is
+  pinned host memory; torch_memory_saver frees it on every wake and pins 57 GiB of it anew on every sleep
+  (24 s a sleep at the 48-layer MoE shape on an H200), unless `sglang_retain_cpu_backup` keeps it, as vLLM's
+  level-1 sleep keeps its pinned buffers in torch's host cache (1.2 s a sleep on the same machine).
 """
 
 from __future__ import annotations
@@ -164,6 +167,8 @@ class SGLangServer(HTTPEngine):
             # a request answered whole reaches SGLang's API server every 50 tokens by default, so its first-token
             # stamp would be the 50th token's: every token, as a streamed request does (answer_timing)
             env["SGLANG_FORCE_STREAM_INTERVAL"] = "1"
+        if self.run.sglang_release == "all":  # set either way: an inherited value must not decide it
+            env["TMS_RETAIN_CPU_BACKUP"] = "1" if self.run.sglang_retain_cpu_backup else "0"
         env.update(split_engine_devices(self.run, env))
         env.update(self.extra_env)
         return env
@@ -224,7 +229,7 @@ class SGLangServer(HTTPEngine):
         env = self.environment()
         return {"engine": self.name, "python": self.python, "command": self.command(port, None),
                 "release_tags": self.tags,
-                "env": {k: v for k, v in env.items() if k.startswith(("SGLANG_", "CUDA_", "PYTHONPATH"))},
+                "env": {k: v for k, v in env.items() if k.startswith(("SGLANG_", "CUDA_", "TMS_", "PYTHONPATH"))},
                 "version": self.installed_version()}
 
 

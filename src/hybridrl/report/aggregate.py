@@ -20,8 +20,8 @@ from hybridrl.study.run_config import split_replicate
 PROVENANCE = ["git_commit", "gpu", "machine", "sglang_release", "device"]
 # the GPUs a run held (train_tp, train_gpus), its rollouts per step, its warm-up and its rollout client (which
 # requests are streamed, through which pool) come from its run config too
-CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "train_tp", "train_gpus", "prompts_per_step",
-              "group_size", "warmup_steps", "stream_fraction", "shared_pool"]
+CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "sglang_retain_cpu_backup", "train_tp", "train_gpus",
+              "prompts_per_step", "group_size", "warmup_steps", "stream_fraction", "shared_pool"]
 # Made here from the columns above: which configuration a replicate belongs to, what a colocated engine
 # releases on sleep (the arm), which rollout client it went through, and cost per GPU (cost_columns)
 DERIVED_STRINGS = ["config_id", "release", "client"]
@@ -99,14 +99,19 @@ def provenance_fields(prov: dict[str, Any] | None) -> dict[str, Any]:
             **{k: recorded.get(k) for k in ["sglang_release", "device"] + CONFIGURED}}
 
 
-def release_arm(engine: Any, placement: Any, sglang_release: Any, vllm_sleep_level: Any) -> str | None:
+def release_arm(engine: Any, placement: Any, sglang_release: Any, vllm_sleep_level: Any,
+                retain_cpu_backup: Any = None) -> str | None:
     """What a colocated engine gives back on sleep, which decides what its sleep and wake move: SGLang's
-    KV-only release keeps the weights on the GPU, so it is an arm of its own. None outside colocate."""
+    KV-only release keeps the weights on the GPU, so it is an arm of its own. SGLang's full release that pins
+    its CPU copy anew every sleep (its default, and every run recorded before sglang_retain_cpu_backup existed)
+    is one too: vLLM's level 1 reuses pinned buffers. None outside colocate."""
     engine, placement = (None if _missing(v) else str(v) for v in (engine, placement))
     if placement != "colocate":
         return None
     if engine == "sglang":
-        return {"kv_cache": "kv-only", "all": "full release"}.get(str(sglang_release), None)
+        if str(sglang_release) == "all":
+            return "full release" if _to_bool(retain_cpu_backup) is True else "full release, re-pinned"
+        return {"kv_cache": "kv-only"}.get(str(sglang_release), None)
     if engine in ("vllm", "vllm-inprocess") and not _missing(vllm_sleep_level):
         return f"level {int(vllm_sleep_level)}"
     return None
@@ -150,8 +155,8 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     split = df["run_id"].astype(str).map(split_replicate)
     df["config_id"] = split.map(lambda t: t[0])
     df["replicate"] = split.map(lambda t: t[1])
-    df["release"] = [release_arm(*r) for r in
-                     df[["engine", "placement", "sglang_release", "vllm_sleep_level"]].itertuples(index=False)]
+    arm = ["engine", "placement", "sglang_release", "vllm_sleep_level", "sglang_retain_cpu_backup"]
+    df["release"] = [release_arm(*r) for r in df[arm].itertuples(index=False)]
     df["client"] = [rollout_client(*r) for r in
                     df[["engine", "stream_fraction", "shared_pool"]].itertuples(index=False)]
     gpus = df.apply(run_gpus, axis=1) if len(df) else pd.Series(dtype=float)

@@ -83,7 +83,7 @@ class Headline:
     rows: list[Row]
     label: str = ""  # which pair, where several share the placement and vLLM variant
     caveats: tuple[str, ...] = ()  # what differs between the two runs besides the engine
-    release: str = ""  # SGLang's arm: "kv-only" or "full release"
+    release: str = ""  # SGLang's arm: "kv-only", "full release" or "full release, re-pinned"
 
     @property
     def title(self) -> str:
@@ -195,6 +195,11 @@ def caveats(sglang: pd.Series, vllm: pd.Series) -> tuple[str, ...]:
         slept = "" if pd.isna(level) else f" and vLLM slept at level {level:g}, moving its weights to CPU memory"
         out.append("colocated, SGLang kept its weights on the GPU while the trainer ran (it released only its KV "
                    f"cache){slept}: peak GPU memory follows that setting")
+    arm = sglang.get("release")
+    if isinstance(arm, str) and arm == "full release, re-pinned" and not pd.isna(level):
+        out.append("SGLang pinned its CPU copy of the weights anew on every sleep and freed it on every wake "
+                   "(torch_memory_saver's default), while vLLM reused its pinned buffers: sleep, wake and step "
+                   "time follow that setting more than the engines (sglang_retain_cpu_backup)")
     # both engines reserve their share of the GPU up front (weights, KV cache, graphs), so peak memory
     # mostly reports that configured share: an engine "using less" may only have been given less
     a, b = sglang.get("gpu_memory_utilization"), vllm.get("gpu_memory_utilization")

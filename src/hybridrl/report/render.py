@@ -48,6 +48,7 @@ RATIO_METRICS = [("perf/throughput", "Rollout throughput"), ("timing_s/step", "S
 # sleep and wake move what the engine releases: compared only between arms that move the same bytes
 TRANSITIONS = [("timing_s/sleep", "sleep"), ("timing_s/wake", "wake")]
 MOVES = {"kv-only": "KV cache only (weights stay on the GPU)", "full release": "weights and KV cache",
+         "full release, re-pinned": "weights and KV cache, pinning the CPU copy anew every sleep",
          "level 1": "weights and KV cache", "level 2": "weights and KV cache (weights discarded)"}
 NO_VLLM_KV_ONLY = ("vLLM 0.26 has no KV-only sleep: level 1 moves the weights to CPU memory and drops the KV "
                    "cache, level 2 drops both; so SGLang's KV-only release has no vLLM arm to compare with")

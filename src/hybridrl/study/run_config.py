@@ -151,6 +151,11 @@ class RunConfig(_Frozen):
                                          description="extra command-line flags passed to the engine server")
     sglang_release: Literal["kv_cache", "all"] = Field(
         "kv_cache", description="what SGLang releases on sleep: kv_cache keeps LoRA base weights resident")
+    sglang_retain_cpu_backup: bool = Field(
+        True, description="with sglang_release all: keep SGLang's pinned CPU copy of the weights from one sleep to "
+        "the next (torch_memory_saver's TMS_RETAIN_CPU_BACKUP), as vLLM's level-1 sleep keeps its pinned buffers "
+        "in torch's host cache; false is SGLang's own default, which pins the whole copy anew on every sleep and "
+        "frees it on every wake")
     vllm_sleep_level: Literal[1, 2] = Field(
         1, description="level 2 is refused while vLLM cannot reload LoRA-wrapped weights (vllm#39934)")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of each GPU the engine may use")

@@ -279,6 +279,14 @@ plan_moe1vllm() {
   one_lane "train vllm-colocate-megatron;train sglang-colocate-megatron-r2"
 }
 
+plan_moe1pin() {
+  # moe1full's engine pair again, SGLang's full release now keeping its pinned CPU copy of the weights between
+  # sleeps (sglang_retain_cpu_backup), as the vLLM server's level 1 keeps its pinned buffers: SGLang, vLLM, SGLang's
+  # second replicate, one lease. Needs the `sglang`, `vllm` and `trainer` overlays
+  study=config/gpu-h200-moefull.yaml
+  one_lane "train sglang-colocate-megatron;train vllm-colocate-megatron;train sglang-colocate-megatron-r2"
+}
+
 plan_moe4full() {
   # config/gpu-4xh200-moe.yaml (issue 6 at the write-up's shape, engines at TP 2; about 15 min a run): the
   # colocate pair side by side on the two GPU pairs, then split on all four, then in-process vLLM

@@ -30,7 +30,8 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
                  "2026-11-24-h200-soak", "2026-11-24-h200-timed", "2026-11-24-h200-packing",
                  "2026-11-24-h200-trainerloop", "2026-11-24-h200-timed-sglang", "2026-11-24-h200-trainerfuse",
                  "2026-11-24-h200-trainerfuse2", "2026-11-24-h200-trainerfast", "2026-11-24-h200-timingcost",
-                 "2026-11-24-h200-trainerrepeat", "2026-11-24-h200-moe1full"):
+                 "2026-11-24-h200-trainerrepeat", "2026-11-24-h200-moe1full", "2026-11-24-h200-verdictpin",
+                 "2026-11-24-h200-moe1pin"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
     for name in ("2026-11-24-h200-faults", "2026-11-24-h200-trainermoe"):
         assert marked[f"results/reference/{name}/README.md"] >= 2, name
@@ -116,6 +117,18 @@ def test_at_and_slope_figures_read_one_step_and_the_steady_trend() -> None:
         figures.evaluate(f"slope {study} vllm-soak mem/engine_asleep_GB GB")
     with pytest.raises(ValueError, match="step 'three' is not a step number"):
         figures.evaluate(f"at {study} vllm-soak mem/engine_asleep_gb three")
+
+
+def test_run_medians_lists_each_replicate_in_the_order_it_ran(tmp_path: Path) -> None:
+    study = "results/reference/2026-11-24-h200-verdictpin"
+    df = pd.read_csv(REPO / study / "steps.csv")
+    steady = df[(df["step"] > 2) & df["run_id"].str.startswith("vllm-server-")]
+    order = steady.groupby("run_id")["time_unix"].min().sort_values().index
+    expected = ", ".join(f"{steady[steady['run_id'] == r]['timing_s/step'].median():.2f}" for r in order)
+    assert figures.evaluate(f"run_medians {study} vllm-server timing_s/step 1 2") == expected
+    assert figures.evaluate(f"run_medians {study} vllm-server perf/throughput 0.001 1") == "10.7, 13.4, 14.6"
+    with pytest.raises(ValueError, match="steps.csv has no column 'perf/tput'"):
+        figures.evaluate(f"run_medians {study} vllm-server perf/tput")
 
 
 def test_a_path_ratio_compares_two_paths_of_one_bench_with_an_interval_over_repeats() -> None:

@@ -233,6 +233,15 @@ def series(study: str, name: str, column: str, scale: str = "1", digits: str = "
     return ", ".join(f"step {int(r.step)}: {r.v * float(scale):.{int(digits)}f}" for r in rows.itertuples())
 
 
+def run_medians(study: str, name: str, column: str, scale: str = "1", digits: str = "1") -> str:
+    """Each replicate's steady-state median, times scale, in the order the runs were recorded: '10.8, 13.4, 14.6'
+    (a drift from run to run that the pooled interval hides)."""
+    df = _steady(study, name)
+    first = df.groupby("run_id")["time_unix"].min().sort_values()
+    values = [_column(df[df["run_id"] == rid], study, column).median() * float(scale) for rid in first.index]
+    return ", ".join(f"{v:.{int(digits)}f}" for v in values)
+
+
 def at(study: str, name: str, column: str, step: str, digits: str = "2") -> str:
     """The column at one step of the configuration (its only run): 'at 3' of a memory reading."""
     if not step.isdigit():
@@ -288,7 +297,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "repeats": repeats, "verdict": verdict, "bench_ratio": bench_ratio, "path_ratio": path_ratio,
     "update_ratio": update_ratio, "profile_total": profile_total,
     "series": series, "logged": logged,
-    "at": at, "slope": slope, "share": share, "unattributed": unattributed,
+    "at": at, "run_medians": run_medians, "slope": slope, "share": share, "unattributed": unattributed,
 }
 
 

@@ -119,7 +119,7 @@ def test_at_and_slope_figures_read_one_step_and_the_steady_trend() -> None:
         figures.evaluate(f"at {study} vllm-soak mem/engine_asleep_gb three")
 
 
-def test_run_medians_lists_each_replicate_in_the_order_it_ran(tmp_path: Path) -> None:
+def test_run_medians_lists_each_replicate_in_the_order_it_ran() -> None:
     study = "results/reference/2026-11-24-h200-verdictpin"
     df = pd.read_csv(REPO / study / "steps.csv")
     steady = df[(df["step"] > 2) & df["run_id"].str.startswith("vllm-server-")]

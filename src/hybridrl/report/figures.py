@@ -234,7 +234,7 @@ def series(study: str, name: str, column: str, scale: str = "1", digits: str = "
 
 
 def run_medians(study: str, name: str, column: str, scale: str = "1", digits: str = "1") -> str:
-    """Each replicate's steady-state median, times scale, in the order the runs were recorded: '10.8, 13.4, 14.6'
+    """Each replicate's steady-state median, times scale, in the order the runs were recorded: '10.7, 13.4, 14.6'
     (a drift from run to run that the pooled interval hides)."""
     df = _steady(study, name)
     first = df.groupby("run_id")["time_unix"].min().sort_values()

@@ -109,9 +109,11 @@ def release_arm(engine: Any, placement: Any, sglang_release: Any, vllm_sleep_lev
     if placement != "colocate":
         return None
     if engine == "sglang":
+        if str(sglang_release) == "kv_cache":
+            return "kv-only"
         if str(sglang_release) == "all":
             return "full release" if _to_bool(retain_cpu_backup) is True else "full release, re-pinned"
-        return {"kv_cache": "kv-only"}.get(str(sglang_release), None)
+        return None
     if engine in ("vllm", "vllm-inprocess") and not _missing(vllm_sleep_level):
         return f"level {int(vllm_sleep_level)}"
     return None

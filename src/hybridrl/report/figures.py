@@ -237,9 +237,9 @@ def run_medians(study: str, name: str, column: str, scale: str = "1", digits: st
     """Each replicate's steady-state median, times scale, in the order the runs were recorded: '10.7, 13.4, 14.6'
     (a drift from run to run that the pooled interval hides)."""
     df = _steady(study, name)
-    first = df.groupby("run_id")["time_unix"].min().sort_values()
-    values = [_column(df[df["run_id"] == rid], study, column).median() * float(scale) for rid in first.index]
-    return ", ".join(f"{v:.{int(digits)}f}" for v in values)
+    medians = _column(df, study, column).groupby(df["run_id"]).median()
+    order = df.groupby("run_id")["time_unix"].min().sort_values().index
+    return ", ".join(f"{medians[rid] * float(scale):.{int(digits)}f}" for rid in order)
 
 
 def at(study: str, name: str, column: str, step: str, digits: str = "2") -> str:

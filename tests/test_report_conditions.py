@@ -201,6 +201,9 @@ def test_the_memory_sampler_counts_foreign_gpu_processes_per_step(monkeypatch: p
         def compute_pids(self) -> set[int]:
             return self.pids
 
+        def conditions(self) -> dict:
+            return {}
+
         def close(self) -> None:
             pass
 

@@ -10,9 +10,24 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 GB = 1e9  # bytes: every mem/*_gb key
+# NVML's clock-event reasons that hold the SM clock below what the load asks for: the software power cap, a
+# hardware slowdown, software or hardware thermal slowdown, the power brake (idle and application-clock settings
+# are not slowdowns)
+SLOWDOWN_REASONS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """One GPU's running state at one instant: what sets the speed of everything measured on it."""
+
+    sm_mhz: float
+    power_w: float
+    temp_c: float
+    slowed: bool  # a SLOWDOWN_REASONS bit was set
 
 
 class Devices:
@@ -28,6 +43,18 @@ class Devices:
         for i, handle in self.handles:
             with contextlib.suppress(Exception):
                 out[i] = self._nvml.nvmlDeviceGetMemoryInfo(handle).used / GB
+        return out
+
+    def conditions(self) -> dict[int, Conditions]:
+        """NVML index -> SM clock, power draw, temperature and slowdown; a GPU that fails to answer is left out."""
+        nvml, out = self._nvml, {}
+        for i, handle in self.handles:
+            with contextlib.suppress(Exception):
+                reasons = nvml.nvmlDeviceGetCurrentClocksEventReasons(handle)
+                out[i] = Conditions(float(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)),
+                                    nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+                                    float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)),
+                                    bool(reasons & SLOWDOWN_REASONS))
         return out
 
     def _processes(self) -> list[Any]:
@@ -107,6 +134,16 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _limits(nvml: Any, handle: Any) -> dict[str, float]:
+    """The GPU's highest SM clock and the power limit the driver enforces; what it can answer of them."""
+    out = {}
+    with contextlib.suppress(Exception):
+        out["max_sm_clock_mhz"] = float(nvml.nvmlDeviceGetMaxClockInfo(handle, nvml.NVML_CLOCK_SM))
+    with contextlib.suppress(Exception):
+        out["power_limit_w"] = nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0
+    return out
+
+
 def gpu_info() -> dict[str, Any] | None:
     """GPU models and driver, for provenance; None where NVML or a GPU is absent."""
     with devices() as session:
@@ -115,7 +152,7 @@ def gpu_info() -> dict[str, Any] | None:
         nvml = session._nvml
         try:
             listed = [{"index": i, "name": _text(nvml.nvmlDeviceGetName(h)),
-                       "memory_gb": round(nvml.nvmlDeviceGetMemoryInfo(h).total / GB, 2)}
+                       "memory_gb": round(nvml.nvmlDeviceGetMemoryInfo(h).total / GB, 2), **_limits(nvml, h)}
                       for i, h in session.handles]
             cuda = nvml.nvmlSystemGetCudaDriverVersion()
             return {"driver": _text(nvml.nvmlSystemGetDriverVersion()),

@@ -2,14 +2,55 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+
+def _stat(path: Path) -> tuple[str, list[str]] | None:
+    """(command name, the fields after "pid (comm) ") of one stat file; None where it is gone. The command name
+    may hold spaces and parentheses, so it ends at the last ")"."""
+    try:
+        stat = path.read_text()
+    except OSError:
+        return None
+    head, _, rest = stat.rpartition(")")
+    return head.partition("(")[2], rest.split()
 
 
 def stat_fields(pid: int, proc: Path = Path("/proc")) -> list[str] | None:
     """The fields of /proc/<pid>/stat after "pid (comm) ": state, ppid, pgrp, ...; None where the process is gone
-    or not visible here. The command name may hold spaces and parentheses, so the split is at its last ")"."""
-    try:
-        stat = (proc / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[-1].split()
+    or not visible here."""
+    read = _stat(proc / str(pid) / "stat")
+    return read[1] if read else None
+
+
+def descendants(root: int, proc: Path = Path("/proc")) -> list[int]:
+    """Every process below `root`: its children, theirs, and so on, as /proc shows them now."""
+    kids: dict[int, list[int]] = {}
+    with os.scandir(proc) as entries:
+        for entry in entries:
+            if entry.name.isdigit() and (fields := stat_fields(int(entry.name), proc)) is not None:
+                kids.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, frontier = [], [root]
+    while frontier:
+        children = kids.get(frontier.pop(), [])
+        found += children
+        frontier += children
+    return found
+
+
+def thread_cpu_ticks(pids: list[int], proc: Path = Path("/proc")) -> dict[tuple[int, int], tuple[int, str]]:
+    """(pid, thread id) -> (user + system CPU time so far in clock ticks, "process/thread" names) for every thread
+    of `pids`; a process or thread that ends meanwhile is left out."""
+    out = {}
+    for pid in pids:
+        own = _stat(proc / str(pid) / "stat")
+        try:
+            tids = os.listdir(proc / str(pid) / "task")
+        except OSError:
+            continue
+        for tid in tids:
+            read = _stat(proc / str(pid) / "task" / tid / "stat")
+            if own and read and len(read[1]) > 12:  # utime and stime are fields 14 and 15 of stat
+                out[(pid, int(tid))] = (int(read[1][11]) + int(read[1][12]), f"{own[0]}/{read[0]}")
+    return out

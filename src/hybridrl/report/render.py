@@ -13,7 +13,7 @@ import jinja2
 import pandas as pd
 
 from hybridrl.engines.client_ceiling import HEADROOM
-from hybridrl.report import client_paths, conditions, headline, learning, stats, trend, wording
+from hybridrl.report import client_paths, conditions, headline, learning, machine, stats, trend, wording
 from hybridrl.report.aggregate import CONFIG_KEY, atomic_path, commit_label, read_provenance
 from hybridrl.report.plots import PLOTS, run_labels
 from hybridrl.run.checks import GAP_LIMITS
@@ -402,6 +402,32 @@ def client_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     return table
 
 
+# a thread this busy bounds the rollout on the host's single-core speed
+PINNED_THREAD_PCT = 90.0
+
+
+def machine_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
+    """Per run, over its steady steps: the GPUs' clock, power, temperature and slowdowns, the run's CPU and its
+    busiest thread in rollout; None where no run recorded them (records before 2026-11-24)."""
+    runs = machine.per_run(df)
+    if not runs:
+        return None
+    table = Table(["run", *(h for _, h, _ in machine.COLUMNS), "busiest thread"])
+    for run in runs:
+        cells = [Cell(labels[run.run_id])]
+        for column, _, _ in machine.COLUMNS:
+            value = run.values[column]
+            if value is None:
+                cells.append(Cell("–", "na"))
+            elif column.startswith("gpu/slowdown_frac"):
+                cells.append(Cell(f"{value:.0%}", "fail" if value > 0 else "num"))
+            else:
+                pinned = column == "host/busiest_thread_cpu_pct_gen" and value >= PINNED_THREAD_PCT
+                cells.append(Cell(fmt(value), "fail" if pinned else "num"))
+        table.rows.append([*cells, Cell(run.busiest or "–")])
+    return table
+
+
 def client_paths_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
     """One engine through two rollout clients: the lighter path over the one that streams more, with intervals."""
     found = client_paths.pairs(df)
@@ -565,6 +591,8 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "accuracy": accuracy_table(df, labels),
         "client": client_table(df, labels),
         "client_paths": paths,
+        "machine": machine_table(df, labels),
+        "pinned_thread": f"{PINNED_THREAD_PCT:.0f}",
         "memory_trend": memory_trend_table(df, labels),
         "gap": gap_table(df, labels),
         "gap_warn": ", ".join(f"{w:g} {fam}" for fam, (w, _) in GAP_LIMITS.items()),

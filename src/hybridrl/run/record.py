@@ -11,11 +11,11 @@ from typing import Any
 
 IDENTITY = ("run_id", "engine", "placement", "trainer", "model", "tp", "seed", "step")
 # The phases of a step, in the order they happen. Each is timed as timing_s/<phase>, and together they make up
-# timing_s/step (a test holds them to 2%): prepare builds and tokenizes the requests and reads the trainer's GPU
-# memory; reward includes the per-request audit file; restart is the engine's stop before training plus its start
-# after; save_adapter is timed by the trainer inside its step; await_rollout is the wait, after training, for a
-# rollout running ahead (overlap) to end before the new adapter is loaded; recover is starting an engine found dead
-# again (errors/engine_restarts counts those).
+# timing_s/step (a test holds them to 2%): prepare builds and tokenizes the requests, reads the trainer's GPU
+# memory and the run's threads' CPU time around gen; reward includes the per-request audit file; restart is the
+# engine's stop before training plus its start after; save_adapter is timed by the trainer inside its step;
+# await_rollout is the wait, after training, for a rollout running ahead (overlap) to end before the new adapter is
+# loaded; recover is starting an engine found dead again (errors/engine_restarts counts those).
 PHASES = ("prepare", "gen", "reward", "sleep", "trainer_onload", "update_actor", "save_adapter", "trainer_offload",
           "await_rollout", "wake", "restart", "update_weights", "check", "recover")
 PHASE_KEYS = tuple(f"timing_s/{p}" for p in PHASES)
@@ -35,8 +35,20 @@ HOST_LOAD_PHASES = ("gen", "update_actor")
 CONTROLLER_CPU_PHASES = ("gen",)
 # GPU processes outside this run (not descended from its controller) seen at the step's phase changes: another
 # job on the run's GPUs would disturb every figure of the step
+# and, in the same phases, the CPU of the run's whole process tree and of its busiest thread (% of one core) with
+# that thread's "process/thread" name: a thread near 100% (an engine's scheduler, a server's event loop) bounds
+# the rollout on this host's single-core speed
 HOST = (*(f"host/cpu_busy_pct_{p}" for p in HOST_LOAD_PHASES),
-        *(f"host/controller_cpu_pct_{p}" for p in CONTROLLER_CPU_PHASES), "host/foreign_gpu_procs")
+        *(f"host/controller_cpu_pct_{p}" for p in CONTROLLER_CPU_PHASES),
+        *(f"host/{k}_{p}" for p in CONTROLLER_CPU_PHASES for k in ("run_cpu_pct", "busiest_thread_cpu_pct",
+                                                                    "busiest_thread")),
+        "host/foreign_gpu_procs")
+# The GPUs during the phases that load them (NVML, sampled at 10 Hz, over the run's GPUs): median SM clock (the
+# slowest GPU's), mean power (W) and highest temperature (C) of the hungriest GPU, share of reads in which a GPU
+# reported a power or thermal slowdown. A clock held down during one run's rollout and not another's is a
+# difference of the GPU, not of the engines.
+GPU_LOAD_PHASES = HOST_LOAD_PHASES
+GPU = tuple(f"gpu/{k}_{p}" for p in GPU_LOAD_PHASES for k in ("sm_clock_mhz", "power_w", "temp_c", "slowdown_frac"))
 ROLLOUT = (
     "perf/gen_tokens", "perf/throughput", "perf/ttft_s_mean", "perf/ttft_s_p50", "perf/ttft_s_p99",
     "perf/itl_ms_mean", "perf/itl_ms_p50", "perf/itl_ms_p99", "perf/tpot_ms_mean", "perf/tpot_ms_p50",
@@ -75,9 +87,10 @@ BOOLS = ("check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok"
          "check/client_headroom_ok", "check/asleep_memory_ok")
 # engine-vs-trainer mismatch per token over the batch (hybridrl.task.rl.LogprobGaps), verl's rollout_is metrics
 MISMATCH = ("mismatch/kl_k3", "mismatch/is_weight_mean", "mismatch/ess", "mismatch/is_capped_frac")
-STRINGS = ("run_id", "engine", "placement", "trainer", "model", "check/logprob_gap_tier", "train/experts_impl")
-RECORD_KEYS = (*IDENTITY, *TIMING, *CONCURRENCY, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS, *MISMATCH,
-               *RUN_START, *EVAL, "time_unix")
+STRINGS = ("run_id", "engine", "placement", "trainer", "model", "check/logprob_gap_tier", "train/experts_impl",
+           *(f"host/busiest_thread_{p}" for p in CONTROLLER_CPU_PHASES))
+RECORD_KEYS = (*IDENTITY, *TIMING, *CONCURRENCY, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *GPU, *CHECKS,
+               *MISMATCH, *RUN_START, *EVAL, "time_unix")
 
 
 def new_record() -> dict[str, Any]:

@@ -9,7 +9,8 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,8 @@ from hybridrl import nvml
 from hybridrl.atomic import write_bytes
 from hybridrl.engines.base import Completion
 from hybridrl.engines.gpus import nvml_indices
-from hybridrl.proc import stat_fields
-from hybridrl.run.record import CONTROLLER_CPU_PHASES, HOST_LOAD_PHASES, PHASES
+from hybridrl.proc import descendants, stat_fields, thread_cpu_ticks
+from hybridrl.run.record import CONTROLLER_CPU_PHASES, GPU_LOAD_PHASES, HOST_LOAD_PHASES, PHASES
 
 
 def host_cpu_jiffies(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
@@ -58,25 +59,79 @@ def foreign_pids(pids: set[int], root: int, proc: Path = Path("/proc")) -> set[i
     return out
 
 
+ThreadTicks = dict[tuple[int, int], tuple[int, str]]  # (pid, tid) -> (CPU ticks, "process/thread")
+
+
+def run_thread_ticks() -> ThreadTicks:
+    """CPU time of every thread of this run: the controller and every process below it (engine servers, trainer
+    workers); empty where /proc cannot be read."""
+    try:
+        return thread_cpu_ticks([os.getpid(), *descendants(os.getpid())])
+    except OSError:
+        return {}
+
+
+def thread_load(before: ThreadTicks, after: ThreadTicks, seconds: float,
+                tick_s: float = 1.0 / os.sysconf("SC_CLK_TCK")) -> dict[str, float | str | None]:
+    """The run's CPU use between two readings: all its threads together and the busiest single thread, in % of
+    one core, and that thread's name. A thread at ~100% bounds whatever waits on it (a Python loop holds one core
+    at most); a thread that started meanwhile counts from zero."""
+    if not after or seconds <= 0:
+        return {"run_cpu_pct": None, "busiest_thread_cpu_pct": None, "busiest_thread": None}
+    used = {key: ticks - before.get(key, (0, ""))[0] for key, (ticks, _) in after.items()}
+    busiest = max(used, key=lambda key: used[key])
+    pct = 100.0 * tick_s / seconds
+    return {"run_cpu_pct": sum(used.values()) * pct, "busiest_thread_cpu_pct": used[busiest] * pct,
+            "busiest_thread": after[busiest][1]}
+
+
 def busy_pct(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
     if before is None or after is None or after[1] <= before[1]:
         return None
     return 100.0 * (after[0] - before[0]) / (after[1] - before[1])
 
 
+# where the time to read the run's threads around a watched phase is counted (see Timings.phase)
+THREAD_READING_PHASE = "prepare"
+
+
 class Timings:
     def __init__(self, cpu_reader: Callable[[], tuple[int, int] | None] = host_cpu_jiffies,
                  own_cpu: Callable[[], float] = time.process_time,
-                 on_phase: Callable[[str], None] | None = None) -> None:
+                 on_phase: Callable[[str], None] | None = None,
+                 threads: Callable[[], ThreadTicks] = run_thread_ticks) -> None:
         self.on_phase = on_phase  # told each phase as it starts (the run's phase.json, for fault injection)
         self.s: dict[str, float] = {}
         self.busy: dict[str, float | None] = {}
         self.own: dict[str, float] = {}
+        self.threads: dict[str, dict[str, float | str | None]] = {}
         self._cpu = cpu_reader
         self._own_cpu = own_cpu
+        self._threads = threads
 
     @contextlib.contextmanager
     def phase(self, name: str, sampler: MemorySampler | None = None) -> Iterator[None]:
+        if name not in CONTROLLER_CPU_PHASES:
+            with self._timed(name, sampler):
+                yield
+            return
+        # the run's threads are read just outside the phase, and the milliseconds of walking /proc count in
+        # prepare (THREAD_READING_PHASE), so that the rollout's own time and throughput hold none of it
+        w0 = time.perf_counter()
+        before = self._threads()
+        c0 = time.perf_counter()
+        try:
+            with self._timed(name, sampler):
+                yield
+        finally:
+            c1 = time.perf_counter()
+            after = self._threads()
+            reading = (c0 - w0) + (time.perf_counter() - c1)
+            self.s[THREAD_READING_PHASE] = self.s.get(THREAD_READING_PHASE, 0.0) + reading
+            self.threads[name] = thread_load(before, after, c1 - c0)
+
+    @contextlib.contextmanager
+    def _timed(self, name: str, sampler: MemorySampler | None) -> Iterator[None]:
         t0 = time.perf_counter()  # first and last: all of the phase's own work counts in it
         if self.on_phase:
             self.on_phase(name)
@@ -106,6 +161,8 @@ class Timings:
         out: dict[str, float | None] = {f"timing_s/{k}": self.s.get(k) for k in (*PHASES, "step")}
         out.update({f"host/cpu_busy_pct_{k}": self.busy.get(k) for k in HOST_LOAD_PHASES})
         out.update({f"host/controller_cpu_pct_{k}": self.own.get(k) for k in CONTROLLER_CPU_PHASES})
+        out.update({f"host/{key}_{k}": self.threads.get(k, {}).get(key) for k in CONTROLLER_CPU_PHASES
+                    for key in ("run_cpu_pct", "busiest_thread_cpu_pct", "busiest_thread")})
         return out
 
 
@@ -151,18 +208,50 @@ def rollout_stats(completions: list[Completion], gen_s: float) -> dict[str, floa
     }
 
 
+@dataclass(frozen=True)
+class GpuState:
+    """The run's GPUs at one read, reduced to the one that limits a step: the slowest clock, the hottest and
+    most power-hungry GPU, and whether any was slowed."""
+
+    sm_mhz: float
+    power_w: float
+    temp_c: float
+    slowed: bool
+
+    @staticmethod
+    def of(gpus: Iterable[nvml.Conditions]) -> GpuState | None:
+        gpus = list(gpus)
+        if not gpus:
+            return None
+        return GpuState(min(g.sm_mhz for g in gpus), max(g.power_w for g in gpus), max(g.temp_c for g in gpus),
+                        any(g.slowed for g in gpus))
+
+    @staticmethod
+    def summary(states: list[GpuState], phase: str) -> dict[str, float | None]:
+        """gpu/* of one phase: median SM clock, mean power, highest temperature, share of reads slowed."""
+        if not states:
+            return {f"gpu/{name}_{phase}": None for name in ("sm_clock_mhz", "power_w", "temp_c", "slowdown_frac")}
+        return {f"gpu/sm_clock_mhz_{phase}": float(np.median([s.sm_mhz for s in states])),
+                f"gpu/power_w_{phase}": float(np.mean([s.power_w for s in states])),
+                f"gpu/temp_c_{phase}": max(s.temp_c for s in states),
+                f"gpu/slowdown_frac_{phase}": float(np.mean([s.slowed for s in states]))}
+
+
 class MemorySampler:
-    """Samples NVML used memory per GPU in a thread (default 50 Hz), tagged with the current phase.
+    """Samples NVML used memory per GPU in a thread (default 50 Hz), tagged with the current phase, and every
+    `conditions_every`-th time the GPUs' SM clock, power, temperature and slowdown (gpu/* of GPU_LOAD_PHASES).
 
     NVML, not torch: torch's counters miss cumem (vLLM sleep) and torch_memory_saver (SGLang) memory.
-    Without a GPU or NVML it records nothing and reports no mem/* values.
+    Without a GPU or NVML it records nothing and reports no mem/* or gpu/* values.
     """
 
-    def __init__(self, gpu_indices: list[int] | None = None, hz: float = 50.0) -> None:
+    def __init__(self, gpu_indices: list[int] | None = None, hz: float = 50.0, conditions_every: int = 5) -> None:
         self.period = 1.0 / hz
+        self.conditions_every = conditions_every
         self.phase = "idle"
         self.samples: dict[str, list[float]] = defaultdict(list)  # phase -> max-over-GPUs used GB
         self.per_gpu: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self.conditions: dict[str, list[GpuState]] = defaultdict(list)  # phase -> the GPUs' state, one per read
         self._lock = threading.Lock()
         self._stop = threading.Event()
         if gpu_indices is None:  # this process's GPUs (CUDA_VISIBLE_DEVICES), else every GPU
@@ -188,8 +277,12 @@ class MemorySampler:
             self.foreign |= foreign_pids(self._devices.compute_pids(), self._root)
 
     def _loop(self) -> None:
+        tick = 0
         while not self._stop.is_set():
             used = self._devices.used_gb() if self._devices else {}
+            read = tick % self.conditions_every == 0 and self._devices is not None
+            state = GpuState.of(self._devices.conditions().values()) if read else None
+            tick += 1
             if not used:  # no GPU answered this time
                 time.sleep(self.period)
                 continue
@@ -197,14 +290,18 @@ class MemorySampler:
                 self.samples[self.phase].append(max(used.values()))
                 for i, gb in used.items():
                     self.per_gpu[self.phase][i].append(gb)
+                if state is not None:
+                    self.conditions[self.phase].append(state)
             time.sleep(self.period)
 
     def take(self) -> dict[str, float | None]:
         """mem/* for the step so far, then start a new step."""
         with self._lock:
             samples, per_gpu = dict(self.samples), {p: dict(g) for p, g in self.per_gpu.items()}
+            states = dict(self.conditions)
             self.samples.clear()
             self.per_gpu.clear()
+            self.conditions.clear()
         foreign, self.foreign = self.foreign, set()
         if not self.active:
             return {}
@@ -215,6 +312,8 @@ class MemorySampler:
             out[f"mem/peak_gb_{phase}"] = max(values) if values else None
             for gpu, vals in per_gpu.get(phase, {}).items():
                 out[f"mem/gpu{gpu}_used_gb_{phase}"] = float(np.mean(vals))
+        for phase in GPU_LOAD_PHASES:
+            out.update(GpuState.summary(states.get(phase, []), phase))
         return out
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ completed step. At the end no process the run started may be left, on the host o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,7 +25,7 @@ from typing import Any
 from rich.console import Console
 
 from hybridrl import atomic
-from hybridrl.proc import stat_fields
+from hybridrl.proc import descendants, stat_fields
 from hybridrl.run.telemetry import read_records
 
 console = Console(stderr=True)
@@ -53,19 +54,10 @@ class FaultReport:
 
 def _children(pid: int) -> dict[int, int]:
     """{descendant pid: its process group} of pid, from /proc."""
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := stat_fields(int(entry))) is not None:
-            kids.setdefault(int(fields[1]), []).append(int(entry))
     found: dict[int, int] = {}
-    frontier = [pid]
-    while frontier:
-        for child in kids.get(frontier.pop(), []):
-            try:
-                found[child] = os.getpgid(child)
-            except ProcessLookupError:
-                continue
-            frontier.append(child)
+    for child in descendants(pid):
+        with contextlib.suppress(ProcessLookupError):
+            found[child] = os.getpgid(child)
     return found
 
 

@@ -1,0 +1,56 @@
+"""The machine under each run: its GPUs' clock, power, temperature and slowdowns, and the busiest CPU thread of its
+rollout (the record's gpu/* and host/* keys, steady-state steps).
+
+Two runs of one engine that differ in speed but not here differ in the engine or its inputs; a run whose GPU
+clock sat lower, or whose rollout had a thread pinned at one core, was slowed by the machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from hybridrl.report import stats
+
+# (column, header, how the steady steps are summed up)
+COLUMNS = (
+    ("perf/throughput", "rollout tok/s", "median"),
+    ("gpu/sm_clock_mhz_gen", "SM clock in rollout (MHz)", "median"),
+    ("gpu/power_w_gen", "power in rollout (W)", "median"),
+    ("gpu/temp_c_gen", "hottest in rollout (C)", "max"),
+    ("gpu/slowdown_frac_gen", "rollout reads slowed", "mean"),
+    ("gpu/sm_clock_mhz_update_actor", "SM clock in training (MHz)", "median"),
+    ("gpu/slowdown_frac_update_actor", "training reads slowed", "mean"),
+    ("host/run_cpu_pct_gen", "run's CPU in rollout (% of a core)", "median"),
+    ("host/busiest_thread_cpu_pct_gen", "busiest thread (% of a core)", "median"),
+)
+MEASURED = tuple(c for c, _, _ in COLUMNS[1:])  # a run is shown where one of these was recorded
+
+
+@dataclass(frozen=True)
+class RunMachine:
+    run_id: str
+    values: dict[str, float | None]  # column -> its summary over the run's steady steps
+    busiest: str | None  # the thread most often the busiest in rollout ("process/thread")
+
+
+def _summary(values: pd.Series, how: str) -> float | None:
+    values = pd.to_numeric(values, errors="coerce").dropna()
+    return float(getattr(values, how)()) if len(values) else None
+
+
+def per_run(df: pd.DataFrame) -> list[RunMachine]:
+    """One entry per run that recorded its machine, in the order runs are shown; empty for older records."""
+    if not any(c in df.columns for c in MEASURED):
+        return []
+    steady = stats.steady_state(df)
+    out = []
+    for run_id in stats.run_order(df):
+        run = steady[steady["run_id"] == run_id]
+        values = {c: _summary(run[c], how) if c in run.columns else None for c, _, how in COLUMNS}
+        if all(values[c] is None for c in MEASURED):
+            continue
+        names = run["host/busiest_thread_gen"].dropna() if "host/busiest_thread_gen" in run.columns else []
+        out.append(RunMachine(run_id, values, str(names.mode().iloc[0]) if len(names) else None))
+    return out

@@ -31,7 +31,7 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
                  "2026-11-24-h200-trainerloop", "2026-11-24-h200-timed-sglang", "2026-11-24-h200-trainerfuse",
                  "2026-11-24-h200-trainerfuse2", "2026-11-24-h200-trainerfast", "2026-11-24-h200-timingcost",
                  "2026-11-24-h200-trainerrepeat", "2026-11-24-h200-moe1full", "2026-11-24-h200-verdictpin",
-                 "2026-11-24-h200-moe1pin"):
+                 "2026-11-24-h200-moe1pin", "2026-11-24-h200-verdictpin2"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
     for name in ("2026-11-24-h200-faults", "2026-11-24-h200-trainermoe"):
         assert marked[f"results/reference/{name}/README.md"] >= 2, name
@@ -129,6 +129,21 @@ def test_run_medians_lists_each_replicate_in_the_order_it_ran() -> None:
     assert figures.evaluate(f"run_medians {study} vllm-server perf/throughput 0.001 1") == "10.7, 13.4, 14.6"
     with pytest.raises(ValueError, match="steps.csv has no column 'perf/tput'"):
         figures.evaluate(f"run_medians {study} vllm-server perf/tput")
+
+
+def test_studies_joined_by_a_plus_pool_their_runs_and_keep_each_leases_replicates_apart() -> None:
+    first, second = "results/reference/2026-11-24-h200-verdictpin", "results/reference/2026-11-24-h200-verdictpin2"
+    pooled = figures._table(f"{first}+{second}")
+    assert len(pooled) == len(figures._table(first)) + len(figures._table(second))
+    assert pooled["run_id"].nunique() == 12  # the same run ids in both leases, kept apart by the folder
+    assert {r.split("/")[0] for r in pooled["run_id"]} == {Path(first).name, Path(second).name}
+    joined = figures.evaluate(f"run_medians {first}+{second} vllm-server perf/throughput 0.001 1")
+    assert joined == ", ".join(figures.evaluate(f"run_medians {s} vllm-server perf/throughput 0.001 1")
+                               for s in (first, second))
+    assert "(6 runs, 48 steps vs 6 runs, 48 steps)" in figures.evaluate(
+        f"verdict {first}+{second} sglang-full vllm-server perf/throughput rate")
+    with pytest.raises(ValueError, match="names a study twice"):
+        figures.evaluate(f"median {first}+{first} sglang-full perf/throughput")
 
 
 def test_a_path_ratio_compares_two_paths_of_one_bench_with_an_interval_over_repeats() -> None:

@@ -42,11 +42,18 @@ def test_the_runs_threads_are_every_thread_below_the_controller(tmp_path: Path) 
         200: ("sglang (server", 100, {200: ("sglang (server", 1, 1), 205: ("loop", 7, 3)}),
         201: ("sglang::scheduler", 200, {201: ("sglang::schedul", 40, 2)}),
         300: ("other", 1, {300: ("other", 99, 99)}),
+        400: ("python3", 100, {400: ("python3", 60, 10), 401: ("asyncio_0", 1, 0)}),
     })
-    assert sorted(descendants(100, proc)) == [200, 201]
+    (proc / "400" / "cmdline").write_bytes(b"/env/bin/python3\0-m\0vllm.entrypoints.openai.api_server\0--port\0")
+    assert sorted(descendants(100, proc)) == [200, 201, 400]
     ticks = thread_cpu_ticks([100, *descendants(100, proc)], proc)
     assert ticks[(200, 205)] == (10, "sglang (server/loop")
-    assert ticks[(201, 201)] == (42, "sglang::scheduler/sglang::schedul")
+    assert ticks[(201, 201)] == (42, "sglang::scheduler/sglang::schedul")  # comm is cut at 15 characters
+    assert ticks[(200, 200)][1] == "sglang (server"  # a process's main thread: its name once
+    # a Python process is named by the module it runs; the controller without a cmdline keeps its comm
+    assert ticks[(400, 400)] == (70, "vllm.entrypoints.openai.api_server")
+    assert ticks[(400, 401)][1] == "vllm.entrypoints.openai.api_server/asyncio_0"
+    assert ticks[(100, 100)][1] == "python"
     assert (300, 300) not in ticks
     assert thread_cpu_ticks([999], proc) == {}  # a process gone meanwhile is left out
 
@@ -222,3 +229,15 @@ def test_the_report_shows_the_machine_under_each_run_and_flags_slowdowns(tmp_pat
     render(headline_study(headline_run("sglang-colocate-aaaa1111", "sglang")), md, tmp_path / "report.html", {},
            "study", tmp_path / "runs")
     assert "The machine under each run" not in md.read_text()  # records from before these keys: no section
+
+
+def test_the_machine_plot_is_drawn_only_where_a_run_recorded_its_machine(tmp_path: Path) -> None:
+    from test_report import headline_run, headline_study
+
+    from hybridrl.report.plots import plot_machine
+
+    a = headline_run("sglang-colocate-aaaa1111", "sglang").assign(**{"gpu/power_w_gen": 240.0})
+    assert plot_machine(headline_study(a), tmp_path / "machine.png") == tmp_path / "machine.png"
+    assert (tmp_path / "machine.png").stat().st_size > 0
+    assert plot_machine(headline_study(headline_run("sglang-colocate-aaaa1111", "sglang")), tmp_path / "b.png") is None
+    assert not (tmp_path / "b.png").exists()

@@ -39,9 +39,22 @@ def descendants(root: int, proc: Path = Path("/proc")) -> list[int]:
     return found
 
 
+def process_name(pid: int, comm: str, proc: Path = Path("/proc")) -> str:
+    """A process's command name, or for a Python interpreter the module it runs (`python -m vllm.entrypoints...`):
+    every Python process is called python3 otherwise."""
+    if not comm.startswith("python"):
+        return comm
+    try:
+        argv = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return comm
+    module = argv[argv.index(b"-m") + 1] if b"-m" in argv[:-1] else b""
+    return module.decode(errors="replace") or comm
+
+
 def thread_cpu_ticks(pids: list[int], proc: Path = Path("/proc")) -> dict[tuple[int, int], tuple[int, str]]:
-    """(pid, thread id) -> (user + system CPU time so far in clock ticks, "process/thread" names) for every thread
-    of `pids`; a process or thread that ends meanwhile is left out."""
+    """(pid, thread id) -> (user + system CPU time so far in clock ticks, "process/thread" names, the thread's
+    name left out where it repeats the process's) for every thread of `pids`; one that ends meanwhile is left out."""
     out = {}
     for pid in pids:
         own = _stat(proc / str(pid) / "stat")
@@ -49,8 +62,10 @@ def thread_cpu_ticks(pids: list[int], proc: Path = Path("/proc")) -> dict[tuple[
             tids = os.listdir(proc / str(pid) / "task")
         except OSError:
             continue
+        name = process_name(pid, own[0], proc) if own else ""
         for tid in tids:
             read = _stat(proc / str(pid) / "task" / tid / "stat")
             if own and read and len(read[1]) > 12:  # utime and stime are fields 14 and 15 of stat
-                out[(pid, int(tid))] = (int(read[1][11]) + int(read[1][12]), f"{own[0]}/{read[0]}")
+                label = name if read[0] == own[0] else f"{name}/{read[0]}"
+                out[(pid, int(tid))] = (int(read[1][11]) + int(read[1][12]), label)
     return out

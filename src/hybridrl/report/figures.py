@@ -5,10 +5,11 @@ A README figure that comes from data is written between two comments, invisible 
     <!--fig ratio results/reference/2026-11-22-h200
     sglang-colocate-hf vllm-colocate-hf perf/throughput-->0.77x [0.72, 0.89]<!--/fig-->
 
-The expression names a function of FIGURES, a study folder holding steps.csv (relative to the repository) and
-its arguments; a configuration is named by the start of its id (it must match exactly one). `check` lists each
-figure whose text differs from what the data give, `fill` writes the data's text in (`python -m hybridrl
-figures [--fix] FILE...`); tests/test_readme_figures.py fails on any difference.
+The expression names a function of FIGURES, a study folder holding steps.csv (relative to the repository; folders
+joined by "+" pool their runs, for a study repeated in several leases) and its arguments; a configuration is named
+by the start of its id (it must match exactly one). `check` lists each figure whose text differs from what the data
+give, `fill` writes the data's text in (`python -m hybridrl figures [--fix] FILE...`); tests/test_readme_figures.py
+fails on any difference.
 """
 
 from __future__ import annotations
@@ -31,7 +32,16 @@ MARK = re.compile(r"<!--fig (?P<expr>[^>]*?)-->(?P<text>.*?)<!--/fig-->", re.S)
 
 @cache
 def _table(study: str) -> pd.DataFrame:
-    return read_table(REPO / study / "steps.csv")
+    """One study's steps.csv, or several joined by "+" (replicate leases of one study): their runs pooled, each
+    run id prefixed with its folder's name so that the leases' replicates stay apart."""
+    folders = study.split("+")
+    if len(folders) == 1:
+        return read_table(REPO / study / "steps.csv")
+    if len(set(folders)) != len(folders):
+        raise ValueError(f"{study!r} names a study twice")
+    return pd.concat([read_table(REPO / f / "steps.csv").pipe(
+        lambda df, f=f: df.assign(run_id=Path(f).name + "/" + df["run_id"].astype(str))) for f in folders],
+        ignore_index=True)
 
 
 @cache

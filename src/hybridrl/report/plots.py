@@ -1,4 +1,4 @@
-"""PNG plots of the tidy step table: throughput, step-time breakdown, latency, reward, memory, timeline."""
+"""PNG plots of the tidy step table: throughput, step-time breakdown, latency, reward, memory, timeline, machine."""
 
 from __future__ import annotations
 
@@ -290,6 +290,32 @@ def timeline_figure(df: pd.DataFrame) -> Figure | None:
     return fig
 
 
+MACHINE = [("gpu/power_w_gen", "GPU power in rollout (W)"),
+           ("host/busiest_thread_cpu_pct_gen", "busiest thread in rollout (% of a core)")]
+
+
+def plot_machine(df: pd.DataFrame, out: Path) -> Path | None:
+    """Each steady step's rollout throughput against the GPU's power draw and the run's busiest CPU thread during
+    that rollout, one colour per run: whether a slow step was the GPU's or one thread's doing. None where no run
+    recorded them."""
+    panels = [(c, x) for c, x in MACHINE if _has(df, [c])]
+    steady = steady_state(df)
+    if not panels or not _has(steady, ["perf/throughput"]):
+        return None
+    labels, colors = run_labels(df), run_colors(df)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), sharey=True, squeeze=False)
+    for ax, (column, xlabel) in zip(axes[0], panels, strict=True):
+        for rid, run in _runs(steady):
+            ax.scatter(pd.to_numeric(run[column], errors="coerce"), pd.to_numeric(run["perf/throughput"],
+                       errors="coerce"), color=colors[rid], label=labels[rid], s=22)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("rollout throughput (tok/s)")
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle("The machine under each rollout (steady steps)")
+    return _save(fig, out)
+
+
 PLOTS: dict[str, tuple[str, Callable[[pd.DataFrame, Path], Path | None]]] = {
     "throughput": ("Throughput per step", plot_throughput),
     "step_breakdown": ("Step-time breakdown", plot_step_breakdown),
@@ -299,6 +325,7 @@ PLOTS: dict[str, tuple[str, Callable[[pd.DataFrame, Path], Path | None]]] = {
     "memory": ("GPU memory per phase", plot_memory),
     "sleep_memory": ("Engine GPU memory across sleep and wake", plot_sleep_memory),
     "timeline": ("Steps on the wall clock", plot_timeline),
+    "machine": ("Rollout throughput against GPU power and the busiest CPU thread", plot_machine),
 }
 
 

@@ -421,6 +421,8 @@ def machine_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
                 cells.append(Cell("–", "na"))
             elif column.startswith("gpu/slowdown_frac"):
                 cells.append(Cell(f"{value:.0%}", "fail" if value > 0 else "num"))
+            elif column.startswith("gpu/temp_c"):
+                cells.append(Cell(f"{value:.0f}", "num"))
             else:
                 pinned = column == "host/busiest_thread_cpu_pct_gen" and value >= PINNED_THREAD_PCT
                 cells.append(Cell(fmt(value), "fail" if pinned else "num"))

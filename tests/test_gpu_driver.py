@@ -90,9 +90,9 @@ def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) ->
 def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
     assert bad.returncode == 2
-    plans = ("client faults full learning moe moe1full moe1pin moe1vllm moe2full moe4 moe4full packing placement "
-             "placementlong rest rest4 soak timed timingcost trainer trainerfast trainerfuse trainerloop trainermoe "
-             "verdict verdictkv verdictpin")
+    plans = ("client faults full learning moe moe1full moe1pin moe1pin2 moe1vllm moe2full moe4 moe4full packing "
+             "placement placementlong rest rest4 soak timed timingcost trainer trainerfast trainerfuse trainerloop "
+             "trainermoe verdict verdictkv verdictpin")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()

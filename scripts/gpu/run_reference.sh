@@ -287,6 +287,14 @@ plan_moe1pin() {
   one_lane "train sglang-colocate-megatron;train vllm-colocate-megatron;train sglang-colocate-megatron-r2"
 }
 
+plan_moe1pin2() {
+  # moe1pin's second replicates, in a later lease on another machine: SGLang's (moe1pin's was cut by the 30-minute
+  # hold), then the vLLM server's, so that the 48-layer pair has two runs a side over two leases (interleaved: S V
+  # in moe1pin, S V here). Needs the `sglang`, `vllm` and `trainer` overlays
+  study=config/gpu-h200-moefull.yaml
+  one_lane "train sglang-colocate-megatron-r2;train vllm-colocate-megatron-r2"
+}
+
 plan_moe4full() {
   # config/gpu-4xh200-moe.yaml (issue 6 at the write-up's shape, engines at TP 2; about 15 min a run): the
   # colocate pair side by side on the two GPU pairs, then split on all four, then in-process vLLM

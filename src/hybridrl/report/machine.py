@@ -1,8 +1,9 @@
 """The machine under each run: its GPUs' clock, power, temperature and slowdowns, and the busiest CPU thread of its
 rollout (the record's gpu/* and host/* keys, steady-state steps).
 
-Two runs of one engine that differ in speed but not here differ in the engine or its inputs; a run whose GPU
-clock sat lower, or whose rollout had a thread pinned at one core, was slowed by the machine.
+Two runs of one engine that differ in speed but not here differ in the engine or its inputs; a run whose GPU clock
+sat lower, or that reported slowdowns, was slowed by the machine. A busiest thread at a full core may limit the
+rollout or may spin while it waits (SGLang's scheduler reads a full core at any load).
 """
 
 from __future__ import annotations

@@ -402,10 +402,6 @@ def client_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     return table
 
 
-# a thread this busy bounds the rollout on the host's single-core speed
-PINNED_THREAD_PCT = 90.0
-
-
 def machine_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
     """Per run, over its steady steps: the GPUs' clock, power, temperature and slowdowns, the run's CPU and its
     busiest thread in rollout; None where no run recorded them (records before 2026-11-24)."""
@@ -424,8 +420,7 @@ def machine_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
             elif column.startswith("gpu/temp_c"):
                 cells.append(Cell(f"{value:.0f}", "num"))
             else:
-                pinned = column == "host/busiest_thread_cpu_pct_gen" and value >= PINNED_THREAD_PCT
-                cells.append(Cell(fmt(value), "fail" if pinned else "num"))
+                cells.append(Cell(fmt(value), "num"))
         table.rows.append([*cells, Cell(run.busiest or "–")])
     return table
 
@@ -594,7 +589,6 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "client": client_table(df, labels),
         "client_paths": paths,
         "machine": machine_table(df, labels),
-        "pinned_thread": f"{PINNED_THREAD_PCT:.0f}",
         "memory_trend": memory_trend_table(df, labels),
         "gap": gap_table(df, labels),
         "gap_warn": ", ".join(f"{w:g} {fam}" for fam, (w, _) in GAP_LIMITS.items()),

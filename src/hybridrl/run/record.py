@@ -35,9 +35,9 @@ HOST_LOAD_PHASES = ("gen", "update_actor")
 CONTROLLER_CPU_PHASES = ("gen",)
 # GPU processes outside this run (not descended from its controller) seen at the step's phase changes: another
 # job on the run's GPUs would disturb every figure of the step
-# and, in the same phases, the CPU of the run's whole process tree and of its busiest thread (% of one core) with
-# that thread's "process/thread" name: a thread near 100% (an engine's scheduler, a server's event loop) bounds
-# the rollout on this host's single-core speed
+# The run's CPU in CONTROLLER_CPU_PHASES: its whole process tree and its busiest thread (% of one core), with that
+# thread's "process/thread" name. A thread near 100% either limits the rollout or spins while it waits (SGLang's
+# scheduler reads a full core at any load), so compare it between runs of one engine, not between engines.
 HOST = (*(f"host/cpu_busy_pct_{p}" for p in HOST_LOAD_PHASES),
         *(f"host/controller_cpu_pct_{p}" for p in CONTROLLER_CPU_PHASES),
         *(f"host/{k}_{p}" for p in CONTROLLER_CPU_PHASES for k in ("run_cpu_pct", "busiest_thread_cpu_pct",

@@ -14,10 +14,13 @@ from hybridrl.tools import megatron_parity as parity  # noqa: E402
 
 LOGP_TOL = 1e-5  # absolute, per token, fp32
 GRAD_TOL = 1e-4  # relative (Frobenius), per LoRA tensor
-# After the AdamW step at TP 2: AdamW's first step is lr * g / (|g| + 1e-8), so a gradient entry near 1e-8 turns
-# fp32 noise into a weight gap of up to 1e-2 * lr (allowed below). Packed at TP 2, the qwen2 case's gate_proj
-# lora_A entry of 9.0e-8 (HF) against 8.4e-8 (the median entry is 4.6e-3) moved the logprobs 1.05e-5.
-LOGP_AFTER_TOL_TP2 = 2e-5
+# After the AdamW step: its first step is lr * g / (|g| + 1e-8), so a gradient entry near 1e-8 turns fp32 noise
+# into a weight gap of up to lr (parity.weight_gaps holds such entries apart). Packed at TP 2, the qwen2 case's
+# gate_proj lora_A entry of 9.0e-8 (HF) against 8.4e-8 (the median entry is 4.6e-3) moved the logprobs 1.05e-5; at
+# TP 1 on an AMD EPYC host (2026-11-24, where an Intel one gave less) the same case moved them 1.24e-5. Which entry
+# lands near zero depends on the CPU's rounding, not on the trainer, so every after-step check allows 2e-5; a wrong
+# update moves them more than 1e-3 (the `moved` check).
+LOGP_AFTER_TOL = 2e-5
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]
     return out
 
 
-def _check(case: dict[str, Any], got: dict[str, Any], export_dir: Path, logp_after_tol: float = LOGP_TOL) -> None:
+def _check(case: dict[str, Any], got: dict[str, Any], export_dir: Path) -> None:
     gaps = parity.compare(case["ref"], got)
     name = case["name"]
     assert gaps["logp"] < LOGP_TOL, (name, gaps)
@@ -48,9 +51,12 @@ def _check(case: dict[str, Any], got: dict[str, Any], export_dir: Path, logp_aft
     assert gaps["grad_rel"] < GRAD_TOL, (name, gaps)
     assert gaps["grad_norm_rel"] < GRAD_TOL, (name, gaps)
     assert gaps["loss"] < 1e-6, (name, gaps)
-    # AdamW's first step is ~lr * sign(g): entries with g near 0 amplify fp32 noise, so scale by lr
+    # AdamW's first step is ~lr * sign(g): held tightly where the gradient is clear of zero (most entries), and
+    # within the step's own bound (each side moves at most lr) where fp32 rounding decides its sign
     assert gaps["weights_after"] < 1e-2 * case["run"].lr, (name, gaps)
-    assert gaps["logp_after"] < logp_after_tol, (name, gaps)
+    assert gaps["weights_clear_share"] > 0.5, (name, gaps)
+    assert gaps["weights_after_near_zero_grad"] <= 2.01 * case["run"].lr, (name, gaps)
+    assert gaps["logp_after"] < LOGP_AFTER_TOL, (name, gaps)
     # the update moved the policy, so the after-step check is not vacuous
     moved = max(float((a - b).abs().max()) for a, b in zip(case["ref"]["logp"], got["logp_after"], strict=True))
     assert moved > 1e-3, (name, moved)
@@ -82,7 +88,7 @@ def test_parity_tp2_dense_architectures(cases: dict[str, dict[str, Any]], tmp_pa
     archs = ["llama", "qwen2", "qwen3"]
     got = _run_group(cases, archs, 2, tmp_path)
     for arch in archs:
-        _check(cases[arch], got[arch], tmp_path / f"{arch}-export-tp2", LOGP_AFTER_TOL_TP2)
+        _check(cases[arch], got[arch], tmp_path / f"{arch}-export-tp2")
 
 
 @pytest.mark.slow
@@ -100,7 +106,7 @@ def test_parity_with_some_projections_unadapted_listed_out_of_order(tmp_path: Pa
     todo = [{k: case[k] for k in ("name", "model_dir", "adapter_dir", "samples")} |
             {"run": parity.default_run(tp, lora=lora), "export_dir": str(tmp_path / "export")}]
     got = parity.run_megatron_group(tp, todo, tmp_path / "got.pt")
-    _check(case, got["qwen3-partial"], tmp_path / "export", LOGP_TOL if tp == 1 else LOGP_AFTER_TOL_TP2)
+    _check(case, got["qwen3-partial"], tmp_path / "export")
 
 
 @pytest.mark.parametrize("rope", [
@@ -122,3 +128,16 @@ def test_rope_frequencies_match_transformers(tmp_path: Path, rope: dict[str, Any
     want, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, "cpu")
     assert scale == 1.0
     assert torch.allclose(hf_inv_freq(read_spec(tmp_path)), want.float(), rtol=1e-6, atol=0)
+
+
+def test_weight_gaps_hold_entries_with_a_clear_gradient_tightly_and_near_zero_ones_to_the_step() -> None:
+    import torch
+
+    grads = {"a": torch.tensor([1e-3, -2e-3, 1e-9, 0.0])}
+    ref = {"grads": grads, "weights_after": {"a": torch.tensor([1.0, 2.0, 3.0, 4.0])}}
+    noisy = {"weights_after": {"a": torch.tensor([1.0, 2.0, 3.0 + 0.01, 4.0 - 0.01])}}  # near zero: up to lr
+    gaps = parity.weight_gaps(ref, noisy)
+    assert gaps["weights_after"] == 0.0 and gaps["weights_clear_share"] == 0.5
+    assert gaps["weights_after_near_zero_grad"] == pytest.approx(0.01)
+    wrong = {"weights_after": {"a": torch.tensor([1.0 + 1e-3, 2.0, 3.0, 4.0])}}  # a clear entry moved differently
+    assert parity.weight_gaps(ref, wrong)["weights_after"] == pytest.approx(1e-3)

@@ -138,6 +138,6 @@ def test_weight_gaps_hold_entries_with_a_clear_gradient_tightly_and_near_zero_on
     noisy = {"weights_after": {"a": torch.tensor([1.0, 2.0, 3.0 + 0.01, 4.0 - 0.01])}}  # near zero: up to lr
     gaps = parity.weight_gaps(ref, noisy)
     assert gaps["weights_after"] == 0.0 and gaps["weights_clear_share"] == 0.5
-    assert gaps["weights_after_near_zero_grad"] == pytest.approx(0.01)
+    assert gaps["weights_after_near_zero_grad"] == pytest.approx(0.01, rel=1e-3)  # float32
     wrong = {"weights_after": {"a": torch.tensor([1.0 + 1e-3, 2.0, 3.0, 4.0])}}  # a clear entry moved differently
-    assert parity.weight_gaps(ref, wrong)["weights_after"] == pytest.approx(1e-3)
+    assert parity.weight_gaps(ref, wrong)["weights_after"] == pytest.approx(1e-3, rel=1e-3)

@@ -15,7 +15,7 @@ from hybridrl import nvml
 from hybridrl.proc import descendants, thread_cpu_ticks
 from hybridrl.run import telemetry
 from hybridrl.run.record import GPU, RECORD_KEYS, STRINGS
-from hybridrl.run.telemetry import GpuState, MemorySampler, Timings, run_thread_ticks, thread_load
+from hybridrl.run.telemetry import MemorySampler, Timings, limiting, run_thread_ticks, thread_load
 
 
 def _stat(pid: int, name: str, ppid: int, utime: int = 0, stime: int = 0) -> str:
@@ -137,7 +137,7 @@ def test_nvml_reads_clock_power_temperature_and_slowdown(monkeypatch: pytest.Mon
         got = session.conditions()
     assert got[0] == nvml.Conditions(1980.0, 450.0, 60.0, False)
     assert got[1] == nvml.Conditions(1500.0, 550.0, 61.0, True)
-    state = GpuState.of(got.values())
+    state = limiting(got.values())
     assert (state.sm_mhz, state.power_w, state.temp_c, state.slowed) == (1500.0, 550.0, 61.0, True)
     device = nvml.gpu_info()["devices"][1]
     assert device["max_sm_clock_mhz"] == 1980.0 and device["power_limit_w"] == 700.0
@@ -153,7 +153,7 @@ def test_a_gpu_that_cannot_tell_its_clock_is_left_out(monkeypatch: pytest.Monkey
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     with nvml.devices() as session:
         assert session.conditions() == {}
-    assert GpuState.of([]) is None
+    assert limiting([]) is None
 
 
 class _Devices:

@@ -58,14 +58,16 @@ def thread_cpu_ticks(pids: list[int], proc: Path = Path("/proc")) -> dict[tuple[
     out = {}
     for pid in pids:
         own = _stat(proc / str(pid) / "stat")
+        if own is None:  # gone, or not visible here
+            continue
         try:
             tids = os.listdir(proc / str(pid) / "task")
         except OSError:
             continue
-        name = process_name(pid, own[0], proc) if own else ""
+        name = process_name(pid, own[0], proc)
         for tid in tids:
             read = _stat(proc / str(pid) / "task" / tid / "stat")
-            if own and read and len(read[1]) > 12:  # utime and stime are fields 14 and 15 of stat
+            if read and len(read[1]) > 12:  # utime and stime are fields 14 and 15 of stat
                 label = name if read[0] == own[0] else f"{name}/{read[0]}"
                 out[(pid, int(tid))] = (int(read[1][11]) + int(read[1][12]), label)
     return out

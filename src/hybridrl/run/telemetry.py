@@ -10,7 +10,6 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +73,8 @@ def run_thread_ticks() -> ThreadTicks:
 def thread_load(before: ThreadTicks, after: ThreadTicks, seconds: float,
                 tick_s: float = 1.0 / os.sysconf("SC_CLK_TCK")) -> dict[str, float | str | None]:
     """The run's CPU use between two readings: all its threads together and the busiest single thread, in % of
-    one core, and that thread's name. A thread at ~100% bounds whatever waits on it (a Python loop holds one core
-    at most); a thread that started meanwhile counts from zero."""
+    one core, and that thread's name (a thread near 100% may limit the rollout or spin while it waits); a thread
+    that started meanwhile counts from zero."""
     if not after or seconds <= 0:
         return {"run_cpu_pct": None, "busiest_thread_cpu_pct": None, "busiest_thread": None}
     used = {key: ticks - before.get(key, (0, ""))[0] for key, (ticks, _) in after.items()}
@@ -208,33 +207,24 @@ def rollout_stats(completions: list[Completion], gen_s: float) -> dict[str, floa
     }
 
 
-@dataclass(frozen=True)
-class GpuState:
-    """The run's GPUs at one read, reduced to the one that limits a step: the slowest clock, the hottest and
-    most power-hungry GPU, and whether any was slowed."""
+def limiting(gpus: Iterable[nvml.Conditions]) -> nvml.Conditions | None:
+    """The run's GPUs at one read as one GPU that limits a step: the slowest clock, the highest power and
+    temperature, and whether any was slowed; None where no GPU answered."""
+    gpus = list(gpus)
+    if not gpus:
+        return None
+    return nvml.Conditions(min(g.sm_mhz for g in gpus), max(g.power_w for g in gpus), max(g.temp_c for g in gpus),
+                           any(g.slowed for g in gpus))
 
-    sm_mhz: float
-    power_w: float
-    temp_c: float
-    slowed: bool
 
-    @staticmethod
-    def of(gpus: Iterable[nvml.Conditions]) -> GpuState | None:
-        gpus = list(gpus)
-        if not gpus:
-            return None
-        return GpuState(min(g.sm_mhz for g in gpus), max(g.power_w for g in gpus), max(g.temp_c for g in gpus),
-                        any(g.slowed for g in gpus))
-
-    @staticmethod
-    def summary(states: list[GpuState], phase: str) -> dict[str, float | None]:
-        """gpu/* of one phase: median SM clock, mean power, highest temperature, share of reads slowed."""
-        if not states:
-            return {f"gpu/{name}_{phase}": None for name in ("sm_clock_mhz", "power_w", "temp_c", "slowdown_frac")}
-        return {f"gpu/sm_clock_mhz_{phase}": float(np.median([s.sm_mhz for s in states])),
-                f"gpu/power_w_{phase}": float(np.mean([s.power_w for s in states])),
-                f"gpu/temp_c_{phase}": max(s.temp_c for s in states),
-                f"gpu/slowdown_frac_{phase}": float(np.mean([s.slowed for s in states]))}
+def gpu_summary(states: list[nvml.Conditions], phase: str) -> dict[str, float | None]:
+    """gpu/* of one phase: median SM clock, mean power, highest temperature, share of reads slowed."""
+    if not states:
+        return {f"gpu/{name}_{phase}": None for name in ("sm_clock_mhz", "power_w", "temp_c", "slowdown_frac")}
+    return {f"gpu/sm_clock_mhz_{phase}": float(np.median([s.sm_mhz for s in states])),
+            f"gpu/power_w_{phase}": float(np.mean([s.power_w for s in states])),
+            f"gpu/temp_c_{phase}": max(s.temp_c for s in states),
+            f"gpu/slowdown_frac_{phase}": float(np.mean([s.slowed for s in states]))}
 
 
 class MemorySampler:
@@ -251,7 +241,7 @@ class MemorySampler:
         self.phase = "idle"
         self.samples: dict[str, list[float]] = defaultdict(list)  # phase -> max-over-GPUs used GB
         self.per_gpu: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-        self.conditions: dict[str, list[GpuState]] = defaultdict(list)  # phase -> the GPUs' state, one per read
+        self.conditions: dict[str, list[nvml.Conditions]] = defaultdict(list)  # phase -> limiting(), one per read
         self._lock = threading.Lock()
         self._stop = threading.Event()
         if gpu_indices is None:  # this process's GPUs (CUDA_VISIBLE_DEVICES), else every GPU
@@ -281,7 +271,7 @@ class MemorySampler:
         while not self._stop.is_set():
             used = self._devices.used_gb() if self._devices else {}
             read = tick % self.conditions_every == 0 and self._devices is not None
-            state = GpuState.of(self._devices.conditions().values()) if read else None
+            state = limiting(self._devices.conditions().values()) if read else None
             tick += 1
             if not used:  # no GPU answered this time
                 time.sleep(self.period)
@@ -313,7 +303,7 @@ class MemorySampler:
             for gpu, vals in per_gpu.get(phase, {}).items():
                 out[f"mem/gpu{gpu}_used_gb_{phase}"] = float(np.mean(vals))
         for phase in GPU_LOAD_PHASES:
-            out.update(GpuState.summary(states.get(phase, []), phase))
+            out.update(gpu_summary(states.get(phase, []), phase))
         return out
 
     def close(self) -> None:

@@ -92,7 +92,7 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     assert bad.returncode == 2
     plans = ("client faults full learning moe moe1full moe1pin moe1pin2 moe1vllm moe2full moe4 moe4full packing "
              "placement placementlong rest rest4 soak timed timingcost trainer trainerfast trainerfuse trainerloop "
-             "trainermoe verdict verdictkv verdictpin")
+             "trainermoe verdict verdictkv verdictpin verdictwarm")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
@@ -317,16 +317,27 @@ def test_a_lease_can_take_the_rest_of_a_plan_that_an_earlier_one_began(root: Pat
 
 def test_learning_plan_runs_the_long_runs_then_measures_the_vocabularies(root: Path) -> None:
     from hybridrl.study.config import load_study
+    from hybridrl.study.run_config import split_replicate
 
     items = _one_lane_plan(root, "gpu-h200-learning", "learning")
     names = [i.removeprefix("train ").split(" on ")[0] for i in items]
     # the 30-step runs first, so a lease cut short keeps them
     assert names == ["sglang-colocate", "vllm-colocate", "sglang-vocab-small", "sglang-vocab-qwen",
                      "vllm-vocab-small", "vllm-vocab-qwen"]
-    # every item is a run of the study: the short names are the ones `prepare` writes
+    # the verdict pair on the warm-started model: three replicates a side, interleaved
+    pair = [i.removeprefix("train ").split(" on ")[0] for i in _one_lane_plan(root, "gpu-h200-learning",
+                                                                              "verdictwarm")]
+    assert pair == [f"{a}{'' if k == 1 else f'-r{k}'}" for k in (1, 2, 3) for a in ("sglang-verdict", "vllm-verdict")]
+    # the two plans train every run `prepare` writes: the short name, -rK for replicate k
     study = load_study(REPO / "config" / "gpu-h200-learning.yaml")
-    short = {run.name or f"{run.engine}-{run.placement}" for run in study.runs.values()}
-    assert set(names) == short
+    short = {(run.name or f"{run.engine}-{run.placement}") + (f"-r{k}" if k > 1 else "")
+             for rid, run in study.runs.items() for k in [split_replicate(rid)[1]]}
+    assert set(names + pair) == short
+    # the pair differs in the engine and its release alone
+    sg, vl = (next(r for r in study.runs.values() if r.name == n) for n in ("sglang-verdict", "vllm-verdict"))
+    differ = {k for k, v in sg.model_dump().items() if v != vl.model_dump()[k]}
+    assert differ <= {"name", "engine", "sglang_release", "engine_args"}, differ
+    assert not sg.sampling.ignore_eos and sg.model == "qwen3-0.6b-warm"
 
 
 def test_trainer_plan_benchmarks_the_dense_then_the_moe_shape_on_one_gpu(root: Path) -> None:

@@ -435,6 +435,14 @@ plan_verdictpin() {
   one_lane "$(interleave 3 sglang-full vllm-server)"
 }
 
+plan_verdictwarm() {
+  # issue 16's headline pair on issue 17's model (config/gpu-h200-learning.yaml; prepare warm-starts it): SGLang's
+  # full release (pinned copy kept) and the vLLM server at level 1, three replicates each, interleaved, 10 steps a
+  # run, rollouts stopping at EOS; no benchmarks
+  study=config/gpu-h200-learning.yaml
+  one_lane "$(interleave 3 sglang-verdict vllm-verdict)"
+}
+
 plan_verdictkv() {
   # issue 16, second lease: in-process vLLM (level 1) and SGLang's KV-only release, an arm of its own (its sleep and
   # wake move other bytes than any other arm's), three replicates each, interleaved, then their benchmarks; their

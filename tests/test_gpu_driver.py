@@ -90,9 +90,9 @@ def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) ->
 def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
     assert bad.returncode == 2
-    plans = ("client faults full learning moe moe1full moe1pin moe1pin2 moe1vllm moe2full moe4 moe4full packing "
-             "placement placementlong rest rest4 soak timed timingcost trainer trainerfast trainerfuse trainerloop "
-             "trainermoe verdict verdictkv verdictpin verdictwarm")
+    plans = ("client faults full learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm moe2full moe4 moe4full "
+             "packing placement placementlong rest rest4 soak timed timingcost trainer trainerfast trainerfuse "
+             "trainerloop trainermoe verdict verdictkv verdictpin verdictwarm")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
@@ -332,7 +332,11 @@ def test_learning_plan_runs_the_long_runs_then_measures_the_vocabularies(root: P
     study = load_study(REPO / "config" / "gpu-h200-learning.yaml")
     short = {(run.name or f"{run.engine}-{run.placement}") + (f"-r{k}" if k > 1 else "")
              for rid, run in study.runs.items() for k in [split_replicate(rid)[1]]}
-    assert set(names + pair) == short
+    # ten times the learning rate, 50 steps a side
+    learn = _one_lane_plan(root, "gpu-h200-learning", "learnlr")
+    assert learn == ["train sglang-learn on GPU 0", "train vllm-learn on GPU 0"]
+    assert {r.lr for r in study.runs.values() if (r.name or "").endswith("-learn")} == {1e-3}
+    assert set(names + pair + [i.removeprefix("train ").split(" on ")[0] for i in learn]) == short
     # the pair differs in the engine and its release alone
     sg, vl = (next(r for r in study.runs.values() if r.name == n) for n in ("sglang-verdict", "vllm-verdict"))
     differ = {k for k, v in sg.model_dump().items() if v != vl.model_dump()[k]}

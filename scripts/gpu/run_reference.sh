@@ -345,6 +345,13 @@ plan_learning() {
   one_lane "train sglang-colocate;train vllm-colocate;train sglang-vocab-small;train sglang-vocab-qwen;train vllm-vocab-small;train vllm-vocab-qwen"
 }
 
+plan_learnlr() {
+  # issue 17's open question on one GPU (config/gpu-h200-learning.yaml): 50 warm-started steps per engine at ten
+  # times `learning`'s learning rate (1e-3), eval every 5 steps, SGLang then the vLLM server
+  study=config/gpu-h200-learning.yaml
+  one_lane "train sglang-learn;train vllm-learn"
+}
+
 plan_trainer() {
   # issue 15 on one GPU: the trainer benchmark, HF and Megatron TP 1 on a fixed batch, 5 updates after a
   # warm-up, one trainer a process (both in one held the 30B checkpoint twice over: killed by the host): the dense

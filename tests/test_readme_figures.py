@@ -32,7 +32,7 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
                  "2026-11-24-h200-trainerfuse2", "2026-11-24-h200-trainerfast", "2026-11-24-h200-timingcost",
                  "2026-11-24-h200-trainerrepeat", "2026-11-24-h200-moe1full", "2026-11-24-h200-verdictpin",
                  "2026-11-24-h200-moe1pin", "2026-11-24-h200-verdictpin2",
-                 "2026-11-24-h200-moe1pin2"):
+                 "2026-11-24-h200-moe1pin2", "2026-11-24-h200-verdictwarm", "2026-11-24-h200-learnlr"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
     for name in ("2026-11-24-h200-faults", "2026-11-24-h200-trainermoe"):
         assert marked[f"results/reference/{name}/README.md"] >= 2, name
@@ -130,6 +130,40 @@ def test_run_medians_lists_each_replicate_in_the_order_it_ran() -> None:
     assert figures.evaluate(f"run_medians {study} vllm-server perf/throughput 0.001 1") == "10.7, 13.4, 14.6"
     with pytest.raises(ValueError, match="steps.csv has no column 'perf/tput'"):
         figures.evaluate(f"run_medians {study} vllm-server perf/tput")
+
+
+def test_a_figure_naming_a_column_the_table_lacks_says_so_instead_of_writing_a_dash() -> None:
+    study = "results/reference/2026-11-24-h200-verdictwarm"
+    for expr in (f"median {study} sglang-verdict perf/tput", f"interval {study} sglang-verdict perf/tput",
+                 f"ratio {study} sglang-verdict vllm-verdict perf/tput",
+                 f"verdict {study} sglang-verdict vllm-verdict perf/tput time",
+                 f"between {study} * finish/eos_frac 0 1", f"span {study} sglang-verdict perf/tput"):
+        with pytest.raises(ValueError, match="steps.csv has no column 'perf/tput'|no column 'finish/eos_frac'"):
+            figures.evaluate(expr)
+    assert figures.evaluate(f"median {study} sglang-verdict response_length/mean") == "81.60"
+
+
+def test_a_paired_figure_differences_two_runs_step_by_step_and_refuses_unpaired_ones() -> None:
+    low, high = "results/reference/2026-11-24-h200-learning", "results/reference/2026-11-24-h200-learnlr"
+    a, b = pd.read_csv(REPO / low / "steps.csv"), pd.read_csv(REPO / high / "steps.csv")
+    ra = a[a["run_id"].str.startswith("sglang-colocate-")].set_index("step")["reward/accuracy"]
+    rb = b[b["run_id"].str.startswith("sglang-learn-")].set_index("step")["reward/accuracy"]
+    text = figures.evaluate(f"paired {low} sglang-colocate {high} sglang-learn reward/accuracy 21 30")
+    assert text.startswith(f"{(rb - ra).loc[21:30].mean():+.3f} [") and text.endswith("] over 10 steps")
+    lo, hi = (float(x) for x in text.split("[")[1].split("]")[0].split(", "))
+    assert lo < (rb - ra).loc[21:30].mean() < hi
+    # steps 31-50 exist on one side only: no pairs
+    with pytest.raises(ValueError, match="share 0 steps"):
+        figures.evaluate(f"paired {low} sglang-colocate {high} sglang-learn reward/accuracy 31 50")
+    with pytest.raises(ValueError, match="has 3 runs; a paired figure takes one run a side"):
+        figures.evaluate(f"paired results/reference/2026-11-24-h200-verdictwarm sglang-verdict {high} sglang-learn "
+                         "reward/accuracy 1 10")
+    # the same seed, data and batch shape through another tokenizer (4,096 tokens): prompts of other lengths
+    with pytest.raises(ValueError, match="drew different prompts at step 1"):
+        figures.evaluate(f"paired {low} sglang-vocab-small {high} sglang-learn reward/mean 1 3")
+    with pytest.raises(ValueError, match="requests/step-0001.jsonl is missing: cannot check"):  # recorded none
+        figures.evaluate(f"paired results/reference/2026-11-22-h200 sglang-colocate-hf {high} sglang-learn "
+                         "reward/mean 1 3")
 
 
 def test_studies_joined_by_a_plus_pool_their_runs_and_keep_each_leases_replicates_apart() -> None:

@@ -58,8 +58,12 @@ def _config(df: pd.DataFrame, name: str) -> pd.DataFrame:
     return df[df["config_id"] == ids[0]]
 
 
-def _steady(study: str, name: str) -> pd.DataFrame:
-    return stats.steady_state(_config(_table(study), name))
+def _steady(study: str, name: str, column: str | None = None) -> pd.DataFrame:
+    """The configuration's steady-state steps; with a column, one the table has (else a named error, not '–')."""
+    df = _table(study)
+    if column is not None:
+        _column(df, study, column)
+    return stats.steady_state(_config(df, name))
 
 
 def _fmt(x: float) -> str:
@@ -70,24 +74,28 @@ def _fmt(x: float) -> str:
 
 def median(study: str, name: str, column: str) -> str:
     """The configuration's steady-state median, as the report writes numbers."""
-    return _fmt(stats.estimate(_steady(study, name), column).value)
+    return _fmt(stats.estimate(_steady(study, name, column), column).value)
 
 
 def interval(study: str, name: str, column: str) -> str:
     """median [lo, hi] over runs and steps."""
-    est = stats.estimate(_steady(study, name), column)
+    est = stats.estimate(_steady(study, name, column), column)
     return f"{_fmt(est.value)} [{_fmt(est.lo)}, {_fmt(est.hi)}]"
+
+
+def _ratio(study: str, a: str, b: str, column: str) -> stats.Estimate:
+    return stats.hierarchical_ratio(stats.per_run(_steady(study, a, column), column),
+                                    stats.per_run(_steady(study, b), column))
 
 
 def ratio(study: str, a: str, b: str, column: str) -> str:
     """a / b of the steady-state medians with the hierarchical 95% interval: 0.83x [0.74, 0.89]."""
-    est = stats.hierarchical_ratio(stats.per_run(_steady(study, a), column), stats.per_run(_steady(study, b), column))
-    return wording.ratio_text(est)
+    return wording.ratio_text(_ratio(study, a, b, column))
 
 
 def change(study: str, a: str, b: str, column: str) -> str:
     """a vs b as a percent change with its interval: +10% [-31%, +61%]."""
-    est = stats.hierarchical_ratio(stats.per_run(_steady(study, a), column), stats.per_run(_steady(study, b), column))
+    est = _ratio(study, a, b, column)
     return f"{100 * (est.value - 1):+.0f}% [{100 * (est.lo - 1):+.0f}%, {100 * (est.hi - 1):+.0f}%]"
 
 
@@ -106,7 +114,7 @@ def verdict(study: str, a: str, b: str, column: str, mode: str = "rate") -> str:
         raise ValueError(f"unknown verdict mode {mode!r} (known: {', '.join(MODES)})")
     names = {c: h for c, h, _ in KEY_METRICS} | {c: f"{n.capitalize()} time" for c, n in TRANSITIONS}
     what = names.get(column, column)
-    sa, sb = _steady(study, a), _steady(study, b)
+    sa, sb = _steady(study, a, column), _steady(study, b)
     est = stats.hierarchical_ratio(stats.per_run(sa, column), stats.per_run(sb, column))
     higher, better, worse = MODES[mode]
     n = [(stats.n_runs(d), int(pd.to_numeric(d[column], errors="coerce").notna().sum())) for d in (sa, sb)]
@@ -174,14 +182,14 @@ def records(study: str) -> str:
 def span(study: str, name: str, column: str, first: str = "1", last: str = "1000") -> str:
     """min–max of the column over steps first..last of the configuration (every step, warm-up too), in k."""
     df = _config(_table(study), name)
-    values = pd.to_numeric(df[(df["step"] >= int(first)) & (df["step"] <= int(last))][column], errors="coerce")
+    values = _column(df, study, column)[(df["step"] >= int(first)) & (df["step"] <= int(last))]
     return f"{values.min() / 1000:.1f}k–{values.max() / 1000:.1f}k"
 
 
 def between(study: str, name: str, column: str, lo: str, hi: str) -> str:
     """How many of the configuration's steps (every step) fall strictly between lo and hi: '15 of 45'."""
     df = _table(study) if name == "*" else _config(_table(study), name)
-    values = pd.to_numeric(df[column], errors="coerce").dropna()
+    values = _column(df, study, column).dropna()
     return f"{int(((values > float(lo)) & (values < float(hi))).sum())} of {len(values)}"
 
 
@@ -287,6 +295,45 @@ def unattributed(study: str, name: str) -> str:
     return f"{rest.max():.2f}"
 
 
+def _only_run(study: str, name: str) -> pd.DataFrame:
+    df = _config(_table(study), name)
+    if df["run_id"].nunique() != 1:
+        raise ValueError(f"{study}: {name} has {df['run_id'].nunique()} runs; a paired figure takes one run a side")
+    return df
+
+
+def _prompts(study: str, run: pd.DataFrame, step: int) -> list[tuple[Any, Any]]:
+    """(sampling seed, prompt length) of each request of the run's step, from its committed request records."""
+    rid = str(run["run_id"].iloc[0])
+    folder, _, rid = rid.rpartition("/")  # a pooled study prefixes each run id with its folder's name
+    root = next((f for f in study.split("+") if Path(f).name == folder), study) if folder else study
+    path = REPO / root / "runs" / rid / "requests" / f"step-{int(step):04d}.jsonl"
+    if not path.exists():
+        raise ValueError(f"{path.relative_to(REPO)} is missing: cannot check that both runs drew the same prompts")
+    return [(r.get("seed"), r.get("prompt_tokens")) for r in map(json.loads, path.read_text().splitlines())]
+
+
+def paired(study_a: str, name_a: str, study_b: str, name_b: str, column: str, first: str, last: str,
+           digits: str = "3") -> str:
+    """b − a step by step over steps first..last, its mean with a bootstrap 95% interval over those steps:
+    '+0.082 [+0.031, +0.130] over 10 steps'. Two runs of one seed, data and batch shape draw the same prompts at
+    each step (checked against their request records), so the difference of a step's reward takes out how hard
+    that step's prompts were."""
+    a, b = _only_run(study_a, name_a), _only_run(study_b, name_b)
+    lo, hi = int(first), int(last)
+    va = _column(a, study_a, column).set_axis(a["step"])
+    vb = _column(b, study_b, column).set_axis(b["step"])
+    diff = (vb - va).loc[lo:hi].dropna()
+    for step in diff.index:
+        if _prompts(study_a, a, step) != _prompts(study_b, b, step):
+            raise ValueError(f"{name_a} and {name_b} drew different prompts at step {step}")
+    est = stats.bootstrap_mean(diff)
+    if est.n < 2:
+        raise ValueError(f"{name_a} and {name_b} share {est.n} steps with {column!r} in {lo}..{hi}")
+    n = int(digits)
+    return f"{est.value:+.{n}f} [{est.lo:+.{n}f}, {est.hi:+.{n}f}] over {est.n} steps"
+
+
 @cache
 def _text(path: str) -> str:
     return (REPO / path).read_text(errors="replace")
@@ -306,7 +353,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "records": records, "span": span, "between": between, "tiers": tiers, "value": value,
     "repeats": repeats, "verdict": verdict, "bench_ratio": bench_ratio, "path_ratio": path_ratio,
     "update_ratio": update_ratio, "profile_total": profile_total,
-    "series": series, "logged": logged,
+    "series": series, "logged": logged, "paired": paired,
     "at": at, "run_medians": run_medians, "slope": slope, "share": share, "unattributed": unattributed,
 }
 

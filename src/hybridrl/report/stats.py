@@ -120,6 +120,18 @@ def bootstrap_median(values: Iterable[float], n_boot: int = N_BOOT, seed: int = 
     return hierarchical_median([values], n_boot=n_boot, seed=seed, level=level)
 
 
+def bootstrap_mean(values: Iterable[float], n_boot: int = N_BOOT, seed: int = SEED, level: float = 0.95) -> Estimate:
+    """Mean of the finite values with a seeded percentile-bootstrap interval (for paired differences, where the
+    mean of the differences is the difference of the means)."""
+    x = _clean(values)
+    if len(x) < 2:
+        return Estimate(float(x.mean()) if len(x) else float("nan"), float("nan"), float("nan"), len(x), 1)
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, len(x), size=(n_boot, len(x)))].mean(axis=1)
+    lo, hi = _interval(means, level)
+    return Estimate(float(x.mean()), lo, hi, len(x), 1)
+
+
 def ratio_of_medians(a: Iterable[float], b: Iterable[float], n_boot: int = N_BOOT, seed: int = SEED,
                      level: float = 0.95) -> Estimate:
     """median(a) / median(b) of one run each; both resampled independently. n = min(n_a, n_b)."""

@@ -185,6 +185,17 @@ def _archive(args: argparse.Namespace) -> None:
          run_ids=args.runs)
 
 
+def _compact(args: argparse.Namespace) -> None:
+    from hybridrl.tools.request_records import compact
+
+    for run in args.runs:
+        if not (Path(run) / "steps.jsonl").is_file():
+            raise SystemExit(f"hybridrl compact: {run} is not a run directory (no steps.jsonl)")
+    for run in args.runs:
+        done = compact(Path(run))
+        print(f"{run}: {done.files} request files gzipped, {done.before / 1e6:.2f} MB -> {done.after / 1e6:.2f} MB")
+
+
 def _verify(args: argparse.Namespace) -> None:
     from hybridrl.tools.archive import verify
 
@@ -337,6 +348,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--root", default=".", help="repository root: extra files are named relative to it")
     s.add_argument("--out", required=True)
     s.set_defaults(fn=_archive)
+
+    s = sub.add_parser("compact", help="gzip finished runs' per-request records in place, as results/reference "
+                       "keeps them (every GPU lease carries the tree under 64 MiB)")
+    s.add_argument("runs", nargs="+", help="run directories (runs/<run id>/)")
+    s.set_defaults(fn=_compact)
 
     s = sub.add_parser("verify", help="check an archive against its manifest")
     s.add_argument("archive")

@@ -25,6 +25,7 @@ import pandas as pd
 
 from hybridrl.report import stats, trend, wording
 from hybridrl.report.aggregate import read_table
+from hybridrl.tools import request_records
 
 REPO = Path(__file__).resolve().parents[3]
 MARK = re.compile(r"<!--fig (?P<expr>[^>]*?)-->(?P<text>.*?)<!--/fig-->", re.S)
@@ -307,10 +308,12 @@ def _prompts(study: str, run: pd.DataFrame, step: int) -> list[tuple[Any, Any]]:
     rid = str(run["run_id"].iloc[0])
     folder, _, rid = rid.rpartition("/")  # a pooled study prefixes each run id with its folder's name
     root = next((f for f in study.split("+") if Path(f).name == folder), study) if folder else study
-    path = REPO / root / "runs" / rid / "requests" / f"step-{int(step):04d}.jsonl"
-    if not path.exists():
-        raise ValueError(f"{path.relative_to(REPO)} is missing: cannot check that both runs drew the same prompts")
-    return [(r.get("seed"), r.get("prompt_tokens")) for r in map(json.loads, path.read_text().splitlines())]
+    try:
+        records = request_records.read(REPO / root / "runs" / rid, int(step))
+    except FileNotFoundError as exc:
+        raise ValueError(f"{Path(str(exc).split(' ')[0]).relative_to(REPO)} is missing: cannot check that both runs "
+                         "drew the same prompts") from None
+    return [(r.get("seed"), r.get("prompt_tokens")) for r in records]
 
 
 def paired(study_a: str, name_a: str, study_b: str, name_b: str, column: str, first: str, last: str,

@@ -1,0 +1,61 @@
+"""Per-request records as the repository keeps them: gzipped in place, read back alike, none left plain."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridrl import cli
+from hybridrl.tools import request_records
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(tmp_path: Path, steps: int = 2) -> Path:
+    run = tmp_path / "run"
+    (run / "requests").mkdir(parents=True)
+    (run / "steps.jsonl").write_text("{}\n")
+    for step in range(1, steps + 1):
+        rows = [{"i": i, "seed": 100 * step + i, "prompt_tokens": 40 + i, "adapter": "policy"} for i in range(8)]
+        (run / "requests" / f"step-{step:04d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_compact_gzips_each_step_beside_itself_and_reads_back_the_same_records(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    plain = [request_records.read(run, s) for s in (1, 2)]
+    done = request_records.compact(run)
+    assert done.files == 2 and 0 < done.after < done.before
+    assert sorted(p.name for p in (run / "requests").iterdir()) == ["step-0001.jsonl.gz", "step-0002.jsonl.gz"]
+    assert [request_records.read(run, s) for s in (1, 2)] == plain
+    first = (run / "requests" / "step-0001.jsonl.gz").read_bytes()
+    assert request_records.compact(run).files == 0  # nothing left to do
+    assert (run / "requests" / "step-0001.jsonl.gz").read_bytes() == first
+    with pytest.raises(FileNotFoundError, match="step-0003.jsonl"):
+        request_records.read(run, 3)
+
+
+def test_a_plain_file_beside_its_gzipped_one_wins_and_is_compacted_over_it(tmp_path: Path) -> None:
+    run = _run(tmp_path, steps=1)
+    request_records.compact(run)
+    newer = [{"i": 0, "seed": 7, "prompt_tokens": 3}]  # the run resumed and wrote the step again
+    (run / "requests" / "step-0001.jsonl").write_text(json.dumps(newer[0]) + "\n")
+    assert request_records.read(run, 1) == newer
+    request_records.compact(run)
+    assert request_records.read(run, 1) == newer and not (run / "requests" / "step-0001.jsonl").exists()
+
+
+def test_the_cli_refuses_a_folder_that_is_not_a_run_and_touches_nothing(tmp_path: Path, capsys) -> None:
+    run = _run(tmp_path)
+    with pytest.raises(SystemExit, match=r"hybridrl compact: .*elsewhere is not a run directory \(no steps.jsonl\)"):
+        cli.main(["compact", str(run), str(tmp_path / "elsewhere")])
+    assert (run / "requests" / "step-0001.jsonl").exists()  # checked all before compacting any
+    cli.main(["compact", str(run)])
+    assert "2 request files gzipped" in capsys.readouterr().out
+
+
+def test_the_committed_results_keep_no_plain_request_records() -> None:
+    plain = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "results").glob("**/requests/step-*.jsonl"))
+    assert not plain, f"run `python -m hybridrl compact` on these runs before committing them: {plain[:3]}"

@@ -32,7 +32,8 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
                  "2026-11-24-h200-trainerfuse2", "2026-11-24-h200-trainerfast", "2026-11-24-h200-timingcost",
                  "2026-11-24-h200-trainerrepeat", "2026-11-24-h200-moe1full", "2026-11-24-h200-verdictpin",
                  "2026-11-24-h200-moe1pin", "2026-11-24-h200-verdictpin2",
-                 "2026-11-24-h200-moe1pin2", "2026-11-24-h200-verdictwarm", "2026-11-24-h200-learnlr"):
+                 "2026-11-24-h200-moe1pin2", "2026-11-24-h200-verdictwarm", "2026-11-24-h200-learnlr",
+                 "2026-11-24-h200-timingcost2"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
     for name in ("2026-11-24-h200-faults", "2026-11-24-h200-trainermoe"):
         assert marked[f"results/reference/{name}/README.md"] >= 2, name

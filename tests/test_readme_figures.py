@@ -153,6 +153,8 @@ def test_a_paired_figure_differences_two_runs_step_by_step_and_refuses_unpaired_
     assert text.startswith(f"{(rb - ra).loc[21:30].mean():+.3f} [") and text.endswith("] over 10 steps")
     lo, hi = (float(x) for x in text.split("[")[1].split("]")[0].split(", "))
     assert lo < (rb - ra).loc[21:30].mean() < hi
+    with pytest.raises(ValueError, match="steps 'one'..'10' are not step numbers"):
+        figures.evaluate(f"paired {low} sglang-colocate {high} sglang-learn reward/accuracy one 10")
     # steps 31-50 exist on one side only: no pairs
     with pytest.raises(ValueError, match="share 0 steps"):
         figures.evaluate(f"paired {low} sglang-colocate {high} sglang-learn reward/accuracy 31 50")

@@ -322,6 +322,8 @@ def paired(study_a: str, name_a: str, study_b: str, name_b: str, column: str, fi
     '+0.082 [+0.031, +0.130] over 10 steps'. Two runs of one seed, data and batch shape draw the same prompts at
     each step (checked against their request records), so the difference of a step's reward takes out how hard
     that step's prompts were."""
+    if not (first.isdigit() and last.isdigit()):
+        raise ValueError(f"steps {first!r}..{last!r} are not step numbers")
     a, b = _only_run(study_a, name_a), _only_run(study_b, name_b)
     lo, hi = int(first), int(last)
     va = _column(a, study_a, column).set_axis(a["step"])

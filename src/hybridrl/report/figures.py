@@ -311,8 +311,8 @@ def _prompts(study: str, run: pd.DataFrame, step: int) -> list[tuple[Any, Any]]:
     try:
         records = request_records.read(REPO / root / "runs" / rid, int(step))
     except FileNotFoundError as exc:
-        raise ValueError(f"{Path(str(exc).split(' ')[0]).relative_to(REPO)} is missing: cannot check that both runs "
-                         "drew the same prompts") from None
+        raise ValueError(f"{Path(exc.filename).relative_to(REPO)} is missing: cannot check that both runs drew the "
+                         "same prompts") from None
     return [(r.get("seed"), r.get("prompt_tokens")) for r in records]
 
 

@@ -8,6 +8,7 @@ about ten times, and every GPU lease carries the whole working tree under a 64 M
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 from dataclasses import dataclass
@@ -42,9 +43,9 @@ def compact(run_dir: Path) -> Compacted:
 
 
 def read(run_dir: Path, step: int) -> list[dict[str, Any]]:
-    """The step's records, plain or gzipped; FileNotFoundError names the plain path when neither exists. Where both
-    exist the plain one wins: the run wrote it after a compaction (resumed), or compaction stopped before its unlink
-    and the two hold the same records."""
+    """The step's records, plain or gzipped; FileNotFoundError (its filename the plain path) when neither exists.
+    Where both exist the plain one wins: the run wrote it after a compaction (resumed), or compaction stopped before
+    its unlink and the two hold the same records."""
     plain = _path(run_dir, step)
     packed = plain.with_name(plain.name + ".gz")
     if plain.exists():
@@ -52,5 +53,5 @@ def read(run_dir: Path, step: int) -> list[dict[str, Any]]:
     elif packed.exists():
         text = gzip.decompress(packed.read_bytes()).decode()
     else:
-        raise FileNotFoundError(f"{plain} (or .gz) is missing")
+        raise FileNotFoundError(errno.ENOENT, "no request records (plain or .gz)", str(plain))
     return [json.loads(line) for line in text.splitlines() if line.strip()]

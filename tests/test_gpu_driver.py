@@ -262,7 +262,7 @@ def test_soak_plan_runs_each_engine_for_fifty_steps_one_after_another(root: Path
 def test_verdict_plans_keep_the_like_for_like_arms_in_one_lease_interleaved_and_the_kv_arm_in_another(
         root: Path) -> None:
     from hybridrl.study.config import load_study
-    from hybridrl.study.run_config import split_replicate
+    from hybridrl.study.prepare_study import short_name
 
     items = _one_lane_plan(root, "gpu-h200-verdict", "verdict")
     pair = ("sglang-full", "vllm-server")
@@ -284,8 +284,7 @@ def test_verdict_plans_keep_the_like_for_like_arms_in_one_lease_interleaved_and_
     assert _one_lane_plan(root, "gpu-h200-verdict", "verdictpin") == rounds  # the pair again, SGLang's copy kept
     # the three plans train every run config `prepare` writes: the arm's name, -rK for replicate k
     study = load_study(REPO / "config" / "gpu-h200-verdict.yaml")
-    names = [run.name + (f"-r{k}" if k > 1 else "") for rid, run in study.runs.items()
-             for k in [split_replicate(rid)[1]]]
+    names = [short_name(rid, run) for rid, run in study.runs.items()]
     assert sorted(f"train {n} on GPU 0" for n in names) == sorted(rounds + kv + timing)
     pair = [next(r for r in study.runs.values() if r.name == n) for n in ("sglang-untimed", "sglang-timed")]
     differ = {k for k in type(pair[0]).model_fields if getattr(pair[0], k) != getattr(pair[1], k)}
@@ -317,7 +316,7 @@ def test_a_lease_can_take_the_rest_of_a_plan_that_an_earlier_one_began(root: Pat
 
 def test_learning_plan_runs_the_long_runs_then_measures_the_vocabularies(root: Path) -> None:
     from hybridrl.study.config import load_study
-    from hybridrl.study.run_config import split_replicate
+    from hybridrl.study.prepare_study import short_name
 
     items = _one_lane_plan(root, "gpu-h200-learning", "learning")
     names = [i.removeprefix("train ").split(" on ")[0] for i in items]
@@ -330,8 +329,7 @@ def test_learning_plan_runs_the_long_runs_then_measures_the_vocabularies(root: P
     assert pair == [f"{a}{'' if k == 1 else f'-r{k}'}" for k in (1, 2, 3) for a in ("sglang-verdict", "vllm-verdict")]
     # the two plans train every run `prepare` writes: the short name, -rK for replicate k
     study = load_study(REPO / "config" / "gpu-h200-learning.yaml")
-    short = {(run.name or f"{run.engine}-{run.placement}") + (f"-r{k}" if k > 1 else "")
-             for rid, run in study.runs.items() for k in [split_replicate(rid)[1]]}
+    short = {short_name(rid, run) for rid, run in study.runs.items()}
     # ten times the learning rate, 50 steps a side
     learn = _one_lane_plan(root, "gpu-h200-learning", "learnlr")
     assert learn == ["train sglang-learn on GPU 0", "train vllm-learn on GPU 0"]
@@ -339,7 +337,7 @@ def test_learning_plan_runs_the_long_runs_then_measures_the_vocabularies(root: P
     assert set(names + pair + [i.removeprefix("train ").split(" on ")[0] for i in learn]) == short
     # the pair differs in the engine and its release alone
     sg, vl = (next(r for r in study.runs.values() if r.name == n) for n in ("sglang-verdict", "vllm-verdict"))
-    differ = {k for k, v in sg.model_dump().items() if v != vl.model_dump()[k]}
+    differ = {k for k in type(sg).model_fields if getattr(sg, k) != getattr(vl, k)}
     assert differ <= {"name", "engine", "sglang_release", "engine_args"}, differ
     assert not sg.sampling.ignore_eos and sg.model == "qwen3-0.6b-warm"
 

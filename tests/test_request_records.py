@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl import cli
-from hybridrl.tools import request_records
+from hybridrl.run import request_records
 
 REPO = Path(__file__).resolve().parents[1]
 

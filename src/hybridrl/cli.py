@@ -186,7 +186,7 @@ def _archive(args: argparse.Namespace) -> None:
 
 
 def _compact(args: argparse.Namespace) -> None:
-    from hybridrl.tools.request_records import compact
+    from hybridrl.run.request_records import compact
 
     for run in args.runs:
         if not (Path(run) / "steps.jsonl").is_file():

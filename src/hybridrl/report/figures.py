@@ -25,7 +25,7 @@ import pandas as pd
 
 from hybridrl.report import stats, trend, wording
 from hybridrl.report.aggregate import read_table
-from hybridrl.tools import request_records
+from hybridrl.run import request_records
 
 REPO = Path(__file__).resolve().parents[3]
 MARK = re.compile(r"<!--fig (?P<expr>[^>]*?)-->(?P<text>.*?)<!--/fig-->", re.S)

@@ -35,6 +35,7 @@ from hybridrl.engines import make_engine
 from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling, stream_flags
 from hybridrl.engines.client_ceiling import client_headroom_ok, run_ceiling
 from hybridrl.nvml import process_used_gb
+from hybridrl.run import request_records
 from hybridrl.run.barrier import StartBarrier
 from hybridrl.run.checks import Canary, asleep_memory_gate, gap_limits, logprob_gate, model_family
 from hybridrl.run.overlap import AheadRollouts, InFlight, overlap_s
@@ -80,7 +81,7 @@ class RunPaths:
         atomic.write_text(self.phase, json.dumps({"step": step, "phase": name, "pid": os.getpid()}))
 
     def requests(self, step: int) -> Path:
-        return self.root / "requests" / f"step-{step:04d}.jsonl"
+        return request_records.path(self.root, step)
 
     @property
     def logs(self) -> Path:

@@ -1,4 +1,5 @@
-"""A finished run's per-request records (`requests/step-NNNN.jsonl`) as the repository keeps them: gzipped.
+"""A run's per-request records: where the loop writes a step's (`requests/step-NNNN.jsonl`), and the form the
+repository keeps a finished run's in: gzipped.
 
 The records are kept for audit: which adapter, seed and prompt each request had, what it returned. They compress
 about ten times, and every GPU lease carries the whole working tree under a 64 MiB limit, so plain records in
@@ -25,7 +26,8 @@ class Compacted:
     after: int  # and gzipped
 
 
-def _path(run_dir: Path, step: int) -> Path:
+def path(run_dir: Path, step: int) -> Path:
+    """Where a run writes the records of one step, plain."""
     return Path(run_dir) / "requests" / f"step-{step:04d}.jsonl"
 
 
@@ -46,7 +48,7 @@ def read(run_dir: Path, step: int) -> list[dict[str, Any]]:
     """The step's records, plain or gzipped; FileNotFoundError (its filename the plain path) when neither exists.
     Where both exist the plain one wins: the run wrote it after a compaction (resumed), or compaction stopped before
     its unlink and the two hold the same records."""
-    plain = _path(run_dir, step)
+    plain = path(run_dir, step)
     packed = plain.with_name(plain.name + ".gz")
     if plain.exists():
         text = plain.read_text()

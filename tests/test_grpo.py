@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybridrl.study.run_config import RunConfig
-from hybridrl.task.rl import policy_loss, token_logprobs
+from hybridrl.task.rl import policy_loss, token_logprobs, token_logprobs_entropy
 from hybridrl.trainers import grpo
 from hybridrl.trainers.base import Sample
 from hybridrl.trainers.grpo import grpo_backward, pad_batch
@@ -44,11 +44,16 @@ class Toy(torch.nn.Module):
         self.adapter = torch.nn.Parameter(torch.randn(8, 8) * 0.1)
         self.adapter_on = True
 
-    def logprobs(self, batch: grpo.Batch) -> torch.Tensor:
+    def logits(self, batch: grpo.Batch) -> torch.Tensor:
         h = self.emb(batch.inputs)
         if self.adapter_on:
             h = h + h @ self.adapter
-        return token_logprobs(self.out(h), batch.targets)
+        return self.out(h)
+
+    def logprobs(self, batch: grpo.Batch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if entropy:
+            return token_logprobs_entropy(self.logits(batch), batch.targets)
+        return token_logprobs(self.logits(batch), batch.targets), None
 
     @contextlib.contextmanager
     def off(self):
@@ -76,9 +81,28 @@ def test_the_loss_is_one_token_mean_however_the_batch_is_split() -> None:
         torch.testing.assert_close(a, b)
     # and it is the policy loss over all tokens at once
     batch = pad_batch(SAMPLES)
-    logp = model.logprobs(batch)
+    logp, _ = model.logprobs(batch)
     loss, _ = policy_loss(logp, logp.detach(), torch.tensor([s.advantage for s in SAMPLES]), batch.mask)
     assert whole["train/loss"] == pytest.approx(float(loss), abs=1e-6)
+
+
+def test_train_entropy_is_the_policy_entropy_over_completion_tokens_however_split() -> None:
+    model = Toy()
+    whole, _ = _grads(model, micro_batch=8)
+    split, _ = _grads(model, micro_batch=1)
+    batch = pad_batch(SAMPLES)
+    with torch.no_grad():
+        want = torch.distributions.Categorical(logits=model.logits(batch)).entropy()[batch.mask].mean()
+    assert whole["train/entropy"] == pytest.approx(float(want), rel=1e-6)
+    assert split["train/entropy"] == pytest.approx(float(want), rel=1e-6)
+    assert 0 < whole["train/entropy"] < math.log(10)  # a spread-out policy over 10 tokens, not a uniform one
+
+
+def test_a_forward_without_entropy_records_nan_not_a_partial_mean() -> None:
+    model = Toy()
+    run = RunConfig(model="toy", micro_batch=2)
+    metrics = grpo_backward(SAMPLES, run, torch.device("cpu"), lambda b, _: model.logprobs(b, False), model.off)
+    assert math.isnan(metrics["train/entropy"]) and math.isfinite(metrics["train/loss"])
 
 
 def test_the_kl_reference_runs_with_the_adapter_off() -> None:
@@ -120,7 +144,7 @@ def test_rollout_is_reweights_only_tokens_the_engine_drew_from_another_policy() 
     # engine logprobs equal to the trainer's own: every weight is 1 and the update is the on-policy one
     model = Toy()
     with torch.no_grad():
-        own = model.logprobs(pad_batch(SAMPLES))
+        own, _ = model.logprobs(pad_batch(SAMPLES))
     mask = pad_batch(SAMPLES).mask
     same = [Sample(s.prompt_ids, s.completion_ids, own[i][mask[i]].tolist(), s.advantage)
             for i, s in enumerate(SAMPLES)]

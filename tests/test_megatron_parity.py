@@ -51,6 +51,8 @@ def _check(case: dict[str, Any], got: dict[str, Any], export_dir: Path) -> None:
     assert gaps["grad_rel"] < GRAD_TOL, (name, gaps)
     assert gaps["grad_norm_rel"] < GRAD_TOL, (name, gaps)
     assert gaps["loss"] < 1e-6, (name, gaps)
+    # the policy's entropy over the completion tokens (train/entropy), vocabulary split over the ranks at TP 2
+    assert got["entropy"] > 0.1 and gaps["entropy"] < 1e-5, (name, gaps, got["entropy"])
     # AdamW's first step is ~lr * sign(g): held tightly where the gradient is clear of zero (most entries), and
     # within the step's own bound (each side moves at most lr) where fp32 rounding decides its sign
     assert gaps["weights_after"] < 1e-2 * case["run"].lr, (name, gaps)

@@ -20,7 +20,7 @@ from hybridrl.trainers.megatron import (  # noqa: E402
     MegatronWorkerError,
 )
 
-METRICS = ("train/loss", "train/grad_norm", "train/kl", "train/clipfrac", "perf/train_tokens",
+METRICS = ("train/loss", "train/grad_norm", "train/kl", "train/clipfrac", "train/entropy", "perf/train_tokens",
            "check/rollout_logprob_abs_diff", "check/logprob_gap_sample_max", "check/logprob_gap_token_max")
 
 

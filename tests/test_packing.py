@@ -95,7 +95,7 @@ def test_hf_trainer_packed_gives_the_padded_logprobs_loss_and_gradients(shape: s
         metrics = grpo_backward(samples, run, tr.device, tr._logprobs, tr.model.disable_adapter)
         got[packed] = metrics, {n: p.grad.clone() for n, p in tr.model.named_parameters() if p.requires_grad}
     (m_pack, g_pack), (m_pad, g_pad) = got[True], got[False]
-    for key in ("train/loss", "train/kl", "check/logprob_gap_token_max", "mismatch/kl_k3"):
+    for key in ("train/loss", "train/kl", "train/entropy", "check/logprob_gap_token_max", "mismatch/kl_k3"):
         assert m_pack[key] == pytest.approx(m_pad[key], rel=1e-5, abs=1e-7), key
     assert set(g_pack) == set(g_pad) and g_pack
     for name, g in g_pad.items():

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from hybridrl.task.rl import group_advantages, policy_loss, token_logprobs
+from hybridrl.task.rl import group_advantages, policy_loss, token_logprobs, token_logprobs_entropy
 
 
 def test_group_advantages_normalise_within_groups():
@@ -155,3 +155,24 @@ def test_token_logprobs_without_grad_need_no_autograd():
     with torch.no_grad():
         lp = token_logprobs(logits, targets, chunk_bytes=4 * 9)
     torch.testing.assert_close(lp, _unchunked(logits, targets), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 4 * 11 * 3, 1 << 28])
+def test_entropy_comes_from_the_same_chunks_and_leaves_the_gradient_alone(chunk_bytes):
+    torch.manual_seed(1)
+    base = torch.randn(3, 6, 11) * 3
+    targets = torch.randint(0, 11, (3, 5))
+    want = torch.distributions.Categorical(logits=base[:, :-1]).entropy()
+    x = base.clone().requires_grad_(True)
+    lp, ent = token_logprobs_entropy(x[:, :-1], targets, chunk_bytes=chunk_bytes)
+    torch.testing.assert_close(ent, want, rtol=1e-5, atol=1e-6)
+    assert not ent.requires_grad
+    lp.sum().backward()
+    y = base.clone().requires_grad_(True)
+    token_logprobs(y[:, :-1], targets, chunk_bytes=chunk_bytes).sum().backward()
+    torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0)
+    # a peaked row has near-zero entropy, a flat one log V
+    flat_peak = torch.stack([torch.zeros(11), torch.eye(11)[3] * 50]).unsqueeze(0)
+    with torch.no_grad():
+        _, e = token_logprobs_entropy(flat_peak, torch.zeros(1, 2, dtype=torch.long), chunk_bytes=chunk_bytes)
+    assert e[0, 0] == pytest.approx(math.log(11), rel=1e-6) and e[0, 1] < 1e-6

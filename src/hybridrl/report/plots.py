@@ -102,7 +102,8 @@ def plot_throughput(df: pd.DataFrame, out: Path) -> Path | None:
 def plot_reward(df: pd.DataFrame, out: Path) -> Path | None:
     return _per_step(df, [("reward/mean", "reward mean"), ("reward/accuracy", "accuracy"),
                           ("response_length/mean", "response length (tokens)"),
-                          ("response/stop_ratio", "share stopped at EOS")], "Learning per step", out)
+                          ("response/stop_ratio", "share stopped at EOS"),
+                          ("train/entropy", "policy entropy (nats per token)")], "Learning per step", out)
 
 
 def plot_sleep_memory(df: pd.DataFrame, out: Path) -> Path | None:

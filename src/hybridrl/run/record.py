@@ -62,6 +62,8 @@ ROLLOUT = (
     "rollout/adapter_step", "rollout/staleness",
 )
 TRAINING = ("perf/train_tokens", "perf/train_tok_s", "train/loss", "train/grad_norm", "train/kl", "train/clipfrac",
+            # the policy's mean entropy over the completion tokens in the update's forward (verl's actor/entropy)
+            "train/entropy",
             # the trainer's own timing of the update (no adapter export): model FLOP utilisation against the GPU's
             # dense bf16 peak (None on CPU; hybridrl.trainers.flops states the count), completion tokens/s per
             # trainer GPU, the update's model FLOPs, and whether the frozen base stayed on the GPU during rollout;

@@ -39,20 +39,28 @@ def _chunks(logits: torch.Tensor, chunk_bytes: int) -> list[tuple[slice, slice]]
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     """log_softmax(logits.float()).gather(target), one chunk of positions at a time, in forward and in backward:
     only a chunk's fp32 log-softmax exists at once (the unchunked form keeps [B, T, V] fp32 for backward). Each
-    row is computed by the same ops as the unchunked form, so values and gradients are equal to it."""
+    row is computed by the same ops as the unchunked form, so values and gradients are equal to it.
+
+    With `entropy` the forward also returns each position's entropy -sum p log p from the same chunk's
+    log-softmax (no gradient; an empty tensor without it)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk_bytes: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk_bytes: int,  # type: ignore[override]
+                entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
+        ent = torch.empty(targets.shape if entropy else (0,), dtype=torch.float32, device=logits.device)
         for r, c in _chunks(logits, chunk_bytes):
             logp = torch.log_softmax(logits[r, c].float(), dim=-1)
             out[r, c] = logp.gather(-1, targets[r, c].unsqueeze(-1)).squeeze(-1)
+            if entropy:
+                ent[r, c] = -(logp.exp() * logp).sum(-1)
         ctx.save_for_backward(logits, targets)
         ctx.chunk_bytes = chunk_bytes
-        return out
+        ctx.mark_non_differentiable(ent)
+        return out, ent
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor, _: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         logits, targets = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         for r, c in _chunks(logits, ctx.chunk_bytes):
@@ -61,7 +69,15 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             # d/dx log_softmax(x)[t] . g = g * (onehot(t) - softmax(x)), as autograd's log_softmax backward
             gx = torch.zeros_like(logp).scatter_(-1, targets[r, c].unsqueeze(-1), g)
             grad_logits[r, c] = (gx - torch.exp(logp) * g).to(logits.dtype)
-        return grad_logits, None, None
+        return grad_logits, None, None, None
+
+
+def _chunked(logits: torch.Tensor, targets: torch.Tensor, chunk_bytes: int,
+             entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if logits.requires_grad and torch.is_grad_enabled():
+        return _ChunkedTokenLogprobs.apply(logits, targets, chunk_bytes, entropy)
+    with torch.no_grad():
+        return _ChunkedTokenLogprobs.forward(_NoCtx(), logits, targets, chunk_bytes, entropy)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
@@ -70,16 +86,23 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
 
     The fp32 log-softmax is computed over chunks of at most chunk_bytes, never over the whole batch at once.
     """
-    if logits.requires_grad and torch.is_grad_enabled():
-        return _ChunkedTokenLogprobs.apply(logits, targets, chunk_bytes)
-    with torch.no_grad():
-        return _ChunkedTokenLogprobs.forward(_NoCtx(), logits, targets, chunk_bytes)
+    return _chunked(logits, targets, chunk_bytes, entropy=False)[0]
+
+
+def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                           chunk_bytes: int = LOGSOFTMAX_CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_logprobs and, from the same chunks, the policy's entropy at each position ([B, T], float32,
+    detached): the spread of the next-token distribution the sampled token was drawn from."""
+    return _chunked(logits, targets, chunk_bytes, entropy=True)
 
 
 class _NoCtx:
     """Stands in for autograd's ctx where no backward will run."""
 
     def save_for_backward(self, *_: torch.Tensor) -> None:
+        pass
+
+    def mark_non_differentiable(self, *_: torch.Tensor) -> None:
         pass
 
 

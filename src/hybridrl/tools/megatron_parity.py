@@ -22,7 +22,7 @@ import torch
 
 from hybridrl.engines.server import free_port
 from hybridrl.study.run_config import RunConfig
-from hybridrl.task.rl import policy_loss, token_logprobs
+from hybridrl.task.rl import policy_loss, token_logprobs, token_logprobs_entropy
 from hybridrl.trainers.base import Sample
 from hybridrl.trainers.grpo import Batch, pad_batch
 from hybridrl.trainers.packing import pack
@@ -141,7 +141,7 @@ def hf_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run: RunC
         return token_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:])
 
     model.train()
-    logp = logprobs()
+    logp, entropy = token_logprobs_entropy(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:])
     ref = None
     if run.kl_coef > 0:
         with torch.no_grad(), model.disable_adapter():
@@ -155,7 +155,8 @@ def hf_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run: RunC
     with torch.no_grad():
         after = logprobs()
     return {"logp": _per_sample(logp, mask), "grads": grads, "grad_norm": norm, "loss": float(loss),
-            "kl": stats["train/kl"], "weights_after": {n: p.detach().clone() for n, p in params.items()},
+            "kl": stats["train/kl"], "entropy": float((entropy * mask).sum() / mask.sum()),
+            "weights_after": {n: p.detach().clone() for n, p in params.items()},
             "logp_after": _per_sample(after, mask)}
 
 
@@ -178,7 +179,7 @@ def megatron_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run
 
     def per_sample(b: Batch = batch) -> list[torch.Tensor]:
         with torch.no_grad():
-            return _per_sample(policy.logprobs(b), mask)
+            return _per_sample(policy.logprobs(b)[0], mask)
 
     before = per_sample()
     before_padded = per_sample(padded)  # the other layout: packed and padded forwards agree
@@ -199,7 +200,7 @@ def megatron_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run
         dist.all_gather(parts, logits.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
         logits = torch.cat(parts, dim=-1)
     return {"logp": before, "logp_padded": before_padded, "grads": grads, "grad_norm": norm,
-            "loss": metrics["train/loss"],
+            "loss": metrics["train/loss"], "entropy": metrics["train/entropy"],
             "kl": metrics["train/kl"], "weights_after": export.gather_full(policy.adapters),
             "logp_after": after, "logits_after": logits.float().cpu(), "experts_impl": policy.experts_impl}
 
@@ -222,7 +223,8 @@ def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, float]:
     rel = max(float((got["grads"][k] - g).norm() / g.norm().clamp(min=1e-12)) for k, g in ref["grads"].items())
     return {"logp": logp_gap(ref["logp"], got["logp"]), "grad_rel": rel,
             "grad_norm_rel": abs(got["grad_norm"] - ref["grad_norm"]) / max(ref["grad_norm"], 1e-12),
-            "loss": abs(got["loss"] - ref["loss"]), **weight_gaps(ref, got),
+            "loss": abs(got["loss"] - ref["loss"]), "entropy": abs(got["entropy"] - ref["entropy"]),
+            **weight_gaps(ref, got),
             "logp_after": logp_gap(ref["logp_after"], got["logp_after"])}
 
 

@@ -79,8 +79,12 @@ def micro_batches(samples: list[Sample], run: RunConfig) -> list[list[Sample]]:
     return out
 
 
-def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device,
-                  logprobs: Callable[[Batch], torch.Tensor],
+# a trainer's forward: (batch, entropy wanted) -> per-token log p(target) [B, T-1] in fp32 and, when wanted, the
+# policy's entropy at each of those positions [B, T-1] (detached; else None)
+LogprobFn = Callable[[Batch, bool], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device, logprobs: LogprobFn,
                   adapter_off: Callable[[], contextlib.AbstractContextManager], pad_id: int = 0) -> dict[str, float]:
     """Forward and backward over the batch in micro-batches (micro_batches), in the order given; leaves the
     LoRA gradients in .grad (the caller zeroes them first and steps the optimizer after).
@@ -89,24 +93,25 @@ def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device,
     the old logprobs are this forward's, detached (ratio 1, gradient of the clipped objective intact); a second
     pass runs only for the KL reference (kl_coef > 0, LoRA off, no grad).
 
-    logprobs(batch) -> [B, T-1] log p(target) in fp32, from the packed row when batch.packed is set (as
+    logprobs(batch, entropy) -> LogprobFn's pair, from the packed row when batch.packed is set (as
     run.pack_sequences asks); adapter_off() disables LoRA for the KL reference.
-    The loss is a token mean over the whole batch, however it is split.
+    The loss is a token mean over the whole batch, however it is split; so is train/entropy (verl's
+    actor/entropy), the policy's entropy over the completion tokens.
     """
     n_tokens = sum(len(s.completion_ids) for s in samples)
-    totals = {"loss": 0.0, "kl": 0.0, "clipfrac": 0.0, "is_changed": 0.0}
+    totals = {"loss": 0.0, "kl": 0.0, "clipfrac": 0.0, "is_changed": 0.0, "entropy": 0.0}
     gaps = LogprobGaps()
     for chunk in micro_batches(samples, run):
         batch = pad_batch(chunk, pad_id)
         if run.pack_sequences:
             batch.packed = pack(chunk)
         batch = batch.to(device)
-        logp = logprobs(batch)
+        logp, entropy = logprobs(batch, True)
         old = logp.detach()  # one update per batch: the sampling policy is the current one
         ref = None
         if run.kl_coef > 0:
             with torch.no_grad(), adapter_off():
-                ref = logprobs(batch)
+                ref, _ = logprobs(batch, False)
         adv = torch.tensor([s.advantage for s in chunk], device=device, dtype=torch.float32)
         is_weights = None
         if run.rollout_is != "off":  # the engine's logprobs are the behaviour policy's
@@ -121,11 +126,16 @@ def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device,
         totals["loss"] += loss.item() * weight
         totals["kl"] += stats["train/kl"] * weight
         totals["clipfrac"] += stats["train/clipfrac"] * weight
+        if entropy is None:  # a forward that cannot give it: the step records NaN, not a partial mean
+            totals["entropy"] = math.nan
+        else:
+            totals["entropy"] += (entropy * batch.mask).sum().item() / max(n_tokens, 1)
         gaps.add(old, batch.mask, [s.engine_logprobs for s in chunk])
     return {
         "train/loss": totals["loss"],
         "train/kl": totals["kl"] if run.kl_coef > 0 else math.nan,
         "train/clipfrac": totals["clipfrac"],
+        "train/entropy": totals["entropy"],
         "perf/train_tokens": float(n_tokens),
         # share of tokens whose importance weight the cap (truncate) or the mask changed; NaN with rollout_is off
         "mismatch/is_capped_frac": totals["is_changed"] if run.rollout_is != "off" else math.nan,

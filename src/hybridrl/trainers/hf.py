@@ -12,7 +12,7 @@ import torch
 from hybridrl.atomic import atomic_dir
 from hybridrl.run.checks import model_family
 from hybridrl.study.run_config import RunConfig
-from hybridrl.task.rl import token_logprobs
+from hybridrl.task.rl import token_logprobs, token_logprobs_entropy
 from hybridrl.trainers import grouped_mm
 from hybridrl.trainers.base import Sample, TrainResult, lora_b_norm
 from hybridrl.trainers.flops import read_flop_shape, update_perf
@@ -96,7 +96,8 @@ class HFTrainer:
         self.offloaded = False
 
     # -- the step --------------------------------------------------------------------------------
-    def _logprobs(self, batch: Batch) -> torch.Tensor:
+    def _logprobs(self, batch: Batch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """grpo.LogprobFn: per-token logprobs [B, T-1] and, if asked, the entropy at each position."""
         p = batch.packed
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             if p is None:
@@ -105,9 +106,14 @@ class HFTrainer:
                 logits = self.model(input_ids=p.ids, position_ids=p.positions, cu_seq_lens_q=p.cu_seqlens,
                                     cu_seq_lens_k=p.cu_seqlens, max_length_q=p.max_len,
                                     max_length_k=p.max_len).logits[:, :-1]
+        targets = batch.targets if p is None else p.targets
+        if entropy:
+            logp, ent = token_logprobs_entropy(logits, targets)
+        else:
+            logp, ent = token_logprobs(logits, targets), None
         if p is None:
-            return token_logprobs(logits, batch.targets)
-        return p.unpack(token_logprobs(logits, p.targets))
+            return logp, ent
+        return p.unpack(logp), None if ent is None else p.unpack(ent)
 
     def update(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step on the batch (logprobs, loss, backward, clip, AdamW), no export; its metrics with

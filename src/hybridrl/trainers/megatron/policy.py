@@ -14,7 +14,7 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from hybridrl import nvml
 from hybridrl.engines.gpus import nvml_indices, visible_devices
 from hybridrl.study.run_config import RunConfig
-from hybridrl.task.rl import token_logprobs
+from hybridrl.task.rl import token_logprobs, token_logprobs_entropy
 from hybridrl.trainers.base import Sample, lora_b_norm
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
@@ -35,6 +35,23 @@ def init_parallel(tp: int, device: torch.device) -> None:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                                  create_gloo_process_groups=False)
+
+
+@torch.no_grad()
+def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) per position [..., V/tp] -> [...] in fp32, the vocabulary split over the TP
+    group: log Z - E[x] with x shifted by the global max, from three all-reduces of one value per position."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    x = logits.float()
+    top = x.max(dim=-1).values
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    x = x - top.unsqueeze(-1)
+    e = x.exp()
+    z = e.sum(dim=-1)
+    ex = (e * x).sum(dim=-1)
+    dist.all_reduce(z, group=group)
+    dist.all_reduce(ex, group=group)
+    return z.log() - ex / z
 
 
 class MegatronPolicy:
@@ -73,9 +90,9 @@ class MegatronPolicy:
         self.offloaded = False
 
     # -- forward ---------------------------------------------------------------------------------------
-    def logprobs(self, batch: Batch) -> torch.Tensor:
-        """Per-token log p(target) [B, T-1] in fp32, from the packed row when batch.packed is set; the
-        vocabulary may be split over TP ranks."""
+    def logprobs(self, batch: Batch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """grpo.LogprobFn: per-token log p(target) [B, T-1] in fp32 and, if asked, the entropy at each position,
+        from the packed row when batch.packed is set; the vocabulary may be split over TP ranks."""
         p = batch.packed
         if p is None:
             inputs, targets = batch.inputs, batch.targets
@@ -86,11 +103,18 @@ class MegatronPolicy:
             logits = self.model(input_ids=p.ids, position_ids=p.positions, attention_mask=None,
                                 packed_seq_params=PackedRows.of(p))[:, :-1]  # [1, N-1, V/tp]
             targets = p.targets
-        if self.tp == 1:
+        ent = None
+        if self.tp == 1 and entropy:
+            logp, ent = token_logprobs_entropy(logits, targets)
+        elif self.tp == 1:
             logp = token_logprobs(logits, targets)
         else:
+            # first: megatron's cross entropy works in place on fp32 logits (.float() of fp32 is no copy)
+            ent = vocab_parallel_entropy(logits) if entropy else None
             logp = -vocab_parallel_cross_entropy(logits.float(), targets)
-        return logp if p is None else p.unpack(logp)
+        if p is None:
+            return logp, ent
+        return p.unpack(logp), None if ent is None else p.unpack(ent)
 
     # -- the GRPO step ---------------------------------------------------------------------------------
     def step(self, samples: list[Sample]) -> dict[str, float]:

@@ -90,9 +90,9 @@ def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) ->
 def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
     assert bad.returncode == 2
-    plans = ("client faults full learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm moe2full moe4 moe4full "
-             "packing placement placementlong rest rest4 soak timed timingcost trainer trainerfast trainerfuse "
-             "trainerloop trainermoe verdict verdictkv verdictpin verdictwarm")
+    plans = ("client faults full learnentropy learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm moe2full moe4 "
+             "moe4full packing placement placementlong rest rest4 soak timed timingcost trainer trainerfast "
+             "trainerfuse trainerloop trainermoe verdict verdictkv verdictpin verdictwarm")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
@@ -172,6 +172,22 @@ def test_pack_keeps_the_first_error_of_a_long_engine_log(root: Path, tmp_path: P
     assert "ERROR RuntimeError: the root cause" in kept
     assert kept[0] == "loading 0" and kept[-1] == "cascade 1999"
     assert len(kept) < 700
+
+
+def test_pack_leaves_out_successful_access_lines_so_a_rollouts_engine_messages_survive(root: Path,
+                                                                                      tmp_path: Path) -> None:
+    run = root / "gpu-h200" / "runs" / "r1"
+    (run / "logs").mkdir()
+    ok = '(APIServer pid=1) INFO:     127.0.0.1:5{i} - "POST /v1/completions HTTP/1.1" 200 OK'
+    lines = ["start"] + [ok.format(i=i) for i in range(3000)] + ["Loaded new LoRA adapter: name 'policy'"]
+    lines += [ok.format(i=i) for i in range(3000)] + ['INFO:     127.0.0.1:1 - "POST /sleep HTTP/1.1" 500 Internal']
+    (run / "logs" / "engine.log").write_text("\n".join(lines) + "\n")
+    done = _driver(root, "pack", str(tmp_path / "out.tar.gz"))
+    assert done.returncode == 0, done.stderr
+    with tarfile.open(tmp_path / "out.tar.gz") as tar:
+        kept = tar.extractfile("ref/gpu-h200/runs/r1/logs/engine.log").read().decode().splitlines()
+    assert kept == ["[... 6000 successful HTTP access lines left out ...]", "start",
+                    "Loaded new LoRA adapter: name 'policy'", lines[-1]]  # a failed request's line stays
 
 
 def test_only_a_lanes_first_run_meets_the_start_barrier(root: Path) -> None:
@@ -334,6 +350,9 @@ def test_learning_plan_runs_the_long_runs_then_measures_the_vocabularies(root: P
     learn = _one_lane_plan(root, "gpu-h200-learning", "learnlr")
     assert learn == ["train sglang-learn on GPU 0", "train vllm-learn on GPU 0"]
     assert {r.lr for r in study.runs.values() if (r.name or "").endswith("-learn")} == {1e-3}
+    # the entropy measurement: SGLang at lr 1e-3, then its lr 1e-4 control, the runs of learnlr and learning
+    assert _one_lane_plan(root, "gpu-h200-learning", "learnentropy") == ["train sglang-learn on GPU 0",
+                                                                         "train sglang-colocate on GPU 0"]
     assert set(names + pair + [i.removeprefix("train ").split(" on ")[0] for i in learn]) == short
     # the pair differs in the engine and its release alone
     sg, vl = (next(r for r in study.runs.values() if r.name == n) for n in ("sglang-verdict", "vllm-verdict"))

@@ -345,6 +345,14 @@ plan_learning() {
   one_lane "train sglang-colocate;train vllm-colocate;train sglang-vocab-small;train sglang-vocab-qwen;train vllm-vocab-small;train vllm-vocab-qwen"
 }
 
+plan_learnentropy() {
+  # learnlr's reading put to a measurement: with train/entropy in every step, SGLang's 50 steps at lr 1e-3, then its
+  # 30 at learning's lr 1e-4 as the control (the same run ids as those leases: their request sets). Does the policy's
+  # entropy fall faster at the higher rate, as a policy sharpening toward its greedy answers would? Needs `sglang`
+  study=config/gpu-h200-learning.yaml
+  one_lane "train sglang-learn;train sglang-colocate"
+}
+
 plan_learnlr() {
   # issue 17's open question on one GPU (config/gpu-h200-learning.yaml): 50 warm-started steps per engine at ten
   # times `learning`'s learning rate (1e-3), eval every 5 steps, SGLang then the vLLM server
@@ -667,17 +675,23 @@ snapshot() {  # what finished, every study, as $root/latest.tar.gz, replaced ato
   pack "$tmp" > /dev/null && mv -f "$tmp" "$root/latest.tar.gz"
 }
 
-trim_log() {  # trim_log SRC DEST [TAIL]: a long log as its start, the lines from its first error on, its end
-  local src=$1 dest=$2 tail=${3:-300} n first
-  n=$(wc -l < "$src")
-  if [ "$n" -le $((tail + 300)) ]; then cp "$src" "$dest"; return; fi
-  first=$(grep -n -m1 -E 'Traceback|ERROR|Error: ' "$src" | cut -d: -f1 || true)
-  { head -n 50 "$src"
+trim_log() {  # trim_log SRC DEST [TAIL]: a log without its successful HTTP access lines (one per request, and the
+  # request records keep every request), then if still long its start, the lines from its first error on, its end
+  local src=$1 dest=$2 tail=${3:-300} n first ok plain
+  plain=$(mktemp)
+  ok=$(grep -c -E '"(GET|POST) [^"]* HTTP/[0-9.]+" 200' "$src" || true)
+  { [ "${ok:-0}" -gt 0 ] && echo "[... $ok successful HTTP access lines left out ...]"
+    grep -v -E '"(GET|POST) [^"]* HTTP/[0-9.]+" 200' "$src" || true; } > "$plain"
+  n=$(wc -l < "$plain")
+  if [ "$n" -le $((tail + 300)) ]; then mv "$plain" "$dest"; return; fi
+  first=$(grep -n -m1 -E 'Traceback|ERROR|Error: ' "$plain" | cut -d: -f1 || true)
+  { head -n 50 "$plain"
     # the root cause: a crash's first error is often hundreds of lines above the end of its cascade
     if [ -n "$first" ] && [ "$first" -gt 50 ] && [ "$first" -lt $((n - tail)) ]; then
-      echo "[... trimmed to the first error, line $first ...]"; sed -n "$((first > 60 ? first - 10 : 51)),$((first + 239))p" "$src"
+      echo "[... trimmed to the first error, line $first ...]"; sed -n "$((first > 60 ? first - 10 : 51)),$((first + 239))p" "$plain"
     fi
-    echo "[... trimmed: $n lines in all; the last $tail follow ...]"; tail -n "$tail" "$src"; } > "$dest"
+    echo "[... trimmed: $n lines in all; the last $tail follow ...]"; tail -n "$tail" "$plain"; } > "$dest"
+  rm -f "$plain"
 }
 
 pack() {  # pack OUT_FILE: small files only (no adapters, no models); long logs trimmed (trim_log)

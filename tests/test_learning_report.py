@@ -31,3 +31,37 @@ def test_no_evals_no_table_and_no_plot(tmp_path):
     assert learning.time_to_accuracy(df, {"a": "A", "b": "B"}) == ([], [])
     assert plots.plot_learning(df, tmp_path / "learning.png") is None
     assert plots.plot_learning(_table(), tmp_path / "learning.png").exists()
+
+
+def _sharpening() -> pd.DataFrame:
+    """Run s: sampled accuracy up, entropy down, greedy eval flat (a policy that sharpens); run f: flat entropy."""
+    rows = []
+    for rid in ("s", "f"):
+        for step in range(1, 21):
+            rows.append({"run_id": rid, "engine": rid, "placement": "colocate", "trainer": "hf", "model": "m",
+                         "tp": 1, "step": step, "timing_s/step": 3.0,
+                         "reward/accuracy": 0.3 + (0.01 * step if rid == "s" else 0.0) + 0.002 * (step % 3),
+                         "eval/accuracy": 0.44 + 0.01 * (step % 2) if step % 5 == 0 else None,
+                         "train/entropy": (1.2 - 0.02 * step if rid == "s" else 1.2) + 0.005 * (step % 4)})
+    return pd.DataFrame(rows)
+
+
+def test_learning_trends_say_which_readings_moved_from_their_intervals():
+    header, rows = learning.trends(_sharpening(), {"s": "S", "f": "F"})
+    assert header[:2] == ["run", "steps"] and len(rows) == 2
+    by_run = {r[0]: dict(zip(header, r, strict=True)) for r in rows}
+    s, f = by_run["S"], by_run["F"]
+    assert s["steps"] == "1–20"
+    assert s["sampled accuracy: first → last; trend"].split("; ")[1].startswith("grows +0.01")
+    assert s["policy entropy (nats): first → last; trend"].startswith("1.18 → 0.8; falls -0.02")
+    assert s["eval accuracy (greedy): first → last; trend"].split("; ")[1].startswith("no trend shown")
+    assert f["policy entropy (nats): first → last; trend"].split("; ")[1].startswith("no trend shown")
+    # no response lengths recorded: that column is left out rather than shown empty
+    assert not any(h.startswith("response length") for h in header)
+
+
+def test_no_eval_and_no_entropy_no_trend_table():
+    df = _sharpening().drop(columns=["eval/accuracy", "train/entropy"])
+    assert learning.trends(df, {"s": "S", "f": "F"}) == ([], [])
+    two_steps = _sharpening()[lambda d: d["step"] <= 2].drop(columns=["eval/accuracy"])
+    assert learning.trends(two_steps, {"s": "S", "f": "F"}) == ([], [])

@@ -46,7 +46,7 @@ def record(run_id: str, engine: str, placement: str, step: int, rng: np.random.G
         "perf/latency_s_p50": 2.0, "perf/latency_s_p99": 3.5 + rng.normal(0, 0.1),
         "errors/requests_failed": 0,
         "perf/train_tokens": 2000, "perf/train_tok_s": 1000.0, "train/loss": 0.1, "train/grad_norm": 1.0,
-        "train/kl": 0.0, "train/clipfrac": 0.0,
+        "train/kl": 0.0, "train/clipfrac": 0.0, "train/entropy": 1.0 - 0.02 * step,
         "reward/mean": 0.1 * step, "reward/accuracy": 0.05 * step, "response_length/mean": 100.0,
         "check/rollout_logprob_abs_diff": 0.01, "check/base_canary_ok": True, "check/adapter_applied": True,
         "check/kv_capacity_ok": None, "errors/engine_restarts": 0,
@@ -231,6 +231,8 @@ def test_report_renders_md_and_html(study: list[Path], tmp_path: Path) -> None:
         assert "Ratios against" in text
         assert "vllm-split-aaaa1111" in text and "vllm-restart-bbbb2222" in text
         assert "8/8 ok" in text  # canary held on every step
+        # the policy's entropy fell every step: the learning trends say so from the interval
+        assert "Learning over steps" in text and "0.98 → 0.84; falls -0.02 a step" in text
     assert "![Throughput per step](plots/throughput.png)" in md
     assert '<img src="plots/step_breakdown.png"' in html
     assert "<style>" in html and "http" not in html.split("<body>")[0]  # self-contained, no remote CSS
@@ -238,7 +240,7 @@ def test_report_renders_md_and_html(study: list[Path], tmp_path: Path) -> None:
     comparison = md.split("## Comparison")[1].split("###")[0]
     assert "| n runs | 1 | 1 |" in comparison and "| 6 |" in comparison and "[" in comparison
     # step 1's throughput is shown in the warm-up table but is not any configuration's median
-    warm = md.split("## Warm-up (steps 1–2, each apart)")[1].split("## Correctness")[0]
+    warm = md.split("## Warm-up (steps 1–2, each apart)")[1].split("\n## ")[0]
     assert f"{WARMUP_THROUGHPUT:.2f}" in warm
     # steps 1 and 2 of each run have rows of their own
     assert [line.split("|")[2].strip() for line in warm.splitlines() if line.startswith("| split")] == ["1", "2"]

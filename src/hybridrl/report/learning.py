@@ -1,5 +1,5 @@
-"""Learning against time: the wall clock a run has trained for at each step, and the time each run took to reach
-an eval accuracy.
+"""Learning against time: the wall clock a run has trained for at each step, the time each run took to reach
+an eval accuracy, and how its learning readings moved over its steps.
 
 The wall clock of a step is the sum of timing_s/step up to and including it: the engine's first start and the
 eval passes (timing_s/eval) are not part of any step, so runs with and without evals, or with a slower first
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from hybridrl.report import trend
 from hybridrl.report.stats import run_order
 
 FIXED_TARGETS = (0.1, 0.25, 0.5)
@@ -62,5 +63,36 @@ def time_to_accuracy(df: pd.DataFrame, labels: dict[str, str]) -> tuple[list[str
             hit = run[run["eval/accuracy"] >= t - 1e-9]
             cells.append(f"{hit.iloc[0]['wall_s']:.1f} s (step {int(hit.iloc[0]['step'])})" if not hit.empty
                          else "not reached")
+        rows.append(cells)
+    return header, rows
+
+
+# what a run's learning is read from, each over all of its steps (learning has no warm-up to leave out)
+TREND_METRICS = (("reward/accuracy", "sampled accuracy"), ("eval/accuracy", "eval accuracy (greedy)"),
+                 ("train/entropy", "policy entropy (nats)"), ("response_length/mean", "response length (tokens)"))
+
+
+def trends(df: pd.DataFrame, labels: dict[str, str]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows: per run, each TREND_METRICS reading's first and last value and its least-squares slope
+    over steps with a bootstrap interval (report.trend); empty unless some run has an eval or an entropy on at least
+    three steps, the readings that say whether a policy learns or only sharpens."""
+    cols = [(c, name) for c, name in TREND_METRICS if c in df.columns]
+    signal = [c for c in ("eval/accuracy", "train/entropy") if c in df.columns]
+    if not signal or not any(pd.to_numeric(df[c], errors="coerce").groupby(df["run_id"]).count().max() >= 3
+                             for c in signal):
+        return [], []
+    header = ["run", "steps", *(f"{name}: first → last; trend" for _, name in cols)]
+    rows = []
+    for rid in run_order(df):
+        run = df[df["run_id"] == rid].sort_values("step")
+        cells = [labels[rid], f"{int(run['step'].min())}–{int(run['step'].max())}"]
+        for c, _ in cols:
+            y = pd.to_numeric(run[c], errors="coerce")
+            seen = y.notna()
+            if seen.sum() < 2:
+                cells.append("–")
+                continue
+            est = trend.bootstrap_slope(run.loc[seen, "step"], y[seen])
+            cells.append(f"{y[seen].iloc[0]:.3g} → {y[seen].iloc[-1]:.3g}; {trend.trend_words(est, '')}")
         rows.append(cells)
     return header, rows

@@ -504,6 +504,16 @@ def accuracy_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
     return table
 
 
+def learning_trend_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
+    """Per run: how sampled and eval accuracy, policy entropy and response length moved (report.learning.trends)."""
+    header, rows = learning.trends(df, labels)
+    if not rows:
+        return None
+    table = Table(header)
+    table.rows = [[Cell(r[0]), *(Cell(c, "na" if c == "–" else "num") for c in r[1:])] for r in rows]
+    return table
+
+
 def detail_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     """Every numeric metric (rows) of every configuration (columns), with n where it differs."""
     metrics = [m for m in DETAIL_METRICS if _has(df, m)]
@@ -586,6 +596,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "recording": recording(df, labels),
         "correctness": correctness_table(df, labels),
         "accuracy": accuracy_table(df, labels),
+        "learning_trends": learning_trend_table(df, labels),
         "client": client_table(df, labels),
         "client_paths": paths,
         "machine": machine_table(df, labels),

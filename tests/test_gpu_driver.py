@@ -351,8 +351,9 @@ def test_learning_plan_runs_the_long_runs_then_measures_the_vocabularies(root: P
     assert learn == ["train sglang-learn on GPU 0", "train vllm-learn on GPU 0"]
     assert {r.lr for r in study.runs.values() if (r.name or "").endswith("-learn")} == {1e-3}
     # the entropy measurement: SGLang at lr 1e-3, then its lr 1e-4 control, the runs of learnlr and learning
-    assert _one_lane_plan(root, "gpu-h200-learning", "learnentropy") == ["train sglang-learn on GPU 0",
-                                                                         "train sglang-colocate on GPU 0"]
+    assert _one_lane_plan(root, "gpu-h200-learning", "learnentropy") == [
+        "train sglang-learn on GPU 0", "train sglang-colocate on GPU 0",
+        "trainer-bench qwen3-0.6b hf mb 32 on GPU 0", "trainer-profile qwen3-0.6b hf mb 32 on GPU 0"]
     assert set(names + pair + [i.removeprefix("train ").split(" on ")[0] for i in learn]) == short
     # the pair differs in the engine and its release alone
     sg, vl = (next(r for r in study.runs.values() if r.name == n) for n in ("sglang-verdict", "vllm-verdict"))

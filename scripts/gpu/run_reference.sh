@@ -348,9 +348,11 @@ plan_learning() {
 plan_learnentropy() {
   # learnlr's reading put to a measurement: with train/entropy in every step, SGLang's 50 steps at lr 1e-3, then its
   # 30 at learning's lr 1e-4 as the control (the same run ids as those leases: their request sets). Does the policy's
-  # entropy fall faster at the higher rate, as a policy sharpening toward its greedy answers would? Needs `sglang`
+  # entropy fall faster at the higher rate, as a policy sharpening toward its greedy answers would? Then the HF
+  # trainer's dense benchmark and profiled update, which show what the entropy costs (its ops on [.., vocab]
+  # chunks, by input shape). Needs `sglang`
   study=config/gpu-h200-learning.yaml
-  one_lane "train sglang-learn;train sglang-colocate"
+  one_lane "train sglang-learn;train sglang-colocate;tbench qwen3-0.6b hf 32;tprof qwen3-0.6b hf 32"
 }
 
 plan_learnlr() {

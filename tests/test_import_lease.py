@@ -1,0 +1,84 @@
+"""scripts/gpu/import-lease.sh: a poll's tarball, packed by the driver, becomes a reference folder with compacted
+request records, logs, the warm-start record, the tidy table and the report; bad input is one clear line."""
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_report import write_run
+
+REPO = Path(__file__).resolve().parents[1]
+DRIVER = REPO / "scripts" / "gpu" / "run_reference.sh"
+IMPORT = REPO / "scripts" / "gpu" / "import-lease.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def _import(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HYBRIDRL_PYTHON": sys.executable}
+    return subprocess.run(["bash", str(IMPORT), *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.fixture
+def tarball(tmp_path: Path) -> Path:
+    """What a poll returns: the driver's pack of a study with two runs, a warm start and logs."""
+    root = tmp_path / "ref"
+    study = root / "gpu-h200-learning"
+    study.mkdir(parents=True)
+    (study / "setup.done").touch()
+    for i, rid in enumerate(("sglang-verdict-795e3683", "vllm-verdict-4c49f35f")):
+        run = write_run(study, rid, rid.split("-")[0], "colocate", seed=i)
+        (run / "requests").mkdir()
+        (run / "requests" / "step-0001.jsonl").write_text(json.dumps({"request": 0, "tokens": 5}) + "\n")
+        (run / "logs").mkdir()
+        (run / "logs" / "engine.log").write_text("started\n")
+    (study / "models" / "qwen3-0.6b-warm").mkdir(parents=True)
+    (study / "models" / "qwen3-0.6b-warm" / "warm_start.json").write_text('{"base_accuracy": 0.44}\n')
+    (study / "lane-verdictwarm-1.log").write_text("lane\n")
+    (root / "driver.log").write_text("driver\n")
+    out = tmp_path / "latest.tar.gz"
+    env = {"PATH": "/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(root)}
+    done = subprocess.run(["bash", str(DRIVER), "pack", str(out)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_a_polls_tarball_becomes_a_reference_folder(tarball: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "results" / "2026-11-25-h200-verdictwarm2"
+    done = _import(str(tarball), "gpu-h200-learning", str(dest))
+    assert done.returncode == 0, done.stderr
+    assert f"commit it now: git add -f {dest}" in done.stdout
+    runs = sorted(p.name for p in (dest / "runs").iterdir())
+    assert runs == ["sglang-verdict-795e3683", "vllm-verdict-4c49f35f"]
+    records = dest / "runs" / runs[0] / "requests"
+    assert [p.name for p in records.iterdir()] == ["step-0001.jsonl.gz"]  # compacted, as the tests demand
+    assert json.loads(gzip.decompress((records / "step-0001.jsonl.gz").read_bytes())) == {"request": 0, "tokens": 5}
+    assert (dest / "runs" / runs[0] / "logs" / "engine.log").read_text() == "started\n"
+    assert json.loads((dest / "model" / "warm_start.json").read_text()) == {"base_accuracy": 0.44}
+    assert sorted(p.name for p in (dest / "logs").iterdir()) == ["driver.log", "lane-verdictwarm-1.log"]
+    assert len((dest / "steps.csv").read_text().splitlines()) == 1 + 2 * 8
+    assert "# hybridrl study" in (dest / "report.md").read_text() and (dest / "plots" / "throughput.png").exists()
+
+
+def test_bad_input_is_one_line_and_nothing_is_overwritten(tarball: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "out"
+    wrong = _import(str(tarball), "gpu-h200-nope", str(dest))
+    assert wrong.returncode == 2 and not dest.exists()
+    assert wrong.stderr.strip() == f"import-lease: no study gpu-h200-nope in {tarball}; it holds: gpu-h200-learning"
+    missing = _import(str(tmp_path / "none.tar.gz"), "gpu-h200-learning", str(dest))
+    assert missing.returncode == 2 and "no file" in missing.stderr and not dest.exists()
+    dest.mkdir()
+    (dest / "README.md").write_text("kept\n")
+    taken = _import(str(tarball), "gpu-h200-learning", str(dest))
+    assert taken.returncode == 2 and "exists: nothing written" in taken.stderr
+    assert [p.name for p in dest.iterdir()] == ["README.md"]
+    not_tar = tmp_path / "x.tar.gz"
+    not_tar.write_text("not a tarball")
+    bad = _import(str(not_tar), "gpu-h200-learning", str(tmp_path / "other"))
+    assert bad.returncode == 2 and "is not a gzipped tar" in bad.stderr.splitlines()[-1]

@@ -52,8 +52,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for r, c in _chunks(logits, chunk_bytes):
             logp = torch.log_softmax(logits[r, c].float(), dim=-1)
             out[r, c] = logp.gather(-1, targets[r, c].unsqueeze(-1)).squeeze(-1)
-            if entropy:
-                ent[r, c] = -(logp.exp() * logp).sum(-1)
+            if entropy:  # in place: one more chunk-sized buffer, not two
+                ent[r, c] = -logp.exp().mul_(logp).sum(-1)
         ctx.save_for_backward(logits, targets)
         ctx.chunk_bytes = chunk_bytes
         ctx.mark_non_differentiable(ent)

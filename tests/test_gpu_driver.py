@@ -174,20 +174,31 @@ def test_pack_keeps_the_first_error_of_a_long_engine_log(root: Path, tmp_path: P
     assert len(kept) < 700
 
 
-def test_pack_leaves_out_successful_access_lines_so_a_rollouts_engine_messages_survive(root: Path,
-                                                                                      tmp_path: Path) -> None:
+def test_pack_leaves_out_rollout_access_lines_so_a_runs_engine_messages_survive(root: Path, tmp_path: Path) -> None:
     run = root / "gpu-h200" / "runs" / "r1"
     (run / "logs").mkdir()
     ok = '(APIServer pid=1) INFO:     127.0.0.1:5{i} - "POST /v1/completions HTTP/1.1" 200 OK'
-    lines = ["start"] + [ok.format(i=i) for i in range(3000)] + ["Loaded new LoRA adapter: name 'policy'"]
-    lines += [ok.format(i=i) for i in range(3000)] + ['INFO:     127.0.0.1:1 - "POST /sleep HTTP/1.1" 500 Internal']
+    sg = 'INFO:     127.0.0.1:4{i} - "POST /generate HTTP/1.1" 200 OK'
+    control = 'INFO:     127.0.0.1:1 - "POST /load_lora_adapter HTTP/1.1" 200 OK'
+    lines = ["start"] + [ok.format(i=i) for i in range(3000)] + ["Loaded new LoRA adapter: name 'policy'", control]
+    lines += [sg.format(i=i) for i in range(3000)] + ['INFO:     127.0.0.1:1 - "POST /sleep HTTP/1.1" 500 Internal']
     (run / "logs" / "engine.log").write_text("\n".join(lines) + "\n")
+    # a long log stays long without them: trimmed as before, counting the lines left
+    long = [f"loading {i}" for i in range(400)] + [ok.format(i=i) for i in range(500)] + ["ERROR the cause"]
+    long += [f"cascade {i}" for i in range(800)]
+    (run / "logs" / "server.log").write_text("\n".join(long) + "\n")
     done = _driver(root, "pack", str(tmp_path / "out.tar.gz"))
     assert done.returncode == 0, done.stderr
     with tarfile.open(tmp_path / "out.tar.gz") as tar:
         kept = tar.extractfile("ref/gpu-h200/runs/r1/logs/engine.log").read().decode().splitlines()
-    assert kept == ["[... 6000 successful HTTP access lines left out ...]", "start",
-                    "Loaded new LoRA adapter: name 'policy'", lines[-1]]  # a failed request's line stays
+        trimmed = tar.extractfile("ref/gpu-h200/runs/r1/logs/server.log").read().decode().splitlines()
+    # the adapter load, its control call and a failed request stay
+    assert kept == ["[... 6000 rollout access lines (HTTP 200) left out ...]", "start",
+                    "Loaded new LoRA adapter: name 'policy'", control, lines[-1]]
+    assert trimmed[0] == "[... 500 rollout access lines (HTTP 200) left out ...]"
+    assert "[... trimmed to the first error, line 402 without the access lines ...]" in trimmed
+    assert "ERROR the cause" in trimmed and trimmed[-1] == "cascade 799" and not any("POST" in x for x in trimmed)
+    assert "[... trimmed: 1202 lines in all without the access lines; the last 300 follow ...]" in trimmed
 
 
 def test_only_a_lanes_first_run_meets_the_start_barrier(root: Path) -> None:

@@ -103,6 +103,15 @@ def test_a_forward_without_entropy_records_nan_not_a_partial_mean() -> None:
     run = RunConfig(model="toy", micro_batch=2)
     metrics = grpo_backward(SAMPLES, run, torch.device("cpu"), lambda b, _: model.logprobs(b, False), model.off)
     assert math.isnan(metrics["train/entropy"]) and math.isfinite(metrics["train/loss"])
+    # one micro-batch of two without it: still NaN, not the mean of the other one
+    calls = []
+
+    def first_only(batch: grpo.Batch, want: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        calls.append(batch)
+        return model.logprobs(batch, want and len(calls) == 1)
+
+    assert math.isnan(grpo_backward(SAMPLES, run, torch.device("cpu"), first_only, model.off)["train/entropy"])
+    assert len(calls) == 2
 
 
 def test_the_kl_reference_runs_with_the_adapter_off() -> None:

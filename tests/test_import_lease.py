@@ -39,6 +39,9 @@ def tarball(tmp_path: Path) -> Path:
         (run / "logs" / "engine.log").write_text("started\n")
     (study / "models" / "qwen3-0.6b-warm").mkdir(parents=True)
     (study / "models" / "qwen3-0.6b-warm" / "warm_start.json").write_text('{"base_accuracy": 0.44}\n')
+    dead = study / "runs" / "vllm-verdict-4c49f35f-r2" / "logs"  # died at engine start: logs, no steps
+    dead.mkdir(parents=True)
+    (dead / "engine.log").write_text("CUDA error\n")
     (study / "lane-verdictwarm-1.log").write_text("lane\n")
     (root / "driver.log").write_text("driver\n")
     out = tmp_path / "latest.tar.gz"
@@ -54,8 +57,10 @@ def test_a_polls_tarball_becomes_a_reference_folder(tarball: Path, tmp_path: Pat
     done = _import(str(tarball), "gpu-h200-learning", str(dest))
     assert done.returncode == 0, done.stderr
     assert f"commit it now: git add -f {dest}" in done.stdout
+    assert "(2 runs with steps)" in done.stdout and not (tmp_path / "results" / f"{dest.name}.partial").exists()
     runs = sorted(p.name for p in (dest / "runs").iterdir())
-    assert runs == ["sglang-verdict-795e3683", "vllm-verdict-4c49f35f"]
+    assert runs == ["sglang-verdict-795e3683", "vllm-verdict-4c49f35f", "vllm-verdict-4c49f35f-r2"]
+    assert (dest / "runs" / runs[2] / "logs" / "engine.log").read_text() == "CUDA error\n"  # kept for its cause
     records = dest / "runs" / runs[0] / "requests"
     assert [p.name for p in records.iterdir()] == ["step-0001.jsonl.gz"]  # compacted, as the tests demand
     assert json.loads(gzip.decompress((records / "step-0001.jsonl.gz").read_bytes())) == {"request": 0, "tokens": 5}
@@ -81,4 +86,15 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(tarball: Path, tmp_pat
     not_tar = tmp_path / "x.tar.gz"
     not_tar.write_text("not a tarball")
     bad = _import(str(not_tar), "gpu-h200-learning", str(tmp_path / "other"))
-    assert bad.returncode == 2 and "is not a gzipped tar" in bad.stderr.splitlines()[-1]
+    assert bad.returncode == 2 and bad.stderr.strip() == f"import-lease: {not_tar} is not a gzipped tar (a poll's " \
+                                                        "latest.tar.gz)"
+    assert not (tmp_path / "other").exists() and not (tmp_path / "other.partial").exists()
+
+
+def test_a_failure_half_way_leaves_no_folder_behind(tarball: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "results" / "x"
+    env = {**os.environ, "HYBRIDRL_PYTHON": "/bin/false"}  # every hybridrl step fails
+    done = subprocess.run(["bash", str(IMPORT), str(tarball), "gpu-h200-learning", str(dest)], capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert done.returncode != 0
+    assert not dest.exists() and not dest.with_name("x.partial").exists()

@@ -53,9 +53,9 @@ def test_learning_trends_say_which_readings_moved_from_their_intervals():
     s, f = by_run["S"], by_run["F"]
     assert s["steps"] == "1–20"
     assert s["sampled accuracy: first → last; trend"].split("; ")[1].startswith("grows +0.01")
-    assert s["policy entropy (nats): first → last; trend"].startswith("1.18 → 0.8; falls -0.02")
+    assert s["policy entropy (nats per token): first → last; trend"].startswith("1.18 → 0.8; falls -0.02")
     assert s["eval accuracy (greedy): first → last; trend"].split("; ")[1].startswith("no trend shown")
-    assert f["policy entropy (nats): first → last; trend"].split("; ")[1].startswith("no trend shown")
+    assert f["policy entropy (nats per token): first → last; trend"].split("; ")[1].startswith("no trend shown")
     # no response lengths recorded: that column is left out rather than shown empty
     assert not any(h.startswith("response length") for h in header)
 

@@ -166,6 +166,7 @@ def test_entropy_comes_from_the_same_chunks_and_leaves_the_gradient_alone(chunk_
     x = base.clone().requires_grad_(True)
     lp, ent = token_logprobs_entropy(x[:, :-1], targets, chunk_bytes=chunk_bytes)
     torch.testing.assert_close(ent, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lp, token_logprobs(base[:, :-1], targets, chunk_bytes=chunk_bytes), rtol=0, atol=0)
     assert not ent.requires_grad
     lp.sum().backward()
     y = base.clone().requires_grad_(True)

@@ -349,8 +349,8 @@ plan_learnentropy() {
   # learnlr's reading put to a measurement: with train/entropy in every step, SGLang's 50 steps at lr 1e-3, then its
   # 30 at learning's lr 1e-4 as the control (the same run ids as those leases: their request sets). Does the policy's
   # entropy fall faster at the higher rate, as a policy sharpening toward its greedy answers would? Then the HF
-  # trainer's dense benchmark and profiled update, which show what the entropy costs (its ops on [.., vocab]
-  # chunks, by input shape). Needs `sglang`
+  # trainer's dense benchmark and profiled update: the profile's rows by input shape hold the entropy's own ops on
+  # [.., vocab] chunks (it has no off switch to time against). Needs `sglang`
   study=config/gpu-h200-learning.yaml
   one_lane "train sglang-learn;train sglang-colocate;tbench qwen3-0.6b hf 32;tprof qwen3-0.6b hf 32"
 }
@@ -677,22 +677,29 @@ snapshot() {  # what finished, every study, as $root/latest.tar.gz, replaced ato
   pack "$tmp" > /dev/null && mv -f "$tmp" "$root/latest.tar.gz"
 }
 
-trim_log() {  # trim_log SRC DEST [TAIL]: a log without its successful HTTP access lines (one per request, and the
-  # request records keep every request), then if still long its start, the lines from its first error on, its end
+# an engine's access-log line for one rollout request or health poll that succeeded (SGLang /generate, vLLM
+# /v1/completions): one a request, and the request records keep each request; control calls (sleep, wake,
+# adapters) stay
+ROLLOUT_ACCESS='"(POST /(generate|v1/completions)|GET /(health|metrics|v1/models)[^ "]*) HTTP/[0-9.]+" 200'
+
+trim_log() {  # trim_log SRC DEST [TAIL]: a log without its rollout access lines, then if still long its start, the
+  # lines from its first error on, and its end
   local src=$1 dest=$2 tail=${3:-300} n first ok plain
   plain=$(mktemp)
-  ok=$(grep -c -E '"(GET|POST) [^"]* HTTP/[0-9.]+" 200' "$src" || true)
-  { [ "${ok:-0}" -gt 0 ] && echo "[... $ok successful HTTP access lines left out ...]"
-    grep -v -E '"(GET|POST) [^"]* HTTP/[0-9.]+" 200' "$src" || true; } > "$plain"
+  ok=$(grep -c -E "$ROLLOUT_ACCESS" "$src" || true)
+  { [ "${ok:-0}" -gt 0 ] && echo "[... $ok rollout access lines (HTTP 200) left out ...]"
+    grep -v -E "$ROLLOUT_ACCESS" "$src" || true; } > "$plain"
   n=$(wc -l < "$plain")
-  if [ "$n" -le $((tail + 300)) ]; then mv "$plain" "$dest"; return; fi
+  if [ "$n" -le $((tail + 300)) ]; then cat "$plain" > "$dest"; rm -f "$plain"; return; fi
   first=$(grep -n -m1 -E 'Traceback|ERROR|Error: ' "$plain" | cut -d: -f1 || true)
   { head -n 50 "$plain"
     # the root cause: a crash's first error is often hundreds of lines above the end of its cascade
     if [ -n "$first" ] && [ "$first" -gt 50 ] && [ "$first" -lt $((n - tail)) ]; then
-      echo "[... trimmed to the first error, line $first ...]"; sed -n "$((first > 60 ? first - 10 : 51)),$((first + 239))p" "$plain"
+      echo "[... trimmed to the first error, line $first without the access lines ...]"
+      sed -n "$((first > 60 ? first - 10 : 51)),$((first + 239))p" "$plain"
     fi
-    echo "[... trimmed: $n lines in all; the last $tail follow ...]"; tail -n "$tail" "$plain"; } > "$dest"
+    echo "[... trimmed: $n lines in all without the access lines; the last $tail follow ...]"
+    tail -n "$tail" "$plain"; } > "$dest"
   rm -f "$plain"
 }
 

@@ -69,7 +69,8 @@ def time_to_accuracy(df: pd.DataFrame, labels: dict[str, str]) -> tuple[list[str
 
 # what a run's learning is read from, each over all of its steps (learning has no warm-up to leave out)
 TREND_METRICS = (("reward/accuracy", "sampled accuracy"), ("eval/accuracy", "eval accuracy (greedy)"),
-                 ("train/entropy", "policy entropy (nats)"), ("response_length/mean", "response length (tokens)"))
+                 ("train/entropy", "policy entropy (nats per token)"),
+                 ("response_length/mean", "response length (tokens)"))
 
 
 def trends(df: pd.DataFrame, labels: dict[str, str]) -> tuple[list[str], list[list[str]]]:

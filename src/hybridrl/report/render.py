@@ -510,7 +510,7 @@ def learning_trend_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | No
     if not rows:
         return None
     table = Table(header)
-    table.rows = [[Cell(r[0]), *(Cell(c, "na" if c == "–" else "num") for c in r[1:])] for r in rows]
+    table.rows = [[Cell(r[0]), *(Cell(c, "na" if c == "–" else "") for c in r[1:])] for r in rows]
     return table
 
 

@@ -25,7 +25,7 @@ def group_advantages(rewards: Sequence[float], group_size: int, eps: float = 1e-
 LOGSOFTMAX_CHUNK_BYTES = 1 << 28
 
 
-def _chunks(logits: torch.Tensor, chunk_bytes: int) -> list[tuple[slice, slice]]:
+def logit_chunks(logits: torch.Tensor, chunk_bytes: int) -> list[tuple[slice, slice]]:
     """(rows, positions) slices of [B, T, V] logits, each at most chunk_bytes in fp32 (or one position); slices
     keep every chunk a view, so a non-contiguous logits[:, :-1] is never copied whole."""
     b, t, v = logits.shape
@@ -49,7 +49,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
         ent = torch.empty(targets.shape if entropy else (0,), dtype=torch.float32, device=logits.device)
-        for r, c in _chunks(logits, chunk_bytes):
+        for r, c in logit_chunks(logits, chunk_bytes):
             logp = torch.log_softmax(logits[r, c].float(), dim=-1)
             out[r, c] = logp.gather(-1, targets[r, c].unsqueeze(-1)).squeeze(-1)
             if entropy:  # in place: one more chunk-sized buffer, not two
@@ -60,10 +60,11 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return out, ent
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor, _: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor,  # type: ignore[override]
+                 _: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         logits, targets = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
-        for r, c in _chunks(logits, ctx.chunk_bytes):
+        for r, c in logit_chunks(logits, ctx.chunk_bytes):
             logp = torch.log_softmax(logits[r, c].float(), dim=-1)
             g = grad[r, c].unsqueeze(-1)
             # d/dx log_softmax(x)[t] . g = g * (onehot(t) - softmax(x)), as autograd's log_softmax backward

@@ -129,7 +129,7 @@ def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device, l
         if entropy is None:  # a forward that cannot give it: the step records NaN, not a partial mean
             totals["entropy"] = math.nan
         else:
-            totals["entropy"] += (entropy * batch.mask).sum().item() / max(n_tokens, 1)
+            totals["entropy"] += entropy[batch.mask].sum().item() / max(n_tokens, 1)
         gaps.add(old, batch.mask, [s.engine_logprobs for s in chunk])
     return {
         "train/loss": totals["loss"],

@@ -14,7 +14,7 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from hybridrl import nvml
 from hybridrl.engines.gpus import nvml_indices, visible_devices
 from hybridrl.study.run_config import RunConfig
-from hybridrl.task.rl import token_logprobs, token_logprobs_entropy
+from hybridrl.task.rl import LOGSOFTMAX_CHUNK_BYTES, logit_chunks, token_logprobs, token_logprobs_entropy
 from hybridrl.trainers.base import Sample, lora_b_norm
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
@@ -38,17 +38,20 @@ def init_parallel(tp: int, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) per position [..., V/tp] -> [...] in fp32, the vocabulary split over the TP
-    group: log Z - E[x] with x shifted by the global max, from three all-reduces of one value per position."""
+def vocab_parallel_entropy(logits: torch.Tensor, chunk_bytes: int = LOGSOFTMAX_CHUNK_BYTES) -> torch.Tensor:
+    """Entropy of softmax(logits) per position, logits [B, T, V/tp] -> [B, T] in fp32, the vocabulary split over the
+    TP group: log Z - E[x] with x shifted by the global max. Three all-reduces of one value per position; the fp32
+    work goes in chunks of at most chunk_bytes, as token_logprobs' does."""
     group = parallel_state.get_tensor_model_parallel_group()
-    x = logits.float()
-    top = x.max(dim=-1).values
+    top = logits.amax(dim=-1).float()
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    x = x - top.unsqueeze(-1)
-    e = x.exp()
-    z = e.sum(dim=-1)
-    ex = (e * x).sum(dim=-1)
+    z = torch.empty_like(top)
+    ex = torch.empty_like(top)
+    for r, c in logit_chunks(logits, chunk_bytes):
+        x = logits[r, c].float() - top[r, c].unsqueeze(-1)  # a new buffer: logits stay as the loss reads them
+        e = x.exp()
+        z[r, c] = e.sum(dim=-1)
+        ex[r, c] = e.mul_(x).sum(dim=-1)
     dist.all_reduce(z, group=group)
     dist.all_reduce(ex, group=group)
     return z.log() - ex / z

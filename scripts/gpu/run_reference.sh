@@ -347,7 +347,8 @@ plan_learning() {
 
 plan_learnentropy() {
   # learnlr's reading put to a measurement: with train/entropy in every step, SGLang's 50 steps at lr 1e-3, then its
-  # 30 at learning's lr 1e-4 as the control (the same run ids as those leases: their request sets). Does the policy's
+  # 30 at learning's lr 1e-4 as the control (learnlr's run id; the control's id has changed since learning's lease,
+  # its seed and prompts have not). Does the policy's
   # entropy fall faster at the higher rate, as a policy sharpening toward its greedy answers would? Then the HF
   # trainer's dense benchmark and profiled update: the profile's rows by input shape hold the entropy's own ops on
   # [.., vocab] chunks (it has no off switch to time against). Needs `sglang`

@@ -404,6 +404,14 @@ def test_poll_packs_while_the_driver_runs_and_returns_at_once_when_it_has_stoppe
         assert "the driver is not running" not in alive.stdout and (out / "latest.tar.gz").is_file()
     finally:
         driver.kill()
+    # a driver that stops while the poll waits out its interval: the poll returns within a second or two of it,
+    # not at the interval's end
+    # (started in the background of a shell that exits, as the driver is: not a child left to reap here)
+    pid = subprocess.run(["bash", "-c", "sleep 2 > /dev/null 2>&1 & echo $!"], capture_output=True, text=True).stdout
+    (root / "driver.pid").write_text(pid.strip())
+    start = time.monotonic()
+    done = subprocess.run(poll, capture_output=True, text=True, env={**env, "HYBRIDRL_POLL_S": "40"}, timeout=120)
+    assert done.returncode == 0 and time.monotonic() - start < 20, (time.monotonic() - start, done.stderr)
 
 
 def _python3_on_path(tmp_path: Path) -> dict[str, str]:

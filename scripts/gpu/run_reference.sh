@@ -650,7 +650,7 @@ poll() {
   local out=${1:?usage: run_reference.sh poll OUT_DIR [ROUNDS]} rounds=${2:-5} i
   for ((i = 1; i <= rounds; i++)); do
     driver_running || { say "the driver is not running"; break; }
-    sleep "${HYBRIDRL_POLL_S:-56}"
+    wait_while_running "${HYBRIDRL_POLL_S:-56}"
     pack "$root/.poll.tgz" > /dev/null && mv -f "$root/.poll.tgz" "$out/latest.tar.gz"
   done
   pack "$root/.poll.tgz" > /dev/null && mv -f "$root/.poll.tgz" "$out/latest.tar.gz"
@@ -658,6 +658,16 @@ poll() {
 }
 
 driver_running() { [ -f "$root/driver.pid" ] && kill -0 "$(cat "$root/driver.pid")" 2> /dev/null; }
+
+# wait_while_running SECONDS: sleep that long, or less once the driver has stopped (checked every second): a lease
+# counts its held time to the second, and a poll that slept on after the plan ended cost up to a minute of it
+wait_while_running() {
+  local left=$1
+  while driver_running && awk -v l="$left" 'BEGIN {exit !(l > 0)}'; do
+    sleep "$(awk -v l="$left" 'BEGIN {print (l < 1 ? l : 1)}')"
+    left=$(awk -v l="$left" 'BEGIN {print l - 1}')
+  done
+}
 
 status() {
   local f d

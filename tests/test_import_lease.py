@@ -76,6 +76,7 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(tarball: Path, tmp_pat
     wrong = _import(str(tarball), "gpu-h200-nope", str(dest))
     assert wrong.returncode == 2 and not dest.exists()
     assert wrong.stderr.strip() == f"import-lease: no study gpu-h200-nope in {tarball}; it holds: gpu-h200-learning"
+    assert _import(str(tarball)).stderr == "import-lease: usage: import-lease.sh TARBALL STUDY NAME (got 1 arguments)\n"
     missing = _import(str(tmp_path / "none.tar.gz"), "gpu-h200-learning", str(dest))
     assert missing.returncode == 2 and "no file" in missing.stderr and not dest.exists()
     dest.mkdir()

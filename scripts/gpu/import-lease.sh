@@ -9,13 +9,13 @@
 # folder appears only when complete (built beside it as NAME.partial, which a failure removes).
 set -euo pipefail
 shopt -s nullglob
-usage="usage: import-lease.sh TARBALL STUDY NAME"
-tarball=${1:?$usage} study=${2:?$usage} name=${3:?$usage}
+die() { echo "import-lease: $*" >&2; exit 2; }
+[ $# -eq 3 ] || die "usage: import-lease.sh TARBALL STUDY NAME (got $# arguments)"
+tarball=$1 study=$2 name=$3
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 case $name in */*) dest=$(realpath -m "$name") ;; *) dest=$repo/results/reference/$name ;; esac
 py=${HYBRIDRL_PYTHON:-$repo/.venv/bin/python}
 [ -x "$py" ] || py=python3
-die() { echo "import-lease: $*" >&2; exit 2; }
 [ -f "$tarball" ] || die "no file $tarball"
 [ -e "$dest" ] && die "$dest exists: nothing written (move it away, or pick another NAME)"
 tmp=$(mktemp -d)

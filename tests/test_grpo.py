@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybridrl.study.run_config import RunConfig
-from hybridrl.task.rl import policy_loss, token_logprobs, token_logprobs_entropy
+from hybridrl.task.rl import policy_loss, token_logprobs_entropy
 from hybridrl.trainers import grpo
 from hybridrl.trainers.base import Sample
 from hybridrl.trainers.grpo import grpo_backward, pad_batch
@@ -51,9 +51,7 @@ class Toy(torch.nn.Module):
         return self.out(h)
 
     def logprobs(self, batch: grpo.Batch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if entropy:
-            return token_logprobs_entropy(self.logits(batch), batch.targets)
-        return token_logprobs(self.logits(batch), batch.targets), None
+        return token_logprobs_entropy(self.logits(batch), batch.targets, entropy=entropy)
 
     @contextlib.contextmanager
     def off(self):

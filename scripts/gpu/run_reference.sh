@@ -662,11 +662,8 @@ driver_running() { [ -f "$root/driver.pid" ] && kill -0 "$(cat "$root/driver.pid
 # wait_while_running SECONDS: sleep that long, or less once the driver has stopped (checked every second): a lease
 # counts its held time to the second, and a poll that slept on after the plan ended cost up to a minute of it
 wait_while_running() {
-  local left=$1
-  while driver_running && awk -v l="$left" 'BEGIN {exit !(l > 0)}'; do
-    sleep "$(awk -v l="$left" 'BEGIN {print (l < 1 ? l : 1)}')"
-    left=$(awk -v l="$left" 'BEGIN {print l - 1}')
-  done
+  driver_running || return 0
+  timeout "$1" tail --pid="$(cat "$root/driver.pid")" -s 1 -f /dev/null || true
 }
 
 status() {

@@ -73,12 +73,16 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return grad_logits, None, None, None
 
 
-def _chunked(logits: torch.Tensor, targets: torch.Tensor, chunk_bytes: int,
-             entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, chunk_bytes: int = LOGSOFTMAX_CHUNK_BYTES,
+                           entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_logprobs and, with `entropy`, from the same chunks the policy's entropy at each position ([B, T],
+    float32, detached: the spread of the next-token distribution the sampled token was drawn from); else None."""
     if logits.requires_grad and torch.is_grad_enabled():
-        return _ChunkedTokenLogprobs.apply(logits, targets, chunk_bytes, entropy)
-    with torch.no_grad():
-        return _ChunkedTokenLogprobs.forward(_NoCtx(), logits, targets, chunk_bytes, entropy)
+        logp, ent = _ChunkedTokenLogprobs.apply(logits, targets, chunk_bytes, entropy)
+    else:
+        with torch.no_grad():
+            logp, ent = _ChunkedTokenLogprobs.forward(_NoCtx(), logits, targets, chunk_bytes, entropy)
+    return logp, ent if entropy else None
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
@@ -87,14 +91,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
 
     The fp32 log-softmax is computed over chunks of at most chunk_bytes, never over the whole batch at once.
     """
-    return _chunked(logits, targets, chunk_bytes, entropy=False)[0]
-
-
-def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                           chunk_bytes: int = LOGSOFTMAX_CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
-    """token_logprobs and, from the same chunks, the policy's entropy at each position ([B, T], float32,
-    detached): the spread of the next-token distribution the sampled token was drawn from."""
-    return _chunked(logits, targets, chunk_bytes, entropy=True)
+    return token_logprobs_entropy(logits, targets, chunk_bytes, entropy=False)[0]
 
 
 class _NoCtx:

@@ -22,7 +22,7 @@ import torch
 
 from hybridrl.engines.server import free_port
 from hybridrl.study.run_config import RunConfig
-from hybridrl.task.rl import policy_loss, token_logprobs, token_logprobs_entropy
+from hybridrl.task.rl import policy_loss, token_logprobs_entropy
 from hybridrl.trainers.base import Sample
 from hybridrl.trainers.grpo import Batch, pad_batch
 from hybridrl.trainers.packing import pack
@@ -137,15 +137,16 @@ def hf_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run: RunC
     batch = pad_batch(samples)
     ids, attn, mask = batch.ids, batch.attention, batch.mask
 
-    def logprobs() -> torch.Tensor:
-        return token_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:])
+    def logprobs(entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return token_logprobs_entropy(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:],
+                                      entropy=entropy)
 
     model.train()
-    logp, entropy = token_logprobs_entropy(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:])
+    logp, entropy = logprobs(entropy=True)
     ref = None
     if run.kl_coef > 0:
         with torch.no_grad(), model.disable_adapter():
-            ref = logprobs()
+            ref, _ = logprobs()
     adv = torch.tensor([s.advantage for s in samples])
     loss, stats = policy_loss(logp, logp.detach(), adv, mask, run.clip_eps, ref, run.kl_coef)
     loss.backward()
@@ -153,7 +154,7 @@ def hf_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run: RunC
     norm = float(torch.nn.utils.clip_grad_norm_(list(params.values()), run.grad_clip))
     opt.step()
     with torch.no_grad():
-        after = logprobs()
+        after, _ = logprobs()
     return {"logp": _per_sample(logp, mask), "grads": grads, "grad_norm": norm, "loss": float(loss),
             "kl": stats["train/kl"], "entropy": float((entropy * mask).sum() / mask.sum()),
             "weights_after": {n: p.detach().clone() for n, p in params.items()},

@@ -12,7 +12,7 @@ import torch
 from hybridrl.atomic import atomic_dir
 from hybridrl.run.checks import model_family
 from hybridrl.study.run_config import RunConfig
-from hybridrl.task.rl import token_logprobs, token_logprobs_entropy
+from hybridrl.task.rl import token_logprobs_entropy
 from hybridrl.trainers import grouped_mm
 from hybridrl.trainers.base import Sample, TrainResult, lora_b_norm
 from hybridrl.trainers.flops import read_flop_shape, update_perf
@@ -106,11 +106,7 @@ class HFTrainer:
                 logits = self.model(input_ids=p.ids, position_ids=p.positions, cu_seq_lens_q=p.cu_seqlens,
                                     cu_seq_lens_k=p.cu_seqlens, max_length_q=p.max_len,
                                     max_length_k=p.max_len).logits[:, :-1]
-        targets = batch.targets if p is None else p.targets
-        if entropy:
-            logp, ent = token_logprobs_entropy(logits, targets)
-        else:
-            logp, ent = token_logprobs(logits, targets), None
+        logp, ent = token_logprobs_entropy(logits, batch.targets if p is None else p.targets, entropy=entropy)
         if p is None:
             return logp, ent
         return p.unpack(logp), None if ent is None else p.unpack(ent)

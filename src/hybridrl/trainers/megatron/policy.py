@@ -14,7 +14,7 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from hybridrl import nvml
 from hybridrl.engines.gpus import nvml_indices, visible_devices
 from hybridrl.study.run_config import RunConfig
-from hybridrl.task.rl import LOGSOFTMAX_CHUNK_BYTES, logit_chunks, token_logprobs, token_logprobs_entropy
+from hybridrl.task.rl import LOGSOFTMAX_CHUNK_BYTES, logit_chunks, token_logprobs_entropy
 from hybridrl.trainers.base import Sample, lora_b_norm
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
@@ -106,11 +106,8 @@ class MegatronPolicy:
             logits = self.model(input_ids=p.ids, position_ids=p.positions, attention_mask=None,
                                 packed_seq_params=PackedRows.of(p))[:, :-1]  # [1, N-1, V/tp]
             targets = p.targets
-        ent = None
-        if self.tp == 1 and entropy:
-            logp, ent = token_logprobs_entropy(logits, targets)
-        elif self.tp == 1:
-            logp = token_logprobs(logits, targets)
+        if self.tp == 1:
+            logp, ent = token_logprobs_entropy(logits, targets, entropy=entropy)
         else:
             # first: megatron's cross entropy works in place on fp32 logits (.float() of fp32 is no copy)
             ent = vocab_parallel_entropy(logits) if entropy else None

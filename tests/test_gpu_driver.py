@@ -90,8 +90,8 @@ def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) ->
 def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
     assert bad.returncode == 2
-    plans = ("client faults full learnentropy learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm moe2full moe4 "
-             "moe4full packing placement placementlong rest rest4 soak timed timingcost trainer trainerfast "
+    plans = ("client faults full hffused learnentropy learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm moe2full "
+             "moe4 moe4full packing placement placementlong rest rest4 soak timed timingcost trainer trainerfast "
              "trainerfuse trainerloop trainermoe verdict verdictkv verdictpin verdictwarm")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
@@ -365,6 +365,11 @@ def test_learning_plan_runs_the_long_runs_then_measures_the_vocabularies(root: P
     assert _one_lane_plan(root, "gpu-h200-learning", "learnentropy") == [
         "train sglang-learn on GPU 0", "train sglang-colocate on GPU 0",
         "trainer-bench qwen3-0.6b hf mb 32 on GPU 0", "trainer-profile qwen3-0.6b hf mb 32 on GPU 0"]
+    # PEFT's adapter forward against the fused one, in one lease, then the control
+    fused = _one_lane_plan(root, "gpu-h200-learning", "hffused")
+    assert fused[:2] == ["trainer-bench qwen3-0.6b hf mb 32 peft-lora on GPU 0",
+                         "trainer-bench qwen3-0.6b hf mb 32 on GPU 0"]
+    assert fused[-1] == "train sglang-colocate on GPU 0"
     assert set(names + pair + [i.removeprefix("train ").split(" on ")[0] for i in learn]) == short
     # the pair differs in the engine and its release alone
     sg, vl = (next(r for r in study.runs.values() if r.name == n) for n in ("sglang-verdict", "vllm-verdict"))

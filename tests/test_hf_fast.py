@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from hybridrl.trainers.hf_fast import fuse_rms_norms, keep_adapter_inputs
+from hybridrl.trainers.hf_fast import fuse_lora_outputs, fuse_rms_norms, keep_adapter_inputs
 
 
 class _Block(nn.Module):
@@ -23,10 +23,10 @@ class _Block(nn.Module):
         return self.o_proj(torch.relu(self.q_proj(x)))
 
 
-def _model() -> nn.Module:
+def _model(dtype: torch.dtype = torch.bfloat16, **lora: object) -> nn.Module:
     torch.manual_seed(0)
-    model = get_peft_model(_Block().bfloat16(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
-                                                           init_lora_weights=False))
+    model = get_peft_model(_Block().to(dtype), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                                                          init_lora_weights=False, **lora))
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()  # as HFTrainer: fp32 adapters on a bf16 base
@@ -90,3 +90,47 @@ def test_fused_norms_are_transformers_norms(monkeypatch: pytest.MonkeyPatch) -> 
     ref = norm_b.weight.float() * (x.bfloat16().float() * torch.rsqrt(x.bfloat16().float().pow(2).mean(-1, keepdim=True)
                                                                        + norm_b.variance_epsilon))
     torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+def _forward_backward(model: nn.Module, x: torch.Tensor, autocast: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    x = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = model(x)
+    (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    grads = [x.grad] + [p.grad for p in model.parameters() if p.requires_grad]
+    model.zero_grad(set_to_none=True)
+    return y.detach(), grads
+
+
+@pytest.mark.parametrize("dtype,autocast,tol", [(torch.float32, False, 1e-6), (torch.bfloat16, True, 2e-2)])
+def test_fused_lora_outputs_are_peft_outputs(dtype: torch.dtype, autocast: bool, tol: float) -> None:
+    x = torch.randn(2, 5, 16).to(dtype)
+    model = _model(dtype)
+    keep_adapter_inputs(model)
+    want, want_grads = _forward_backward(model, x, autocast)
+    assert fuse_lora_outputs(model) == 2
+    calls = []
+    real_addmm = torch.addmm
+    try:
+        torch.addmm = lambda *a, **k: calls.append(1) or real_addmm(*a, **k)
+        got, got_grads = _forward_backward(model, x, autocast)
+    finally:
+        torch.addmm = real_addmm
+    assert len(calls) == 2  # both adapters took the fused path
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    for g, w in zip(got_grads, want_grads, strict=True):  # the input's and every adapter weight's gradient
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+
+
+def test_fused_lora_falls_back_where_peft_does_more() -> None:
+    x = torch.randn(3, 16)
+    model = _model(torch.float32)
+    assert fuse_lora_outputs(model) == 2
+    base = _Block()
+    base.load_state_dict({k.replace("base_model.model.", "").replace(".base_layer", ""): v
+                          for k, v in model.state_dict().items() if "lora_" not in k})
+    with model.disable_adapter():  # the KL reference: the base model alone
+        torch.testing.assert_close(model(x), base(x))
+    assert not torch.allclose(model(x), base(x))  # and the adapters are back after it
+    assert fuse_lora_outputs(_model(torch.float32, lora_dropout=0.1)) == 0  # dropout keeps PEFT's forward

@@ -75,6 +75,25 @@ def test_trainer_bench_packs_by_default_and_pads_with_no_pack(tmp_path: Path) ->
     assert packed["hf"]["last_loss"] == pytest.approx(padded["hf"]["last_loss"], abs=1e-5)
 
 
+def test_trainer_bench_peft_lora_is_the_same_update_through_peft_forward(tmp_path: Path) -> None:
+    from hybridrl.tools.trainer_bench import main as bench
+
+    fused = bench("tiny", ["hf"], 1, "cpu", tmp_path, None)
+    plain = bench("tiny", ["hf"], 1, "cpu", tmp_path, None, peft_lora=True)
+    assert fused["peft_lora"] is False and plain["peft_lora"] is True
+    assert plain["hf"]["last_loss"] == pytest.approx(fused["hf"]["last_loss"], abs=1e-5)
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from hybridrl.tools.trainer_bench import SHAPES, bench_run, random_model
+    from hybridrl.trainers.hf import HFTrainer
+
+    model = random_model(tmp_path / "model-tiny", SHAPES["tiny"], "float32")
+    run = bench_run(SHAPES["tiny"], "hf", "cpu", 4, None)
+    for fuse in (True, False):  # the fused forward is set on each adapted linear, or PEFT's class forward kept
+        layers = [m for m in HFTrainer(model, run, fuse_lora=fuse).model.modules() if isinstance(m, LoraLinear)]
+        assert layers and all(("forward" in m.__dict__) is fuse for m in layers)
+
+
 @pytest.mark.parametrize("trainer", ["hf", "megatron"])
 def test_trainer_profile_writes_the_operator_table(trainer: str, tmp_path: Path) -> None:
     out = tmp_path / "profile.txt"
@@ -124,6 +143,7 @@ def test_an_isolated_build_runs_in_a_child_process_and_names_its_failure(tmp_pat
     (["trainer-profile", "--shape", "nope", "--trainer", "hf", "--out", "p.txt"], "unknown shape 'nope'"),
     (["trainer-bench", "--shape", "tiny", "--updates", "0"], "argument --updates: must be at least 1, got 0"),
     (["trainer-bench", "--shape", "tiny", "--micro-batch", "x"], "argument --micro-batch: 'x' is not a whole"),
+    (["trainer-bench", "--shape", "tiny", "--peft-lora"], "--peft-lora changes the hf trainer only"),
 ])
 def test_trainer_tools_refuse_bad_arguments_in_one_line(argv: list[str], said: str, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:

@@ -356,6 +356,15 @@ plan_learnentropy() {
   one_lane "train sglang-learn;train sglang-colocate;tbench qwen3-0.6b hf 32;tprof qwen3-0.6b hf 32"
 }
 
+plan_hffused() {
+  # issue 15's HF dense target after the adapters' outputs moved inside their B matmul (hf_fast.fuse_lora_outputs):
+  # PEFT's forward (peft-lora) and the fused one in one lease, fixed then varied lengths, Megatron's dense row
+  # beside them, the fused update profiled; then learnentropy's owed lr 1e-4 control (learning's sglang-colocate,
+  # entropy recorded, the fused HF trainer gated against SGLang's logprobs). Needs `sglang` and `trainer`
+  study=config/gpu-h200-learning.yaml
+  one_lane "tbench qwen3-0.6b hf 32 peft-lora;tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32;tbench qwen3-0.6b hf 32 varied peft-lora;tbench qwen3-0.6b hf 32 varied;tprof qwen3-0.6b hf 32;train sglang-colocate"
+}
+
 plan_learnlr() {
   # issue 17's open question on one GPU (config/gpu-h200-learning.yaml): 50 warm-started steps per engine at ten
   # times `learning`'s learning rate (1e-3), eval every 5 steps, SGLang then the vLLM server

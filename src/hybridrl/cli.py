@@ -104,10 +104,13 @@ def _trainer_bench(args: argparse.Namespace) -> None:
     from hybridrl.tools.trainer_bench import main as trainer_bench_main
 
     _known_shape("trainer-bench", args.shape)
+    if args.peft_lora and args.trainer != ["hf"]:
+        print("hybridrl trainer-bench: --peft-lora changes the hf trainer only: give --trainer hf", file=sys.stderr)
+        raise SystemExit(2)
     trainer_bench_main(args.shape, args.trainer, args.updates, args.device, Path(args.workdir),
                        Path(args.out) if args.out else None, micro_batch=args.micro_batch,
                        micro_batch_tokens=args.micro_batch_tokens, samples=args.samples, pack=not args.no_pack,
-                       varied=args.varied)
+                       varied=args.varied, peft_lora=args.peft_lora)
 
 
 def _trainer_profile(args: argparse.Namespace) -> None:
@@ -278,6 +281,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--no-pack", action="store_true", help="pad every row to the longest (pack_sequences false)")
     s.add_argument("--varied", action="store_true",
                    help="completion lengths drawn from completion/8 .. completion instead of all equal")
+    s.add_argument("--peft-lora", action="store_true",
+                   help="the hf trainer with PEFT's own adapter forward (scale and add outside the matmul)")
     s.add_argument("--workdir", required=True, help="the random-init model and the adapters go here")
     s.add_argument("--out", help="JSON result")
     s.set_defaults(fn=_trainer_bench)

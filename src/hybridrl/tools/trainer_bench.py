@@ -171,13 +171,15 @@ def bench_run(shape: Shape, trainer: str, device: str, micro_batch: int, micro_b
 
 
 def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample], updates: int,
-                  workdir: Path) -> dict[str, Any]:
-    """Warm-up plus `updates` updates of one trainer on `samples`; best and median figures."""
+                  workdir: Path, peft_lora: bool = False) -> dict[str, Any]:
+    """Warm-up plus `updates` updates of one trainer on `samples`; best and median figures. peft_lora: the HF
+    trainer with PEFT's own adapter forward (the change it is compared with in one lease)."""
     from hybridrl.trainers import make_trainer
+    from hybridrl.trainers.hf import HFTrainer
 
     load_before = os.getloadavg()  # a host busy with something else slows these launch-bound updates
     t0 = time.perf_counter()
-    trainer = make_trainer(run, model, workdir / kind)
+    trainer = HFTrainer(model, run, fuse_lora=False) if peft_lora else make_trainer(run, model, workdir / kind)
     start_s = time.perf_counter() - t0
     update_s, compute_s, mfu = [], [], []
     metrics: dict[str, Any] = {}
@@ -211,7 +213,7 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
 
 def main(shape_name: str, trainers: list[str], updates: int, device: str, workdir: Path, out: Path | None,
          micro_batch: int = 8, micro_batch_tokens: int | None = None, samples: int | None = None,
-         pack: bool = True, varied: bool = False) -> dict[str, Any]:
+         pack: bool = True, varied: bool = False, peft_lora: bool = False) -> dict[str, Any]:
     """Benchmark the trainers on the shape's fixed batch; prints and returns one JSON object (and writes it)."""
     import torch
 
@@ -219,6 +221,8 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
 
     if updates < 1:
         raise ValueError("--updates must be at least 1")
+    if peft_lora and trainers != ["hf"]:
+        raise ValueError("--peft-lora changes the hf trainer only: give --trainer hf")
     shape = shape_of(shape_name)
     workdir.mkdir(parents=True, exist_ok=True)
     model = random_model(workdir / f"model-{shape_name}", shape, "bfloat16" if device == "cuda" else "float32")
@@ -229,14 +233,14 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
         "lengths": "varied" if varied else "fixed",
         "completion_tokens": sum(len(x.completion_ids) for x in batch),
         "updates": updates, "micro_batch": micro_batch, "micro_batch_tokens": micro_batch_tokens,
-        "pack_sequences": pack,
+        "pack_sequences": pack, "peft_lora": peft_lora,
         "device": device_name(device) or "cpu", "torch": torch.__version__, "lora_targets": list(shape.lora_targets),
         # the same code's update moved by tens of percent between two leases' hosts (2026-11-24): say which ran it
         "host": host_info(), "git": git_info(),
     }
     for kind in trainers:
         run = bench_run(shape, kind, device, micro_batch, micro_batch_tokens, pack)
-        report[kind] = bench_trainer(kind, model, run, batch, updates, workdir)
+        report[kind] = bench_trainer(kind, model, run, batch, updates, workdir, peft_lora)
         if device == "cuda":
             torch.cuda.empty_cache()
     text = json.dumps(report, indent=2)

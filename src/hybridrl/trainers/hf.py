@@ -17,7 +17,7 @@ from hybridrl.trainers import grouped_mm
 from hybridrl.trainers.base import Sample, TrainResult, lora_b_norm
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
-from hybridrl.trainers.hf_fast import fuse_rms_norms, keep_adapter_inputs
+from hybridrl.trainers.hf_fast import fuse_lora_outputs, fuse_rms_norms, keep_adapter_inputs
 from hybridrl.trainers.packing import varlen_causal_attention
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -62,7 +62,10 @@ def experts_implementation(model_dir: Path, device: torch.device, dtype: torch.d
 
 
 class HFTrainer:
-    def __init__(self, model_dir: Path, run: RunConfig, device: str | None = None) -> None:
+    """GRPO + LoRA on transformers + PEFT in this process. fuse_lora: add each adapter's output inside its last
+    matmul (hf_fast.fuse_lora_outputs); False keeps PEFT's own forward, for the benchmark's before-and-after."""
+
+    def __init__(self, model_dir: Path, run: RunConfig, device: str | None = None, fuse_lora: bool = True) -> None:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -88,6 +91,8 @@ class HFTrainer:
             if p.requires_grad:
                 p.data = p.data.float()
         keep_adapter_inputs(self.model)
+        if fuse_lora:
+            fuse_lora_outputs(self.model)
         fuse_rms_norms(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=run.lr, weight_decay=run.weight_decay)

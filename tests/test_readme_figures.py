@@ -33,7 +33,7 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
                  "2026-11-24-h200-trainerrepeat", "2026-11-24-h200-moe1full", "2026-11-24-h200-verdictpin",
                  "2026-11-24-h200-moe1pin", "2026-11-24-h200-verdictpin2",
                  "2026-11-24-h200-moe1pin2", "2026-11-24-h200-verdictwarm", "2026-11-24-h200-learnlr",
-                 "2026-11-25-h200-verdictwarm2", "2026-11-25-h200-learnentropy",
+                 "2026-11-25-h200-verdictwarm2", "2026-11-25-h200-learnentropy", "2026-11-25-h200-hffused",
                  "2026-11-24-h200-timingcost2"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
     for name in ("2026-11-24-h200-faults", "2026-11-24-h200-trainermoe"):
@@ -202,6 +202,19 @@ def test_an_update_ratio_compares_two_trainer_benchmarks_over_their_updates() ->
     assert text.startswith(f"{ratio:.2f}x [")
     with pytest.raises(ValueError, match="has no update_s_all of trainer 'megatron'"):
         figures.evaluate(f"update_ratio {packed} megatron {padded} hf")  # that file holds HF's row only
+
+
+def test_a_process_ratio_pools_processes_and_names_a_glob_that_matches_nothing() -> None:
+    bench = "results/reference/2026-11-25-h200-hffused/bench"
+    fused = f"{bench}/trainer-qwen3-0.6b-hf-mb32.json+{bench}/trainer-qwen3-0.6b-hf-mb32-r?.json"
+    medians = figures.evaluate(f"process_medians {fused} hf").split(", ")
+    assert len(medians) == 4  # rounds 1, 2, 4 and 5: the glob takes neither the varied nor the PEFT files
+    assert medians[0] == f"{figures._json(bench + '/trainer-qwen3-0.6b-hf-mb32.json')['hf']['update_s_median']:.2f}"
+    a, b = f"{bench}/trainer-qwen3-0.6b-hf-mb128.json", f"{bench}/trainer-qwen3-0.6b-hf-mb32.json"
+    pooled, alone = figures.evaluate(f"process_ratio {a} {b} hf"), figures.evaluate(f"update_ratio {a} hf {b} hf")
+    assert pooled.split(" [")[0] == alone.split(" [")[0]  # one process a side: the same ratio of medians
+    with pytest.raises(ValueError, match="no trainer-bench result matches"):
+        figures.evaluate(f"process_medians {bench}/trainer-nope-*.json hf")
 
 
 def test_a_profile_total_reads_the_trainer_profile_table() -> None:

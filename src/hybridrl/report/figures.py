@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -136,16 +137,42 @@ def path_ratio(path: str, which_a: str, which_b: str, field: str = "perf/through
                                                      _repeat_values(path, which_b, field)))
 
 
+def _updates(path: str, trainer: str) -> list[float]:
+    """The timed updates (update_s_all) of one trainer in a trainer-bench JSON."""
+    values = (_json(path).get(trainer) or {}).get("update_s_all")
+    if not values:
+        raise ValueError(f"{path} has no update_s_all of trainer {trainer!r}")
+    return [float(v) for v in values]
+
+
 def update_ratio(path_a: str, trainer_a: str, path_b: str, trainer_b: str) -> str:
     """a / b of two trainer-bench JSONs' median update times (update_s_all of that trainer), with a bootstrap 95%
     interval over the timed updates (one process a side: update-to-update noise only): '0.85x [0.80, 0.90]'."""
-    def updates(path: str, trainer: str) -> list[float]:
-        values = (_json(path).get(trainer) or {}).get("update_s_all")
-        if not values:
-            raise ValueError(f"{path} has no update_s_all of trainer {trainer!r}")
-        return [float(v) for v in values]
+    return wording.ratio_text(stats.ratio_of_medians(_updates(path_a, trainer_a), _updates(path_b, trainer_b)))
 
-    return wording.ratio_text(stats.ratio_of_medians(updates(path_a, trainer_a), updates(path_b, trainer_b)))
+
+def _processes(paths: str) -> list[str]:
+    """trainer-bench JSONs, one process each: globs joined by '+', every glob matching at least one file."""
+    found: list[str] = []
+    for pattern in paths.split("+"):
+        hits = sorted(p.relative_to(REPO).as_posix() for p in REPO.glob(pattern))
+        if not hits:
+            raise ValueError(f"no trainer-bench result matches {pattern!r}")
+        found += [h for h in hits if h not in found]
+    return found
+
+
+def process_ratio(paths_a: str, paths_b: str, trainer: str) -> str:
+    """a / b of the median update time over several processes a side (each a trainer-bench JSON; globs joined by
+    '+'), with a two-level bootstrap 95% interval: processes, then updates within each, so that start-to-start
+    and host noise are in it: '0.98x [0.83, 1.12]'."""
+    return wording.ratio_text(stats.hierarchical_ratio([_updates(p, trainer) for p in _processes(paths_a)],
+                                                       [_updates(p, trainer) for p in _processes(paths_b)]))
+
+
+def process_medians(paths: str, trainer: str, digits: str = "2") -> str:
+    """Each process's median update time, in the order of the paths (globs sorted): '1.23, 1.21, 0.95'."""
+    return ", ".join(f"{statistics.median(_updates(p, trainer)):.{int(digits)}f}" for p in _processes(paths))
 
 
 def profile_total(path: str, device: str) -> str:
@@ -357,7 +384,8 @@ FIGURES: dict[str, Callable[..., str]] = {
     "median": median, "interval": interval, "ratio": ratio, "change": change, "steps": steady_steps,
     "records": records, "span": span, "between": between, "tiers": tiers, "value": value,
     "repeats": repeats, "verdict": verdict, "bench_ratio": bench_ratio, "path_ratio": path_ratio,
-    "update_ratio": update_ratio, "profile_total": profile_total,
+    "update_ratio": update_ratio, "process_ratio": process_ratio, "process_medians": process_medians,
+    "profile_total": profile_total,
     "series": series, "logged": logged, "paired": paired,
     "at": at, "run_medians": run_medians, "slope": slope, "share": share, "unattributed": unattributed,
 }

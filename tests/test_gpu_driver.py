@@ -90,9 +90,9 @@ def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) ->
 def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
     assert bad.returncode == 2
-    plans = ("client faults full hffused learnentropy learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm moe2full "
-             "moe4 moe4full packing placement placementlong rest rest4 soak timed timingcost trainer trainerfast "
-             "trainerfuse trainerloop trainermoe verdict verdictkv verdictpin verdictwarm")
+    plans = ("client faults full hffused hfrounds learnentropy learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm "
+             "moe2full moe4 moe4full packing placement placementlong rest rest4 soak timed timingcost trainer "
+             "trainerfast trainerfuse trainerloop trainermoe verdict verdictkv verdictpin verdictwarm")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
@@ -520,6 +520,26 @@ def test_tbench_leaves_no_process_of_its_benchmark_behind(root: Path, tmp_path: 
     worker = int(pid_file.read_text())
     time.sleep(0.2)
     assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]
+
+
+def test_a_replicate_flag_names_the_result_and_is_not_passed_on(root: Path, tmp_path: Path) -> None:
+    # a stand-in python3 that writes the arguments it got where --out points
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text('#!/bin/bash\nwhile [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; a+=("$1"); '
+                                     'shift; done\necho "${a[*]}" > "$out"\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(root)}
+    done = subprocess.run(["bash", str(DRIVER), "tbench", "tiny", "0", "hf", "4", "peft-lora", "r2"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    [result] = (root / "gpu-h200" / "bench").glob("trainer-tiny-hf-mb4-peft-lora-r2.json")
+    args = result.read_text().split()
+    assert "--peft-lora" in args and "--r2" not in args and "r2" not in args
+    items = _one_lane_plan(root, "gpu-h200", "hfrounds")
+    assert len(items) == 20 and items[:2] == ["trainer-bench qwen3-0.6b hf mb 32 peft-lora r1 on GPU 0",
+                                              "trainer-bench qwen3-0.6b hf mb 32 r1 on GPU 0"]
+    assert items[-1] == "trainer-bench qwen3-0.6b megatron mb 64 r4 on GPU 0"
 
 
 def test_a_plan_naming_a_run_its_study_lacks_is_refused_before_anything_runs(tmp_path: Path) -> None:

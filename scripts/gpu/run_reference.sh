@@ -177,7 +177,8 @@ ceiling() {
 }
 
 # tbench SHAPE GPU TRAINER MICRO_BATCH [FLAG...]: the trainer benchmark (python -m hybridrl trainer-bench), one
-# trainer in a process of its own; FLAGs (no-pack, varied) pass on as --FLAG and name the result:
+# trainer in a process of its own; FLAGs (no-pack, varied, peft-lora) pass on as --FLAG, rK marks a replicate, and
+# all name the result:
 # bench/trainer-SHAPE-TRAINER-mbN[-FLAG...].json
 tbench() { trainer_tool trainer-bench trainer json "$@"; }
 
@@ -189,7 +190,8 @@ trainer_tool() {  # trainer_tool COMMAND PREFIX EXT SHAPE GPU TRAINER MICRO_BATC
   local cmd=$1 prefix=$2 ext=$3 shape=$4 gpu=$5 trainer=$6 mb=$7 name pid rc=0 flag args=()
   shift 7
   name="$prefix-$shape-$trainer-mb$mb"
-  for flag in "$@"; do name+="-$flag"; args+=("--$flag"); done
+  # a flag rK only names replicate K of the same command (its own process and file)
+  for flag in "$@"; do name+="-$flag"; [[ $flag =~ ^r[0-9]+$ ]] || args+=("--$flag"); done
   [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: $cmd $shape $trainer mb $mb${*:+ $*} on GPU $gpu"; return 0; }
   [ -f "$ref/bench/$name.$ext" ] && { say "$name already done"; return 0; }
   mkdir -p "$ref/bench" "$root/trainer-bench"
@@ -363,6 +365,19 @@ plan_hffused() {
   # entropy recorded, the fused HF trainer gated against SGLang's logprobs). Needs `sglang` and `trainer`
   study=config/gpu-h200-learning.yaml
   one_lane "tbench qwen3-0.6b hf 32 peft-lora;tbench qwen3-0.6b hf 32;tbench qwen3-0.6b megatron 32;tbench qwen3-0.6b hf 32 varied peft-lora;tbench qwen3-0.6b hf 32 varied;tprof qwen3-0.6b hf 32;train sglang-colocate"
+}
+
+plan_hfrounds() {
+  # issue 15's dense rows in four interleaved rounds of one lease: the update is bound by the host's launches and its
+  # median moved by tens of percent between processes of one configuration (results/reference/2026-11-25-h200-hffused),
+  # so each configuration gets four processes: HF with PEFT's adapter forward and the fused one at 32 samples a
+  # micro-batch, HF at 64, Megatron TP 1 at 32 and 64. Needs only the `trainer` overlay
+  local k items=()
+  for k in 1 2 3 4; do
+    items+=("tbench qwen3-0.6b hf 32 peft-lora r$k" "tbench qwen3-0.6b hf 32 r$k" "tbench qwen3-0.6b hf 64 r$k"
+      "tbench qwen3-0.6b megatron 32 r$k" "tbench qwen3-0.6b megatron 64 r$k")
+  done
+  one_lane "$(IFS=';'; echo "${items[*]}")"
 }
 
 plan_learnlr() {

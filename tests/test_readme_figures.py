@@ -34,6 +34,7 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
                  "2026-11-24-h200-moe1pin", "2026-11-24-h200-verdictpin2",
                  "2026-11-24-h200-moe1pin2", "2026-11-24-h200-verdictwarm", "2026-11-24-h200-learnlr",
                  "2026-11-25-h200-verdictwarm2", "2026-11-25-h200-learnentropy", "2026-11-25-h200-hffused",
+                 "2026-11-25-h200-hfrounds",
                  "2026-11-24-h200-timingcost2"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
     for name in ("2026-11-24-h200-faults", "2026-11-24-h200-trainermoe"):
@@ -215,6 +216,11 @@ def test_a_process_ratio_pools_processes_and_names_a_glob_that_matches_nothing()
     assert pooled.split(" [")[0] == alone.split(" [")[0]  # one process a side: the same ratio of medians
     with pytest.raises(ValueError, match="no trainer-bench result matches"):
         figures.evaluate(f"process_medians {bench}/trainer-nope-*.json hf")
+    rounds = "results/reference/2026-11-25-h200-hfrounds/bench"
+    mega, hf = f"{rounds}/trainer-qwen3-0.6b-megatron-mb64-r?.json", f"{rounds}/trainer-qwen3-0.6b-hf-mb64-r?.json"
+    assert figures.evaluate(f"process_ratio {mega} {hf} megatron hf").endswith("]")  # each side its own trainer
+    with pytest.raises(ValueError, match="has no update_s_all of trainer 'megatron'"):
+        figures.evaluate(f"process_ratio {mega} {hf} megatron")  # HF's files hold no Megatron row
 
 
 def test_a_profile_total_reads_the_trainer_profile_table() -> None:

@@ -162,12 +162,13 @@ def _processes(paths: str) -> list[str]:
     return found
 
 
-def process_ratio(paths_a: str, paths_b: str, trainer: str) -> str:
+def process_ratio(paths_a: str, paths_b: str, trainer_a: str, trainer_b: str | None = None) -> str:
     """a / b of the median update time over several processes a side (each a trainer-bench JSON; globs joined by
     '+'), with a two-level bootstrap 95% interval: processes, then updates within each, so that start-to-start
-    and host noise are in it: '0.98x [0.83, 1.12]'."""
-    return wording.ratio_text(stats.hierarchical_ratio([_updates(p, trainer) for p in _processes(paths_a)],
-                                                       [_updates(p, trainer) for p in _processes(paths_b)]))
+    and host noise are in it: '0.98x [0.83, 1.12]'. trainer_b defaults to trainer_a."""
+    return wording.ratio_text(stats.hierarchical_ratio(
+        [_updates(p, trainer_a) for p in _processes(paths_a)],
+        [_updates(p, trainer_b or trainer_a) for p in _processes(paths_b)]))
 
 
 def process_medians(paths: str, trainer: str, digits: str = "2") -> str:

@@ -380,6 +380,16 @@ plan_hfrounds() {
   one_lane "$(IFS=';'; echo "${items[*]}")"
 }
 
+plan_moerounds() {
+  # issue 15's 48-layer rows (Qwen3-30B-A3B shape, 64 x 256, 16 samples a micro-batch, packed) as three interleaved
+  # rounds of Megatron TP 1 then HF, one process each: the target (at most 1.9 s an update) was met by single
+  # processes at 1.82 and 1.88 s, within the noise `hffused` showed between processes. Only the `trainer` overlay
+  # (the 61 GB checkpoint needs the disk)
+  local k items=()
+  for k in 1 2 3; do items+=("tbench qwen3-30b-a3b megatron 16 r$k" "tbench qwen3-30b-a3b hf 16 r$k"); done
+  one_lane "$(IFS=';'; echo "${items[*]}")"
+}
+
 plan_learnlr() {
   # issue 17's open question on one GPU (config/gpu-h200-learning.yaml): 50 warm-started steps per engine at ten
   # times `learning`'s learning rate (1e-3), eval every 5 steps, SGLang then the vLLM server

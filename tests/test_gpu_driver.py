@@ -91,8 +91,9 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
     assert bad.returncode == 2
     plans = ("client faults full hffused hfrounds learnentropy learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm "
-             "moe2full moe4 moe4full moerounds packing placement placementlong rest rest4 soak timed timingcost "
-             "trainer trainerfast trainerfuse trainerloop trainermoe verdict verdictkv verdictpin verdictwarm")
+             "moe2full moe4 moe4full moepermute moerounds packing placement placementlong rest rest4 soak timed "
+             "timingcost trainer trainerfast trainerfuse trainerloop trainermoe verdict verdictkv verdictpin "
+             "verdictwarm")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
@@ -540,6 +541,9 @@ def test_a_replicate_flag_names_the_result_and_is_not_passed_on(root: Path, tmp_
     assert len(items) == 20 and items[:2] == ["trainer-bench qwen3-0.6b hf mb 32 peft-lora r1 on GPU 0",
                                               "trainer-bench qwen3-0.6b hf mb 32 r1 on GPU 0"]
     assert items[-1] == "trainer-bench qwen3-0.6b megatron mb 64 r4 on GPU 0"
+    permute = _one_lane_plan(root, "gpu-h200", "moepermute")
+    assert permute[:2] == ["trainer-profile qwen3-30b-a3b megatron mb 16 megatron-permute on GPU 0",
+                           "trainer-profile qwen3-30b-a3b megatron mb 16 on GPU 0"]
     moe = _one_lane_plan(root, "gpu-h200", "moerounds")
     assert moe == [f"trainer-bench qwen3-30b-a3b {t} mb 16 r{k} on GPU 0"
                    for k in (1, 2, 3) for t in ("megatron", "hf")]

@@ -223,6 +223,13 @@ def test_a_process_ratio_pools_processes_and_names_a_glob_that_matches_nothing()
         figures.evaluate(f"process_ratio {mega} {hf} megatron")  # HF's files hold no Megatron row
 
 
+def test_a_profile_op_reads_one_operators_gpu_time() -> None:
+    path = "results/reference/2026-11-25-h200-moerounds/bench/profile-qwen3-30b-a3b-megatron-mb16.txt"
+    assert figures.evaluate(f"profile_op {path} aten::index_add_") == "0.156"  # '155.553ms' in its Self CUDA cell
+    with pytest.raises(ValueError, match="no row for operator 'aten::nope'"):
+        figures.evaluate(f"profile_op {path} aten::nope")
+
+
 def test_a_profile_total_reads_the_trainer_profile_table() -> None:
     path = "results/reference/2026-11-24-h200-packing/bench/profile-qwen3-0.6b-megatron-mb32.txt"
     assert figures.evaluate(f"profile_total {path} cuda") == "1.27"  # 'Self CUDA time total: 1.268s'

@@ -105,6 +105,21 @@ def test_trainer_profile_writes_the_operator_table(trainer: str, tmp_path: Path)
     assert "Self CPU" in text and "aten::mm" in text
 
 
+def test_trainer_profile_megatron_permute_brings_back_megatrons_scatters(tmp_path: Path) -> None:
+    from hybridrl.tools.trainer_profile import main as profile
+
+    ours = profile("tiny-moe", "megatron", "cpu", tmp_path / "w", tmp_path / "a.txt", rows=400)
+    theirs = profile("tiny-moe", "megatron", "cpu", tmp_path / "w", tmp_path / "b.txt", rows=400,
+                     megatron_permute=True)
+    assert "device cpu megatron-permute:" in theirs.splitlines()[0]
+
+    def calls(text: str, op: str) -> int:  # the '# of Calls' column of the op's row in the first table
+        return next((int(line.split()[-1]) for line in text.splitlines() if line.split()[:1] == [op]), 0)
+
+    for op in ("aten::scatter_add_", "aten::index_add_"):  # unpermute, and permute's backward
+        assert calls(theirs, op) > calls(ours, op), op
+
+
 def test_a_checkpoint_write_that_fails_leaves_nothing_to_reuse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers
 
@@ -144,6 +159,8 @@ def test_an_isolated_build_runs_in_a_child_process_and_names_its_failure(tmp_pat
     (["trainer-bench", "--shape", "tiny", "--updates", "0"], "argument --updates: must be at least 1, got 0"),
     (["trainer-bench", "--shape", "tiny", "--micro-batch", "x"], "argument --micro-batch: 'x' is not a whole"),
     (["trainer-bench", "--shape", "tiny", "--peft-lora"], "--peft-lora changes the hf trainer only"),
+    (["trainer-profile", "--shape", "tiny", "--trainer", "hf", "--megatron-permute", "--out", "p.txt"],
+     "--megatron-permute applies to --trainer megatron only"),
 ])
 def test_trainer_tools_refuse_bad_arguments_in_one_line(argv: list[str], said: str, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:

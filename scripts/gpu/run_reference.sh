@@ -390,6 +390,14 @@ plan_moerounds() {
   one_lane "$(IFS=';'; echo "${items[*]}")"
 }
 
+plan_moepermute() {
+  # issue 15's 48-layer update after the MoE token permutation became gathers (trainers/megatron/dispatch.py): one
+  # profiled Megatron TP 1 update with megatron's own permutation and one with the gathers (GPU kernel time is the
+  # comparison: wall time is host-bound), then three benchmark processes with the gathers. Only the `trainer` overlay
+  study=config/gpu-h200.yaml
+  one_lane "tprof qwen3-30b-a3b megatron 16 megatron-permute;tprof qwen3-30b-a3b megatron 16;tbench qwen3-30b-a3b megatron 16 r1;tbench qwen3-30b-a3b megatron 16 r2;tbench qwen3-30b-a3b megatron 16 r3"
+}
+
 plan_learnlr() {
   # issue 17's open question on one GPU (config/gpu-h200-learning.yaml): 50 warm-started steps per engine at ten
   # times `learning`'s learning rate (1e-3), eval every 5 steps, SGLang then the vLLM server

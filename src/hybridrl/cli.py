@@ -117,8 +117,12 @@ def _trainer_profile(args: argparse.Namespace) -> None:
     from hybridrl.tools.trainer_profile import main as profile_main
 
     _known_shape("trainer-profile", args.shape)
+    if args.megatron_permute and args.trainer != "megatron":
+        print("hybridrl trainer-profile: --megatron-permute applies to --trainer megatron only", file=sys.stderr)
+        raise SystemExit(2)
     profile_main(args.shape, args.trainer, args.device, Path(args.workdir), Path(args.out),
-                 micro_batch=args.micro_batch, pack=not args.no_pack, varied=args.varied)
+                 micro_batch=args.micro_batch, pack=not args.no_pack, varied=args.varied,
+                 megatron_permute=args.megatron_permute)
 
 
 def _client_ceiling(args: argparse.Namespace) -> None:
@@ -295,6 +299,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--micro-batch", type=_at_least_one, default=8)
     s.add_argument("--no-pack", action="store_true", help="pad every row to the longest (pack_sequences false)")
     s.add_argument("--varied", action="store_true", help="completion lengths drawn from completion/8 .. completion")
+    s.add_argument("--megatron-permute", action="store_true",
+                   help="MoE tokens permuted by megatron's own dispatcher (atomic scatters), not hybridrl's gathers")
     s.add_argument("--workdir", required=True, help="the random-init model goes here")
     s.add_argument("--out", required=True, help="the operator table (text)")
     s.set_defaults(fn=_trainer_profile)

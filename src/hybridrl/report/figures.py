@@ -190,6 +190,19 @@ def profile_total(path: str, device: str) -> str:
     return f"{float(match[1]) * scale:.2f}"
 
 
+def profile_op(path: str, op: str, digits: str = "3") -> str:
+    """One operator's own GPU time in seconds from a trainer-profile table's first (by-name) table: 'aten::index_add_'
+    0.156."""
+    units = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+    for line in (REPO / path).read_text().splitlines():
+        cells = line.split()
+        if cells[:1] == [op] and len(cells) >= 11:  # name, self CPU %, self CPU, ..., self CUDA (7th)
+            match = re.fullmatch(r"([0-9.]+)(ms|us|s)", cells[6])
+            if match:
+                return f"{float(match[1]) * units[match[2]]:.{int(digits)}f}"
+    raise ValueError(f"{path} has no row for operator {op!r}")
+
+
 def _repeat_values(path: str, which: str, field: str) -> list[float]:
     """One field over a bench JSON's repeats of one path (raw, client, stream_all, old_client)."""
     values = [float(r[field]) for r in _json(path).get("repeats") or []
@@ -386,7 +399,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "records": records, "span": span, "between": between, "tiers": tiers, "value": value,
     "repeats": repeats, "verdict": verdict, "bench_ratio": bench_ratio, "path_ratio": path_ratio,
     "update_ratio": update_ratio, "process_ratio": process_ratio, "process_medians": process_medians,
-    "profile_total": profile_total,
+    "profile_total": profile_total, "profile_op": profile_op,
     "series": series, "logged": logged, "paired": paired,
     "at": at, "run_medians": run_medians, "slope": slope, "share": share, "unattributed": unattributed,
 }

@@ -22,17 +22,21 @@ from hybridrl.tools.trainer_bench import bench_run, fixed_batch, random_model, s
 WARMUP = 2
 
 
-def _megatron_update(model: Path, run: Any, device: Any) -> tuple[Any, Any]:
-    """A TP 1 MegatronPolicy in this process; returns (one update on samples, close)."""
+def _megatron_update(model: Path, run: Any, device: Any, megatron_permute: bool = False) -> tuple[Any, Any]:
+    """A TP 1 MegatronPolicy in this process; returns (one update on samples, close). megatron_permute: MoE tokens
+    permuted by megatron's own dispatcher (atomic scatters) instead of hybridrl's gathers, for a before-and-after."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from hybridrl.trainers.megatron.dispatch import use_gather_dispatch
     from hybridrl.trainers.megatron.policy import MegatronPolicy, init_parallel
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))
     init_parallel(1, device)
     policy = MegatronPolicy(model, run, device)
+    if megatron_permute:
+        use_gather_dispatch(policy.model, on=False)
 
     def close() -> None:
         parallel_state.destroy_model_parallel()
@@ -49,7 +53,7 @@ def _hf_update(model: Path, run: Any, device: Any) -> tuple[Any, Any]:
 
 
 def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, micro_batch: int = 8,
-         pack: bool = True, varied: bool = False, rows: int = 40) -> str:
+         pack: bool = True, varied: bool = False, rows: int = 40, megatron_permute: bool = False) -> str:
     """Profile one update of `trainer` on the shape's fixed batch; writes and returns the table."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -62,7 +66,7 @@ def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, m
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     if device == "cuda":
         torch.cuda.set_device(dev)
-    update, close = (_megatron_update(model, run, dev) if trainer == "megatron"
+    update, close = (_megatron_update(model, run, dev, megatron_permute) if trainer == "megatron"
                      else _hf_update(model, run, dev))
 
     def timed() -> float:
@@ -81,8 +85,9 @@ def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, m
     finally:
         close()
     sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    permute = " megatron-permute" if megatron_permute else ""
     head = (f"trainer-profile {shape_name} {trainer} micro_batch {micro_batch} pack {pack} "
-            f"lengths {'varied' if varied else 'fixed'} device {device}: profiled update {wall:.3f} s\n")
+            f"lengths {'varied' if varied else 'fixed'} device {device}{permute}: profiled update {wall:.3f} s\n")
     by_shape = prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=rows)
     text = (head + prof.key_averages().table(sort_by=sort, row_limit=rows) + "\n\nthe same, by input shapes:\n"
             + by_shape + "\n")

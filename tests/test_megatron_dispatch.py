@@ -1,0 +1,108 @@
+"""The gather-only MoE permutation against megatron-core's own all-gather dispatcher: the same expert-ordered rows,
+the same combined tokens and the same gradients, and megatron's path wherever the gathers do not apply."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("megatron.core", reason="megatron-core not installed (scripts/setup-megatron-cpu.sh)")
+
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from hybridrl.trainers.megatron import dispatch  # noqa: E402
+
+T, E, K, H = 11, 5, 2, 8
+
+
+def _config(**kw: Any) -> TransformerConfig:
+    return TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, num_moe_experts=E,
+                             moe_router_topk=K, moe_token_dispatcher_type="allgather", use_cpu_initialization=True,
+                             gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, **kw)
+
+
+def _routing(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A top-k routing map [T, E] and its probs, expert 3 chosen by no token."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(T, E, generator=gen)
+    scores[:, 3] = -1
+    top = scores.topk(K, dim=1).indices
+    routing = torch.zeros(T, E, dtype=torch.bool).scatter(1, top, True)
+    return routing, torch.where(routing, scores, torch.zeros(()))
+
+
+def _round_trip(d: MoEAllGatherTokenDispatcher, routing: torch.Tensor, probs: torch.Tensor) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, generator=gen).requires_grad_(True)
+    d.routing_map = routing.clone()
+    rows, per_expert, local_probs = d.dispatch_postprocess(x, probs)
+    # an expert stand-in whose gradient differs row by row: each row scaled by its expert-ordered position
+    scale = torch.arange(1, rows.shape[0] + 1, dtype=rows.dtype).unsqueeze(1)
+    out = d.combine_preprocess(rows * scale)
+    out.backward(torch.randn(out.shape, generator=gen))
+    return {"rows": rows.detach(), "per_expert": per_expert, "probs": local_probs, "out": out.detach(),
+            "dx": x.grad}
+
+
+def _counting_scatters(fn: Any) -> tuple[Any, int]:
+    """fn's result and how many scatter_add_/index_add_ calls it made from Python (megatron's unpermute)."""
+    calls = []
+    real = {name: getattr(torch.Tensor, name) for name in ("scatter_add_", "index_add_")}
+    for name, f in real.items():
+        setattr(torch.Tensor, name, lambda *a, _f=f, **k: calls.append(1) or _f(*a, **k))
+    try:
+        return fn(), len(calls)
+    finally:
+        for name, f in real.items():
+            setattr(torch.Tensor, name, f)
+
+
+def test_expert_order_is_megatrons_order_and_a_permutation() -> None:
+    routing = torch.tensor([[1, 0, 1], [0, 1, 1], [1, 1, 0]], dtype=torch.bool)  # 3 tokens, 3 experts, k = 2
+    tokens, order = dispatch.expert_order(routing)
+    assert tokens.tolist() == [0, 2, 1, 2, 0, 1]  # expert 0: tokens 0, 2; expert 1: 1, 2; expert 2: 0, 1
+    assert order.tolist() == [0, 4, 2, 5, 1, 3]  # token 0's experts 0, 2 sit at rows 0, 4; token 1's 1, 2 at 2, 5
+    assert sorted(order.tolist()) == list(range(6))
+    assert tokens[order].tolist() == [0, 0, 1, 1, 2, 2]  # token-major: each token's k rows side by side
+
+
+def test_gathers_give_megatrons_rows_output_and_gradients(groups: ProcessGroupCollection) -> None:
+    routing, probs = _routing()
+    cfg = _config()
+    ours = MoEAllGatherTokenDispatcher(E, list(range(E)), cfg, pg_collection=groups)
+    theirs = MoEAllGatherTokenDispatcher(E, list(range(E)), cfg, pg_collection=groups)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.token_dispatcher = ours
+
+    assert dispatch.use_gather_dispatch(Model()) == 1 and type(ours) is dispatch.GatherDispatcher
+    got, got_scatters = _counting_scatters(lambda: _round_trip(ours, routing, probs))
+    want, want_scatters = _counting_scatters(lambda: _round_trip(theirs, routing, probs))
+    assert got_scatters == 0 < want_scatters  # megatron sums back with an atomic scatter; the gathers do not
+    assert got["per_expert"].tolist() == want["per_expert"].tolist() == routing.sum(0).tolist()
+    for key in ("rows", "probs", "out", "dx"):
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-6)
+
+
+def test_megatrons_path_where_the_gathers_do_not_apply(groups: ProcessGroupCollection) -> None:
+    routing, probs = _routing(seed=2)
+    capped = MoEAllGatherTokenDispatcher(E, list(range(E)), _config(moe_expert_capacity_factor=2.0),
+                                         pg_collection=groups)
+    capped.__class__ = dispatch.GatherDispatcher
+    assert not capped._gathers_apply()  # a capacity can drop tokens: not k rows a token
+    plain = MoEAllGatherTokenDispatcher(E, list(range(E)), _config(), pg_collection=groups)
+    plain.__class__ = dispatch.GatherDispatcher
+    short = routing.clone()
+    short[0] = False  # a token with no expert: the row count is not T x k
+    plain.routing_map = short
+    rows, _, _ = plain.dispatch_postprocess(torch.randn(T, H), probs)
+    assert rows.shape[0] == (T - 1) * K and plain._order is None  # megatron's permute took it
+    assert plain.combine_preprocess(rows).shape == (T, H)
+    assert dispatch.use_gather_dispatch(torch.nn.Sequential(), on=True) == 0

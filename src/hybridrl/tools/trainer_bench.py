@@ -175,11 +175,15 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
     """Warm-up plus `updates` updates of one trainer on `samples`; best and median figures. peft_lora: the HF
     trainer with PEFT's own adapter forward (the change it is compared with in one lease)."""
     from hybridrl.trainers import make_trainer
-    from hybridrl.trainers.hf import HFTrainer
 
     load_before = os.getloadavg()  # a host busy with something else slows these launch-bound updates
     t0 = time.perf_counter()
-    trainer = HFTrainer(model, run, fuse_lora=False) if peft_lora else make_trainer(run, model, workdir / kind)
+    if peft_lora:
+        from hybridrl.trainers.hf import HFTrainer
+
+        trainer = HFTrainer(model, run, fuse_lora=False)
+    else:
+        trainer = make_trainer(run, model, workdir / kind)
     start_s = time.perf_counter() - t0
     update_s, compute_s, mfu = [], [], []
     metrics: dict[str, Any] = {}

@@ -372,12 +372,8 @@ plan_hfrounds() {
   # median moved by tens of percent between processes of one configuration (results/reference/2026-11-25-h200-hffused),
   # so each configuration gets four processes: HF with PEFT's adapter forward and the fused one at 32 samples a
   # micro-batch, HF at 64, Megatron TP 1 at 32 and 64. Needs only the `trainer` overlay
-  local k items=()
-  for k in 1 2 3 4; do
-    items+=("tbench qwen3-0.6b hf 32 peft-lora r$k" "tbench qwen3-0.6b hf 32 r$k" "tbench qwen3-0.6b hf 64 r$k"
-      "tbench qwen3-0.6b megatron 32 r$k" "tbench qwen3-0.6b megatron 64 r$k")
-  done
-  one_lane "$(IFS=';'; echo "${items[*]}")"
+  one_lane "$(tool_rounds 4 "tbench qwen3-0.6b hf 32 peft-lora" "tbench qwen3-0.6b hf 32" "tbench qwen3-0.6b hf 64" \
+    "tbench qwen3-0.6b megatron 32" "tbench qwen3-0.6b megatron 64")"
 }
 
 plan_moerounds() {
@@ -385,9 +381,7 @@ plan_moerounds() {
   # rounds of Megatron TP 1 then HF, one process each: the target (at most 1.9 s an update) was met by single
   # processes at 1.82 and 1.88 s, within the noise `hffused` showed between processes. Only the `trainer` overlay
   # (the 61 GB checkpoint needs the disk)
-  local k items=()
-  for k in 1 2 3; do items+=("tbench qwen3-30b-a3b megatron 16 r$k" "tbench qwen3-30b-a3b hf 16 r$k"); done
-  one_lane "$(IFS=';'; echo "${items[*]}")"
+  one_lane "$(tool_rounds 3 "tbench qwen3-30b-a3b megatron 16" "tbench qwen3-30b-a3b hf 16")"
 }
 
 plan_moepermute() {
@@ -395,7 +389,8 @@ plan_moepermute() {
   # profiled Megatron TP 1 update with megatron's own permutation and one with the gathers (GPU kernel time is the
   # comparison: wall time is host-bound), then three benchmark processes with the gathers. Only the `trainer` overlay
   study=config/gpu-h200.yaml
-  one_lane "tprof qwen3-30b-a3b megatron 16 megatron-permute;tprof qwen3-30b-a3b megatron 16;tbench qwen3-30b-a3b megatron 16 r1;tbench qwen3-30b-a3b megatron 16 r2;tbench qwen3-30b-a3b megatron 16 r3"
+  one_lane "tprof qwen3-30b-a3b megatron 16 megatron-permute;tprof qwen3-30b-a3b megatron 16;$(tool_rounds 3 \
+    "tbench qwen3-30b-a3b megatron 16")"
 }
 
 plan_learnlr() {
@@ -462,6 +457,17 @@ interleave() {
   shift
   for ((k = 1; k <= rounds; k++)); do
     for arm in "$@"; do out+=("train $(replica "$arm" "$k")"); done
+  done
+  (IFS=';'; echo "${out[*]}")
+}
+
+# tool_rounds ROUNDS ITEM...: tbench/tprof items round by round (A B A B ...), each marked rK (replicate K), so that
+# every configuration gets ROUNDS processes of its own and a drift of the host falls on all of them alike
+tool_rounds() {
+  local rounds=$1 k item out=()
+  shift
+  for ((k = 1; k <= rounds; k++)); do
+    for item in "$@"; do out+=("$item r$k"); done
   done
   (IFS=';'; echo "${out[*]}")
 }

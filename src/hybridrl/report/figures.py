@@ -176,30 +176,31 @@ def process_medians(paths: str, trainer: str, digits: str = "2") -> str:
     return ", ".join(f"{statistics.median(_updates(p, trainer)):.{int(digits)}f}" for p in _processes(paths))
 
 
+# a torch.profiler table's time units, in seconds
+_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
 def profile_total(path: str, device: str) -> str:
     """The self time total, in seconds, that a trainer-profile table (bench/profile-*.txt) gives for the device
     ('cuda': GPU kernels; 'cpu': the host's operators)."""
     label = {"cuda": "Self CUDA time total", "cpu": "Self CPU time total"}.get(device)
     if label is None:
         raise ValueError(f"profile_total device {device!r}: cuda or cpu")
-    text = (REPO / path).read_text()
-    match = re.search(rf"^{label}: ([0-9.]+)(ms|us|s)$", text, re.M)
+    match = re.search(rf"^{label}: ([0-9.]+)(ms|us|s)$", _text(path), re.M)
     if match is None:
         raise ValueError(f"{path} has no line '{label}: ...'")
-    scale = {"s": 1.0, "ms": 1e-3, "us": 1e-6}[match[2]]
-    return f"{float(match[1]) * scale:.2f}"
+    return f"{float(match[1]) * _SECONDS[match[2]]:.2f}"
 
 
 def profile_op(path: str, op: str, digits: str = "3") -> str:
     """One operator's own GPU time in seconds from a trainer-profile table's first (by-name) table: 'aten::index_add_'
     0.156."""
-    units = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
-    for line in (REPO / path).read_text().splitlines():
+    for line in _text(path).splitlines():
         cells = line.split()
         if cells[:1] == [op] and len(cells) >= 11:  # name, self CPU %, self CPU, ..., self CUDA (7th)
             match = re.fullmatch(r"([0-9.]+)(ms|us|s)", cells[6])
             if match:
-                return f"{float(match[1]) * units[match[2]]:.{int(digits)}f}"
+                return f"{float(match[1]) * _SECONDS[match[2]]:.{int(digits)}f}"
     raise ValueError(f"{path} has no row for operator {op!r}")
 
 

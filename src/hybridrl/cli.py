@@ -6,6 +6,8 @@ import argparse
 import errno
 import json
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from hybridrl.atomic import write_text
@@ -88,25 +90,23 @@ def _at_least_one(text: str) -> int:
     return n
 
 
-def _known_shape(command: str, shape: str) -> None:
-    """The trainer tools' shapes, checked before any model is built (importing the list costs the CLI too much
-    to give it to argparse as choices)."""
-    from hybridrl.tools.trainer_bench import shape_of
-
+def _preflight(command: str, *checks: Callable[[], object]) -> None:
+    """The trainer tools' argument checks (shape names, options that do not go together), run before any model
+    is built: a refusal is one line and exit 2. The shape list is not given to argparse as choices because
+    importing it costs the CLI too much."""
     try:
-        shape_of(shape)
+        for check in checks:
+            check()
     except ValueError as exc:
         print(f"hybridrl {command}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
 def _trainer_bench(args: argparse.Namespace) -> None:
+    from hybridrl.tools.trainer_bench import check_options, shape_of
     from hybridrl.tools.trainer_bench import main as trainer_bench_main
 
-    _known_shape("trainer-bench", args.shape)
-    if args.peft_lora and args.trainer != ["hf"]:
-        print("hybridrl trainer-bench: --peft-lora changes the hf trainer only: give --trainer hf", file=sys.stderr)
-        raise SystemExit(2)
+    _preflight("trainer-bench", partial(shape_of, args.shape), partial(check_options, args.trainer, args.peft_lora))
     trainer_bench_main(args.shape, args.trainer, args.updates, args.device, Path(args.workdir),
                        Path(args.out) if args.out else None, micro_batch=args.micro_batch,
                        micro_batch_tokens=args.micro_batch_tokens, samples=args.samples, pack=not args.no_pack,
@@ -114,12 +114,12 @@ def _trainer_bench(args: argparse.Namespace) -> None:
 
 
 def _trainer_profile(args: argparse.Namespace) -> None:
+    from hybridrl.tools.trainer_bench import shape_of
+    from hybridrl.tools.trainer_profile import check_options
     from hybridrl.tools.trainer_profile import main as profile_main
 
-    _known_shape("trainer-profile", args.shape)
-    if args.megatron_permute and args.trainer != "megatron":
-        print("hybridrl trainer-profile: --megatron-permute applies to --trainer megatron only", file=sys.stderr)
-        raise SystemExit(2)
+    _preflight("trainer-profile", partial(shape_of, args.shape),
+               partial(check_options, args.trainer, args.megatron_permute))
     profile_main(args.shape, args.trainer, args.device, Path(args.workdir), Path(args.out),
                  micro_batch=args.micro_batch, pack=not args.no_pack, varied=args.varied,
                  megatron_permute=args.megatron_permute)

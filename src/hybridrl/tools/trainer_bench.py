@@ -215,6 +215,12 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
     }
 
 
+def check_options(trainers: list[str], peft_lora: bool) -> None:
+    """ValueError for options that do not go together; checked before anything is built."""
+    if peft_lora and trainers != ["hf"]:
+        raise ValueError("--peft-lora changes the hf trainer only: give --trainer hf")
+
+
 def main(shape_name: str, trainers: list[str], updates: int, device: str, workdir: Path, out: Path | None,
          micro_batch: int = 8, micro_batch_tokens: int | None = None, samples: int | None = None,
          pack: bool = True, varied: bool = False, peft_lora: bool = False) -> dict[str, Any]:
@@ -225,8 +231,7 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
 
     if updates < 1:
         raise ValueError("--updates must be at least 1")
-    if peft_lora and trainers != ["hf"]:
-        raise ValueError("--peft-lora changes the hf trainer only: give --trainer hf")
+    check_options(trainers, peft_lora)
     shape = shape_of(shape_name)
     workdir.mkdir(parents=True, exist_ok=True)
     model = random_model(workdir / f"model-{shape_name}", shape, "bfloat16" if device == "cuda" else "float32")

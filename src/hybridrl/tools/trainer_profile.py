@@ -52,12 +52,19 @@ def _hf_update(model: Path, run: Any, device: Any) -> tuple[Any, Any]:
     return trainer.update, trainer.close
 
 
+def check_options(trainer: str, megatron_permute: bool) -> None:
+    """ValueError for options that do not go together; checked before anything is built."""
+    if megatron_permute and trainer != "megatron":
+        raise ValueError("--megatron-permute applies to --trainer megatron only")
+
+
 def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, micro_batch: int = 8,
          pack: bool = True, varied: bool = False, rows: int = 40, megatron_permute: bool = False) -> str:
     """Profile one update of `trainer` on the shape's fixed batch; writes and returns the table."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    check_options(trainer, megatron_permute)
     shape = shape_of(shape_name)
     workdir.mkdir(parents=True, exist_ok=True)
     model = random_model(workdir / f"model-{shape_name}", shape, "bfloat16" if device == "cuda" else "float32")

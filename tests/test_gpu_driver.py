@@ -542,9 +542,10 @@ def test_a_replicate_flag_names_the_result_and_is_not_passed_on(root: Path, tmp_
                                               "trainer-bench qwen3-0.6b hf mb 32 r1 on GPU 0"]
     assert items[-1] == "trainer-bench qwen3-0.6b megatron mb 64 r4 on GPU 0"
     permute = _one_lane_plan(root, "gpu-h200", "moepermute")
-    assert permute[:2] == ["trainer-profile qwen3-30b-a3b megatron mb 16 megatron-permute on GPU 0",
+    assert permute[:6] == [f"trainer-bench qwen3-30b-a3b megatron mb 16{flag} r{k} on GPU 0"
+                           for k in (1, 2, 3) for flag in (" megatron-permute", "")]
+    assert permute[6:] == ["trainer-profile qwen3-30b-a3b megatron mb 16 megatron-permute on GPU 0",
                            "trainer-profile qwen3-30b-a3b megatron mb 16 on GPU 0"]
-    assert permute[2:] == [f"trainer-bench qwen3-30b-a3b megatron mb 16 r{k} on GPU 0" for k in (1, 2, 3)]
     moe = _one_lane_plan(root, "gpu-h200", "moerounds")
     assert moe == [f"trainer-bench qwen3-30b-a3b {t} mb 16 r{k} on GPU 0"
                    for k in (1, 2, 3) for t in ("megatron", "hf")]

@@ -30,6 +30,7 @@ def test_trainer_bench_cli_reports_both_trainers_on_cpu(tmp_path: Path) -> None:
         assert r["mfu_median"] is None and r["peak_gb"] is None  # no GPU: no peak FLOP/s, no NVML
         assert r["experts_impl"] is None  # a dense model
         assert len(r["loadavg_1_5_15_before"]) == len(r["loadavg_1_5_15_after"]) == 3
+    assert rep["megatron"]["moe_permute"] is None  # no MoE layer, no token permutation
     # the same batch, model and seed: both trainers take the same loss
     assert rep["hf"]["last_loss"] == pytest.approx(rep["megatron"]["last_loss"], abs=1e-4)
 
@@ -42,6 +43,18 @@ def test_trainer_bench_hf_moe_shape(tmp_path: Path) -> None:
     # both trainers ran the experts as grouped GEMMs, and on the same batch took the same loss
     assert rep["hf"]["experts_impl"] == rep["megatron"]["experts_impl"] == "grouped_mm"
     assert rep["hf"]["last_loss"] == pytest.approx(rep["megatron"]["last_loss"], abs=1e-4)
+    assert rep["megatron"]["moe_permute"] == "gathers" and rep["megatron_permute"] is False
+
+
+def test_trainer_bench_megatron_permute_is_the_same_update_through_megatrons_dispatcher(tmp_path: Path) -> None:
+    from hybridrl.tools.trainer_bench import main as bench
+
+    ours = bench("tiny-moe", ["megatron"], 2, "cpu", tmp_path, None)
+    theirs = bench("tiny-moe", ["megatron"], 2, "cpu", tmp_path, None, megatron_permute=True)
+    assert theirs["megatron_permute"] is True and theirs["megatron"]["moe_permute"] == "megatron"
+    assert ours["megatron"]["moe_permute"] == "gathers"
+    # the same routing and the same sums in another order: two updates later the same loss
+    assert theirs["megatron"]["last_loss"] == pytest.approx(ours["megatron"]["last_loss"], abs=1e-5)
 
 
 def _s(n: int) -> Sample:
@@ -159,6 +172,7 @@ def test_an_isolated_build_runs_in_a_child_process_and_names_its_failure(tmp_pat
     (["trainer-bench", "--shape", "tiny", "--updates", "0"], "argument --updates: must be at least 1, got 0"),
     (["trainer-bench", "--shape", "tiny", "--micro-batch", "x"], "argument --micro-batch: 'x' is not a whole"),
     (["trainer-bench", "--shape", "tiny", "--peft-lora"], "--peft-lora changes the hf trainer only"),
+    (["trainer-bench", "--shape", "tiny", "--megatron-permute"], "--megatron-permute changes the megatron trainer"),
     (["trainer-profile", "--shape", "tiny", "--trainer", "hf", "--megatron-permute", "--out", "p.txt"],
      "--megatron-permute applies to --trainer megatron only"),
 ])

@@ -385,12 +385,13 @@ plan_moerounds() {
 }
 
 plan_moepermute() {
-  # issue 15's 48-layer update after the MoE token permutation became gathers (trainers/megatron/dispatch.py): one
-  # profiled Megatron TP 1 update with megatron's own permutation and one with the gathers (GPU kernel time is the
-  # comparison: wall time is host-bound), then three benchmark processes with the gathers. Only the `trainer` overlay
+  # issue 15's 48-layer update after the MoE token permutation became gathers (trainers/megatron/dispatch.py): three
+  # rounds of a Megatron TP 1 benchmark process with megatron's own permutation then one with the gathers (the wall
+  # time, judged over processes on one host), then one profiled update of each (GPU kernel time: the wall time is
+  # partly host-bound). Only the `trainer` overlay
   study=config/gpu-h200.yaml
-  one_lane "tprof qwen3-30b-a3b megatron 16 megatron-permute;tprof qwen3-30b-a3b megatron 16;$(tool_rounds 3 \
-    "tbench qwen3-30b-a3b megatron 16")"
+  one_lane "$(tool_rounds 3 "tbench qwen3-30b-a3b megatron 16 megatron-permute" "tbench qwen3-30b-a3b megatron 16");\
+tprof qwen3-30b-a3b megatron 16 megatron-permute;tprof qwen3-30b-a3b megatron 16"
 }
 
 plan_learnlr() {

@@ -106,11 +106,12 @@ def _trainer_bench(args: argparse.Namespace) -> None:
     from hybridrl.tools.trainer_bench import check_options, shape_of
     from hybridrl.tools.trainer_bench import main as trainer_bench_main
 
-    _preflight("trainer-bench", partial(shape_of, args.shape), partial(check_options, args.trainer, args.peft_lora))
+    _preflight("trainer-bench", partial(shape_of, args.shape),
+               partial(check_options, args.trainer, args.peft_lora, args.megatron_permute))
     trainer_bench_main(args.shape, args.trainer, args.updates, args.device, Path(args.workdir),
                        Path(args.out) if args.out else None, micro_batch=args.micro_batch,
                        micro_batch_tokens=args.micro_batch_tokens, samples=args.samples, pack=not args.no_pack,
-                       varied=args.varied, peft_lora=args.peft_lora)
+                       varied=args.varied, peft_lora=args.peft_lora, megatron_permute=args.megatron_permute)
 
 
 def _trainer_profile(args: argparse.Namespace) -> None:
@@ -287,6 +288,9 @@ def parser() -> argparse.ArgumentParser:
                    help="completion lengths drawn from completion/8 .. completion instead of all equal")
     s.add_argument("--peft-lora", action="store_true",
                    help="the hf trainer with PEFT's own adapter forward (scale and add outside the matmul)")
+    s.add_argument("--megatron-permute", action="store_true",
+                   help="the megatron trainer with megatron's own MoE token permutation (atomic scatters), not "
+                   "hybridrl's gathers")
     s.add_argument("--workdir", required=True, help="the random-init model and the adapters go here")
     s.add_argument("--out", help="JSON result")
     s.set_defaults(fn=_trainer_bench)

@@ -170,20 +170,25 @@ def bench_run(shape: Shape, trainer: str, device: str, micro_batch: int, micro_b
                      lora=RunLora(rank=8, alpha=16.0, dropout=0.0, target_modules=shape.lora_targets))
 
 
-def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample], updates: int,
-                  workdir: Path, peft_lora: bool = False) -> dict[str, Any]:
-    """Warm-up plus `updates` updates of one trainer on `samples`; best and median figures. peft_lora: the HF
-    trainer with PEFT's own adapter forward (the change it is compared with in one lease)."""
-    from hybridrl.trainers import make_trainer
-
-    load_before = os.getloadavg()  # a host busy with something else slows these launch-bound updates
-    t0 = time.perf_counter()
-    if peft_lora:
+def _make_trainer(kind: str, model: Path, run: RunConfig, workdir: Path, peft_lora: bool,
+                  megatron_permute: bool) -> Any:
+    if kind == "hf":
         from hybridrl.trainers.hf import HFTrainer
 
-        trainer = HFTrainer(model, run, fuse_lora=False)
-    else:
-        trainer = make_trainer(run, model, workdir / kind)
+        return HFTrainer(model, run, fuse_lora=not peft_lora)
+    from hybridrl.trainers.megatron.trainer import MegatronTrainer
+
+    return MegatronTrainer(model, run, workdir / kind, megatron_permute=megatron_permute)
+
+
+def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample], updates: int,
+                  workdir: Path, peft_lora: bool = False, megatron_permute: bool = False) -> dict[str, Any]:
+    """Warm-up plus `updates` updates of one trainer on `samples`; best and median figures. peft_lora: the HF
+    trainer with PEFT's own adapter forward; megatron_permute: the Megatron trainer with megatron's own MoE token
+    permutation (each the change its trainer is compared with in one lease)."""
+    load_before = os.getloadavg()  # a host busy with something else slows these launch-bound updates
+    t0 = time.perf_counter()
+    trainer = _make_trainer(kind, model, run, workdir, peft_lora, megatron_permute)
     start_s = time.perf_counter() - t0
     update_s, compute_s, mfu = [], [], []
     metrics: dict[str, Any] = {}
@@ -210,20 +215,23 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
         "mfu_best": None if any(math.isnan(m) for m in mfu) else max(mfu),
         "mfu_median": None if any(math.isnan(m) for m in mfu) else statistics.median(mfu),
         "update_flops": metrics["perf/update_flops"], "peak_gb": mem.peak_gb, "last_loss": metrics["train/loss"],
-        "experts_impl": metrics.get("train/experts_impl"),
+        "experts_impl": metrics.get("train/experts_impl"), "moe_permute": getattr(trainer, "moe_permute", None),
         "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg(),
     }
 
 
-def check_options(trainers: list[str], peft_lora: bool) -> None:
+def check_options(trainers: list[str], peft_lora: bool, megatron_permute: bool = False) -> None:
     """ValueError for options that do not go together; checked before anything is built."""
     if peft_lora and trainers != ["hf"]:
         raise ValueError("--peft-lora changes the hf trainer only: give --trainer hf")
+    if megatron_permute and trainers != ["megatron"]:
+        raise ValueError("--megatron-permute changes the megatron trainer only: give --trainer megatron")
 
 
 def main(shape_name: str, trainers: list[str], updates: int, device: str, workdir: Path, out: Path | None,
          micro_batch: int = 8, micro_batch_tokens: int | None = None, samples: int | None = None,
-         pack: bool = True, varied: bool = False, peft_lora: bool = False) -> dict[str, Any]:
+         pack: bool = True, varied: bool = False, peft_lora: bool = False,
+         megatron_permute: bool = False) -> dict[str, Any]:
     """Benchmark the trainers on the shape's fixed batch; prints and returns one JSON object (and writes it)."""
     import torch
 
@@ -231,7 +239,7 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
 
     if updates < 1:
         raise ValueError("--updates must be at least 1")
-    check_options(trainers, peft_lora)
+    check_options(trainers, peft_lora, megatron_permute)
     shape = shape_of(shape_name)
     workdir.mkdir(parents=True, exist_ok=True)
     model = random_model(workdir / f"model-{shape_name}", shape, "bfloat16" if device == "cuda" else "float32")
@@ -242,14 +250,14 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
         "lengths": "varied" if varied else "fixed",
         "completion_tokens": sum(len(x.completion_ids) for x in batch),
         "updates": updates, "micro_batch": micro_batch, "micro_batch_tokens": micro_batch_tokens,
-        "pack_sequences": pack, "peft_lora": peft_lora,
+        "pack_sequences": pack, "peft_lora": peft_lora, "megatron_permute": megatron_permute,
         "device": device_name(device) or "cpu", "torch": torch.__version__, "lora_targets": list(shape.lora_targets),
         # the same code's update moved by tens of percent between two leases' hosts (2026-11-24): say which ran it
         "host": host_info(), "git": git_info(),
     }
     for kind in trainers:
         run = bench_run(shape, kind, device, micro_batch, micro_batch_tokens, pack)
-        report[kind] = bench_trainer(kind, model, run, batch, updates, workdir, peft_lora)
+        report[kind] = bench_trainer(kind, model, run, batch, updates, workdir, peft_lora, megatron_permute)
         if device == "cuda":
             torch.cuda.empty_cache()
     text = json.dumps(report, indent=2)

@@ -28,15 +28,12 @@ def _megatron_update(model: Path, run: Any, device: Any, megatron_permute: bool 
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from hybridrl.trainers.megatron.dispatch import use_gather_dispatch
     from hybridrl.trainers.megatron.policy import MegatronPolicy, init_parallel
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))
     init_parallel(1, device)
-    policy = MegatronPolicy(model, run, device)
-    if megatron_permute:
-        use_gather_dispatch(policy.model, on=False)
+    policy = MegatronPolicy(model, run, device, megatron_permute)
 
     def close() -> None:
         parallel_state.destroy_model_parallel()

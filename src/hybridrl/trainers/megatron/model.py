@@ -26,7 +26,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors import safe_open
 
 from hybridrl.trainers.megatron import mapping, rope
-from hybridrl.trainers.megatron.dispatch import use_gather_dispatch
 from hybridrl.trainers.megatron.experts import GroupedExperts
 from hybridrl.trainers.megatron.spec import ArchSpec
 from hybridrl.trainers.packing import Packed, varlen_causal_attention
@@ -188,7 +187,6 @@ def build_model(spec: ArchSpec, tp: int, dtype: torch.dtype) -> GPTModel:
         position_embedding_type="rope",
         rotary_base=int(spec.rope["rope_theta"]),
     )
-    use_gather_dispatch(model)  # MoE: no atomic scatters in the token permutation (dispatch.py)
     # megatron's torch-norm fallback builds its RMSNorms in torch's default dtype (fp32); beside bf16 activations
     # torch.rms_norm then leaves its fused kernel for casts and five kernels a norm (trainer-profile, H200)
     for mod in model.modules():

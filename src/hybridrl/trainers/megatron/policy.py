@@ -19,6 +19,7 @@ from hybridrl.trainers.base import Sample, lora_b_norm
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
 from hybridrl.trainers.megatron import export
+from hybridrl.trainers.megatron.dispatch import use_gather_dispatch
 from hybridrl.trainers.megatron.experts import experts_impl
 from hybridrl.trainers.megatron.lora import apply_lora, lora_disabled, lora_parameters
 from hybridrl.trainers.megatron.model import PackedRows, build_model, load_hf_weights
@@ -58,7 +59,10 @@ def vocab_parallel_entropy(logits: torch.Tensor, chunk_bytes: int = LOGSOFTMAX_C
 
 
 class MegatronPolicy:
-    def __init__(self, model_dir: str | Path, run: RunConfig, device: torch.device) -> None:
+    def __init__(self, model_dir: str | Path, run: RunConfig, device: torch.device,
+                 megatron_permute: bool = False) -> None:
+        """megatron_permute: MoE tokens permuted by megatron's own dispatcher (atomic scatters) instead of
+        hybridrl's gathers (dispatch.py); a benchmark's before-and-after, not a run setting."""
         lora = run.lora
         if lora.dropout != 0.0:
             raise MegatronSetupError("lora.dropout must be 0 for the Megatron trainer")
@@ -84,6 +88,9 @@ class MegatronPolicy:
         self.model.to(device)  # after the adapters exist, so they move too
         # grouped_mm or loop for MoE models (GroupedExperts on these weights), None for dense ones
         self.experts_impl = experts_impl(self.model)
+        # which MoE token permutation the update uses: gathers (dispatch.py) or megatron's; None for dense models
+        gathers = use_gather_dispatch(self.model, on=not megatron_permute)
+        self.moe_permute = ("megatron" if megatron_permute else "gathers") if gathers else None
         self.params = lora_parameters(self.adapters)
         self.optimizer = torch.optim.AdamW(self.params, lr=run.lr, weight_decay=run.weight_decay)
         # built once here: importing peft costs seconds, which should not land in the first step

@@ -47,13 +47,14 @@ class MegatronTrainer:
     micro_batch, train_dtype; this side device and startup_timeout_s). work_dir: the run's directory;
     the job protocol files and worker.log go to work_dir/megatron (a temp dir if not given).
     offload_after_step: move weights and optimizer state to pinned CPU memory at the end of every step
-    (colocate) without a separate offload() call. env: extra environment for the workers.
+    (colocate) without a separate offload() call. env: extra environment for the workers. megatron_permute: MoE
+    tokens permuted by megatron's own dispatcher instead of hybridrl's gathers (trainer-bench's before-and-after).
     """
 
     def __init__(self, model_dir: str | Path, run: RunConfig, work_dir: str | Path | None = None, *,
                  device: str | None = None, env: dict[str, str] | None = None,
                  offload_after_step: bool = False, step_timeout_s: float = 3600.0,
-                 resume_from: str | Path | None = None) -> None:
+                 resume_from: str | Path | None = None, megatron_permute: bool = False) -> None:
         self.model_dir = Path(model_dir)
         self.run = run
         self.device = device or ("cuda" if run.device == "cuda" else "cpu")
@@ -84,7 +85,8 @@ class MegatronTrainer:
             stale.unlink(missing_ok=True)
         write_json(self.workdir / "config.json", {
             "model_dir": str(self.model_dir), "run": run.model_dump(mode="json"), "device": self.device,
-            "controller_pid": os.getpid(), "resume_from": str(resume_from) if resume_from else None})
+            "controller_pid": os.getpid(), "resume_from": str(resume_from) if resume_from else None,
+            "megatron_permute": megatron_permute})
         self.log_path = self.workdir / "worker.log"
         self.last_memory: dict[str, float] = {}
         self._seq = 0
@@ -100,6 +102,7 @@ class MegatronTrainer:
             raise
         self.load_s = float(info.get("load_s", 0.0))
         self.experts_impl: str | None = info.get("experts_impl")
+        self.moe_permute: str | None = info.get("moe_permute")  # gathers, megatron, or None (dense)
 
     # -- process group ---------------------------------------------------------------------------------
     def _launch(self, extra_env: dict[str, str] | None) -> subprocess.Popen:

@@ -129,12 +129,12 @@ def _start(cfg: dict[str, Any], rank: int) -> Any:
         device = torch.device("cpu")
     torch.manual_seed(run.seed)
     init_parallel(run.train_tp, device)
-    policy = MegatronPolicy(cfg["model_dir"], run, device)
+    policy = MegatronPolicy(cfg["model_dir"], run, device, megatron_permute=bool(cfg.get("megatron_permute")))
     if cfg.get("resume_from"):
         policy.resume(Path(cfg["resume_from"]))
     policy.ready_info = {"load_s": time.perf_counter() - t0, "tp": policy.tp,
                          "lora_params": sum(p.numel() for p in policy.params) * policy.tp,
-                         "experts_impl": policy.experts_impl}
+                         "experts_impl": policy.experts_impl, "moe_permute": policy.moe_permute}
     if rank == 0:  # into worker.log: which MoE experts kernel this run trains with
         print(f"hybridrl megatron worker: tp {policy.tp}, device {device}, experts {policy.experts_impl or 'dense'}",
               flush=True)

@@ -39,20 +39,27 @@ def _routing(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def _round_trip(d: MoEAllGatherTokenDispatcher, routing: torch.Tensor, probs: torch.Tensor) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(T, H, generator=gen).requires_grad_(True)
+    probs = probs.clone().requires_grad_(True)
     d.routing_map = routing.clone()
     rows, per_expert, local_probs = d.dispatch_postprocess(x, probs)
-    # an expert stand-in whose gradient differs row by row: each row scaled by its expert-ordered position
+    # an expert stand-in whose gradient differs row by row: each row scaled by its expert-ordered position, and
+    # by its routing prob, as the experts weight their output
     scale = torch.arange(1, rows.shape[0] + 1, dtype=rows.dtype).unsqueeze(1)
-    out = d.combine_preprocess(rows * scale)
+    out = d.combine_preprocess(rows * scale * local_probs.unsqueeze(1))
     out.backward(torch.randn(out.shape, generator=gen))
-    return {"rows": rows.detach(), "per_expert": per_expert, "probs": local_probs, "out": out.detach(),
-            "dx": x.grad}
+    return {"rows": rows.detach(), "per_expert": per_expert, "probs": local_probs.detach(), "out": out.detach(),
+            "dx": x.grad, "dprobs": probs.grad}
 
 
-def _counting_scatters(fn: Any) -> tuple[Any, int]:
-    """fn's result and how many scatter_add_/index_add_ calls it made from Python (megatron's unpermute)."""
+SCATTERS = ("scatter_add_", "index_add_")  # megatron's unpermute and its gather's backward
+# what waits for the GPU from Python: a copy to the host, a read of a value, a size known only on the device
+SYNCS = ("cpu", "item", "tolist", "nonzero", "masked_select", "__bool__")
+
+
+def _counting(names: tuple[str, ...], fn: Any) -> tuple[Any, int]:
+    """fn's result and how many calls of these Tensor methods it made from Python."""
     calls = []
-    real = {name: getattr(torch.Tensor, name) for name in ("scatter_add_", "index_add_")}
+    real = {name: getattr(torch.Tensor, name) for name in names}
     for name, f in real.items():
         setattr(torch.Tensor, name, lambda *a, _f=f, **k: calls.append(1) or _f(*a, **k))
     try:
@@ -64,8 +71,9 @@ def _counting_scatters(fn: Any) -> tuple[Any, int]:
 
 def test_expert_order_is_megatrons_order_and_a_permutation() -> None:
     routing = torch.tensor([[1, 0, 1], [0, 1, 1], [1, 1, 0]], dtype=torch.bool)  # 3 tokens, 3 experts, k = 2
-    tokens, order = dispatch.expert_order(routing)
+    tokens, order, experts = dispatch.expert_order(routing, 2)
     assert tokens.tolist() == [0, 2, 1, 2, 0, 1]  # expert 0: tokens 0, 2; expert 1: 1, 2; expert 2: 0, 1
+    assert experts.tolist() == [0, 0, 1, 1, 2, 2]
     assert order.tolist() == [0, 4, 2, 5, 1, 3]  # token 0's experts 0, 2 sit at rows 0, 4; token 1's 1, 2 at 2, 5
     assert sorted(order.tolist()) == list(range(6))
     assert tokens[order].tolist() == [0, 0, 1, 1, 2, 2]  # token-major: each token's k rows side by side
@@ -83,12 +91,33 @@ def test_gathers_give_megatrons_rows_output_and_gradients(groups: ProcessGroupCo
             self.token_dispatcher = ours
 
     assert dispatch.use_gather_dispatch(Model()) == 1 and type(ours) is dispatch.GatherDispatcher
-    got, got_scatters = _counting_scatters(lambda: _round_trip(ours, routing, probs))
-    want, want_scatters = _counting_scatters(lambda: _round_trip(theirs, routing, probs))
+    got, got_scatters = _counting(SCATTERS, lambda: _round_trip(ours, routing, probs))
+    want, want_scatters = _counting(SCATTERS, lambda: _round_trip(theirs, routing, probs))
     assert got_scatters == 0 < want_scatters  # megatron sums back with an atomic scatter; the gathers do not
     assert got["per_expert"].tolist() == want["per_expert"].tolist() == routing.sum(0).tolist()
-    for key in ("rows", "probs", "out", "dx"):
+    for key in ("rows", "probs", "out", "dx", "dprobs"):
         torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-6)
+
+
+def test_the_gathers_never_wait_for_the_device(groups: ProcessGroupCollection) -> None:
+    routing, probs = _routing(seed=3)
+    ours = MoEAllGatherTokenDispatcher(E, list(range(E)), _config(), pg_collection=groups)
+    ours.__class__ = dispatch.GatherDispatcher
+    theirs = MoEAllGatherTokenDispatcher(E, list(range(E)), _config(), pg_collection=groups)
+    _, our_syncs = _counting(SYNCS, lambda: _round_trip(ours, routing, probs))
+    _, their_syncs = _counting(SYNCS, lambda: _round_trip(theirs, routing, probs))
+    assert our_syncs == 0 < their_syncs  # megatron reads its counts on the host and selects by masks
+
+
+def test_a_token_without_k_experts_stops_the_gathers_loudly(groups: ProcessGroupCollection) -> None:
+    routing, probs = _routing(seed=2)
+    plain = MoEAllGatherTokenDispatcher(E, list(range(E)), _config(), pg_collection=groups)
+    plain.__class__ = dispatch.GatherDispatcher
+    short = routing.clone()
+    short[0] = False  # a token with no expert: not what a top-k router without capacity makes
+    plain.routing_map = short
+    with pytest.raises(RuntimeError):  # on a GPU a device-side assert: the rows would be wrong, not just slow
+        plain.dispatch_postprocess(torch.randn(T, H), probs)
 
 
 def test_megatrons_path_where_the_gathers_do_not_apply(groups: ProcessGroupCollection) -> None:
@@ -97,12 +126,10 @@ def test_megatrons_path_where_the_gathers_do_not_apply(groups: ProcessGroupColle
                                          pg_collection=groups)
     capped.__class__ = dispatch.GatherDispatcher
     assert not capped._gathers_apply()  # a capacity can drop tokens: not k rows a token
-    plain = MoEAllGatherTokenDispatcher(E, list(range(E)), _config(), pg_collection=groups)
-    plain.__class__ = dispatch.GatherDispatcher
     short = routing.clone()
-    short[0] = False  # a token with no expert: the row count is not T x k
-    plain.routing_map = short
-    rows, _, _ = plain.dispatch_postprocess(torch.randn(T, H), probs)
-    assert rows.shape[0] == (T - 1) * K and plain._order is None  # megatron's permute took it
-    assert plain.combine_preprocess(rows).shape == (T, H)
+    short[0] = False  # a dropped token: megatron's permute takes the rows the capacity left
+    capped.routing_map = short
+    rows, _, _ = capped.dispatch_postprocess(torch.randn(T, H), probs)
+    assert rows.shape[0] == (T - 1) * K and capped._order is None
+    assert capped.combine_preprocess(rows).shape == (T, H)
     assert dispatch.use_gather_dispatch(torch.nn.Sequential(), on=True) == 0

@@ -7,6 +7,10 @@ an atomic `scatter_add_`. On one H200 these two took about 15% of a 48-layer Qwe
 expert-parallel rank, no capacity dropping), the copies of a token are the rows t*k .. t*k+k-1 of a token-major
 layout, so both directions become a gather with a permutation and a sum over k: no atomics, and a sum that rounds
 once instead of once per expert. Anything else falls back to megatron's own code.
+
+The row count is then known (T*k), so the indices come from topk and a sort, and the expert counts stay on the GPU:
+no host synchronisation in a MoE layer. Megatron's path waits for the GPU three times a layer (the counts' .cpu(),
+two masked_selects), which drains the launch queue of an update that is bound by the host's launches.
 """
 
 from __future__ import annotations
@@ -48,15 +52,36 @@ class _Combine(torch.autograd.Function):
         return grad.index_select(0, tokens), None, None, None
 
 
-def expert_order(routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, order) of a [T, E] boolean routing map: tokens[i] is the token of expert-ordered row i (megatron's
-    sorted_indices: expert by expert, tokens ascending); order[t*k + j] is the expert-ordered row of token t's
-    j-th expert (experts ascending), so order is a permutation of the rows."""
-    by_expert = routing_map.t()
-    pairs = by_expert.nonzero()  # row-major over [E, T]: expert order
-    rank = torch.empty(by_expert.shape, dtype=torch.long, device=routing_map.device)
-    rank[pairs[:, 0], pairs[:, 1]] = torch.arange(pairs.shape[0], device=routing_map.device)
-    return pairs[:, 1], rank.t()[routing_map]
+class _Pick(torch.autograd.Function):
+    """x[index] of a flat x at distinct indices; backward copies into place (index_select's backward would
+    accumulate with atomics, needless where no index repeats)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.size = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.size).index_copy_(0, index, grad), None
+
+
+def expert_order(routing_map: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, order, experts) of a [T, E] boolean routing map with exactly k experts per token: tokens[i] and
+    experts[i] are the token and expert of expert-ordered row i (megatron's sorted_indices: expert by expert, tokens
+    ascending); order[t*k + j] is the expert-ordered row of token t's j-th expert (experts ascending), so order is a
+    permutation of the rows. No host synchronisation: every size is T*k."""
+    num_tokens, num_experts = routing_map.shape
+    dev = routing_map.device
+    # the smaller the expert index, the larger its score: topk's sorted output lists each token's experts ascending
+    score = torch.where(routing_map, torch.arange(num_experts, 0, -1, device=dev, dtype=torch.int32), 0)
+    per_token = score.topk(k, dim=1).indices.reshape(-1)  # token-major slots t*k + j
+    slots = torch.argsort(per_token, stable=True)  # expert-ordered row i holds token-major slot slots[i]
+    rows = torch.arange(num_tokens * k, device=dev)
+    order = torch.empty_like(slots).scatter_(0, slots, rows)
+    return slots.div(k, rounding_mode="floor"), order, per_token.index_select(0, slots)
 
 
 class GatherDispatcher(MoEAllGatherTokenDispatcher):
@@ -73,13 +98,14 @@ class GatherDispatcher(MoEAllGatherTokenDispatcher):
         if not self._gathers_apply():
             return super().dispatch_postprocess(hidden_states, probs)
         local_map = self.routing_map  # every expert is local
-        tokens, order = expert_order(local_map)
-        if tokens.numel() != hidden_states.shape[0] * self.router_topk:  # not top-k per token after all
-            return super().dispatch_postprocess(hidden_states, probs)
+        k = self.router_topk
+        # the router's top-k gives every token k experts where nothing is dropped; checked without waiting for the GPU
+        torch._assert_async(local_map.sum(dim=1).eq(k).all())
+        tokens, order, experts = expert_order(local_map, k)
         self.hidden_shape_before_permute = hidden_states.shape
         self._tokens, self._order = tokens, order
-        tokens_per_expert = local_map.sum(dim=0).long().cpu()
-        self.local_probs = probs.t().contiguous().masked_select(local_map.t().contiguous())
+        tokens_per_expert = local_map.sum(dim=0)  # on the GPU: GroupedExperts takes its offsets there
+        self.local_probs = _Pick.apply(probs.reshape(-1), tokens * local_map.shape[1] + experts)
         self.routing_map = None
         return _Dispatch.apply(hidden_states, tokens, order, self.router_topk), tokens_per_expert, self.local_probs
 

@@ -92,10 +92,10 @@ class GroupedExperts(MegatronModule):
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor, **_: Any) -> tuple[torch.Tensor, None]:
         x = permuted_local_hidden_states
-        counts = tokens_per_expert.to("cpu", torch.int64)
         if self.impl(x.device, x.dtype) == GROUPED and x.shape[0] > 0:
-            # cumulative ends; the last equals the row count, so no output row is left unwritten
-            offs = counts.cumsum(0).to(device=x.device, dtype=torch.int32)
+            # cumulative ends; the last equals the row count, so no output row is left unwritten. Made where the
+            # counts are: hybridrl's dispatcher keeps them on the GPU, so the layer need not wait for it
+            offs = tokens_per_expert.cumsum(0).to(device=x.device, dtype=torch.int32)
             if x.data_ptr() % 16:  # the kernel reads 16-byte aligned rows; a fresh copy is aligned
                 x = x.clone()
             mm = grouped_mm.grouped_mm_fn()
@@ -103,7 +103,7 @@ class GroupedExperts(MegatronModule):
             h = self._activate(h, permuted_probs)
             out = _ContiguousGrad.apply(mm(h, self.fc2_weight.transpose(1, 2), offs=offs))
             return out, None
-        return self.loop_forward(x, counts, permuted_probs), None
+        return self.loop_forward(x, tokens_per_expert.to("cpu", torch.int64), permuted_probs), None
 
     def loop_forward(self, x: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """The per-expert reference: SequentialMLP's arithmetic on the stacked weights."""

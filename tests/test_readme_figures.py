@@ -34,7 +34,8 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
                  "2026-11-24-h200-moe1pin", "2026-11-24-h200-verdictpin2",
                  "2026-11-24-h200-moe1pin2", "2026-11-24-h200-verdictwarm", "2026-11-24-h200-learnlr",
                  "2026-11-25-h200-verdictwarm2", "2026-11-25-h200-learnentropy", "2026-11-25-h200-hffused",
-                 "2026-11-25-h200-hfrounds", "2026-11-25-h200-moerounds",
+                 "2026-11-25-h200-hfrounds", "2026-11-25-h200-moerounds", "2026-11-25-h200-moepermute",
+                 "2026-11-25-h200-moegathers",
                  "2026-11-24-h200-timingcost2"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
     for name in ("2026-11-24-h200-faults", "2026-11-24-h200-trainermoe"):
@@ -236,6 +237,15 @@ def test_a_profile_total_reads_the_trainer_profile_table() -> None:
     assert figures.evaluate(f"profile_total {path} cpu") == "1.61"
     with pytest.raises(ValueError, match="cuda or cpu"):
         figures.evaluate(f"profile_total {path} gpu")
+
+
+def test_a_profile_wall_reads_the_tables_first_line(tmp_path: Path) -> None:
+    path = "results/reference/2026-11-25-h200-moegathers/bench/profile-qwen3-30b-a3b-megatron-mb16.txt"
+    assert figures.evaluate(f"profile_wall {path}") == "1.72"  # '...: profiled update 1.715 s'
+    headless = tmp_path / "p.txt"
+    headless.write_text("Self CUDA time total: 1.0s\n")
+    with pytest.raises(ValueError, match="no first line"):
+        figures.evaluate(f"profile_wall {headless}")
 
 
 def test_share_and_unattributed_figures_split_a_step_into_its_phases(tmp_path: Path) -> None:

@@ -192,6 +192,15 @@ def profile_total(path: str, device: str) -> str:
     return f"{float(match[1]) * _SECONDS[match[2]]:.2f}"
 
 
+def profile_wall(path: str) -> str:
+    """The profiled update's wall time in seconds, from a trainer-profile table's first line (the profiler's own
+    overhead included)."""
+    match = re.search(r": profiled update ([0-9.]+) s$", _text(path).split("\n", 1)[0])
+    if match is None:
+        raise ValueError(f"{path} has no first line '...: profiled update N s'")
+    return f"{float(match[1]):.2f}"
+
+
 def profile_op(path: str, op: str, digits: str = "3") -> str:
     """One operator's own GPU time in seconds from a trainer-profile table's first (by-name) table: 'aten::index_add_'
     0.156."""
@@ -400,7 +409,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "records": records, "span": span, "between": between, "tiers": tiers, "value": value,
     "repeats": repeats, "verdict": verdict, "bench_ratio": bench_ratio, "path_ratio": path_ratio,
     "update_ratio": update_ratio, "process_ratio": process_ratio, "process_medians": process_medians,
-    "profile_total": profile_total, "profile_op": profile_op,
+    "profile_total": profile_total, "profile_op": profile_op, "profile_wall": profile_wall,
     "series": series, "logged": logged, "paired": paired,
     "at": at, "run_medians": run_medians, "slope": slope, "share": share, "unattributed": unattributed,
 }

@@ -36,22 +36,25 @@ def _entries(adapters: Adapters) -> list[tuple[str, torch.nn.Parameter, int]]:
 
 
 def gather_full(adapters: Adapters, local: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Full (unsharded) tensors by PEFT name, on the CPU of every rank; one collective for all of them.
+    """Full (unsharded) tensors by PEFT name, on the CPU of every rank; one collective and one copy to the host
+    a rank for all of them (a 48-layer model has hundreds of adapter tensors: a copy each waited for the GPU as
+    often).
 
     `local` gives per-name local tensors to gather instead of the weights (gradients, optimizer moments).
     """
     entries = _entries(adapters)
     tensors = [(local[name] if local is not None else p).detach().float() for name, p, _ in entries]
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    if tp == 1:
-        return {name: t.cpu().clone() for (name, _, _), t in zip(entries, tensors, strict=True)}
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    parts = [torch.empty_like(flat) for _ in range(tp)]
-    dist.all_gather(parts, flat, group=parallel_state.get_tensor_model_parallel_group())
+    parts = [flat]
+    if tp > 1:
+        parts = [torch.empty_like(flat) for _ in range(tp)]
+        dist.all_gather(parts, flat, group=parallel_state.get_tensor_model_parallel_group())
     parts = [p.cpu() for p in parts]
     out, offset = {}, 0
     for (name, _, dim), t in zip(entries, tensors, strict=True):
         n = t.numel()
+        # cat copies even one part: every tensor owns its storage, as safetensors requires
         out[name] = torch.cat([p[offset: offset + n].view(t.shape) for p in parts], dim=dim)
         offset += n
     return out

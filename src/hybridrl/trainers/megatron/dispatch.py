@@ -6,7 +6,9 @@ an atomic `scatter_add_`. On one H200 these two took about 15% of a 48-layer Qwe
 (results/reference/2026-11-25-h200-moerounds, profile). Where every token has exactly top-k local experts (one
 expert-parallel rank, no capacity dropping), the copies of a token are the rows t*k .. t*k+k-1 of a token-major
 layout, so both directions become a gather with a permutation and a sum over k: no atomics, and a sum that rounds
-once instead of once per expert. Anything else falls back to megatron's own code.
+once instead of once per expert. Several expert-parallel ranks or a capacity fall back to megatron's own code; a
+token with other than k experts where neither is set (not what megatron's top-k router makes) stops the run with a
+device-side assert rather than permute wrongly.
 
 The row count is then known (T*k), so the indices come from topk and a sort, and the expert counts stay on the GPU:
 no host synchronisation in a MoE layer. Megatron's path waits for the GPU three times a layer (the counts' .cpu(),

@@ -89,8 +89,8 @@ class MegatronPolicy:
         # grouped_mm or loop for MoE models (GroupedExperts on these weights), None for dense ones
         self.experts_impl = experts_impl(self.model)
         # which MoE token permutation the update uses: gathers (dispatch.py) or megatron's; None for dense models
-        gathers = use_gather_dispatch(self.model, on=not megatron_permute)
-        self.moe_permute = ("megatron" if megatron_permute else "gathers") if gathers else None
+        dispatchers = use_gather_dispatch(self.model, on=not megatron_permute)
+        self.moe_permute = ("megatron" if megatron_permute else "gathers") if dispatchers else None
         self.params = lora_parameters(self.adapters)
         self.optimizer = torch.optim.AdamW(self.params, lr=run.lr, weight_decay=run.weight_decay)
         # built once here: importing peft costs seconds, which should not land in the first step

@@ -4,10 +4,11 @@
 
 An update is what the loop's update_actor and save_adapter phases time: logprobs, loss, backward, optimizer step
 and the adapter export (`update_s`); `compute_s` is the same without the export, timed by the trainer, and is what
-perf/mfu and the tokens/s read. The first update is a warm-up and is left out. Peak memory is NVML's reading of
-the GPUs (sampled every 50 ms during the updates), torch's peak where NVML is absent, None on CPU. The model is a
-random-init checkpoint of the shape (no download), built once under --workdir. Micro-batches are packed
-(pack_sequences) unless --no-pack; --varied draws each completion's length, where padding would cost.
+perf/mfu and the tokens/s read; per update, `save_s_all` is the export and `other_s_all` the rest (for Megatron
+the job's round trip to its worker processes). The first update is a warm-up and is left out. Peak memory is
+NVML's reading of the GPUs (sampled every 50 ms during the updates), torch's peak where NVML is absent, None on
+CPU. The model is a random-init checkpoint of the shape (no download), built once under --workdir. Micro-batches
+are packed (pack_sequences) unless --no-pack; --varied draws each completion's length, where padding would cost.
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
     t0 = time.perf_counter()
     trainer = _make_trainer(kind, model, run, workdir, peft_lora, megatron_permute)
     start_s = time.perf_counter() - t0
-    update_s, compute_s, mfu = [], [], []
+    update_s, compute_s, save_s, mfu = [], [], [], []
     metrics: dict[str, Any] = {}
     try:
         with PeakMemory(run.device) as mem:
@@ -201,6 +202,7 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
                     continue  # warm-up: kernels, allocator, first export
                 update_s.append(time.perf_counter() - t0)
                 compute_s.append(metrics["perf/train_tokens"] / metrics["perf/train_tok_s"])
+                save_s.append(metrics["timing_s/save_adapter"])
                 mfu.append(metrics["perf/mfu"])  # NaN without a known peak (CPU)
     finally:
         trainer.close()
@@ -210,6 +212,9 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
     return {
         "start_s": start_s, "update_s_best": min(update_s), "update_s_median": statistics.median(update_s),
         "compute_s_best": best, "compute_s_median": median, "update_s_all": update_s,
+        # an update = compute + adapter export + the rest (the Megatron job's round trip, the step's own Python)
+        "compute_s_all": compute_s, "save_s_all": save_s,
+        "other_s_all": [u - c - s for u, c, s in zip(update_s, compute_s, save_s, strict=True)],
         "completion_tok_s_best": tokens / best, "completion_tok_s_median": tokens / median,
         "completion_tok_s_per_gpu_median": tokens / median / gpus,
         "mfu_best": None if any(math.isnan(m) for m in mfu) else max(mfu),

@@ -23,7 +23,7 @@ from hybridrl.run.record import STRINGS
 from hybridrl.study.run_config import RunConfig
 from hybridrl.trainers.base import Sample, TrainResult
 from hybridrl.trainers.megatron.spec import MegatronSetupError, check_parallel, read_spec
-from hybridrl.trainers.megatron.worker import pid_alive, write_json
+from hybridrl.trainers.megatron.worker import POLL_MAX_S, pid_alive, write_json
 
 _SRC = Path(__file__).resolve().parents[3]  # the directory holding the hybridrl package
 
@@ -142,7 +142,7 @@ class MegatronTrainer:
 
     def _wait(self, path: Path, timeout_s: float, what: str, error_glob: str) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
-        delay = 0.002
+        delay = 0.001
         while True:
             if path.exists():
                 return json.loads(path.read_text())
@@ -159,7 +159,7 @@ class MegatronTrainer:
                 self._failed = f"megatron worker: no answer to {what} within {timeout_s:.0f} s; stopped it"
                 raise MegatronWorkerError(f"{self._failed}. Log tail:\n{self._log_tail()}")
             time.sleep(delay)
-            delay = min(delay * 1.5, 0.05)
+            delay = min(delay * 1.5, POLL_MAX_S)
 
     def _job(self, op: str, timeout_s: float | None = None, **payload: Any) -> dict[str, Any]:
         if self._failed:

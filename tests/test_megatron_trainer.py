@@ -47,14 +47,18 @@ def tp1_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     batches = [parity.make_samples(128, n=8, seed=s) for s in (11, 12)]
     trainer = MegatronTrainer(model, parity.default_run(1), root / "run-tp1")
     pids = _worker_pids(trainer)
+    frozen = [trainer.gc_frozen]
     try:
-        results = [trainer.step(i + 1, b, root / f"adapters/step{i + 1}") for i, b in enumerate(batches)]
+        results = []
+        for i, b in enumerate(batches):
+            results.append(trainer.step(i + 1, b, root / f"adapters/step{i + 1}"))
+            frozen.append(trainer.gc_frozen)
         trainer.offload()  # no-ops on the CPU, but they go through the job protocol
         trainer.onload()
     finally:
         trainer.close()
     return {"root": root, "model": model, "batches": batches, "results": results, "pids": pids,
-            "proc": trainer.proc}
+            "proc": trainer.proc, "frozen": frozen}
 
 
 def test_steps_write_peft_adapters(tp1_run: dict[str, Any]) -> None:
@@ -77,6 +81,12 @@ def test_steps_write_peft_adapters(tp1_run: dict[str, Any]) -> None:
     loaded = {k.replace(".default", ""): v for k, v in model.state_dict().items() if "lora_" in k}
     assert set(loaded) == {f"base_model.model.{k.removeprefix('base_model.model.')}" for k in a2}
     assert all(torch.equal(loaded[k], a2[k]) for k in a2)
+
+
+def test_the_workers_keep_long_lived_objects_out_of_collections(tp1_run: dict[str, Any]) -> None:
+    at_start, after_step1, after_step2 = tp1_run["frozen"]
+    # the imports and the model at startup, then what step 1 made (the optimizer's state); not again after
+    assert at_start > 100_000 and after_step1 > at_start and after_step2 == after_step1
 
 
 def test_close_stops_every_process(tp1_run: dict[str, Any]) -> None:

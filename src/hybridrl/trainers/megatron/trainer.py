@@ -103,6 +103,8 @@ class MegatronTrainer:
         self.load_s = float(info.get("load_s", 0.0))
         self.experts_impl: str | None = info.get("experts_impl")
         self.moe_permute: str | None = info.get("moe_permute")  # gathers, megatron, or None (dense)
+        # objects the workers keep out of Python's collections (worker.freeze_long_lived): after startup, then step 1
+        self.gc_frozen: int | None = info.get("gc_frozen")
 
     # -- process group ---------------------------------------------------------------------------------
     def _launch(self, extra_env: dict[str, str] | None) -> subprocess.Popen:
@@ -191,6 +193,7 @@ class MegatronTrainer:
         metrics = {k: v if isinstance(v, bool | str) or k in STRINGS else math.nan if v is None else float(v)
                    for k, v in res["metrics"].items()}
         self.last_memory = {k: v for k, v in metrics.items() if k.startswith("mem/trainer_r")}
+        self.gc_frozen = res.get("gc_frozen", self.gc_frozen)
         return TrainResult(out_dir, metrics)
 
     def offload(self) -> None:

@@ -112,16 +112,19 @@ class GatherDispatcher(MoEAllGatherTokenDispatcher):
         return _Dispatch.apply(hidden_states, tokens, order, self.router_topk), tokens_per_expert, self.local_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # the indices live on in the autograd graph only: none stay on the GPU after the update (colocate offload)
         order, self._order = getattr(self, "_order", None), None
+        tokens, self._tokens = getattr(self, "_tokens", None), None
         if order is None:
             return super().combine_preprocess(hidden_states)
-        return _Combine.apply(hidden_states, self._tokens, order, self.router_topk)
+        return _Combine.apply(hidden_states, tokens, order, self.router_topk)
 
 
 def use_gather_dispatch(model: torch.nn.Module, on: bool = True) -> int:
     """Give every MoE layer's all-gather dispatcher the gather-only permutation (on) or megatron's own (off);
     returns how many dispatchers. The dispatcher is built inside MoELayer from the config, so its class is
-    switched in place: GatherDispatcher adds no state of its own beyond a step's indices."""
+    switched in place: GatherDispatcher adds no state of its own beyond a layer's indices between its dispatch
+    and its combine."""
     cls = GatherDispatcher if on else MoEAllGatherTokenDispatcher
     count = 0
     for m in model.modules():

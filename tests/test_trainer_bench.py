@@ -176,8 +176,12 @@ def test_an_isolated_build_runs_in_a_child_process_and_names_its_failure(tmp_pat
     (["trainer-bench", "--shape", "tiny", "--micro-batch", "x"], "argument --micro-batch: 'x' is not a whole"),
     (["trainer-bench", "--shape", "tiny", "--peft-lora"], "--peft-lora changes the hf trainer only"),
     (["trainer-bench", "--shape", "tiny", "--megatron-permute"], "--megatron-permute changes the megatron trainer"),
-    (["trainer-profile", "--shape", "tiny", "--trainer", "hf", "--megatron-permute", "--out", "p.txt"],
-     "--megatron-permute applies to --trainer megatron only"),
+    (["trainer-profile", "--shape", "tiny-moe", "--trainer", "hf", "--megatron-permute", "--out", "p.txt"],
+     "--megatron-permute changes the megatron trainer only"),
+    (["trainer-bench", "--shape", "tiny", "--trainer", "megatron", "--megatron-permute"],
+     "--megatron-permute changes MoE layers only, and tiny has none (MoE shapes: qwen3-30b-a3b, tiny-moe)"),
+    (["trainer-profile", "--shape", "qwen3-0.6b", "--trainer", "megatron", "--megatron-permute", "--out", "p.txt"],
+     "and qwen3-0.6b has none"),
 ])
 def test_trainer_tools_refuse_bad_arguments_in_one_line(argv: list[str], said: str, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:

@@ -107,7 +107,7 @@ def _trainer_bench(args: argparse.Namespace) -> None:
     from hybridrl.tools.trainer_bench import main as trainer_bench_main
 
     _preflight("trainer-bench", partial(shape_of, args.shape),
-               partial(check_options, args.trainer, args.peft_lora, args.megatron_permute))
+               partial(check_options, args.shape, args.trainer, args.peft_lora, args.megatron_permute))
     trainer_bench_main(args.shape, args.trainer, args.updates, args.device, Path(args.workdir),
                        Path(args.out) if args.out else None, micro_batch=args.micro_batch,
                        micro_batch_tokens=args.micro_batch_tokens, samples=args.samples, pack=not args.no_pack,
@@ -120,7 +120,7 @@ def _trainer_profile(args: argparse.Namespace) -> None:
     from hybridrl.tools.trainer_profile import main as profile_main
 
     _preflight("trainer-profile", partial(shape_of, args.shape),
-               partial(check_options, args.trainer, args.megatron_permute))
+               partial(check_options, args.shape, args.trainer, args.megatron_permute))
     profile_main(args.shape, args.trainer, args.device, Path(args.workdir), Path(args.out),
                  micro_batch=args.micro_batch, pack=not args.no_pack, varied=args.varied,
                  megatron_permute=args.megatron_permute)

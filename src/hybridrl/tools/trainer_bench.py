@@ -225,12 +225,21 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
     }
 
 
-def check_options(trainers: list[str], peft_lora: bool, megatron_permute: bool = False) -> None:
+def check_megatron_permute(shape_name: str, trainers: list[str]) -> None:
+    """ValueError unless --megatron-permute would change something: the Megatron trainer alone, on a MoE shape."""
+    if trainers != ["megatron"]:
+        raise ValueError("--megatron-permute changes the megatron trainer only: give --trainer megatron")
+    if "num_experts" not in shape_of(shape_name).config:
+        moe = ", ".join(name for name, s in SHAPES.items() if "num_experts" in s.config)
+        raise ValueError(f"--megatron-permute changes MoE layers only, and {shape_name} has none (MoE shapes: {moe})")
+
+
+def check_options(shape_name: str, trainers: list[str], peft_lora: bool, megatron_permute: bool = False) -> None:
     """ValueError for options that do not go together; checked before anything is built."""
     if peft_lora and trainers != ["hf"]:
         raise ValueError("--peft-lora changes the hf trainer only: give --trainer hf")
-    if megatron_permute and trainers != ["megatron"]:
-        raise ValueError("--megatron-permute changes the megatron trainer only: give --trainer megatron")
+    if megatron_permute:
+        check_megatron_permute(shape_name, trainers)
 
 
 def main(shape_name: str, trainers: list[str], updates: int, device: str, workdir: Path, out: Path | None,
@@ -244,7 +253,7 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
 
     if updates < 1:
         raise ValueError("--updates must be at least 1")
-    check_options(trainers, peft_lora, megatron_permute)
+    check_options(shape_name, trainers, peft_lora, megatron_permute)
     shape = shape_of(shape_name)
     workdir.mkdir(parents=True, exist_ok=True)
     model = random_model(workdir / f"model-{shape_name}", shape, "bfloat16" if device == "cuda" else "float32")

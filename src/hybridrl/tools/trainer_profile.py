@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.server import free_port
-from hybridrl.tools.trainer_bench import bench_run, fixed_batch, random_model, shape_of
+from hybridrl.tools.trainer_bench import bench_run, check_megatron_permute, fixed_batch, random_model, shape_of
 
 WARMUP = 2
 
@@ -49,10 +49,10 @@ def _hf_update(model: Path, run: Any, device: Any) -> tuple[Any, Any]:
     return trainer.update, trainer.close
 
 
-def check_options(trainer: str, megatron_permute: bool) -> None:
+def check_options(shape_name: str, trainer: str, megatron_permute: bool) -> None:
     """ValueError for options that do not go together; checked before anything is built."""
-    if megatron_permute and trainer != "megatron":
-        raise ValueError("--megatron-permute applies to --trainer megatron only")
+    if megatron_permute:
+        check_megatron_permute(shape_name, [trainer])
 
 
 def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, micro_batch: int = 8,
@@ -61,7 +61,7 @@ def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, m
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    check_options(trainer, megatron_permute)
+    check_options(shape_name, trainer, megatron_permute)
     shape = shape_of(shape_name)
     workdir.mkdir(parents=True, exist_ok=True)
     model = random_model(workdir / f"model-{shape_name}", shape, "bfloat16" if device == "cuda" else "float32")

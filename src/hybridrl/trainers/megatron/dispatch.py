@@ -80,10 +80,11 @@ def expert_order(routing_map: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     # the smaller the expert index, the larger its score: topk's sorted output lists each token's experts ascending
     score = torch.where(routing_map, torch.arange(num_experts, 0, -1, device=dev, dtype=torch.int32), 0)
     per_token = score.topk(k, dim=1).indices.reshape(-1)  # token-major slots t*k + j
-    slots = torch.argsort(per_token, stable=True)  # expert-ordered row i holds token-major slot slots[i]
+    # expert-ordered row i holds token-major slot slots[i], of expert experts[i]
+    experts, slots = per_token.sort(stable=True)
     rows = torch.arange(num_tokens * k, device=dev)
     order = torch.empty_like(slots).scatter_(0, slots, rows)
-    return slots.div(k, rounding_mode="floor"), order, per_token.index_select(0, slots)
+    return slots.div(k, rounding_mode="floor"), order, experts
 
 
 class GatherDispatcher(MoEAllGatherTokenDispatcher):

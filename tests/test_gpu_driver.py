@@ -91,8 +91,8 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
     assert bad.returncode == 2
     plans = ("client faults full hffused hfrounds learnentropy learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm "
-             "moe2full moe4 moe4full moepermute moerounds packing placement placementlong rest rest4 soak timed "
-             "timingcost trainer trainerfast trainerfuse trainerloop trainermoe verdict verdictkv verdictpin "
+             "moe2full moe4 moe4full moepermute moerounds packing placement placementlong rest rest4 soak syncfree "
+             "timed timingcost trainer trainerfast trainerfuse trainerloop trainermoe verdict verdictkv verdictpin "
              "verdictwarm")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
@@ -549,6 +549,75 @@ def test_a_replicate_flag_names_the_result_and_is_not_passed_on(root: Path, tmp_
     moe = _one_lane_plan(root, "gpu-h200", "moerounds")
     assert moe == [f"trainer-bench qwen3-30b-a3b {t} mb 16 r{k} on GPU 0"
                    for k in (1, 2, 3) for t in ("megatron", "hf")]
+    # the commit before and the tree, interleaved: the 48-layer rows first, then the dense ones, then the profiles
+    sync = _one_lane_plan(root, "gpu-h200", "syncfree")
+    assert sync[:6] == [f"trainer-bench qwen3-30b-a3b megatron mb 16{src} r{k} on GPU 0"
+                        for k in (1, 2, 3) for src in (" src-ec2b5bd", "")]
+    assert sync[6:10] == [f"trainer-bench qwen3-0.6b {t} mb 32{src} r1 on GPU 0"
+                          for t in ("hf", "megatron") for src in (" src-ec2b5bd", "")]
+    assert len(sync) == 21 and sync[-1] == "trainer-profile qwen3-0.6b hf mb 32 on GPU 0"
+
+
+def _driver_copy(tmp_path: Path) -> Path:
+    """The driver in a repository of its own under tmp_path (it finds the source beside itself)."""
+    repo = tmp_path / "repo"
+    (repo / "scripts" / "gpu").mkdir(parents=True)
+    for d in ("config", "src"):
+        (repo / d).symlink_to(REPO / d)
+    driver = repo / "scripts" / "gpu" / "run_reference.sh"
+    shutil.copy(DRIVER, driver)
+    return driver
+
+
+def test_a_src_flag_runs_a_source_snapshot_names_the_result_and_is_not_passed_on(tmp_path: Path) -> None:
+    driver = _driver_copy(tmp_path)
+    repo = driver.parents[2]
+    (repo / ".gpu" / "src-abc123" / "src" / "hybridrl").mkdir(parents=True)
+    (repo / ".gpu" / "src-abc123" / "src" / "hybridrl" / "__init__.py").touch()
+    # a stand-in python3 that writes its PYTHONPATH and arguments where --out points
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text('#!/bin/bash\nwhile [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; a+=("$1"); '
+                                     'shift; done\nprintf "%s\\n%s\\n" "$PYTHONPATH" "${a[*]}" > "$out"\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(tmp_path / "ref")}
+
+    def tbench(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(driver), "tbench", "tiny", "0", "hf", "4", *flags],
+                              capture_output=True, text=True, env=env, timeout=60)
+
+    assert tbench("src-abc123", "r2").returncode == 0
+    path, args = (tmp_path / "ref" / "gpu-h200" / "bench" / "trainer-tiny-hf-mb4-src-abc123-r2.json").read_text() \
+        .splitlines()
+    assert f"{repo}/.gpu/src-abc123/src" in path.split(":") and f"{repo}/src" not in path.split(":")
+    assert "src-abc123" not in args.split() and "--src-abc123" not in args.split()
+    assert tbench().returncode == 0  # no flag: the tree's own source
+    path, _ = (tmp_path / "ref" / "gpu-h200" / "bench" / "trainer-tiny-hf-mb4.json").read_text().splitlines()
+    assert f"{repo}/src" in path.split(":")
+    missing = tbench("src-fffff")
+    assert missing.returncode != 0 and "no hybridrl source at" in missing.stdout + missing.stderr
+    assert "scripts/gpu/snapshot-src.sh" in missing.stdout + missing.stderr
+    assert not (tmp_path / "ref" / "gpu-h200" / "bench" / "trainer-tiny-hf-mb4-src-fffff.json").exists()
+
+
+def test_a_source_snapshot_holds_the_commits_source(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "scripts" / "gpu").mkdir(parents=True)
+    (repo / "src" / "hybridrl").mkdir(parents=True)
+    script = repo / "scripts" / "gpu" / "snapshot-src.sh"
+    shutil.copy(REPO / "scripts" / "gpu" / "snapshot-src.sh", script)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (repo / "src" / "hybridrl" / "__init__.py").write_text("OLD = 1\n")
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    rev = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (repo / "src" / "hybridrl" / "__init__.py").write_text("NEW = 1\n")  # the tree moves on; the snapshot does not
+    done = subprocess.run(["bash", str(script), rev], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (repo / ".gpu" / f"src-{rev}" / "src" / "hybridrl" / "__init__.py").read_text() == "OLD = 1\n"
+    bad = subprocess.run(["bash", str(script), "nope"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip() == "snapshot-src: no commit nope"
 
 
 def test_a_plan_naming_a_run_its_study_lacks_is_refused_before_anything_runs(tmp_path: Path) -> None:

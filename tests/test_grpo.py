@@ -169,3 +169,29 @@ def test_rollout_is_reweights_only_tokens_the_engine_drew_from_another_policy() 
     # masking the stale sample's tokens leaves the update of the two others alone
     only_fresh, _ = _is_grads([same[0], same[2]], micro_batch=2)
     assert torch.allclose(masked * 7, only_fresh * 3, atol=1e-5)  # token means over 7 and 3 tokens
+
+
+# Tensor methods that make the host wait for the device when the tensor lives on a GPU
+HOST_READS = ("cpu", "item", "tolist", "nonzero", "masked_select", "__bool__", "__float__", "__int__")
+
+
+def test_the_host_reads_nothing_from_the_device_between_micro_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU each read would stall the queue until the last backward is done, so the next forward could not be
+    queued while it runs: the update reads its metrics once, after the last micro-batch."""
+    events: list[str] = []
+    for name in HOST_READS:
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _f=real, **k: events.append("read") or _f(*a, **k))
+    model = Toy()
+
+    def forward(batch: grpo.Batch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        events.append("forward")
+        return model.logprobs(batch, entropy)
+
+    run = RunConfig(model="toy", micro_batch=1, kl_coef=0.1, rollout_is="truncate", rollout_is_threshold=2.0)
+    metrics = grpo_backward(SAMPLES, run, torch.device("cpu"), forward, model.off)
+    first, last = events.index("forward"), len(events) - 1 - events[::-1].index("forward")
+    assert events[first : last + 1].count("forward") == 2 * len(SAMPLES)  # the policy's and the reference's
+    assert "read" not in events[first:last], events[first:last]
+    assert "read" in events[last:]  # the metrics, once the batch is done
+    assert all(math.isfinite(metrics[k]) for k in ("train/loss", "train/kl", "mismatch/kl_k3", "train/entropy"))

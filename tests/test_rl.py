@@ -59,11 +59,20 @@ def test_kl_term_is_zero_at_reference_and_positive_away():
     logp = torch.log(torch.tensor([[0.5, 0.25]]))
     mask = torch.ones(1, 2, dtype=torch.bool)
     _, same = policy_loss(logp, logp, torch.tensor([0.0]), mask, ref_logp=logp, kl_coef=0.1)
-    assert same["train/kl"] == pytest.approx(0.0, abs=1e-9)
+    assert float(same["train/kl"]) == pytest.approx(0.0, abs=1e-9)
     ref = torch.log(torch.tensor([[0.25, 0.5]]))
     loss, away = policy_loss(logp, logp, torch.tensor([0.0]), mask, ref_logp=ref, kl_coef=0.1)
     assert away["train/kl"] > 0
-    assert loss.item() == pytest.approx(0.1 * away["train/kl"], rel=1e-5)
+    assert loss.item() == pytest.approx(0.1 * float(away["train/kl"]), rel=1e-5)
+
+
+def _gaps(trainer: torch.Tensor, mask: torch.Tensor, engine_lists: list[list[float]], into=None):
+    """LogprobGaps read over one micro-batch, the engine's logprobs laid out as the trainers lay them out."""
+    from hybridrl.task.rl import LogprobGaps, engine_logprob_tensor
+
+    gaps = LogprobGaps() if into is None else into
+    gaps.add(trainer, *engine_logprob_tensor(engine_lists, mask))
+    return gaps
 
 
 def test_logprob_gaps_tell_whole_requests_from_stray_tokens():
@@ -72,31 +81,41 @@ def test_logprob_gaps_tell_whole_requests_from_stray_tokens():
     trainer = torch.tensor([[-1.0, -2.0, -3.0, 0.0],    # 3 completion tokens, then padding
                             [-1.0, -1.0, -1.0, -1.0]])
     mask = torch.tensor([[True, True, True, False], [True, True, True, True]])
-    gaps = LogprobGaps()
     # row 0: one stray token off by 0.3; row 1: every token off by 0.05 (as a stale adapter would be)
-    gaps.add(trainer, mask, [[-1.0, -2.3, -3.0], [-1.05, -1.05, -1.05, -1.05]])
+    gaps = _gaps(trainer, mask, [[-1.0, -2.3, -3.0], [-1.05, -1.05, -1.05, -1.05]])
     m = gaps.metrics(n_tokens=7)
     assert m["check/rollout_logprob_abs_diff"] == pytest.approx((0.3 + 4 * 0.05) / 7)
     assert m["check/logprob_gap_token_max"] == pytest.approx(0.3)
     assert m["check/logprob_gap_sample_max"] == pytest.approx(0.1)  # row 0: 0.3 over 3 tokens
     # the engine may return fewer logprobs than tokens (a cut stream): only those are compared
-    short = LogprobGaps()
-    short.add(trainer[:1], mask[:1], [[-1.5]])
+    short = _gaps(trainer[:1], mask[:1], [[-1.5]])
     assert short.metrics(3)["check/rollout_logprob_abs_diff"] == pytest.approx(0.5 / 3)
     assert short.metrics(3)["check/logprob_gap_sample_max"] == pytest.approx(0.5)
     assert math.isnan(LogprobGaps().metrics(0)["check/logprob_gap_token_max"])
+
+
+def test_logprob_gaps_over_micro_batches_read_as_over_the_whole_batch():
+    trainer = torch.tensor([[-1.0, -2.0, -3.0, 0.0], [-1.0, -1.0, -1.0, -1.0], [-2.0, -2.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, True, False], [True, True, True, True], [True, True, False, False]])
+    engine = [[-1.0, -2.3, -3.0], [-1.05, -1.05, -1.05, -1.05], []]  # the last row: no logprobs came back
+    whole = _gaps(trainer, mask, engine).metrics(9)
+    split = _gaps(trainer[2:], mask[2:], engine[2:], into=_gaps(trainer[:2], mask[:2], engine[:2])).metrics(9)
+    assert split == pytest.approx(whole)
+    assert whole["check/logprob_gap_token_max"] == pytest.approx(0.3)  # the worst token is in the first part
+    assert whole["check/logprob_gap_sample_max"] == pytest.approx(0.1)
+    # the row with no engine logprobs counts toward the mean's tokens but adds no gap and no weight
+    assert whole["check/rollout_logprob_abs_diff"] == pytest.approx(0.5 / 9)
+    assert whole["mismatch/is_weight_mean"] == pytest.approx((2 + math.exp(0.3) + 4 * math.exp(0.05)) / 7)
 
 
 def test_mismatch_metrics_of_agreeing_and_disagreeing_policies():
     from hybridrl.task.rl import LogprobGaps
 
     mask = torch.tensor([[True, True, False]])
-    same = LogprobGaps()
-    same.add(torch.tensor([[-1.0, -2.0, 0.0]]), mask, [[-1.0, -2.0]])
+    same = _gaps(torch.tensor([[-1.0, -2.0, 0.0]]), mask, [[-1.0, -2.0]])
     m = same.metrics(2)
     assert (m["mismatch/kl_k3"], m["mismatch/is_weight_mean"], m["mismatch/ess"]) == pytest.approx((0.0, 1.0, 1.0))
-    off = LogprobGaps()
-    off.add(torch.tensor([[-1.0, -2.0, 0.0]]), mask, [[-1.5, -1.0]])  # log ratios +0.5 and -1.0
+    off = _gaps(torch.tensor([[-1.0, -2.0, 0.0]]), mask, [[-1.5, -1.0]])  # log ratios +0.5 and -1.0
     m = off.metrics(2)
     w = [math.exp(0.5), math.exp(-1.0)]
     assert m["mismatch/is_weight_mean"] == pytest.approx(sum(w) / 2)
@@ -111,8 +130,8 @@ def test_rollout_is_weights_truncate_or_mask_and_reweight_the_loss():
 
     mask = torch.tensor([[True, True, True, False]])
     old = torch.tensor([[-1.0, -1.0, -1.0, 0.0]])
-    engine = engine_logprob_tensor([[-1.0, -3.0, -0.5]], mask)  # weights 1, e^2 (stale), e^-0.5
-    assert engine.tolist() == [[-1.0, -3.0, -0.5, 0.0]]
+    engine, present = engine_logprob_tensor([[-1.0, -3.0, -0.5]], mask)  # weights 1, e^2 (stale), e^-0.5
+    assert engine.tolist() == [[-1.0, -3.0, -0.5, 0.0]] and present.tolist() == [[True, True, True, False]]
     truncated = rollout_is_weights(old, engine, mask, threshold=2.0, mode="truncate")
     assert truncated[0].tolist() == pytest.approx([1.0, 2.0, math.exp(-0.5), 0.0])
     masked = rollout_is_weights(old, engine, mask, threshold=2.0, mode="mask")

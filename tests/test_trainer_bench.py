@@ -121,6 +121,18 @@ def test_trainer_profile_writes_the_operator_table(trainer: str, tmp_path: Path)
     assert "Self CPU" in text and "aten::mm" in text
 
 
+def test_the_host_waits_table_names_the_lines_most_frequent_first() -> None:
+    from collections import Counter
+
+    from hybridrl.tools.trainer_profile import waits_table
+
+    text = waits_table(Counter({"grpo.py:120": 2, "rl.py:7": 9}))
+    first, *rows = text.splitlines()
+    assert first.startswith("host waits for the GPU in one update: 11 ")
+    assert [r.split() for r in rows] == [["9", "rl.py:7"], ["2", "grpo.py:120"]]
+    assert waits_table(Counter()).startswith("host waits for the GPU in one update: 0 ")
+
+
 def test_trainer_profile_megatron_permute_brings_back_megatrons_scatters(tmp_path: Path) -> None:
     from hybridrl.tools.trainer_profile import main as profile
 

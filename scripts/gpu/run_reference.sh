@@ -177,8 +177,9 @@ ceiling() {
 }
 
 # tbench SHAPE GPU TRAINER MICRO_BATCH [FLAG...]: the trainer benchmark (python -m hybridrl trainer-bench), one
-# trainer in a process of its own; FLAGs (no-pack, varied, peft-lora) pass on as --FLAG, rK marks a replicate, and
-# all name the result:
+# trainer in a process of its own; FLAGs (no-pack, varied, peft-lora) pass on as --FLAG, rK marks a replicate,
+# src-REV runs hybridrl's source as of commit REV instead of the tree's (a before-and-after in one lease;
+# scripts/gpu/snapshot-src.sh REV makes .gpu/src-REV, carried with the call), and all name the result:
 # bench/trainer-SHAPE-TRAINER-mbN[-FLAG...].json
 tbench() { trainer_tool trainer-bench trainer json "$@"; }
 
@@ -187,18 +188,22 @@ tbench() { trainer_tool trainer-bench trainer json "$@"; }
 tprof() { trainer_tool trainer-profile profile txt "$@"; }
 
 trainer_tool() {  # trainer_tool COMMAND PREFIX EXT SHAPE GPU TRAINER MICRO_BATCH [FLAG...]
-  local cmd=$1 prefix=$2 ext=$3 shape=$4 gpu=$5 trainer=$6 mb=$7 name pid rc=0 flag args=()
+  local cmd=$1 prefix=$2 ext=$3 shape=$4 gpu=$5 trainer=$6 mb=$7 name pid rc=0 flag args=() src=$repo/src
   shift 7
   name="$prefix-$shape-$trainer-mb$mb"
-  # a flag rK only names replicate K of the same command (its own process and file)
-  for flag in "$@"; do name+="-$flag"; [[ $flag =~ ^r[0-9]+$ ]] || args+=("--$flag"); done
+  # a flag rK only names replicate K of the same command (its own process and file); src-REV picks the source
+  for flag in "$@"; do
+    name+="-$flag"
+    if [[ $flag =~ ^src-(.+)$ ]]; then src=$repo/.gpu/$flag/src; elif ! [[ $flag =~ ^r[0-9]+$ ]]; then args+=("--$flag"); fi
+  done
   [ -n "${HYBRIDRL_DRY_RUN:-}" ] && { say "dry run: $cmd $shape $trainer mb $mb${*:+ $*} on GPU $gpu"; return 0; }
+  [ -f "$src/hybridrl/__init__.py" ] || { say "$name: no hybridrl source at $src (scripts/gpu/snapshot-src.sh)"; return 1; }
   [ -f "$ref/bench/$name.$ext" ] && { say "$name already done"; return 0; }
   mkdir -p "$ref/bench" "$root/trainer-bench"
   say "$cmd $shape $trainer mb $mb${*:+ $*} on GPU $gpu"
   # a session of its own, killed whole afterwards: a benchmark killed by the host once left a worker holding
   # the GPU under the next one (results/reference/2026-11-24-h200-trainer)
-  CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH="/tmp/envs/trainer:$ctl_path" setsid timeout "${HYBRIDRL_TBENCH_TIMEOUT_S:-900}" \
+  CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH="/tmp/envs/trainer:$ctl:$src" setsid timeout "${HYBRIDRL_TBENCH_TIMEOUT_S:-900}" \
     python3 -m hybridrl "$cmd" --shape "$shape" --trainer "$trainer" --micro-batch "$mb" "${args[@]}" \
     --workdir "$root/trainer-bench" --out "$ref/bench/$name.$ext" > "$ref/bench/$name.log" 2>&1 &
   pid=$!
@@ -392,6 +397,17 @@ plan_moepermute() {
   study=config/gpu-h200.yaml
   one_lane "$(tool_rounds 3 "tbench qwen3-30b-a3b megatron 16 megatron-permute" "tbench qwen3-30b-a3b megatron 16");\
 tprof qwen3-30b-a3b megatron 16 megatron-permute;tprof qwen3-30b-a3b megatron 16"
+}
+
+plan_syncfree() {
+  # issue 15 after the GRPO step stopped waiting for the GPU between micro-batches (trainers/grpo.py: every
+  # micro-batch copied first, the readings summed on the device and read once): the commit before (src-ec2b5bd,
+  # scripts/gpu/snapshot-src.sh) and the tree, interleaved in one lease. The 48-layer Megatron TP 1 update first
+  # (three rounds), then both dense trainers (three rounds), then one profiled update of each shape's fastest trainer
+  # with the host's remaining waits listed. Only the `trainer` overlay
+  one_lane "$(tool_rounds 3 "tbench qwen3-30b-a3b megatron 16 src-ec2b5bd" "tbench qwen3-30b-a3b megatron 16");\
+$(tool_rounds 3 "tbench qwen3-0.6b hf 32 src-ec2b5bd" "tbench qwen3-0.6b hf 32" "tbench qwen3-0.6b megatron 32 src-ec2b5bd" \
+    "tbench qwen3-0.6b megatron 32");tprof qwen3-30b-a3b megatron 16;tprof qwen3-0.6b megatron 32;tprof qwen3-0.6b hf 32"
 }
 
 plan_learnlr() {

@@ -113,8 +113,9 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped-ratio GRPO loss, averaged over valid tokens.
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped-ratio GRPO loss, averaged over valid tokens, and its train/kl and train/clipfrac as detached 0-d
+    tensors on the loss's device (a float() of them waits for the device: the trainers read them once a batch).
 
     logp/old_logp/ref_logp/mask/is_weights: [B, T]; advantages: [B] (one per completion).
     KL uses the k3 estimator exp(ref - logp) - (ref - logp) - 1, which is >= 0 and unbiased.
@@ -138,7 +139,7 @@ def policy_loss(
             per_token = per_token + kl_coef * kl_tok
     loss = (per_token * mask).sum() / n_tokens
     clipfrac = (((ratio - 1.0).abs() > clip_eps).to(logp.dtype) * mask).sum() / n_tokens
-    return loss, {"train/kl": float(kl.detach()), "train/clipfrac": float(clipfrac.detach())}
+    return loss, {"train/kl": kl.detach(), "train/clipfrac": clipfrac.detach()}
 
 
 def rollout_is_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, threshold: float,
@@ -153,53 +154,61 @@ def rollout_is_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: 
     return w * mask.float()
 
 
-def engine_logprob_tensor(engine_logprobs: Sequence[Sequence[float]], mask: torch.Tensor) -> torch.Tensor:
-    """The engine's sampled-token logprobs laid out like `mask` ([B, T]; each row's completion positions)."""
+def engine_logprob_tensor(engine_logprobs: Sequence[Sequence[float]],
+                          mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's sampled-token logprobs laid out like `mask` ([B, T]; each row's completion positions, in
+    order), and where they are: an engine may return fewer logprobs than a row has completion tokens (a cut
+    stream). Built on the host from a host mask, so that a trainer can copy it to the GPU before its forward."""
     out = torch.zeros(mask.shape, dtype=torch.float32)
+    present = torch.zeros(mask.shape, dtype=torch.bool)
     for i, row in enumerate(engine_logprobs):
-        positions = mask[i].nonzero().flatten().cpu()
+        positions = mask[i].nonzero().flatten()
         n = min(len(positions), len(row))
         out[i, positions[:n]] = torch.tensor(list(row[:n]), dtype=torch.float32)
-    return out.to(mask.device)
+        present[i, positions[:n]] = True
+    return out, present
 
 
 class LogprobGaps:
     """Trainer-vs-engine logprob gaps over one batch, |trainer logprob - engine logprob| per completion token.
 
     The gate reads the mean per token; the worst token and the worst sample's mean say where an excess comes
-    from: a few tokens, or some requests as a whole (e.g. rolled out with a stale adapter).
+    from: a few tokens, or some requests as a whole (e.g. rolled out with a stale adapter). The readings stay on
+    the trainer's device until metrics(), so that reading a micro-batch does not wait for its backward.
     """
 
-    def __init__(self) -> None:
-        self.total, self.tokens, self.token_max, self.sample_max = 0.0, 0, 0.0, 0.0
-        # importance weights w = pi_trainer / pi_engine per token: their k3 KL, sum and sum of squares
-        self.k3, self.w_sum, self.w_sq = 0.0, 0.0, 0.0
+    # the running readings, in this order (float64: sums over a whole batch); the two maxima are kept apart
+    SUMS = ("tokens", "total", "k3", "w_sum", "w_sq")
+    MAXIMA = ("token_max", "sample_max")
 
-    def add(self, trainer_logp: torch.Tensor, mask: torch.Tensor,
-            engine_logprobs: Sequence[Sequence[float]]) -> None:
-        """trainer_logp and mask are [B, T] over target positions; engine_logprobs holds one list per row."""
-        for i, theirs_list in enumerate(engine_logprobs):
-            ours = trainer_logp[i][mask[i]].float().cpu()
-            theirs = torch.tensor(list(theirs_list[: len(ours)]), dtype=torch.float32)
-            delta = ours[: len(theirs)] - theirs  # log(pi_trainer / pi_engine)
-            gap = delta.abs()
-            if gap.numel():
-                w = torch.exp(delta.double())
-                self.k3 += (w - 1.0 - delta.double()).sum().item()  # KL(engine || trainer), k3 estimator
-                self.w_sum += w.sum().item()
-                self.w_sq += (w * w).sum().item()
-                self.total += gap.sum().item()
-                self.tokens += gap.numel()
-                self.token_max = max(self.token_max, gap.max().item())
-                self.sample_max = max(self.sample_max, gap.mean().item())
+    def __init__(self) -> None:
+        self.sums: torch.Tensor | None = None
+        self.maxima: torch.Tensor | None = None
+
+    def add(self, trainer_logp: torch.Tensor, engine: torch.Tensor, present: torch.Tensor) -> None:
+        """trainer_logp [B, T] over target positions; engine and present as engine_logprob_tensor gives them,
+        on trainer_logp's device."""
+        delta = torch.where(present, trainer_logp.detach().float() - engine, 0.0).double()  # log(pi_t / pi_e)
+        gap = delta.abs()
+        w = torch.exp(delta) * present  # importance weights pi_trainer / pi_engine per token; 0 where none
+        sums = torch.stack([present.sum().double(), gap.sum(),
+                            (w - present.double() - delta).sum(),  # KL(engine || trainer), k3 estimator
+                            w.sum(), (w * w).sum()])
+        # a row without engine logprobs reads 0, below any real row's mean
+        maxima = torch.stack([gap.max(), (gap.sum(1) / present.sum(1).clamp(min=1)).max()])
+        self.sums = sums if self.sums is None else self.sums + sums
+        self.maxima = maxima if self.maxima is None else torch.maximum(self.maxima, maxima)
 
     def metrics(self, n_tokens: int) -> dict[str, float]:
         """The gate's mean over all n_tokens completion tokens, and the worst token and sample (NaN if none)."""
-        none = self.tokens == 0
-        return {"check/rollout_logprob_abs_diff": self.total / max(n_tokens, 1),
-                "check/logprob_gap_token_max": math.nan if none else self.token_max,
-                "check/logprob_gap_sample_max": math.nan if none else self.sample_max,
-                "mismatch/kl_k3": math.nan if none else self.k3 / self.tokens,
-                "mismatch/is_weight_mean": math.nan if none else self.w_sum / self.tokens,
+        r = dict.fromkeys((*self.SUMS, *self.MAXIMA), 0.0)
+        if self.sums is not None and self.maxima is not None:
+            r.update(zip((*self.SUMS, *self.MAXIMA), torch.cat([self.sums, self.maxima]).tolist(), strict=True))
+        none = r["tokens"] == 0
+        return {"check/rollout_logprob_abs_diff": r["total"] / max(n_tokens, 1),
+                "check/logprob_gap_token_max": math.nan if none else r["token_max"],
+                "check/logprob_gap_sample_max": math.nan if none else r["sample_max"],
+                "mismatch/kl_k3": math.nan if none else r["k3"] / r["tokens"],
+                "mismatch/is_weight_mean": math.nan if none else r["w_sum"] / r["tokens"],
                 # Kish's effective sample size over the tokens, as a share of them: 1 when engine and trainer agree
-                "mismatch/ess": math.nan if none or not self.w_sq else self.w_sum ** 2 / (self.tokens * self.w_sq)}
+                "mismatch/ess": math.nan if none or not r["w_sq"] else r["w_sum"] ** 2 / (r["tokens"] * r["w_sq"])}

@@ -156,7 +156,7 @@ def hf_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run: RunC
     with torch.no_grad():
         after, _ = logprobs()
     return {"logp": _per_sample(logp, mask), "grads": grads, "grad_norm": norm, "loss": float(loss),
-            "kl": stats["train/kl"], "entropy": float((entropy * mask).sum() / mask.sum()),
+            "kl": float(stats["train/kl"]), "entropy": float((entropy * mask).sum() / mask.sum()),
             "weights_after": {n: p.detach().clone() for n, p in params.items()},
             "logp_after": _per_sample(after, mask)}
 

@@ -6,13 +6,17 @@ The trainer runs in this process (Megatron at TP 1 in a one-process group, not u
 trainer_bench's fixed batch: two warm-up updates, then one profiled (logprobs, loss, backward, optimizer step; no
 adapter export). The text written holds the update's wall time and the operators sorted by their own time on the
 device (CUDA; the CPU where there is no GPU), so two trainers' tables can be read side by side, then the same
-split by the operators' input shapes, which tells a norm's or an adapter's elementwise work from the rest.
+split by the operators' input shapes, which tells a norm's or an adapter's elementwise work from the rest. On a
+GPU, one more update before the profiled one lists where the host waited for the device (torch's sync debug
+mode): each wait empties the queue of kernels, so the host's launch time no longer hides behind the GPU's work.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +53,30 @@ def _hf_update(model: Path, run: Any, device: Any) -> tuple[Any, Any]:
     return trainer.update, trainer.close
 
 
+def host_waits(update: Any, samples: Any) -> Counter[str]:
+    """Where one update made the host wait for the GPU (a read of a device value, a blocking copy): torch's
+    warning per wait, counted by the Python line that caused it. Waits in autograd's own threads (the backward)
+    are not seen."""
+    import torch
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            update(samples)
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+
+
+def waits_table(waits: Counter[str]) -> str:
+    """The host's waits of one update, most frequent line first."""
+    lines = [f"host waits for the GPU in one update: {sum(waits.values())} (torch.cuda sync debug mode)"]
+    lines += [f"{n:8d}  {where}" for where, n in waits.most_common()]
+    return "\n".join(lines) + "\n"
+
+
 def check_options(shape_name: str, trainer: str, megatron_permute: bool) -> None:
     """ValueError for options that do not go together; checked before anything is built."""
     if megatron_permute:
@@ -83,6 +111,7 @@ def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, m
     try:
         for _ in range(WARMUP):
             timed()
+        waits = host_waits(update, samples) if device == "cuda" else None
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
         with profile(activities=activities, record_shapes=True) as prof:
             wall = timed()
@@ -94,7 +123,7 @@ def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, m
             f"lengths {'varied' if varied else 'fixed'} device {device}{permute}: profiled update {wall:.3f} s\n")
     by_shape = prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=rows)
     text = (head + prof.key_averages().table(sort_by=sort, row_limit=rows) + "\n\nthe same, by input shapes:\n"
-            + by_shape + "\n")
+            + by_shape + "\n" + ("" if waits is None else "\n" + waits_table(waits)))
     from hybridrl.atomic import write_text
 
     out.parent.mkdir(parents=True, exist_ok=True)

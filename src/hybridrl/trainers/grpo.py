@@ -84,6 +84,34 @@ def micro_batches(samples: list[Sample], run: RunConfig) -> list[list[Sample]]:
 LogprobFn = Callable[[Batch, bool], tuple[torch.Tensor, torch.Tensor | None]]
 
 
+@dataclass
+class MicroBatch:
+    """One micro-batch, its tensors on the trainer's device: the batch, one advantage per row, the engine's
+    logprobs where it returned them (engine_logprob_tensor), and its share of the batch's completion tokens."""
+
+    batch: Batch
+    advantages: torch.Tensor
+    engine: torch.Tensor
+    engine_present: torch.Tensor
+    weight: float
+
+
+def prepare(samples: list[Sample], run: RunConfig, device: torch.device, pad_id: int = 0) -> list[MicroBatch]:
+    """Every micro-batch of the update built on the host and copied to the device before any forward: a copy
+    from the host waits for the device, so one made between micro-batches would stall the queue."""
+    n_tokens = max(sum(len(s.completion_ids) for s in samples), 1)
+    out = []
+    for chunk in micro_batches(samples, run):
+        batch = pad_batch(chunk, pad_id)
+        if run.pack_sequences:
+            batch.packed = pack(chunk)
+        engine, present = engine_logprob_tensor([s.engine_logprobs for s in chunk], batch.mask)
+        weight = int(batch.mask.sum()) / n_tokens
+        out.append(MicroBatch(batch.to(device), torch.tensor([s.advantage for s in chunk]).to(device),
+                              engine.to(device), present.to(device), weight))
+    return out
+
+
 def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device, logprobs: LogprobFn,
                   adapter_off: Callable[[], contextlib.AbstractContextManager], pad_id: int = 0) -> dict[str, float]:
     """Forward and backward over the batch in micro-batches (micro_batches), in the order given; leaves the
@@ -97,47 +125,48 @@ def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device, l
     run.pack_sequences asks); adapter_off() disables LoRA for the KL reference.
     The loss is a token mean over the whole batch, however it is split; so is train/entropy (verl's
     actor/entropy), the policy's entropy over the completion tokens.
+
+    The host never waits for the device between micro-batches (prepare copies everything first; the readings
+    add up on the device and are read once at the end), so it queues the next forward while the GPU still runs
+    the last backward.
     """
     n_tokens = sum(len(s.completion_ids) for s in samples)
-    totals = {"loss": 0.0, "kl": 0.0, "clipfrac": 0.0, "is_changed": 0.0, "entropy": 0.0}
+    # loss, kl, clipfrac, share of tokens the IS cap or mask changed, entropy: token means over the batch
+    totals = torch.zeros(5, dtype=torch.float64, device=device)
+    has_entropy = True
     gaps = LogprobGaps()
-    for chunk in micro_batches(samples, run):
-        batch = pad_batch(chunk, pad_id)
-        if run.pack_sequences:
-            batch.packed = pack(chunk)
-        batch = batch.to(device)
+    for mb in prepare(samples, run, device, pad_id):
+        batch = mb.batch
         logp, entropy = logprobs(batch, True)
         old = logp.detach()  # one update per batch: the sampling policy is the current one
         ref = None
         if run.kl_coef > 0:
             with torch.no_grad(), adapter_off():
                 ref, _ = logprobs(batch, False)
-        adv = torch.tensor([s.advantage for s in chunk], device=device, dtype=torch.float32)
         is_weights = None
+        changed = totals.new_zeros(())
         if run.rollout_is != "off":  # the engine's logprobs are the behaviour policy's
-            engine = engine_logprob_tensor([s.engine_logprobs for s in chunk], batch.mask)
-            is_weights = rollout_is_weights(old, engine, batch.mask, run.rollout_is_threshold, run.rollout_is)
-            raw = torch.exp(old - engine)
-            changed = (raw > run.rollout_is_threshold) & batch.mask  # tokens the cap or the mask changed
-            totals["is_changed"] += changed.sum().item() / max(n_tokens, 1)
-        loss, stats = policy_loss(logp, old, adv, batch.mask, run.clip_eps, ref, run.kl_coef, is_weights)
-        weight = batch.mask.sum().item() / max(n_tokens, 1)
-        (loss * weight).backward()
-        totals["loss"] += loss.item() * weight
-        totals["kl"] += stats["train/kl"] * weight
-        totals["clipfrac"] += stats["train/clipfrac"] * weight
+            is_weights = rollout_is_weights(old, mb.engine, batch.mask, run.rollout_is_threshold, run.rollout_is)
+            raw = torch.exp(old - mb.engine)
+            # tokens the cap or the mask changed, as a share of the batch's
+            changed = ((raw > run.rollout_is_threshold) & batch.mask).sum() / max(n_tokens, 1)
+        loss, stats = policy_loss(logp, old, mb.advantages, batch.mask, run.clip_eps, ref, run.kl_coef, is_weights)
+        (loss * mb.weight).backward()
         if entropy is None:  # a forward that cannot give it: the step records NaN, not a partial mean
-            totals["entropy"] = math.nan
-        else:
-            totals["entropy"] += entropy[batch.mask].sum().item() / max(n_tokens, 1)
-        gaps.add(old, batch.mask, [s.engine_logprobs for s in chunk])
+            has_entropy = False
+            entropy = torch.zeros_like(old)
+        ent = torch.where(batch.mask, entropy, 0.0).sum() / max(n_tokens, 1)
+        totals += torch.stack([loss.detach() * mb.weight, stats["train/kl"] * mb.weight,
+                               stats["train/clipfrac"] * mb.weight, changed, ent]).double()
+        gaps.add(old, mb.engine, mb.engine_present)
+    loss, kl, clipfrac, is_changed, entropy = totals.tolist()  # the one wait for the device
     return {
-        "train/loss": totals["loss"],
-        "train/kl": totals["kl"] if run.kl_coef > 0 else math.nan,
-        "train/clipfrac": totals["clipfrac"],
-        "train/entropy": totals["entropy"],
+        "train/loss": loss,
+        "train/kl": kl if run.kl_coef > 0 else math.nan,
+        "train/clipfrac": clipfrac,
+        "train/entropy": entropy if has_entropy else math.nan,
         "perf/train_tokens": float(n_tokens),
         # share of tokens whose importance weight the cap (truncate) or the mask changed; NaN with rollout_is off
-        "mismatch/is_capped_frac": totals["is_changed"] if run.rollout_is != "off" else math.nan,
+        "mismatch/is_capped_frac": is_changed if run.rollout_is != "off" else math.nan,
         **gaps.metrics(n_tokens),
     }

@@ -549,20 +549,13 @@ def test_a_replicate_flag_names_the_result_and_is_not_passed_on(root: Path, tmp_
     moe = _one_lane_plan(root, "gpu-h200", "moerounds")
     assert moe == [f"trainer-bench qwen3-30b-a3b {t} mb 16 r{k} on GPU 0"
                    for k in (1, 2, 3) for t in ("megatron", "hf")]
-    # the commit before and the tree, interleaved: the 48-layer rows first, then the dense ones, then the profiles
-    sync = _one_lane_plan(root, "gpu-h200", "syncfree")
-    assert sync[:6] == [f"trainer-bench qwen3-30b-a3b megatron mb 16{src} r{k} on GPU 0"
-                        for k in (1, 2, 3) for src in (" src-ec2b5bd", "")]
-    assert sync[6:10] == [f"trainer-bench qwen3-0.6b {t} mb 32{src} r1 on GPU 0"
-                          for t in ("hf", "megatron") for src in (" src-ec2b5bd", "")]
-    assert len(sync) == 21 and sync[-1] == "trainer-profile qwen3-0.6b hf mb 32 on GPU 0"
 
 
 def _driver_copy(tmp_path: Path) -> Path:
     """The driver in a repository of its own under tmp_path (it finds the source beside itself)."""
     repo = tmp_path / "repo"
     (repo / "scripts" / "gpu").mkdir(parents=True)
-    for d in ("config", "src"):
+    for d in ("config", "src", "workflow"):
         (repo / d).symlink_to(REPO / d)
     driver = repo / "scripts" / "gpu" / "run_reference.sh"
     shutil.copy(DRIVER, driver)
@@ -598,6 +591,42 @@ def test_a_src_flag_runs_a_source_snapshot_names_the_result_and_is_not_passed_on
     assert missing.returncode != 0 and "no hybridrl source at" in missing.stdout + missing.stderr
     assert "scripts/gpu/snapshot-src.sh" in missing.stdout + missing.stderr
     assert not (tmp_path / "ref" / "gpu-h200" / "bench" / "trainer-tiny-hf-mb4-src-fffff.json").exists()
+
+
+def test_a_plan_of_source_snapshots_needs_them_all_and_takes_them_along(tmp_path: Path) -> None:
+    driver = _driver_copy(tmp_path)
+    repo, root = driver.parents[2], tmp_path / "ref"
+    (root / "gpu-h200").mkdir(parents=True)
+    (root / "gpu-h200" / "setup.done").touch()
+    env = {**_python3_on_path(tmp_path), "HYBRIDRL_REF_DIR": str(root), "HYBRIDRL_DRY_RUN": "1"}
+
+    def driver_run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(driver), *args], capture_output=True, text=True, env=env, timeout=120)
+
+    for args in (["all", "syncfree"], ["start", "syncfree"]):  # refused before anything runs
+        done = driver_run(*args)
+        assert done.returncode == 2
+        assert done.stderr.strip() == (f"plan syncfree runs source snapshots {repo}/.gpu lacks: src-ec2b5bd "
+                                       "(scripts/gpu/snapshot-src.sh REV, carried with the call)")
+    assert not (root / "gpu-h200" / "lane-syncfree-1.log").exists()
+    (repo / ".gpu" / "src-ec2b5bd" / "src" / "hybridrl").mkdir(parents=True)
+    (repo / ".gpu" / "src-ec2b5bd" / "src" / "hybridrl" / "__init__.py").touch()
+    done = driver_run("start", "syncfree")
+    assert done.returncode == 0, done.stderr
+    # the running plan's copy of the code holds the snapshot too (its items run from that copy)
+    assert (root / "code" / ".gpu" / "src-ec2b5bd" / "src" / "hybridrl" / "__init__.py").exists()
+    pid = int((root / "driver.pid").read_text())
+    for _ in range(600):
+        if not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    # the commit before and the tree, interleaved: the 48-layer rows first, then the dense ones, then the profiles
+    sync = _items(root / "gpu-h200" / "lane-syncfree-1.log")
+    assert sync[:6] == [f"trainer-bench qwen3-30b-a3b megatron mb 16{src} r{k} on GPU 0"
+                        for k in (1, 2, 3) for src in (" src-ec2b5bd", "")]
+    assert sync[6:10] == [f"trainer-bench qwen3-0.6b {t} mb 32{src} r1 on GPU 0"
+                          for t in ("hf", "megatron") for src in (" src-ec2b5bd", "")]
+    assert len(sync) == 21 and sync[-1] == "trainer-profile qwen3-0.6b hf mb 32 on GPU 0"
 
 
 def test_a_source_snapshot_holds_the_commits_source(tmp_path: Path) -> None:

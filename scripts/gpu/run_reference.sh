@@ -645,7 +645,7 @@ wait_for_envs() {
 # check_names PLAN: refuses, in one line, a plan whose train, bench or fault item names no run of its study (such an
 # item would fail only when its turn came, after the runs before it)
 check_names() {
-  local study gpus phases phase l it words tmp names bad=()
+  local study gpus phases phase l it words tmp names bad=() w src=()
   load_plan "$1"
   use_study "$study"
   tmp=$(mktemp -d)
@@ -661,11 +661,15 @@ check_names() {
       for it in "${items[@]}"; do
         read -ra words <<< "$it"
         [[ ${words[0]} =~ ^(train|bench|fault)$ && $names != *" ${words[1]} "* ]] && bad+=("${words[1]}")
+        for w in "${words[@]}"; do
+          [[ $w =~ ^src-.+$ && ! -f $repo/.gpu/$w/src/hybridrl/__init__.py ]] && src+=("$w")
+        done
       done
     done
     unset -n lanes
   done
   [ "${#bad[@]}" -eq 0 ] || { echo "plan $1 names runs its study ($study) does not have: ${bad[*]} (it has:$names)" >&2; exit 2; }
+  [ "${#src[@]}" -eq 0 ] || { echo "plan $1 runs source snapshots $repo/.gpu lacks: $(printf '%s\n' "${src[@]}" | sort -u | tr '\n' ' ')(scripts/gpu/snapshot-src.sh REV, carried with the call)" >&2; exit 2; }
 }
 
 known_plans() { declare -F | awk '$3 ~ /^plan_/ {sub("plan_", "", $3); printf "%s ", $3}'; }
@@ -822,6 +826,8 @@ case "$cmd" in
     # run from a snapshot of the code, so that later edits to the checkout cannot reach a running study
     rm -rf "$root/code" && mkdir -p "$root/code"
     cp -r "$repo"/{src,config,workflow,scripts} "$root/code/"
+    # the source snapshots a plan's src-REV items run (check_names found them all)
+    if compgen -G "$repo/.gpu/src-*" > /dev/null; then mkdir -p "$root/code/.gpu" && cp -r "$repo"/.gpu/src-* "$root/code/.gpu/"; fi
     PYTHONPATH="$ctl:$root/code/src" python3 -c "import hybridrl.run.loop, hybridrl.tools.engine_bench, hybridrl.engines.sglang"
     setsid nohup bash "$root/code/scripts/gpu/run_reference.sh" plans "$@" > "$root/driver.log" 2>&1 < /dev/null &
     echo $! > "$root/driver.pid"

@@ -35,7 +35,7 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
                  "2026-11-24-h200-moe1pin2", "2026-11-24-h200-verdictwarm", "2026-11-24-h200-learnlr",
                  "2026-11-25-h200-verdictwarm2", "2026-11-25-h200-learnentropy", "2026-11-25-h200-hffused",
                  "2026-11-25-h200-hfrounds", "2026-11-25-h200-moerounds", "2026-11-25-h200-moepermute",
-                 "2026-11-25-h200-moegathers", "2026-11-25-h200-moeexport",
+                 "2026-11-25-h200-moegathers", "2026-11-25-h200-moeexport", "2026-11-25-h200-syncfree",
                  "2026-11-24-h200-timingcost2"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
     for name in ("2026-11-24-h200-faults", "2026-11-24-h200-trainermoe"):
@@ -246,6 +246,16 @@ def test_a_profile_wall_reads_the_tables_first_line(tmp_path: Path) -> None:
     headless.write_text("Self CUDA time total: 1.0s\n")
     with pytest.raises(ValueError, match="no first line"):
         figures.evaluate(f"profile_wall {headless}")
+
+
+def test_profile_waits_count_the_hosts_waits_in_all_or_at_some_lines() -> None:
+    path = "results/reference/2026-11-25-h200-syncfree/bench/profile-qwen3-30b-a3b-megatron-mb16.txt"
+    assert figures.evaluate(f"profile_waits {path}") == "51"  # 'host waits for the GPU in one update: 51 (...'
+    assert figures.evaluate(f"profile_waits {path} packing.py:") == "24"  # two rows of 12
+    assert figures.evaluate(f"profile_waits {path} nowhere.py") == "0"
+    older = "results/reference/2026-11-25-h200-moegathers/bench/profile-qwen3-30b-a3b-megatron-mb16.txt"
+    with pytest.raises(ValueError, match="no list of the host's waits"):
+        figures.evaluate(f"profile_waits {older}")
 
 
 def test_share_and_unattributed_figures_split_a_step_into_its_phases(tmp_path: Path) -> None:

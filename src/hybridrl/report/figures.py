@@ -201,6 +201,19 @@ def profile_wall(path: str) -> str:
     return f"{float(match[1]):.2f}"
 
 
+def profile_waits(path: str, site: str = "") -> str:
+    """How often the profiled update's host waited for the GPU (a trainer-profile table's closing list, one
+    'count  file:line' row each): all of them, or those at lines whose location contains `site` ('grpo.py:')."""
+    text = _text(path)
+    head = re.search(r"^host waits for the GPU in one update: (\d+) ", text, re.M)
+    if head is None:
+        raise ValueError(f"{path} has no list of the host's waits (a profile from before trainer-profile kept one)")
+    if not site:
+        return head[1]
+    rows = re.findall(r"^ *(\d+)  (\S+)$", text[head.end():], re.M)
+    return str(sum(int(n) for n, where in rows if site in where))
+
+
 def profile_op(path: str, op: str, digits: str = "3") -> str:
     """One operator's own GPU time in seconds from a trainer-profile table's first (by-name) table: 'aten::index_add_'
     0.156."""
@@ -410,6 +423,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "repeats": repeats, "verdict": verdict, "bench_ratio": bench_ratio, "path_ratio": path_ratio,
     "update_ratio": update_ratio, "process_ratio": process_ratio, "process_medians": process_medians,
     "profile_total": profile_total, "profile_op": profile_op, "profile_wall": profile_wall,
+    "profile_waits": profile_waits,
     "series": series, "logged": logged, "paired": paired,
     "at": at, "run_medians": run_medians, "slope": slope, "share": share, "unattributed": unattributed,
 }

@@ -92,7 +92,7 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     assert bad.returncode == 2
     plans = ("client faults full hffused hfrounds learnentropy learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm "
              "moe2full moe4 moe4full moepermute moerounds packing placement placementlong rest rest4 soak syncfree "
-             "timed timingcost trainer trainerfast trainerfuse trainerloop trainermoe verdict verdictkv verdictpin "
+             "syncfree2 timed timingcost trainer trainerfast trainerfuse trainerloop trainermoe verdict verdictkv verdictpin "
              "verdictwarm")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
@@ -627,6 +627,15 @@ def test_a_plan_of_source_snapshots_needs_them_all_and_takes_them_along(tmp_path
     assert sync[6:10] == [f"trainer-bench qwen3-0.6b {t} mb 32{src} r1 on GPU 0"
                           for t in ("hf", "megatron") for src in (" src-ec2b5bd", "")]
     assert len(sync) == 21 and sync[-1] == "trainer-profile qwen3-0.6b hf mb 32 on GPU 0"
+    shutil.rmtree(root / "gpu-h200")
+    (root / "gpu-h200").mkdir()
+    (root / "gpu-h200" / "setup.done").touch()
+    assert driver_run("all", "syncfree2").returncode == 0
+    again = _items(root / "gpu-h200" / "lane-syncfree2-1.log")
+    assert again[:8] == [f"trainer-bench qwen3-30b-a3b megatron mb 16{src} r{k} on GPU 0"
+                         for k in (1, 2, 3, 4) for src in (" src-ec2b5bd", "")]
+    assert again[8:] == [f"trainer-bench qwen3-0.6b hf mb 32{src} r{k} on GPU 0"
+                         for k in (1, 2, 3) for src in (" src-ec2b5bd", "")]
 
 
 def test_a_source_snapshot_holds_the_commits_source(tmp_path: Path) -> None:

@@ -410,6 +410,15 @@ $(tool_rounds 3 "tbench qwen3-0.6b hf 32 src-ec2b5bd" "tbench qwen3-0.6b hf 32" 
     "tbench qwen3-0.6b megatron 32");tprof qwen3-30b-a3b megatron 16;tprof qwen3-0.6b megatron 32;tprof qwen3-0.6b hf 32"
 }
 
+plan_syncfree2() {
+  # syncfree again, its 48-layer rows interleaved from the first round (in syncfree the first copy of the code
+  # lacked the snapshot, so the commit before ran rounds 1-3 after the change's rounds 1-2): four rounds of the
+  # 48-layer Megatron TP 1 update from the commit before (src-ec2b5bd) and from the tree, then three of the dense HF
+  # update, whose ratio syncfree also left open. Only the `trainer` overlay; about 24 minutes
+  one_lane "$(tool_rounds 4 "tbench qwen3-30b-a3b megatron 16 src-ec2b5bd" "tbench qwen3-30b-a3b megatron 16");\
+$(tool_rounds 3 "tbench qwen3-0.6b hf 32 src-ec2b5bd" "tbench qwen3-0.6b hf 32")"
+}
+
 plan_learnlr() {
   # issue 17's open question on one GPU (config/gpu-h200-learning.yaml): 50 warm-started steps per engine at ten
   # times `learning`'s learning rate (1e-3), eval every 5 steps, SGLang then the vLLM server

@@ -92,8 +92,8 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     assert bad.returncode == 2
     plans = ("client faults full hffused hfrounds learnentropy learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm "
              "moe2full moe4 moe4full moepermute moerounds packing placement placementlong rest rest4 soak syncfree "
-             "syncfree2 timed timingcost trainer trainerfast trainerfuse trainerloop trainermoe verdict verdictkv verdictpin "
-             "verdictwarm")
+             "syncfree2 timed timingcost trainer trainerfast trainerfuse trainerloop trainermoe verdict verdictkv "
+             "verdictpin verdictwarm")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()

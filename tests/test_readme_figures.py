@@ -36,6 +36,7 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
                  "2026-11-25-h200-verdictwarm2", "2026-11-25-h200-learnentropy", "2026-11-25-h200-hffused",
                  "2026-11-25-h200-hfrounds", "2026-11-25-h200-moerounds", "2026-11-25-h200-moepermute",
                  "2026-11-25-h200-moegathers", "2026-11-25-h200-moeexport", "2026-11-25-h200-syncfree",
+                 "2026-11-25-h200-syncfree2",
                  "2026-11-24-h200-timingcost2"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
     for name in ("2026-11-24-h200-faults", "2026-11-24-h200-trainermoe"):

@@ -419,6 +419,14 @@ plan_syncfree2() {
 $(tool_rounds 3 "tbench qwen3-0.6b hf 32 src-ec2b5bd" "tbench qwen3-0.6b hf 32")"
 }
 
+plan_hfexport() {
+  # the HF trainer's adapter export written by hybridrl (trainers/adapter_files.py: one copy to the host per dtype,
+  # no model card) instead of PEFT's save_pretrained, against the commit before (src-c931dfb): the dense HF update,
+  # export included, in five interleaved rounds (syncfree's HF export took 0.16-0.24 s of a 1.0-1.2 s update).
+  # Only the `trainer` overlay; about 8 minutes
+  one_lane "$(tool_rounds 5 "tbench qwen3-0.6b hf 32 src-c931dfb" "tbench qwen3-0.6b hf 32")"
+}
+
 plan_learnlr() {
   # issue 17's open question on one GPU (config/gpu-h200-learning.yaml): 50 warm-started steps per engine at ten
   # times `learning`'s learning rate (1e-3), eval every 5 steps, SGLang then the vLLM server

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -9,18 +10,23 @@ from pathlib import Path
 
 import torch
 
-from hybridrl.atomic import atomic_dir
 from hybridrl.run.checks import model_family
 from hybridrl.study.run_config import RunConfig
 from hybridrl.task.rl import token_logprobs_entropy
 from hybridrl.trainers import grouped_mm
+from hybridrl.trainers.adapter_files import (
+    OPTIMIZER_FILE,
+    optimizer_to_host,
+    peft_config_json,
+    to_host,
+    write_adapter_dir,
+)
 from hybridrl.trainers.base import Sample, TrainResult, lora_b_norm
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
 from hybridrl.trainers.hf_fast import fuse_lora_outputs, fuse_rms_norms, keep_adapter_inputs
 from hybridrl.trainers.packing import varlen_causal_attention
 
-OPTIMIZER_FILE = "optimizer.pt"
 PACKED_ATTENTION = "hybridrl_packed"  # the attention implementation registered with transformers for packed rows
 
 
@@ -95,6 +101,11 @@ class HFTrainer:
             fuse_lora_outputs(self.model)
         fuse_rms_norms(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # adapter_config.json as PEFT's save_pretrained writes it (for inference), built once
+        config = copy.deepcopy(self.model.peft_config["default"])
+        config.inference_mode = True
+        config.base_model_name_or_path = config.base_model_name_or_path or str(model_dir)
+        self.adapter_config = peft_config_json(config)
         self.optimizer = torch.optim.AdamW(self.params, lr=run.lr, weight_decay=run.weight_decay)
         self.flop_shape = read_flop_shape(model_dir)
         self._pinned: dict[tuple[int, str], torch.Tensor] = {}  # a parameter's or buffer's pinned CPU copy
@@ -138,22 +149,26 @@ class HFTrainer:
         metrics = self.update(samples)
         update_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.save(out_dir)
+        weights = self.save(out_dir)
         save_s = time.perf_counter() - t0
         return TrainResult(out_dir, {
             **metrics,
             **update_perf(self.flop_shape, samples, update_s, 1, self.device, kl=self.run.kl_coef > 0),
-            "train/lora_norm": lora_b_norm(self.model.named_parameters()),
+            "train/lora_norm": lora_b_norm(weights.items()),
             "train/keep_base_on_gpu": self.run.keep_base_on_gpu,
             "train/experts_impl": self.experts_impl,
             "timing_s/save_adapter": save_s,
         })
 
     # -- state -----------------------------------------------------------------------------------
-    def save(self, out_dir: Path) -> None:
-        with atomic_dir(out_dir) as tmp:
-            self.model.save_pretrained(tmp)
-            torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+    def save(self, out_dir: Path) -> dict[str, torch.Tensor]:
+        """The adapter (PEFT's names and files) and the optimizer's state into out_dir; returns the adapter's
+        tensors as written (on the host)."""
+        from peft import get_peft_model_state_dict
+
+        weights = to_host(get_peft_model_state_dict(self.model))
+        write_adapter_dir(out_dir, weights, self.adapter_config, optimizer_to_host(self.optimizer.state_dict()))
+        return weights
 
     def resume(self, adapter_dir: Path) -> None:
         from peft import set_peft_model_state_dict

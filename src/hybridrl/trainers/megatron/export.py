@@ -8,20 +8,18 @@ another TP size.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from hybridrl.atomic import atomic_dir
+from hybridrl.trainers.adapter_files import OPTIMIZER_FILE, peft_config_json
 from hybridrl.trainers.megatron.lora import LoraAdapter
 from hybridrl.trainers.megatron.mapping import lora_a_split_dim, peft_key, shard
 
-OPTIMIZER_FILE = "optimizer.pt"
 OPTIMIZER_FORMAT = "hybridrl-megatron-lora-adamw/1"
 Adapters = dict[tuple[int, str], LoraAdapter]
 
@@ -64,27 +62,8 @@ def adapter_config(rank: int, alpha: float, targets: list[str], base_model: str)
     """adapter_config.json contents, written through PEFT's own LoraConfig so every loader accepts it."""
     from peft import LoraConfig
 
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=sorted(targets),
-                     bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model)
-    d = cfg.to_dict()
-    # sets and enums are not JSON; PEFT writes them the same way in save_pretrained
-    for k, v in d.items():
-        if isinstance(v, set):
-            d[k] = sorted(v)
-        elif hasattr(v, "value"):
-            d[k] = v.value
-    return d
-
-
-def write_adapter_dir(out_dir: Path, weights: dict[str, torch.Tensor], config: dict[str, Any],
-                      optimizer: dict[str, Any] | None) -> None:
-    """Write atomically: a sibling temp dir, then rename over out_dir."""
-    with atomic_dir(Path(out_dir)) as tmp:
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
-        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        if optimizer is not None:
-            torch.save(optimizer, tmp / OPTIMIZER_FILE)
+    return peft_config_json(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=sorted(targets),
+                                       bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model))
 
 
 def optimizer_state(adapters: Adapters, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from hybridrl import nvml
 from hybridrl.engines.gpus import nvml_indices, visible_devices
 from hybridrl.study.run_config import RunConfig
 from hybridrl.task.rl import LOGSOFTMAX_CHUNK_BYTES, logit_chunks, token_logprobs_entropy
+from hybridrl.trainers.adapter_files import write_adapter_dir
 from hybridrl.trainers.base import Sample, lora_b_norm
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
@@ -188,7 +189,7 @@ class MegatronPolicy:
         weights = export.gather_full(self.adapters)
         opt = export.optimizer_state(self.adapters, self.optimizer)
         if parallel_state.get_tensor_model_parallel_rank() == 0:
-            export.write_adapter_dir(Path(out_dir), weights, self.adapter_config, opt)
+            write_adapter_dir(Path(out_dir), weights, self.adapter_config, opt)
         if self.tp > 1:
             dist.barrier(group=parallel_state.get_tensor_model_parallel_group())
         return lora_b_norm(weights.items())

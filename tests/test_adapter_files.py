@@ -1,0 +1,87 @@
+"""The adapter directory both trainers write: what PEFT's save_pretrained writes for the engines to load, in one
+copy to the host per dtype, and a run resumes from it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hybridrl.tools.trainer_bench import SHAPES, bench_run, fixed_batch, random_model
+from hybridrl.trainers.adapter_files import CONFIG_FILE, OPTIMIZER_FILE, WEIGHTS_FILE, optimizer_to_host, to_host
+from hybridrl.trainers.hf import HFTrainer
+
+
+def test_to_host_copies_once_per_dtype_and_each_tensor_owns_its_storage(monkeypatch: pytest.MonkeyPatch) -> None:
+    tensors = {"a": torch.arange(6.0).view(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
+               "c": torch.full((2, 2), 7.0), "d": torch.tensor(3.0)}
+    copies = []
+    real = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copies.append(t.numel()) or real(t, *a, **k))
+    host = to_host(tensors)
+    assert sorted(copies) == [4, 11]  # one flat copy of the three fp32 tensors (6 + 4 + 1), one of the bf16
+    assert list(host) == list(tensors)
+    for name, t in tensors.items():
+        assert torch.equal(host[name], t) and host[name].dtype == t.dtype and host[name].shape == t.shape
+        assert host[name].untyped_storage().nbytes() == t.numel() * t.element_size()  # not a view of the flat copy
+
+
+def test_optimizer_to_host_copies_the_moments_and_keeps_the_rest() -> None:
+    p = torch.nn.Parameter(torch.randn(3, 2))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    state = opt.state_dict()
+    host = optimizer_to_host(state)
+    assert host["param_groups"] == state["param_groups"]
+    for k in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(host["state"][0][k], state["state"][0][k])
+    fresh = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone())], lr=0.1)
+    fresh.load_state_dict(host)  # what resume() does with it
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[HFTrainer, Path]:
+    tmp = tmp_path_factory.mktemp("adapter")
+    shape = SHAPES["tiny"]
+    model = random_model(tmp / "model-tiny", shape, "float32")
+    trainer = HFTrainer(model, bench_run(shape, "hf", "cpu", 4, None), "cpu")
+    samples = fixed_batch(shape.config["vocab_size"], shape.samples, shape.prompt, shape.completion)
+    trainer.step(1, samples, tmp / "step-1")
+    return trainer, tmp
+
+
+def test_the_hf_trainers_adapter_is_the_one_peft_writes(trained: tuple[HFTrainer, Path]) -> None:
+    trainer, tmp = trained
+    ours = tmp / "step-1"
+    theirs = tmp / "peft"
+    trainer.model.save_pretrained(theirs)
+    mine, peft = load_file(str(ours / WEIGHTS_FILE)), load_file(str(theirs / WEIGHTS_FILE))
+    assert mine.keys() == peft.keys() and len(mine) > 0
+    assert all(torch.equal(mine[k], peft[k]) and mine[k].dtype == peft[k].dtype for k in mine)
+    assert any(float(t.abs().sum()) > 0 for k, t in mine.items() if "lora_B" in k)  # one step moved B off zero
+    config, peft_config = (json.loads((d / CONFIG_FILE).read_text()) for d in (ours, theirs))
+    for d in (config, peft_config):  # a set in PEFT's config, a list in the file: its order is not meaningful
+        d["target_modules"] = sorted(d["target_modules"])
+    assert config == peft_config
+    assert config["inference_mode"] is True and config["base_model_name_or_path"]
+    assert (ours / OPTIMIZER_FILE).exists() and not (ours / "README.md").exists()  # no model card each step
+
+
+def test_a_run_resumes_from_the_hf_trainers_adapter(trained: tuple[HFTrainer, Path]) -> None:
+    trainer, tmp = trained
+    shape = SHAPES["tiny"]
+    resumed = HFTrainer(tmp / "model-tiny", bench_run(shape, "hf", "cpu", 4, None), "cpu")
+    resumed.resume(tmp / "step-1")
+    params = dict(trainer.model.named_parameters())
+    for name, p in resumed.model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, params[name]), name
+    before, after = trainer.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert before.keys() == after.keys()
+    for i, st in before.items():
+        assert all(torch.equal(st[k], after[i][k]) for k in ("exp_avg", "exp_avg_sq", "step"))

@@ -39,6 +39,9 @@ def test_optimizer_to_host_copies_the_moments_and_keeps_the_rest() -> None:
     assert host["param_groups"] == state["param_groups"]
     for k in ("exp_avg", "exp_avg_sq", "step"):
         assert torch.equal(host["state"][0][k], state["state"][0][k])
+    # views of one copy: torch.save writes one record for all of them, not one a tensor
+    storages = {host["state"][0][k].untyped_storage().data_ptr() for k in ("exp_avg", "exp_avg_sq", "step")}
+    assert len(storages) == 1
     fresh = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone())], lr=0.1)
     fresh.load_state_dict(host)  # what resume() does with it
     assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], state["state"][0]["exp_avg"])

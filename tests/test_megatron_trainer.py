@@ -81,6 +81,11 @@ def test_steps_write_peft_adapters(tp1_run: dict[str, Any]) -> None:
     loaded = {k.replace(".default", ""): v for k, v in model.state_dict().items() if "lora_" in k}
     assert set(loaded) == {f"base_model.model.{k.removeprefix('base_model.model.')}" for k in a2}
     assert all(torch.equal(loaded[k], a2[k]) for k in a2)
+    # at TP 1 each AdamW moment is written as views of one host copy: one record in the file, not one a tensor
+    opt = torch.load(tp1_run["results"][1].adapter_dir / "optimizer.pt", weights_only=True)
+    for moment in ("exp_avg", "exp_avg_sq"):
+        assert set(opt[moment]) == set(a2)
+        assert len({t.untyped_storage().data_ptr() for t in opt[moment].values()}) == 1, moment
 
 
 def test_the_workers_keep_long_lived_objects_out_of_collections(tp1_run: dict[str, Any]) -> None:

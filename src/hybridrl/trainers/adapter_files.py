@@ -32,9 +32,10 @@ def peft_config_json(config: Any) -> dict[str, Any]:
     return d
 
 
-def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors on the CPU, detached, in one copy per device and dtype; each result owns its storage
-    (safetensors refuses tensors that share one)."""
+def to_host(tensors: dict[str, torch.Tensor], own_storage: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors on the CPU, detached, in one copy per device and dtype. own_storage: each result gets its own
+    (safetensors refuses tensors that share one); else they are views of the one copy, which torch.save writes
+    as one record instead of one a tensor."""
     out: dict[str, torch.Tensor] = {}
     groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
     for name, t in tensors.items():
@@ -44,15 +45,17 @@ def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         offset = 0
         for n in names:
             size = tensors[n].numel()
-            out[n] = flat[offset: offset + size].view(tensors[n].shape).clone()
+            view = flat[offset: offset + size].view(tensors[n].shape)
+            out[n] = view.clone() if own_storage else view
             offset += size
     return {name: out[name] for name in tensors}
 
 
 def optimizer_to_host(state: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer's state_dict() with every tensor of its per-parameter state copied to the host at once."""
+    """An optimizer's state_dict() with every tensor of its per-parameter state copied to the host at once, as
+    views of that copy (one record in the file)."""
     flat = {f"{i}/{k}": v for i, st in state["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor)}
-    host = to_host(flat)
+    host = to_host(flat, own_storage=False)
     return {**state, "state": {i: {k: host.get(f"{i}/{k}", v) for k, v in st.items()}
                                for i, st in state["state"].items()}}
 

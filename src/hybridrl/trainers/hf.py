@@ -67,6 +67,21 @@ def experts_implementation(model_dir: Path, device: torch.device, dtype: torch.d
     return {"experts_implementation": "grouped_mm" if grouped_mm.kernel_runs(device.type, dtype) else "eager"}
 
 
+def peft_state_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """PEFT's names for the adapter's tensors in adapter_model.safetensors, each with its parameter: found once,
+    since PEFT's get_peft_model_state_dict walks the whole model's state_dict every time."""
+    from peft import get_peft_model_state_dict
+
+    trained = {p.data_ptr(): p for p in model.parameters() if p.requires_grad}
+    out = {}
+    for name, t in get_peft_model_state_dict(model).items():
+        p = trained.get(t.data_ptr())
+        if p is None or p.shape != t.shape:
+            raise ValueError(f"PEFT's adapter tensor {name} is none of the model's trained parameters")
+        out[name] = p
+    return out
+
+
 class HFTrainer:
     """GRPO + LoRA on transformers + PEFT in this process. fuse_lora: add each adapter's output inside its last
     matmul (hf_fast.fuse_lora_outputs); False keeps PEFT's own forward, for the benchmark's before-and-after."""
@@ -106,6 +121,7 @@ class HFTrainer:
         config.inference_mode = True
         config.base_model_name_or_path = config.base_model_name_or_path or str(model_dir)
         self.adapter_config = peft_config_json(config)
+        self.adapter_params = peft_state_params(self.model)
         self.optimizer = torch.optim.AdamW(self.params, lr=run.lr, weight_decay=run.weight_decay)
         self.flop_shape = read_flop_shape(model_dir)
         self._pinned: dict[tuple[int, str], torch.Tensor] = {}  # a parameter's or buffer's pinned CPU copy
@@ -164,9 +180,7 @@ class HFTrainer:
     def save(self, out_dir: Path) -> dict[str, torch.Tensor]:
         """The adapter (PEFT's names and files) and the optimizer's state into out_dir; returns the adapter's
         tensors as written (on the host)."""
-        from peft import get_peft_model_state_dict
-
-        weights = to_host(get_peft_model_state_dict(self.model))
+        weights = to_host(dict(self.adapter_params))
         write_adapter_dir(out_dir, weights, self.adapter_config, optimizer_to_host(self.optimizer.state_dict()))
         return weights
 

@@ -33,12 +33,15 @@ def _entries(adapters: Adapters) -> list[tuple[str, torch.nn.Parameter, int]]:
     return out
 
 
-def gather_full(adapters: Adapters, local: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def gather_full(adapters: Adapters, local: dict[str, torch.Tensor] | None = None,
+                own_storage: bool = True) -> dict[str, torch.Tensor]:
     """Full (unsharded) tensors by PEFT name, on the CPU of every rank; one collective and one copy to the host
     a rank for all of them (a 48-layer model has hundreds of adapter tensors: a copy each waited for the GPU as
     often).
 
     `local` gives per-name local tensors to gather instead of the weights (gradients, optimizer moments).
+    own_storage=False lets them be views of the one host copy where there is one shard (TP 1), which torch.save
+    writes as one record instead of one a tensor; safetensors needs each tensor to own its storage.
     """
     entries = _entries(adapters)
     tensors = [(local[name] if local is not None else p).detach().float() for name, p, _ in entries]
@@ -52,8 +55,9 @@ def gather_full(adapters: Adapters, local: dict[str, torch.Tensor] | None = None
     out, offset = {}, 0
     for (name, _, dim), t in zip(entries, tensors, strict=True):
         n = t.numel()
-        # cat copies even one part: every tensor owns its storage, as safetensors requires
-        out[name] = torch.cat([p[offset: offset + n].view(t.shape) for p in parts], dim=dim)
+        pieces = [p[offset: offset + n].view(t.shape) for p in parts]
+        # cat copies even one part
+        out[name] = pieces[0] if len(pieces) == 1 and not own_storage else torch.cat(pieces, dim=dim)
         offset += n
     return out
 
@@ -79,7 +83,8 @@ def optimizer_state(adapters: Adapters, optimizer: torch.optim.Optimizer) -> dic
         else:
             avg[name] = sq[name] = torch.zeros_like(p)
     return {"format": OPTIMIZER_FORMAT, "step": step,
-            "exp_avg": gather_full(adapters, avg), "exp_avg_sq": gather_full(adapters, sq)}
+            "exp_avg": gather_full(adapters, avg, own_storage=False),
+            "exp_avg_sq": gather_full(adapters, sq, own_storage=False)}
 
 
 def load_adapter_dir(adapters: Adapters, optimizer: torch.optim.Optimizer | None, adapter_dir: Path) -> None:

@@ -1,5 +1,7 @@
 """README figures against the committed data, and the READMEs' conclusions against the wording rules."""
 
+import json
+import statistics
 from pathlib import Path
 
 import pandas as pd
@@ -36,7 +38,7 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
                  "2026-11-25-h200-verdictwarm2", "2026-11-25-h200-learnentropy", "2026-11-25-h200-hffused",
                  "2026-11-25-h200-hfrounds", "2026-11-25-h200-moerounds", "2026-11-25-h200-moepermute",
                  "2026-11-25-h200-moegathers", "2026-11-25-h200-moeexport", "2026-11-25-h200-syncfree",
-                 "2026-11-25-h200-syncfree2",
+                 "2026-11-25-h200-syncfree2", "2026-11-25-h200-hfexport",
                  "2026-11-24-h200-timingcost2"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
     for name in ("2026-11-24-h200-faults", "2026-11-24-h200-trainermoe"):
@@ -67,7 +69,6 @@ def test_a_json_figure_is_read_from_the_committed_result_and_a_wrong_one_fails()
 
 def test_a_json_figure_indexes_a_list_by_number_and_refuses_one_past_its_end() -> None:
     path = "results/reference/2026-11-23-h200-client/bench/client-ceiling.json"
-    import json
 
     settings = json.loads((figures.REPO / path).read_text())["settings"]
     assert figures.evaluate(f"value {path} settings.0.concurrency 1 0") == f"{settings[0]['concurrency']:,}"
@@ -247,6 +248,16 @@ def test_a_profile_wall_reads_the_tables_first_line(tmp_path: Path) -> None:
     headless.write_text("Self CUDA time total: 1.0s\n")
     with pytest.raises(ValueError, match="no first line"):
         figures.evaluate(f"profile_wall {headless}")
+
+
+def test_process_medians_read_any_per_update_list() -> None:
+    paths = "results/reference/2026-11-25-h200-syncfree2/bench/trainer-qwen3-0.6b-hf-mb32-r?.json"
+    data = [json.loads(p.read_text())["hf"] for p in sorted(REPO.glob(paths))]
+    for field in ("update_s_all", "save_s_all"):
+        want = ", ".join(f"{statistics.median(d[field]):.3f}" for d in data)
+        assert figures.evaluate(f"process_medians {paths} hf 3 {field}") == want
+    with pytest.raises(ValueError, match="has no nope_s_all of trainer 'hf'"):
+        figures.evaluate(f"process_medians {paths} hf 3 nope_s_all")
 
 
 def test_profile_waits_count_the_hosts_waits_in_all_or_at_some_lines() -> None:

@@ -137,11 +137,12 @@ def path_ratio(path: str, which_a: str, which_b: str, field: str = "perf/through
                                                      _repeat_values(path, which_b, field)))
 
 
-def _updates(path: str, trainer: str) -> list[float]:
-    """The timed updates (update_s_all) of one trainer in a trainer-bench JSON."""
-    values = (_json(path).get(trainer) or {}).get("update_s_all")
+def _updates(path: str, trainer: str, field: str = "update_s_all") -> list[float]:
+    """The timed updates (update_s_all, or another per-update list such as save_s_all) of one trainer in a
+    trainer-bench JSON."""
+    values = (_json(path).get(trainer) or {}).get(field)
     if not values:
-        raise ValueError(f"{path} has no update_s_all of trainer {trainer!r}")
+        raise ValueError(f"{path} has no {field} of trainer {trainer!r}")
     return [float(v) for v in values]
 
 
@@ -171,9 +172,10 @@ def process_ratio(paths_a: str, paths_b: str, trainer_a: str, trainer_b: str | N
         [_updates(p, trainer_b or trainer_a) for p in _processes(paths_b)]))
 
 
-def process_medians(paths: str, trainer: str, digits: str = "2") -> str:
-    """Each process's median update time, in the order of the paths (globs sorted): '1.23, 1.21, 0.95'."""
-    return ", ".join(f"{statistics.median(_updates(p, trainer)):.{int(digits)}f}" for p in _processes(paths))
+def process_medians(paths: str, trainer: str, digits: str = "2", field: str = "update_s_all") -> str:
+    """Each process's median update time (or median of another per-update list: save_s_all, the adapter export),
+    in the order of the paths (globs sorted): '1.23, 1.21, 0.95'."""
+    return ", ".join(f"{statistics.median(_updates(p, trainer, field)):.{int(digits)}f}" for p in _processes(paths))
 
 
 # a torch.profiler table's time units, in seconds

@@ -2,6 +2,7 @@
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,18 @@ from hybridrl.trainers.base import Sample
 from hybridrl.trainers.grpo import micro_batches
 
 
-def test_trainer_bench_cli_reports_both_trainers_on_cpu(tmp_path: Path) -> None:
+def test_trainer_bench_cli_reports_both_trainers_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     rc = main(["trainer-bench", "--shape", "tiny", "--device", "cpu", "--updates", "2",
                "--workdir", str(tmp_path / "w"), "--out", str(out)])
     assert rc == 0
     rep = json.loads(out.read_text())
+    printed = capsys.readouterr()
+    assert json.loads(printed.out) == rep  # stdout holds the JSON alone; the table goes to stderr
+    assert "trainer-bench tiny" in printed.err and "export s" in printed.err
+    for kind in ("hf", "megatron"):  # each trainer's row: its median update, as in the JSON
+        row = next(line for line in printed.err.splitlines() if f" {kind} " in line)
+        assert f"{statistics.median(rep[kind]['update_s_all']):.3f}" in row
     assert rep["device"] == "cpu" and rep["samples"] == 4
     # which host and code ran it: updates bound by launches vary with the host
     assert rep["host"]["cpu_count"] >= 1 and rep["host"]["boot_id"] and "commit" in rep["git"]

@@ -195,7 +195,7 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
     metrics: dict[str, Any] = {}
     try:
         with PeakMemory(run.device) as mem:
-            for i in range(updates + 1):
+            for i in _progress(range(updates + 1), f"{kind}: a warm-up, then {updates} timed updates"):
                 t0 = time.perf_counter()
                 metrics = trainer.step(i + 1, samples, workdir / kind / f"adapter-{i + 1}").metrics
                 if i == 0:
@@ -223,6 +223,33 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
         "experts_impl": metrics.get("train/experts_impl"), "moe_permute": getattr(trainer, "moe_permute", None),
         "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg(),
     }
+
+
+def _progress(steps: range, description: str) -> Any:
+    """The steps, with a progress bar on stderr (a 48-layer update takes seconds; stdout keeps the JSON alone)."""
+    from rich.console import Console
+    from rich.progress import track
+
+    return track(steps, description=description, console=Console(stderr=True), transient=True)
+
+
+def summary_table(report: dict[str, Any], trainers: list[str]) -> Any:
+    """A rich table of each trainer's medians: the update and its parts, completion tokens/s, MFU, peak memory."""
+    from rich.table import Table
+
+    table = Table(title=f"trainer-bench {report['shape']}: {report['samples']} samples, micro-batch "
+                        f"{report['micro_batch']}, {report['updates']} timed updates, {report['device']}")
+    # seconds (medians), completion tokens/s over the compute
+    for col in ("trainer", "update s", "compute s", "export s", "rest s", "tok/s", "MFU", "peak GB"):
+        table.add_column(col, justify="right")
+    for kind in trainers:
+        r = report[kind]
+        table.add_row(kind, *(f"{statistics.median(r[k]):.3f}" for k in ("update_s_all", "compute_s_all",
+                                                                          "save_s_all", "other_s_all")),
+                      f"{r['completion_tok_s_median']:,.0f}",
+                      "-" if r["mfu_median"] is None else f"{100 * r['mfu_median']:.1f}%",
+                      "-" if r["peak_gb"] is None else f"{r['peak_gb']:.1f}")
+    return table
 
 
 def check_megatron_permute(shape_name: str, trainers: list[str]) -> None:
@@ -279,4 +306,7 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(out, text + "\n")
+    from rich.console import Console
+
+    Console(stderr=True).print(summary_table(report, trainers))
     return report

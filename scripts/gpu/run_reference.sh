@@ -427,6 +427,16 @@ plan_hfexport() {
   one_lane "$(tool_rounds 5 "tbench qwen3-0.6b hf 32 src-c931dfb" "tbench qwen3-0.6b hf 32")"
 }
 
+plan_exportviews() {
+  # both trainers' adapter export after the optimizer's moments became views of one host copy (one torch.save record
+  # instead of one a tensor) and the HF trainer stopped walking PEFT's whole state dict each save, against 38fe1e5
+  # (hfexport's tree; snapshot-src.sh 38fe1e5): the dense HF update in five interleaved rounds, then the 48-layer
+  # Megatron TP 1 update in three (its export was 0.10-0.19 s of an update). Only the `trainer` overlay; about 20
+  # minutes
+  one_lane "$(tool_rounds 5 "tbench qwen3-0.6b hf 32 src-38fe1e5" "tbench qwen3-0.6b hf 32");\
+$(tool_rounds 3 "tbench qwen3-30b-a3b megatron 16 src-38fe1e5" "tbench qwen3-30b-a3b megatron 16")"
+}
+
 plan_learnlr() {
   # issue 17's open question on one GPU (config/gpu-h200-learning.yaml): 50 warm-started steps per engine at ten
   # times `learning`'s learning rate (1e-3), eval every 5 steps, SGLang then the vLLM server

@@ -674,11 +674,7 @@ def test_a_source_snapshot_holds_the_commits_source(tmp_path: Path) -> None:
 def test_a_plan_naming_a_run_its_study_lacks_is_refused_before_anything_runs(tmp_path: Path) -> None:
     # a copy of the driver with one plan more, whose second item misnames a run (as moe1full's HF item once did:
     # it failed after the first run's 11 minutes)
-    repo = tmp_path / "repo"
-    (repo / "scripts" / "gpu").mkdir(parents=True)
-    for d in ("config", "src"):
-        (repo / d).symlink_to(REPO / d)
-    driver = repo / "scripts" / "gpu" / "run_reference.sh"
+    driver = _driver_copy(tmp_path)
     misnamed = ('plan_misnamed() {\n  study=config/gpu-h200-moefull.yaml\n'
                 '  one_lane "train sglang-colocate-megatron;train sglang-colocate-hf"\n}\n\n')
     driver.write_text(DRIVER.read_text().replace("plan_moe4full() {", misnamed + "plan_moe4full() {"))

@@ -152,10 +152,10 @@ def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device, l
             changed = ((raw > run.rollout_is_threshold) & batch.mask).sum() / max(n_tokens, 1)
         loss, stats = policy_loss(logp, old, mb.advantages, batch.mask, run.clip_eps, ref, run.kl_coef, is_weights)
         (loss * mb.weight).backward()
-        if entropy is None:  # a forward that cannot give it: the step records NaN, not a partial mean
-            has_entropy = False
-            entropy = torch.zeros_like(old)
-        ent = torch.where(batch.mask, entropy, 0.0).sum() / max(n_tokens, 1)
+        # a forward that cannot give the entropy: the step records NaN, not a partial mean
+        has_entropy = has_entropy and entropy is not None
+        ent = (totals.new_zeros(()) if entropy is None
+               else torch.where(batch.mask, entropy, 0.0).sum() / max(n_tokens, 1))
         totals += torch.stack([loss.detach() * mb.weight, stats["train/kl"] * mb.weight,
                                stats["train/clipfrac"] * mb.weight, changed, ent]).double()
         gaps.add(old, mb.engine, mb.engine_present)

@@ -180,7 +180,7 @@ class HFTrainer:
     def save(self, out_dir: Path) -> dict[str, torch.Tensor]:
         """The adapter (PEFT's names and files) and the optimizer's state into out_dir; returns the adapter's
         tensors as written (on the host)."""
-        weights = to_host(dict(self.adapter_params))
+        weights = to_host(self.adapter_params)
         write_adapter_dir(out_dir, weights, self.adapter_config, optimizer_to_host(self.optimizer.state_dict()))
         return weights
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors.torch import load_file
 
-from hybridrl.trainers.adapter_files import OPTIMIZER_FILE, peft_config_json
+from hybridrl.trainers.adapter_files import OPTIMIZER_FILE, peft_config_json, to_host
 from hybridrl.trainers.megatron.lora import LoraAdapter
 from hybridrl.trainers.megatron.mapping import lora_a_split_dim, peft_key, shard
 
@@ -41,23 +41,22 @@ def gather_full(adapters: Adapters, local: dict[str, torch.Tensor] | None = None
 
     `local` gives per-name local tensors to gather instead of the weights (gradients, optimizer moments).
     own_storage=False lets them be views of the one host copy where there is one shard (TP 1), which torch.save
-    writes as one record instead of one a tensor; safetensors needs each tensor to own its storage.
+    writes as one record instead of one a tensor (adapter_files.to_host); safetensors needs each tensor to own its
+    storage.
     """
     entries = _entries(adapters)
     tensors = [(local[name] if local is not None else p).detach().float() for name, p, _ in entries]
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return to_host({name: t for (name, _, _), t in zip(entries, tensors, strict=True)}, own_storage)
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    parts = [flat]
-    if tp > 1:
-        parts = [torch.empty_like(flat) for _ in range(tp)]
-        dist.all_gather(parts, flat, group=parallel_state.get_tensor_model_parallel_group())
+    parts = [torch.empty_like(flat) for _ in range(tp)]
+    dist.all_gather(parts, flat, group=parallel_state.get_tensor_model_parallel_group())
     parts = [p.cpu() for p in parts]
     out, offset = {}, 0
     for (name, _, dim), t in zip(entries, tensors, strict=True):
         n = t.numel()
-        pieces = [p[offset: offset + n].view(t.shape) for p in parts]
-        # cat copies even one part
-        out[name] = pieces[0] if len(pieces) == 1 and not own_storage else torch.cat(pieces, dim=dim)
+        out[name] = torch.cat([p[offset: offset + n].view(t.shape) for p in parts], dim=dim)
         offset += n
     return out
 

@@ -4,6 +4,7 @@ copy to the host per dtype, and a run resumes from it."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,15 @@ import torch
 from safetensors.torch import load_file
 
 from hybridrl.tools.trainer_bench import SHAPES, bench_run, fixed_batch, random_model
-from hybridrl.trainers.adapter_files import CONFIG_FILE, OPTIMIZER_FILE, WEIGHTS_FILE, optimizer_to_host, to_host
+from hybridrl.trainers import adapter_files
+from hybridrl.trainers.adapter_files import (
+    CONFIG_FILE,
+    OPTIMIZER_FILE,
+    WEIGHTS_FILE,
+    StateWriter,
+    optimizer_to_host,
+    to_host,
+)
 from hybridrl.trainers.hf import HFTrainer
 
 
@@ -88,3 +97,34 @@ def test_a_run_resumes_from_the_hf_trainers_adapter(trained: tuple[HFTrainer, Pa
     assert before.keys() == after.keys()
     for i, st in before.items():
         assert all(torch.equal(st[k], after[i][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+
+def test_the_update_returns_before_its_optimizer_state_is_written(trained: tuple[HFTrainer, Path],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer, tmp = trained
+    shape = SHAPES["tiny"]
+    gate, real = threading.Event(), adapter_files._save
+    monkeypatch.setattr(adapter_files, "_save", lambda obj, path: (gate.wait(30), real(obj, path)))
+    samples = fixed_batch(shape.config["vocab_size"], shape.samples, shape.prompt, shape.completion)
+    out = tmp / "step-2"
+    trainer.step(2, samples, out)
+    # what the engine loads is there; the optimizer's moments are not, until the loop waits for them
+    assert (out / WEIGHTS_FILE).exists() and (out / CONFIG_FILE).exists() and not (out / OPTIMIZER_FILE).exists()
+    want = {k: v.clone() for k, v in trainer.optimizer.state_dict()["state"][0].items()}
+    for p in trainer.params:  # the live moments change after step() returns: the file keeps step 2's host copy
+        trainer.optimizer.state[p]["exp_avg"].add_(1.0)
+    threading.Timer(0.2, gate.set).start()
+    assert trainer.flush() > 0.1 and (out / OPTIMIZER_FILE).exists()
+    saved = torch.load(out / OPTIMIZER_FILE, weights_only=True)["state"][0]
+    assert all(torch.equal(saved[k], want[k]) for k in want)
+    assert trainer.flush() == 0.0  # nothing pending
+
+
+def test_a_failed_optimizer_write_is_reported_with_its_file(tmp_path: Path) -> None:
+    writer = StateWriter()
+    (tmp_path / "file").write_text("")  # a file where the adapter dir should be: the write cannot land
+    writer.submit(tmp_path / "file", {"step": torch.tensor(1.0)})
+    with pytest.raises(OSError, match=r"could not write the optimizer state .*file/optimizer.pt"):
+        writer.wait()
+    assert writer.wait() == 0.0  # reported once
+    writer.close()

@@ -176,6 +176,31 @@ def test_records_resume_and_adapters(assets, tmp_path):
     assert engine.adapters["policy"] == out / "adapters" / "step-0003"
 
 
+def test_a_step_whose_optimizer_state_cannot_be_written_is_not_recorded(assets, tmp_path, monkeypatch):
+    from hybridrl.trainers import adapter_files
+
+    real, calls = adapter_files._save, []
+
+    def full_disk_at_step_2(obj, path):
+        calls.append(path)
+        if "step-0002" in str(path):
+            raise OSError(28, "No space left on device")
+        real(obj, path)
+
+    monkeypatch.setattr(adapter_files, "_save", full_disk_at_step_2)
+    out = tmp_path / "run"
+    with pytest.raises(OSError, match=r"optimizer state .*step-0002/optimizer.pt.*No space left"):
+        run_loop(_run(steps=3), "r1f", assets / "model", assets / "data", out, {}, progress=False,
+                 engine=ScriptedEngine())
+    assert [json.loads(line)["step"] for line in (out / "steps.jsonl").read_text().splitlines()] == [1]
+    assert (out / "adapters" / "step-0001" / "optimizer.pt").exists()
+    monkeypatch.setattr(adapter_files, "_save", real)
+    records = run_loop(_run(steps=3), "r1f", assets / "model", assets / "data", out, {}, progress=False,
+                       engine=ScriptedEngine())  # step 2 again, from step 1's adapter and optimizer state
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all((out / "adapters" / f"step-000{i}" / "optimizer.pt").exists() for i in (1, 2, 3))
+
+
 def test_dead_engine_is_restarted_and_counted(assets, tmp_path):
     engine = ScriptedEngine(die_at=2)  # the second step's rollout
     records = run_loop(_run(steps=2), "r2", assets / "model", assets / "data", tmp_path, {}, progress=False,
@@ -393,6 +418,7 @@ def test_the_named_phases_add_up_to_the_step(assets, tmp_path, placement):
         named = sum(r[k] for k in PHASE_KEYS if r[k] is not None)
         assert abs(named - r["timing_s/step"]) <= 0.02 * r["timing_s/step"], (named, r["timing_s/step"])
         assert r["timing_s/save_adapter"] > 0 and r["timing_s/check"] > 0 and r["timing_s/update_actor"] > 0
+        assert r["timing_s/save_state"] >= 0  # the wait for the optimizer state, a phase of its own
         shared = placement != "split"  # the trainer moves off the GPU only where the engine shares it
         assert (r["timing_s/trainer_onload"] is not None) == shared == (r["timing_s/trainer_offload"] is not None)
         assert (r["timing_s/restart"] is not None) == (placement == "restart")

@@ -52,6 +52,8 @@ def tp1_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         results = []
         for i, b in enumerate(batches):
             results.append(trainer.step(i + 1, b, root / f"adapters/step{i + 1}"))
+            assert trainer.flush() >= 0.0  # the optimizer state, written by rank 0's thread, is on disk now
+            assert (root / f"adapters/step{i + 1}/optimizer.pt").exists()
             frozen.append(trainer.gc_frozen)
         trainer.offload()  # no-ops on the CPU, but they go through the job protocol
         trainer.onload()

@@ -36,6 +36,8 @@ def test_trainer_bench_cli_reports_both_trainers_on_cpu(tmp_path: Path, capsys: 
         # each update splits into compute, the export and the rest, every part timed inside the update's own time
         assert len(r["compute_s_all"]) == len(r["save_s_all"]) == len(r["other_s_all"]) == 2
         assert all(s > 0 for s in r["save_s_all"]) and all(o >= 0 for o in r["other_s_all"])
+        # the optimizer state is waited for after each update, outside its time
+        assert len(r["state_s_all"]) == 2 and all(s >= 0 for s in r["state_s_all"])
         assert r["completion_tok_s_best"] > 0 and r["update_flops"] > 0
         assert r["mfu_median"] is None and r["peak_gb"] is None  # no GPU: no peak FLOP/s, no NVML
         assert r["experts_impl"] is None  # a dense model

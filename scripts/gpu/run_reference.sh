@@ -437,6 +437,16 @@ plan_exportviews() {
 $(tool_rounds 3 "tbench qwen3-30b-a3b megatron 16 src-38fe1e5" "tbench qwen3-30b-a3b megatron 16")"
 }
 
+plan_asyncstate() {
+  # the optimizer state written on a thread after the update (trainers/adapter_files.StateWriter; the update ends
+  # once the engine's files are written) against the commit before (src-5173bee), and exportviews' question, that
+  # commit against 38fe1e5: the dense HF update in four interleaved rounds of the three, then the 48-layer Megatron
+  # TP 1 update in three rounds of the commit before and the tree. Only the `trainer` overlay; about 20 minutes
+  one_lane "$(tool_rounds 4 "tbench qwen3-0.6b hf 32 src-38fe1e5" "tbench qwen3-0.6b hf 32 src-5173bee" \
+    "tbench qwen3-0.6b hf 32");$(tool_rounds 3 "tbench qwen3-30b-a3b megatron 16 src-5173bee" \
+    "tbench qwen3-30b-a3b megatron 16")"
+}
+
 plan_learnlr() {
   # issue 17's open question on one GPU (config/gpu-h200-learning.yaml): 50 warm-started steps per engine at ten
   # times `learning`'s learning rate (1e-3), eval every 5 steps, SGLang then the vLLM server

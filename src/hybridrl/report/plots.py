@@ -25,7 +25,8 @@ PHASE_COLORS = {
     "timing_s/trainer_onload": "#8C8C3C", "timing_s/update_actor": "#55A868", "timing_s/save_adapter": "#64B5CD",
     "timing_s/trainer_offload": "#CCB974", "timing_s/await_rollout": "#2F4B7C", "timing_s/wake": "#DA8BC3",
     "timing_s/restart": "#8172B3",
-    "timing_s/update_weights": "#C44E52", "timing_s/check": "#4A4A4A", "timing_s/recover": "#E5AE38",
+    "timing_s/update_weights": "#C44E52", "timing_s/check": "#4A4A4A", "timing_s/save_state": "#9DB0C8",
+    "timing_s/recover": "#E5AE38",
     "other": "#BBBBBB",
 }
 LATENCY = [

@@ -270,6 +270,7 @@ def one_step(ctx: RunContext, step: int) -> dict[str, Any]:
     if trained.adapter is not None:
         ctx.engine_adapter_step = step
     checks = check(ctx, step, trained, t)
+    save_state(ctx, t)
     t.s["step"] = time.perf_counter() - t0
     record = make_record(ctx, step, t, rollout, scored, trained, checks, recovery.restarts)
     record.update(concurrency(t, t0, rollout, ahead, train_span))
@@ -381,6 +382,14 @@ def check(ctx: RunContext, step: int, trained: Trained, t: Timings) -> dict[str,
         raise RunFailed(f"{ctx.run_id} step {step}: the base model's greedy canary changed after the transition: "
                         "base weights were corrupted (e.g. SGLang released weights without a CPU backup)")
     return checks
+
+
+def save_state(ctx: RunContext, t: Timings) -> None:
+    """save_state: the wait for the optimizer state the trainer writes on a thread while the engine takes the new
+    adapter; a step is recorded only once it can be resumed."""
+    if ctx.trainer is not None:
+        with t.phase("save_state", ctx.sampler):
+            ctx.trainer.flush()
 
 
 def eval_due(run: RunConfig, step: int) -> bool:

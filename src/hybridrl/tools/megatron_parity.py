@@ -192,6 +192,7 @@ def megatron_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run
     norm = policy.optimizer_step()
     after = per_sample()
     policy.save(export_dir)
+    policy.flush()
     with torch.no_grad():
         b, t = inputs.shape
         pos = torch.arange(t, device=device).expand(b, t)

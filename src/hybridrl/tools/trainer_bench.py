@@ -3,12 +3,15 @@
     python -m hybridrl trainer-bench --shape qwen3-0.6b --trainer hf megatron --updates 5 --out bench.json
 
 An update is what the loop's update_actor and save_adapter phases time: logprobs, loss, backward, optimizer step
-and the adapter export (`update_s`); `compute_s` is the same without the export, timed by the trainer, and is what
-perf/mfu and the tokens/s read; per update, `save_s_all` is the export and `other_s_all` the rest (for Megatron
-the job's round trip to its worker processes). The first update is a warm-up and is left out. Peak memory is
-NVML's reading of the GPUs (sampled every 50 ms during the updates), torch's peak where NVML is absent, None on
-CPU. The model is a random-init checkpoint of the shape (no download), built once under --workdir. Micro-batches
-are packed (pack_sequences) unless --no-pack; --varied draws each completion's length, where padding would cost.
+and the adapter export the engine loads (`update_s`); `compute_s` is the same without the export, timed by the
+trainer, and is what perf/mfu and the tokens/s read; per update, `save_s_all` is the export and `other_s_all` the
+rest (for Megatron the job's round trip to its worker processes). `state_s_all` is the wait after each update for
+the optimizer state (the loop's save_state phase): written on a thread, it overlaps the engine's transition in a
+run, but nothing here, so the next update starts only once it is on disk. The first update is a warm-up and is left
+out. Peak memory is NVML's reading of the GPUs (sampled every 50 ms during the updates), torch's peak where NVML is
+absent, None on CPU. The model is a random-init checkpoint of the shape (no download), built once under --workdir.
+Micro-batches are packed (pack_sequences) unless --no-pack; --varied draws each completion's length, where padding
+would cost.
 """
 
 from __future__ import annotations
@@ -191,16 +194,19 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
     t0 = time.perf_counter()
     trainer = _make_trainer(kind, model, run, workdir, peft_lora, megatron_permute)
     start_s = time.perf_counter() - t0
-    update_s, compute_s, save_s, mfu = [], [], [], []
+    update_s, compute_s, save_s, state_s, mfu = [], [], [], [], []
     metrics: dict[str, Any] = {}
     try:
         with PeakMemory(run.device) as mem:
             for i in _progress(range(updates + 1), f"{kind}: a warm-up, then {updates} timed updates"):
                 t0 = time.perf_counter()
                 metrics = trainer.step(i + 1, samples, workdir / kind / f"adapter-{i + 1}").metrics
+                t1 = time.perf_counter()
+                trainer.flush()
                 if i == 0:
                     continue  # warm-up: kernels, allocator, first export
-                update_s.append(time.perf_counter() - t0)
+                update_s.append(t1 - t0)
+                state_s.append(time.perf_counter() - t1)
                 compute_s.append(metrics["perf/train_tokens"] / metrics["perf/train_tok_s"])
                 save_s.append(metrics["timing_s/save_adapter"])
                 mfu.append(metrics["perf/mfu"])  # NaN without a known peak (CPU)
@@ -213,7 +219,7 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
         "start_s": start_s, "update_s_best": min(update_s), "update_s_median": statistics.median(update_s),
         "compute_s_best": best, "compute_s_median": median, "update_s_all": update_s,
         # an update = compute + adapter export + the rest (the Megatron job's round trip, the step's own Python)
-        "compute_s_all": compute_s, "save_s_all": save_s,
+        "compute_s_all": compute_s, "save_s_all": save_s, "state_s_all": state_s,
         "other_s_all": [u - c - s for u, c, s in zip(update_s, compute_s, save_s, strict=True)],
         "completion_tok_s_best": tokens / best, "completion_tok_s_median": tokens / median,
         "completion_tok_s_per_gpu_median": tokens / median / gpus,
@@ -240,12 +246,13 @@ def summary_table(report: dict[str, Any], trainers: list[str]) -> Any:
     table = Table(title=f"trainer-bench {report['shape']}: {report['samples']} samples, micro-batch "
                         f"{report['micro_batch']}, {report['updates']} timed updates, {report['device']}")
     # seconds (medians), completion tokens/s over the compute
-    for col in ("trainer", "update s", "compute s", "export s", "rest s", "tok/s", "MFU", "peak GB"):
+    for col in ("trainer", "update s", "compute s", "export s", "rest s", "state s", "tok/s", "MFU", "peak GB"):
         table.add_column(col, justify="right")
     for kind in trainers:
         r = report[kind]
         table.add_row(kind, *(f"{statistics.median(r[k]):.3f}" for k in ("update_s_all", "compute_s_all",
-                                                                          "save_s_all", "other_s_all")),
+                                                                          "save_s_all", "other_s_all",
+                                                                          "state_s_all")),
                       f"{r['completion_tok_s_median']:,.0f}",
                       "-" if r["mfu_median"] is None else f"{100 * r['mfu_median']:.1f}%",
                       "-" if r["peak_gb"] is None else f"{r['peak_gb']:.1f}")
@@ -308,5 +315,5 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
         atomic.write_text(out, text + "\n")
     from rich.console import Console
 
-    Console(stderr=True).print(summary_table(report, trainers))
+    Console(stderr=True, width=120).print(summary_table(report, trainers))  # a pipe gets 80 columns: too few
     return report

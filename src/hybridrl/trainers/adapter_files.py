@@ -1,20 +1,23 @@
-"""A PEFT adapter directory as both trainers write it: adapter_model.safetensors, adapter_config.json and the
-trainer's optimizer.pt, renamed into place whole.
+"""A PEFT adapter directory as both trainers write it: adapter_model.safetensors and adapter_config.json,
+renamed into place whole, then the trainer's optimizer.pt beside them.
 
 The engines load the first two as PEFT's save_pretrained writes them; writing them here skips what
 save_pretrained adds at every step (a model card rendered from a template) and copies the tensors to the host
-once per dtype instead of once per tensor (each copy waits for the GPU).
+once per dtype instead of once per tensor (each copy waits for the GPU). optimizer.pt is for resume alone and is
+twice the adapter's size: StateWriter writes it on a thread while the loop moves on to the engine.
 """
 
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hybridrl.atomic import atomic_dir
+from hybridrl.atomic import atomic_dir, atomic_path
 
 OPTIMIZER_FILE = "optimizer.pt"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -60,14 +63,52 @@ def optimizer_to_host(state: dict[str, Any]) -> dict[str, Any]:
                                for i, st in state["state"].items()}}
 
 
-def write_adapter_dir(out_dir: Path, weights: dict[str, torch.Tensor], config: dict[str, Any],
-                      optimizer: dict[str, Any] | None) -> None:
-    """weights (host tensors under PEFT's names), config and the optimizer's state into out_dir, atomically: a
-    sibling temp dir, then renamed over out_dir."""
+def write_adapter_dir(out_dir: Path, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """weights (host tensors under PEFT's names) and config into out_dir, atomically: a sibling temp dir, then
+    renamed over out_dir. The optimizer's state follows through StateWriter."""
     from safetensors.torch import save_file
 
     with atomic_dir(Path(out_dir)) as tmp:
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
-        if optimizer is not None:
-            torch.save(optimizer, tmp / OPTIMIZER_FILE)
+
+class StateWriter:
+    """Writes a step's optimizer state (host tensors) into its adapter dir on a thread of its own, atomically.
+
+    No engine reads optimizer.pt, so the update ends once the engine's files are written; pickling and writing the
+    moments overlap what follows (the trainer's offload, the engine's wake and adapter load). The loop waits for
+    it before it records the step, so a recorded step can always be resumed.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optimizer-state")
+        self._pending: tuple[Path, Future[None]] | None = None
+
+    def submit(self, out_dir: Path, optimizer: dict[str, Any]) -> None:
+        """Start writing out_dir/optimizer.pt; the previous write is waited for first, so none overtakes another."""
+        self.wait()
+        path = Path(out_dir) / OPTIMIZER_FILE
+        self._pending = (path, self._pool.submit(_save, optimizer, path))
+
+    def wait(self) -> float:
+        """Block until the last submitted state is on disk; returns the seconds waited. A failed write raises
+        OSError naming the file (the adapter beside it is kept)."""
+        if self._pending is None:
+            return 0.0
+        (path, future), self._pending = self._pending, None
+        t0 = time.perf_counter()
+        try:
+            future.result()
+        except Exception as exc:
+            raise OSError(f"could not write the optimizer state {path}: {type(exc).__name__}: {exc}") from exc
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Let a write in progress finish (its error, if any, is dropped: close runs on the way out of a failure)."""
+        self._pending = None
+        self._pool.shutdown(wait=True)
+
+
+def _save(obj: dict[str, Any], path: Path) -> None:
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)

@@ -33,7 +33,12 @@ def lora_b_norm(named: Iterable[tuple[str, Any]]) -> float:
 
 class Trainer(Protocol):
     def step(self, step: int, samples: list[Sample], out_dir: Path) -> TrainResult:
-        """Recompute logprobs, take one optimizer step, save a PEFT adapter (+ optimizer.pt) in out_dir."""
+        """Recompute logprobs, take one optimizer step, save a PEFT adapter in out_dir; its optimizer.pt may still
+        be being written when step() returns (flush waits for it)."""
+
+    def flush(self) -> float:
+        """Wait until the last step's optimizer.pt is on disk (before the step is recorded); the seconds waited.
+        Raises OSError naming the file if it could not be written."""
 
     def offload(self) -> None:
         """Move weights and optimizer state off the GPU (colocate); no-op on CPU."""

@@ -16,6 +16,7 @@ from hybridrl.task.rl import token_logprobs_entropy
 from hybridrl.trainers import grouped_mm
 from hybridrl.trainers.adapter_files import (
     OPTIMIZER_FILE,
+    StateWriter,
     optimizer_to_host,
     peft_config_json,
     to_host,
@@ -125,6 +126,7 @@ class HFTrainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=run.lr, weight_decay=run.weight_decay)
         self.flop_shape = read_flop_shape(model_dir)
         self._pinned: dict[tuple[int, str], torch.Tensor] = {}  # a parameter's or buffer's pinned CPU copy
+        self.state_writer = StateWriter()
         self.offloaded = False
 
     # -- the step --------------------------------------------------------------------------------
@@ -181,8 +183,13 @@ class HFTrainer:
         """The adapter (PEFT's names and files) and the optimizer's state into out_dir; returns the adapter's
         tensors as written (on the host)."""
         weights = to_host(self.adapter_params)
-        write_adapter_dir(out_dir, weights, self.adapter_config, optimizer_to_host(self.optimizer.state_dict()))
+        optimizer = optimizer_to_host(self.optimizer.state_dict())  # a host copy: the next update changes these
+        write_adapter_dir(out_dir, weights, self.adapter_config)
+        self.state_writer.submit(out_dir, optimizer)
         return weights
+
+    def flush(self) -> float:
+        return self.state_writer.wait()
 
     def resume(self, adapter_dir: Path) -> None:
         from peft import set_peft_model_state_dict
@@ -249,4 +256,5 @@ class HFTrainer:
         return [os.getpid()]  # the HF trainer lives in the controller
 
     def close(self) -> None:
+        self.state_writer.close()
         self.offload()

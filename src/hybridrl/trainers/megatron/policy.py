@@ -15,7 +15,7 @@ from hybridrl import nvml
 from hybridrl.engines.gpus import nvml_indices, visible_devices
 from hybridrl.study.run_config import RunConfig
 from hybridrl.task.rl import LOGSOFTMAX_CHUNK_BYTES, logit_chunks, token_logprobs_entropy
-from hybridrl.trainers.adapter_files import write_adapter_dir
+from hybridrl.trainers.adapter_files import StateWriter, write_adapter_dir
 from hybridrl.trainers.base import Sample, lora_b_norm
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
@@ -97,6 +97,7 @@ class MegatronPolicy:
         # built once here: importing peft costs seconds, which should not land in the first step
         self.adapter_config = export.adapter_config(self.rank, self.alpha, self.targets, self.model_dir)
         self._pinned: dict[int, torch.Tensor] = {}
+        self.state_writer = StateWriter()  # TP rank 0's optimizer.pt, written while the loop goes on
         self.flop_shape = read_flop_shape(model_dir)
         self.offloaded = False
 
@@ -184,15 +185,21 @@ class MegatronPolicy:
 
     # -- state -----------------------------------------------------------------------------------------
     def save(self, out_dir: Path) -> float:
-        """Collective: gathers shards on every rank; TP rank 0 writes the PEFT dir (+ optimizer.pt). Returns the
-        norm of the adapter's B matrices (train/lora_norm: zero, the identity adapter no engine can show applied)."""
+        """Collective: gathers shards on every rank; TP rank 0 writes the PEFT dir and starts writing optimizer.pt
+        beside it (flush() waits for that). Returns the norm of the adapter's B matrices (train/lora_norm: zero, the
+        identity adapter no engine can show applied)."""
         weights = export.gather_full(self.adapters)
         opt = export.optimizer_state(self.adapters, self.optimizer)
         if parallel_state.get_tensor_model_parallel_rank() == 0:
-            write_adapter_dir(Path(out_dir), weights, self.adapter_config, opt)
+            write_adapter_dir(Path(out_dir), weights, self.adapter_config)
+            self.state_writer.submit(Path(out_dir), opt)
         if self.tp > 1:
             dist.barrier(group=parallel_state.get_tensor_model_parallel_group())
         return lora_b_norm(weights.items())
+
+    def flush(self) -> float:
+        """Wait for the last step's optimizer.pt (TP rank 0; other ranks write none); the seconds waited."""
+        return self.state_writer.wait()
 
     def resume(self, adapter_dir: Path) -> None:
         if self.offloaded:

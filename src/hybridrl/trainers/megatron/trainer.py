@@ -202,6 +202,9 @@ class MegatronTrainer:
     def onload(self) -> None:
         self._job("onload")
 
+    def flush(self) -> float:
+        return float(self._job("flush")["waited_s"])
+
     def resume(self, adapter_dir: Path) -> None:
         self._job("resume", adapter_dir=str(adapter_dir))
 

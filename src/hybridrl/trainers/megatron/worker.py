@@ -184,9 +184,13 @@ def _handle(policy: Any, job: dict[str, Any]) -> dict[str, Any]:
         out["memory"] = policy.gpu_memory()
     elif op == "onload":
         policy.onload()
+    elif op == "flush":
+        out["waited_s"] = policy.flush()
     elif op == "resume":
         policy.resume(Path(job["adapter_dir"]))
-    elif op != "shutdown":
+    elif op == "shutdown":
+        policy.state_writer.close()
+    else:
         raise ValueError(f"unknown job op {op!r}")
     out["elapsed_s"] = time.perf_counter() - t0
     return out

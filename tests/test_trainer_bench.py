@@ -130,6 +130,24 @@ def test_trainer_profile_writes_the_operator_table(trainer: str, tmp_path: Path)
     assert "Self CPU" in text and "aten::mm" in text
 
 
+@pytest.mark.parametrize("trainer", ["hf", "megatron"])
+def test_trainer_profile_export_times_the_exports_parts(trainer: str, tmp_path: Path) -> None:
+    from hybridrl.tools.trainer_profile import main as profile
+
+    text = profile("tiny", trainer, "cpu", tmp_path / "w", tmp_path / "p.txt", export=True)
+    assert ": profiled update " in text.splitlines()[0] and " with its export" in text.splitlines()[0]
+    ranges = text[text.index("labelled ranges (host time):"):].splitlines()[2:]
+    calls = {r.split()[0]: int(r.split()[1]) for r in ranges}
+    # one update, one export: the weights and the optimizer's state to the host (HF: one copy for the state dict's
+    # tensors; Megatron: one for each AdamW moment), the engine's files written, the B norm
+    to_host = 3 if trainer == "megatron" else 2
+    assert calls == {"hybridrl.update": 1, "hybridrl.export": 1, "export.to_host": to_host, "export.write": 1,
+                     "export.norm": 1}
+    assert (tmp_path / "w" / f"export-{trainer}" / "adapter-3" / "optimizer.pt").exists()  # after the 2 warm-ups
+    without = profile("tiny", trainer, "cpu", tmp_path / "w", tmp_path / "q.txt")
+    assert "labelled ranges" not in without
+
+
 def test_the_host_waits_table_names_the_lines_most_frequent_first() -> None:
     from collections import Counter
 

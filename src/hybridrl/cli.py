@@ -123,7 +123,7 @@ def _trainer_profile(args: argparse.Namespace) -> None:
                partial(check_options, args.shape, args.trainer, args.megatron_permute))
     profile_main(args.shape, args.trainer, args.device, Path(args.workdir), Path(args.out),
                  micro_batch=args.micro_batch, pack=not args.no_pack, varied=args.varied,
-                 megatron_permute=args.megatron_permute)
+                 megatron_permute=args.megatron_permute, export=args.export)
 
 
 def _client_ceiling(args: argparse.Namespace) -> None:
@@ -305,6 +305,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--varied", action="store_true", help="completion lengths drawn from completion/8 .. completion")
     s.add_argument("--megatron-permute", action="store_true",
                    help="MoE tokens permuted by megatron's own dispatcher (atomic scatters), not hybridrl's gathers")
+    s.add_argument("--export", action="store_true",
+                   help="profile the adapter export and the optimizer state's write after the update too")
     s.add_argument("--workdir", required=True, help="the random-init model goes here")
     s.add_argument("--out", required=True, help="the operator table (text)")
     s.set_defaults(fn=_trainer_profile)

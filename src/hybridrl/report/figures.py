@@ -139,11 +139,14 @@ def path_ratio(path: str, which_a: str, which_b: str, field: str = "perf/through
 
 def _updates(path: str, trainer: str, field: str = "update_s_all") -> list[float]:
     """The timed updates (update_s_all, or another per-update list such as save_s_all) of one trainer in a
-    trainer-bench JSON."""
-    values = (_json(path).get(trainer) or {}).get(field)
-    if not values:
-        raise ValueError(f"{path} has no {field} of trainer {trainer!r}")
-    return [float(v) for v in values]
+    trainer-bench JSON; lists joined by '+' are summed update by update (update_s_all+state_s_all)."""
+    lists = []
+    for name in field.split("+"):
+        values = (_json(path).get(trainer) or {}).get(name)
+        if not values:
+            raise ValueError(f"{path} has no {name} of trainer {trainer!r}")
+        lists.append([float(v) for v in values])
+    return [sum(parts) for parts in zip(*lists, strict=True)]
 
 
 def update_ratio(path_a: str, trainer_a: str, path_b: str, trainer_b: str) -> str:
@@ -163,13 +166,15 @@ def _processes(paths: str) -> list[str]:
     return found
 
 
-def process_ratio(paths_a: str, paths_b: str, trainer_a: str, trainer_b: str | None = None) -> str:
+def process_ratio(paths_a: str, paths_b: str, trainer_a: str, trainer_b: str | None = None,
+                  field_a: str = "update_s_all", field_b: str | None = None) -> str:
     """a / b of the median update time over several processes a side (each a trainer-bench JSON; globs joined by
     '+'), with a two-level bootstrap 95% interval: processes, then updates within each, so that start-to-start
-    and host noise are in it: '0.98x [0.83, 1.12]'. trainer_b defaults to trainer_a."""
+    and host noise are in it: '0.98x [0.83, 1.12]'. trainer_b defaults to trainer_a; field_a (and field_b, which
+    defaults to it) another per-update list or a sum of them (_updates)."""
     return wording.ratio_text(stats.hierarchical_ratio(
-        [_updates(p, trainer_a) for p in _processes(paths_a)],
-        [_updates(p, trainer_b or trainer_a) for p in _processes(paths_b)]))
+        [_updates(p, trainer_a, field_a) for p in _processes(paths_a)],
+        [_updates(p, trainer_b or trainer_a, field_b or field_a) for p in _processes(paths_b)]))
 
 
 def process_medians(paths: str, trainer: str, digits: str = "2", field: str = "update_s_all") -> str:
@@ -214,6 +219,15 @@ def profile_waits(path: str, site: str = "") -> str:
         return head[1]
     rows = re.findall(r"^ *(\d+)  (\S+)$", text[head.end():], re.M)
     return str(sum(int(n) for n, where in rows if site in where))
+
+
+def profile_range(path: str, name: str, digits: str = "3") -> str:
+    """A labelled range's host time in seconds from a trainer-profile --export table ('export.write', or
+    'hybridrl.export' for the whole export)."""
+    match = re.search(rf"^{re.escape(name)} +\d+ +([0-9.]+) ", _text(path), re.M)
+    if match is None:
+        raise ValueError(f"{path} has no labelled range {name!r} (a profile taken without --export?)")
+    return f"{float(match[1]):.{int(digits)}f}"
 
 
 def profile_op(path: str, op: str, digits: str = "3") -> str:

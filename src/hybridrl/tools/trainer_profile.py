@@ -2,13 +2,15 @@
 
     python -m hybridrl trainer-profile --shape qwen3-0.6b --trainer megatron --micro-batch 32 --workdir W --out P.txt
 
-The trainer runs in this process (Megatron at TP 1 in a one-process group, not under torchrun), on
-trainer_bench's fixed batch: two warm-up updates, then one profiled (logprobs, loss, backward, optimizer step; no
-adapter export). The text written holds the update's wall time and the operators sorted by their own time on the
-device (CUDA; the CPU where there is no GPU), so two trainers' tables can be read side by side, then the same
-split by the operators' input shapes, which tells a norm's or an adapter's elementwise work from the rest. On a
-GPU, one more update before the profiled one lists where the host waited for the device (torch's sync debug
-mode): each wait empties the queue of kernels, so the host's launch time no longer hides behind the GPU's work.
+The trainer runs in this process (Megatron at TP 1 in a one-process group, not under torchrun), on trainer_bench's
+fixed batch: two warm-up updates, then one profiled (logprobs, loss, backward, optimizer step; with --export also
+the adapter export and the wait for the optimizer state, as the loop's update_actor, save_adapter and save_state
+phases run them, their labelled parts timed in a table of their own). The text written holds the update's wall time
+and the operators sorted by their own time on the device (CUDA; the CPU where there is no GPU), so two trainers'
+tables can be read side by side, then the same split by the operators' input shapes, which tells a norm's or an
+adapter's elementwise work from the rest. On a GPU, one more update before the profiled one lists where the host
+waited for the device (torch's sync debug mode): each wait empties the queue of kernels, so the host's launch time
+no longer hides behind the GPU's work.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from hybridrl.tools.trainer_bench import bench_run, check_megatron_permute, fixe
 WARMUP = 2
 
 
-def _megatron_update(model: Path, run: Any, device: Any, megatron_permute: bool = False) -> tuple[Any, Any]:
-    """A TP 1 MegatronPolicy in this process; returns (one update on samples, close). megatron_permute: MoE tokens
-    permuted by megatron's own dispatcher (atomic scatters) instead of hybridrl's gathers, for a before-and-after."""
+def _megatron_update(model: Path, run: Any, device: Any, megatron_permute: bool = False) -> tuple[Any, Any, Any]:
+    """A TP 1 MegatronPolicy in this process; returns (one update on samples, the export to a dir, close).
+    megatron_permute: MoE tokens permuted by megatron's own dispatcher (atomic scatters) instead of hybridrl's
+    gathers, for a before-and-after."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -43,14 +46,24 @@ def _megatron_update(model: Path, run: Any, device: Any, megatron_permute: bool 
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
-    return (lambda samples: policy.step(samples)), close
+    def export(out_dir: Path) -> None:
+        policy.save(out_dir)
+        policy.flush()
+
+    return (lambda samples: policy.step(samples)), export, close
 
 
-def _hf_update(model: Path, run: Any, device: Any) -> tuple[Any, Any]:
+def _hf_update(model: Path, run: Any, device: Any) -> tuple[Any, Any, Any]:
+    from hybridrl.trainers.base import lora_b_norm
     from hybridrl.trainers.hf import HFTrainer
 
     trainer = HFTrainer(model, run, str(device))
-    return trainer.update, trainer.close
+
+    def export(out_dir: Path) -> None:  # what HFTrainer.step does after its update
+        lora_b_norm(trainer.save(out_dir).items())
+        trainer.flush()
+
+    return trainer.update, export, trainer.close
 
 
 def host_waits(update: Any, samples: Any) -> Counter[str]:
@@ -83,11 +96,24 @@ def check_options(shape_name: str, trainer: str, megatron_permute: bool) -> None
         check_megatron_permute(shape_name, [trainer])
 
 
+def ranges_table(events: Any) -> str:
+    """The labelled ranges of a profiled update (hybridrl.update, hybridrl.export and the export's parts,
+    export.*): each one's host time, total and per call, in the order of their totals."""
+    rows = sorted((e for e in events if e.key.startswith(("hybridrl.", "export."))),
+                  key=lambda e: -e.cpu_time_total)
+    lines = ["labelled ranges (host time):", f"{'range':28} {'calls':>6} {'total s':>9} {'per call s':>11}"]
+    lines += [f"{e.key:28} {e.count:6d} {e.cpu_time_total / 1e6:9.4f} {e.cpu_time_total / 1e6 / e.count:11.4f}"
+              for e in rows]
+    return "\n".join(lines) + "\n"
+
+
 def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, micro_batch: int = 8,
-         pack: bool = True, varied: bool = False, rows: int = 40, megatron_permute: bool = False) -> str:
-    """Profile one update of `trainer` on the shape's fixed batch; writes and returns the table."""
+         pack: bool = True, varied: bool = False, rows: int = 40, megatron_permute: bool = False,
+         export: bool = False) -> str:
+    """Profile one update of `trainer` on the shape's fixed batch (and its export, with `export`); writes and
+    returns the table."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     check_options(shape_name, trainer, megatron_permute)
     shape = shape_of(shape_name)
@@ -98,14 +124,19 @@ def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, m
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     if device == "cuda":
         torch.cuda.set_device(dev)
-    update, close = (_megatron_update(model, run, dev, megatron_permute) if trainer == "megatron"
-                     else _hf_update(model, run, dev))
+    update, export_to, close = (_megatron_update(model, run, dev, megatron_permute) if trainer == "megatron"
+                                else _hf_update(model, run, dev))
+    exports = iter(range(1, 1_000))
 
     def timed() -> float:
         t0 = time.perf_counter()
-        update(samples)
-        if device == "cuda":
-            torch.cuda.synchronize(dev)
+        with record_function("hybridrl.update"):
+            update(samples)
+            if device == "cuda":
+                torch.cuda.synchronize(dev)
+        if export:
+            with record_function("hybridrl.export"):
+                export_to(workdir / f"export-{trainer}" / f"adapter-{next(exports)}")
         return time.perf_counter() - t0
 
     try:
@@ -118,12 +149,13 @@ def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, m
     finally:
         close()
     sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    permute = " megatron-permute" if megatron_permute else ""
+    flags = (" megatron-permute" if megatron_permute else "") + (" with its export" if export else "")
     head = (f"trainer-profile {shape_name} {trainer} micro_batch {micro_batch} pack {pack} "
-            f"lengths {'varied' if varied else 'fixed'} device {device}{permute}: profiled update {wall:.3f} s\n")
+            f"lengths {'varied' if varied else 'fixed'} device {device}{flags}: profiled update {wall:.3f} s\n")
     by_shape = prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=rows)
     text = (head + prof.key_averages().table(sort_by=sort, row_limit=rows) + "\n\nthe same, by input shapes:\n"
-            + by_shape + "\n" + ("" if waits is None else "\n" + waits_table(waits)))
+            + by_shape + "\n" + ("" if waits is None else "\n" + waits_table(waits))
+            + ("\n" + ranges_table(prof.key_averages()) if export else ""))
     from hybridrl.atomic import write_text
 
     out.parent.mkdir(parents=True, exist_ok=True)

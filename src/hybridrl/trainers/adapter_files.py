@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from hybridrl.atomic import atomic_dir, atomic_path
 
@@ -43,14 +44,15 @@ def to_host(tensors: dict[str, torch.Tensor], own_storage: bool = True) -> dict[
     groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
     for name, t in tensors.items():
         groups.setdefault((t.device, t.dtype), []).append(name)
-    for names in groups.values():
-        flat = torch.cat([tensors[n].detach().reshape(-1) for n in names]).cpu()
-        offset = 0
-        for n in names:
-            size = tensors[n].numel()
-            view = flat[offset: offset + size].view(tensors[n].shape)
-            out[n] = view.clone() if own_storage else view
-            offset += size
+    with record_function("export.to_host"):  # a labelled range in trainer-profile --export
+        for names in groups.values():
+            flat = torch.cat([tensors[n].detach().reshape(-1) for n in names]).cpu()
+            offset = 0
+            for n in names:
+                size = tensors[n].numel()
+                view = flat[offset: offset + size].view(tensors[n].shape)
+                out[n] = view.clone() if own_storage else view
+                offset += size
     return {name: out[name] for name in tensors}
 
 
@@ -68,7 +70,7 @@ def write_adapter_dir(out_dir: Path, weights: dict[str, torch.Tensor], config: d
     renamed over out_dir. The optimizer's state follows through StateWriter."""
     from safetensors.torch import save_file
 
-    with atomic_dir(Path(out_dir)) as tmp:
+    with record_function("export.write"), atomic_dir(Path(out_dir)) as tmp:
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
 

@@ -537,6 +537,12 @@ def test_a_replicate_flag_names_the_result_and_is_not_passed_on(root: Path, tmp_
     [result] = (root / "gpu-h200" / "bench").glob("trainer-tiny-hf-mb4-peft-lora-r2.json")
     args = result.read_text().split()
     assert "--peft-lora" in args and "--r2" not in args and "r2" not in args
+    # a profile by hand, as after a plan: its flags passed on the same way
+    done = subprocess.run(["bash", str(DRIVER), "tprof", "tiny", "0", "megatron", "4", "export"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    args = (root / "gpu-h200" / "bench" / "profile-tiny-megatron-mb4-export.txt").read_text().split()
+    assert args[:3] == ["-m", "hybridrl", "trainer-profile"] and "--export" in args
     items = _one_lane_plan(root, "gpu-h200", "hfrounds")
     assert len(items) == 20 and items[:2] == ["trainer-bench qwen3-0.6b hf mb 32 peft-lora r1 on GPU 0",
                                               "trainer-bench qwen3-0.6b hf mb 32 r1 on GPU 0"]

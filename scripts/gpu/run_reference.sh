@@ -871,7 +871,7 @@ case "$cmd" in
     say "plans $* started in the background (pid $!); logs in $root" ;;
   plans) run_plans "$@" ;;
   all) all "$@" ;;
-  train|bench|tbench) use_study "${HYBRIDRL_STUDY:-$default_study}"; "$cmd" "$@" ;;
+  train|bench|tbench|tprof) use_study "${HYBRIDRL_STUDY:-$default_study}"; "$cmd" "$@" ;;
   status) status ;;
   pack) pack "$@" ;;
   poll) poll "$@" ;;

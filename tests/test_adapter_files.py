@@ -17,6 +17,7 @@ from hybridrl.trainers.adapter_files import (
     CONFIG_FILE,
     OPTIMIZER_FILE,
     WEIGHTS_FILE,
+    HostStaging,
     StateWriter,
     optimizer_to_host,
     to_host,
@@ -36,6 +37,20 @@ def test_to_host_copies_once_per_dtype_and_each_tensor_owns_its_storage(monkeypa
     for name, t in tensors.items():
         assert torch.equal(host[name], t) and host[name].dtype == t.dtype and host[name].shape == t.shape
         assert host[name].untyped_storage().nbytes() == t.numel() * t.element_size()  # not a view of the flat copy
+
+
+def test_staged_copies_reuse_one_buffer_per_slot() -> None:
+    staging = HostStaging()
+    tensors = {"a": torch.arange(6.0).view(2, 3), "b": torch.ones(4)}
+    first = to_host(tensors, own_storage=False, staging=staging, slot="m")
+    ptr = first["a"].untyped_storage().data_ptr()
+    assert {t.untyped_storage().data_ptr() for t in first.values()} == {ptr}  # views of the slot's buffer
+    again = to_host({k: v + 1 for k, v in tensors.items()}, own_storage=False, staging=staging, slot="m")
+    assert again["a"].untyped_storage().data_ptr() == ptr and torch.equal(first["a"], tensors["a"] + 1)  # reused
+    other = to_host(tensors, own_storage=False, staging=staging, slot="w")
+    assert other["a"].untyped_storage().data_ptr() != ptr and torch.equal(again["b"], tensors["b"] + 1)
+    owned = to_host(tensors, staging=staging, slot="m")  # own_storage: copies out of the buffer, safe to keep
+    assert owned["a"].untyped_storage().data_ptr() != ptr and torch.equal(owned["a"], tensors["a"])
 
 
 def test_optimizer_to_host_copies_the_moments_and_keeps_the_rest() -> None:
@@ -128,3 +143,20 @@ def test_a_failed_optimizer_write_is_reported_with_its_file(tmp_path: Path) -> N
         writer.wait()
     assert writer.wait() == 0.0  # reported once
     writer.close()
+
+
+def test_the_next_export_waits_for_the_last_state_before_reusing_its_buffer(trained: tuple[HFTrainer, Path],
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer, tmp = trained
+    shape = SHAPES["tiny"]
+    samples = fixed_batch(shape.config["vocab_size"], shape.samples, shape.prompt, shape.completion)
+    gate, real = threading.Event(), adapter_files._save
+    monkeypatch.setattr(adapter_files, "_save", lambda obj, path: (gate.wait(30), real(obj, path)))
+    trainer.step(4, samples, tmp / "step-4")
+    want = {k: v.clone() for k, v in trainer.optimizer.state_dict()["state"][0].items()}
+    threading.Timer(0.3, gate.set).start()
+    trainer.step(5, samples, tmp / "step-5")  # its moments go to the staging buffer step 4's write still reads
+    trainer.flush()
+    saved4, saved5 = (torch.load(tmp / f"step-{i}" / OPTIMIZER_FILE, weights_only=True)["state"][0] for i in (4, 5))
+    assert all(torch.equal(saved4[k], want[k]) for k in want)
+    assert not torch.equal(saved4["exp_avg"], saved5["exp_avg"])

@@ -90,10 +90,10 @@ def test_four_gpu_plans_run_after_each_other_on_their_own_studies(root: Path) ->
 def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     bad = _driver(root, "all", "nope")
     assert bad.returncode == 2
-    plans = ("asyncstate client exportviews faults full hfexport hffused hfrounds learnentropy learning learnlr moe "
-             "moe1full moe1pin moe1pin2 moe1vllm moe2full moe4 moe4full moepermute moerounds packing placement "
-             "placementlong rest rest4 soak syncfree syncfree2 timed timingcost trainer trainerfast trainerfuse "
-             "trainerloop trainermoe verdict verdictkv verdictpin verdictwarm")
+    plans = ("asyncstate client exportstage exportviews faults full hfexport hffused hfrounds learnentropy "
+             "learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm moe2full moe4 moe4full moepermute moerounds "
+             "packing placement placementlong rest rest4 soak syncfree syncfree2 timed timingcost trainer "
+             "trainerfast trainerfuse trainerloop trainermoe verdict verdictkv verdictpin verdictwarm")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
@@ -664,6 +664,13 @@ def test_a_plan_of_source_snapshots_needs_them_all_and_takes_them_along(tmp_path
                          for k in range(1, 5) for src in (" src-38fe1e5", " src-5173bee", "")]
     assert both[12:] == [f"trainer-bench qwen3-30b-a3b megatron mb 16{src} r{k} on GPU 0"
                          for k in range(1, 4) for src in (" src-5173bee", "")]
+    (repo / ".gpu" / "src-5bf06b5" / "src" / "hybridrl").mkdir(parents=True)
+    (repo / ".gpu" / "src-5bf06b5" / "src" / "hybridrl" / "__init__.py").touch()
+    assert driver_run("all", "exportstage").returncode == 0
+    staged = _items(root / "gpu-h200" / "lane-exportstage-1.log")
+    srcs = (" src-5bf06b5", "")
+    assert staged == [f"trainer-bench qwen3-0.6b hf mb 32{src} r{k} on GPU 0" for k in (1, 2, 3) for src in srcs] + [
+        f"trainer-bench qwen3-30b-a3b megatron mb 16{src} r{k} on GPU 0" for k in (1, 2) for src in srcs]
 
 
 def test_a_source_snapshot_holds_the_commits_source(tmp_path: Path) -> None:

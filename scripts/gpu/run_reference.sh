@@ -447,6 +447,15 @@ plan_asyncstate() {
     "tbench qwen3-30b-a3b megatron 16")"
 }
 
+plan_exportstage() {
+  # the adapter export through reused pinned host buffers (adapter_files.HostStaging) with the B norm as one fused
+  # norm on the device, against the commit before (src-5bf06b5): exportprofile's 48-layer profile had the export's
+  # three copies to fresh pageable memory take 55 ms of GPU time and the norm 30 ms. Three interleaved rounds of the
+  # dense HF update, then two of the 48-layer Megatron TP 1 update. Only the `trainer` overlay; about 13 minutes
+  one_lane "$(tool_rounds 3 "tbench qwen3-0.6b hf 32 src-5bf06b5" "tbench qwen3-0.6b hf 32");\
+$(tool_rounds 2 "tbench qwen3-30b-a3b megatron 16 src-5bf06b5" "tbench qwen3-30b-a3b megatron 16")"
+}
+
 plan_learnlr() {
   # issue 17's open question on one GPU (config/gpu-h200-learning.yaml): 50 warm-started steps per engine at ten
   # times `learning`'s learning rate (1e-3), eval every 5 steps, SGLang then the vLLM server

@@ -60,7 +60,8 @@ def _hf_update(model: Path, run: Any, device: Any) -> tuple[Any, Any, Any]:
     trainer = HFTrainer(model, run, str(device))
 
     def export(out_dir: Path) -> None:  # what HFTrainer.step does after its update
-        lora_b_norm(trainer.save(out_dir).items())
+        trainer.save(out_dir)
+        lora_b_norm(trainer.adapter_params.items())
         trainer.flush()
 
     return trainer.update, export, trainer.close

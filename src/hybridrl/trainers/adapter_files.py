@@ -36,17 +36,38 @@ def peft_config_json(config: Any) -> dict[str, Any]:
     return d
 
 
-def to_host(tensors: dict[str, torch.Tensor], own_storage: bool = True) -> dict[str, torch.Tensor]:
+class HostStaging:
+    """Host buffers that a trainer's copies to the host reuse from one export to the next, pinned where there is a
+    GPU: into fresh pageable memory a 27 MB copy took 18 ms on an H200 host (the 48-layer adapter; page faults and
+    the driver's bounce buffer), pinned it runs at the bus's speed. Whoever reads a buffer's views after the next
+    copy must be done with them first (the trainers wait for the optimizer state's writer)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def buffer(self, slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat host tensor of numel elements for `slot` (one per use: weights, exp_avg, ...), reused."""
+        buf = self._buffers.get((slot, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
+            self._buffers[(slot, dtype)] = buf
+        return buf[:numel]
+
+
+def to_host(tensors: dict[str, torch.Tensor], own_storage: bool = True, staging: HostStaging | None = None,
+            slot: str = "") -> dict[str, torch.Tensor]:
     """The tensors on the CPU, detached, in one copy per device and dtype. own_storage: each result gets its own
     (safetensors refuses tensors that share one); else they are views of the one copy, which torch.save writes
-    as one record instead of one a tensor."""
+    as one record instead of one a tensor. staging: copy into its buffer for `slot` instead of new memory (views
+    of it, without own_storage, last until the next copy into that slot)."""
     out: dict[str, torch.Tensor] = {}
     groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
     for name, t in tensors.items():
         groups.setdefault((t.device, t.dtype), []).append(name)
     with record_function("export.to_host"):  # a labelled range in trainer-profile --export
         for names in groups.values():
-            flat = torch.cat([tensors[n].detach().reshape(-1) for n in names]).cpu()
+            flat = torch.cat([tensors[n].detach().reshape(-1) for n in names])
+            flat = flat.cpu() if staging is None else staging.buffer(slot, flat.numel(), flat.dtype).copy_(flat)
             offset = 0
             for n in names:
                 size = tensors[n].numel()
@@ -56,11 +77,11 @@ def to_host(tensors: dict[str, torch.Tensor], own_storage: bool = True) -> dict[
     return {name: out[name] for name in tensors}
 
 
-def optimizer_to_host(state: dict[str, Any]) -> dict[str, Any]:
+def optimizer_to_host(state: dict[str, Any], staging: HostStaging | None = None) -> dict[str, Any]:
     """An optimizer's state_dict() with every tensor of its per-parameter state copied to the host at once, as
-    views of that copy (one record in the file)."""
+    views of that copy (one record in the file; in staging's "optimizer" buffer if given)."""
     flat = {f"{i}/{k}": v for i, st in state["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor)}
-    host = to_host(flat, own_storage=False)
+    host = to_host(flat, own_storage=False, staging=staging, slot="optimizer")
     return {**state, "state": {i: {k: host.get(f"{i}/{k}", v) for k, v in st.items()}
                                for i, st in state["state"].items()}}
 

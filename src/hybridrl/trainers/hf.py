@@ -16,6 +16,7 @@ from hybridrl.task.rl import token_logprobs_entropy
 from hybridrl.trainers import grouped_mm
 from hybridrl.trainers.adapter_files import (
     OPTIMIZER_FILE,
+    HostStaging,
     StateWriter,
     optimizer_to_host,
     peft_config_json,
@@ -127,6 +128,7 @@ class HFTrainer:
         self.flop_shape = read_flop_shape(model_dir)
         self._pinned: dict[tuple[int, str], torch.Tensor] = {}  # a parameter's or buffer's pinned CPU copy
         self.state_writer = StateWriter()
+        self.staging = HostStaging()
         self.offloaded = False
 
     # -- the step --------------------------------------------------------------------------------
@@ -167,12 +169,12 @@ class HFTrainer:
         metrics = self.update(samples)
         update_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        weights = self.save(out_dir)
+        self.save(out_dir)
         save_s = time.perf_counter() - t0
         return TrainResult(out_dir, {
             **metrics,
             **update_perf(self.flop_shape, samples, update_s, 1, self.device, kl=self.run.kl_coef > 0),
-            "train/lora_norm": lora_b_norm(weights.items()),
+            "train/lora_norm": lora_b_norm(self.adapter_params.items()),  # on the device: one fused norm
             "train/keep_base_on_gpu": self.run.keep_base_on_gpu,
             "train/experts_impl": self.experts_impl,
             "timing_s/save_adapter": save_s,
@@ -182,8 +184,9 @@ class HFTrainer:
     def save(self, out_dir: Path) -> dict[str, torch.Tensor]:
         """The adapter (PEFT's names and files) and the optimizer's state into out_dir; returns the adapter's
         tensors as written (on the host)."""
-        weights = to_host(self.adapter_params)
-        optimizer = optimizer_to_host(self.optimizer.state_dict())  # a host copy: the next update changes these
+        weights = to_host(self.adapter_params, staging=self.staging, slot="weights")
+        self.state_writer.wait()  # the last state's write reads the staging buffer the copy below overwrites
+        optimizer = optimizer_to_host(self.optimizer.state_dict(), self.staging)  # the next update changes these
         write_adapter_dir(out_dir, weights, self.adapter_config)
         self.state_writer.submit(out_dir, optimizer)
         return weights

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors.torch import load_file
 
-from hybridrl.trainers.adapter_files import OPTIMIZER_FILE, peft_config_json, to_host
+from hybridrl.trainers.adapter_files import OPTIMIZER_FILE, HostStaging, peft_config_json, to_host
 from hybridrl.trainers.megatron.lora import LoraAdapter
 from hybridrl.trainers.megatron.mapping import lora_a_split_dim, peft_key, shard
 
@@ -33,8 +33,14 @@ def _entries(adapters: Adapters) -> list[tuple[str, torch.nn.Parameter, int]]:
     return out
 
 
+def named_params(adapters: Adapters) -> list[tuple[str, torch.nn.Parameter]]:
+    """(PEFT name, this rank's parameter) of every adapter tensor."""
+    return [(name, p) for name, p, _ in _entries(adapters)]
+
+
 def gather_full(adapters: Adapters, local: dict[str, torch.Tensor] | None = None,
-                own_storage: bool = True) -> dict[str, torch.Tensor]:
+                own_storage: bool = True, staging: HostStaging | None = None,
+                slot: str = "weights") -> dict[str, torch.Tensor]:
     """Full (unsharded) tensors by PEFT name, on the CPU of every rank; one collective and one copy to the host
     a rank for all of them (a 48-layer model has hundreds of adapter tensors: a copy each waited for the GPU as
     often).
@@ -42,13 +48,13 @@ def gather_full(adapters: Adapters, local: dict[str, torch.Tensor] | None = None
     `local` gives per-name local tensors to gather instead of the weights (gradients, optimizer moments).
     own_storage=False lets them be views of the one host copy where there is one shard (TP 1), which torch.save
     writes as one record instead of one a tensor (adapter_files.to_host); safetensors needs each tensor to own its
-    storage.
+    storage. staging, slot: the host buffer the copy goes to at TP 1 (adapter_files.HostStaging).
     """
     entries = _entries(adapters)
     tensors = [(local[name] if local is not None else p).detach().float() for name, p, _ in entries]
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp == 1:
-        return to_host({name: t for (name, _, _), t in zip(entries, tensors, strict=True)}, own_storage)
+        return to_host({name: t for (name, _, _), t in zip(entries, tensors, strict=True)}, own_storage, staging, slot)
     flat = torch.cat([t.reshape(-1) for t in tensors])
     parts = [torch.empty_like(flat) for _ in range(tp)]
     dist.all_gather(parts, flat, group=parallel_state.get_tensor_model_parallel_group())
@@ -69,8 +75,10 @@ def adapter_config(rank: int, alpha: float, targets: list[str], base_model: str)
                                        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model))
 
 
-def optimizer_state(adapters: Adapters, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """AdamW moments gathered to full tensors under PEFT names (collective: every rank must call)."""
+def optimizer_state(adapters: Adapters, optimizer: torch.optim.Optimizer,
+                    staging: HostStaging | None = None) -> dict[str, Any]:
+    """AdamW moments gathered to full tensors under PEFT names (collective: every rank must call); at TP 1 views of
+    staging's exp_avg and exp_avg_sq buffers if given."""
     entries = _entries(adapters)
     step = 0
     avg, sq = {}, {}
@@ -82,8 +90,8 @@ def optimizer_state(adapters: Adapters, optimizer: torch.optim.Optimizer) -> dic
         else:
             avg[name] = sq[name] = torch.zeros_like(p)
     return {"format": OPTIMIZER_FORMAT, "step": step,
-            "exp_avg": gather_full(adapters, avg, own_storage=False),
-            "exp_avg_sq": gather_full(adapters, sq, own_storage=False)}
+            "exp_avg": gather_full(adapters, avg, own_storage=False, staging=staging, slot="exp_avg"),
+            "exp_avg_sq": gather_full(adapters, sq, own_storage=False, staging=staging, slot="exp_avg_sq")}
 
 
 def load_adapter_dir(adapters: Adapters, optimizer: torch.optim.Optimizer | None, adapter_dir: Path) -> None:

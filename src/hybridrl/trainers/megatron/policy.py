@@ -15,7 +15,7 @@ from hybridrl import nvml
 from hybridrl.engines.gpus import nvml_indices, visible_devices
 from hybridrl.study.run_config import RunConfig
 from hybridrl.task.rl import LOGSOFTMAX_CHUNK_BYTES, logit_chunks, token_logprobs_entropy
-from hybridrl.trainers.adapter_files import StateWriter, write_adapter_dir
+from hybridrl.trainers.adapter_files import HostStaging, StateWriter, write_adapter_dir
 from hybridrl.trainers.base import Sample, lora_b_norm
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
@@ -98,6 +98,7 @@ class MegatronPolicy:
         self.adapter_config = export.adapter_config(self.rank, self.alpha, self.targets, self.model_dir)
         self._pinned: dict[int, torch.Tensor] = {}
         self.state_writer = StateWriter()  # TP rank 0's optimizer.pt, written while the loop goes on
+        self.staging = HostStaging()  # the export's host buffers, reused (TP 1)
         self.flop_shape = read_flop_shape(model_dir)
         self.offloaded = False
 
@@ -188,14 +189,16 @@ class MegatronPolicy:
         """Collective: gathers shards on every rank; TP rank 0 writes the PEFT dir and starts writing optimizer.pt
         beside it (flush() waits for that). Returns the norm of the adapter's B matrices (train/lora_norm: zero, the
         identity adapter no engine can show applied)."""
-        weights = export.gather_full(self.adapters)
-        opt = export.optimizer_state(self.adapters, self.optimizer)
+        weights = export.gather_full(self.adapters, staging=self.staging)
+        self.state_writer.wait()  # the last state's write reads the staging buffers the moments go to next
+        opt = export.optimizer_state(self.adapters, self.optimizer, self.staging)
         if parallel_state.get_tensor_model_parallel_rank() == 0:
             write_adapter_dir(Path(out_dir), weights, self.adapter_config)
             self.state_writer.submit(Path(out_dir), opt)
         if self.tp > 1:
             dist.barrier(group=parallel_state.get_tensor_model_parallel_group())
-        return lora_b_norm(weights.items())
+        # at TP 1 on the device (one fused norm); TP > 1 splits B over the ranks, so from the gathered copy
+        return lora_b_norm(export.named_params(self.adapters) if self.tp == 1 else weights.items())
 
     def flush(self) -> float:
         """Wait for the last step's optimizer.pt (TP rank 0; other ranks write none); the seconds waited."""

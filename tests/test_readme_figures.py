@@ -38,7 +38,8 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
                  "2026-11-25-h200-verdictwarm2", "2026-11-25-h200-learnentropy", "2026-11-25-h200-hffused",
                  "2026-11-25-h200-hfrounds", "2026-11-25-h200-moerounds", "2026-11-25-h200-moepermute",
                  "2026-11-25-h200-moegathers", "2026-11-25-h200-moeexport", "2026-11-25-h200-syncfree",
-                 "2026-11-25-h200-syncfree2", "2026-11-25-h200-hfexport",
+                 "2026-11-25-h200-syncfree2", "2026-11-25-h200-hfexport", "2026-11-25-h200-asyncstate",
+                 "2026-11-25-h200-exportprofile", "2026-11-25-h200-exportstage",
                  "2026-11-24-h200-timingcost2"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
     for name in ("2026-11-24-h200-faults", "2026-11-24-h200-trainermoe"):
@@ -248,6 +249,26 @@ def test_a_profile_wall_reads_the_tables_first_line(tmp_path: Path) -> None:
     headless.write_text("Self CUDA time total: 1.0s\n")
     with pytest.raises(ValueError, match="no first line"):
         figures.evaluate(f"profile_wall {headless}")
+
+
+def test_a_profile_range_reads_the_labelled_ranges_table() -> None:
+    path = "results/reference/2026-11-25-h200-exportprofile/bench/profile-qwen3-30b-a3b-megatron-mb16-export.txt"
+    assert figures.evaluate(f"profile_range {path} export.to_host 4") == "0.1185"  # 'export.to_host  3  0.1185 ...'
+    assert figures.evaluate(f"profile_range {path} hybridrl.export 2") == "0.23"
+    with pytest.raises(ValueError, match="no labelled range 'export.nope'"):
+        figures.evaluate(f"profile_range {path} export.nope")
+
+
+def test_process_ratio_sums_per_update_lists() -> None:
+    d = "results/reference/2026-11-25-h200-asyncstate/bench"
+    a, b = f"{d}/trainer-qwen3-0.6b-hf-mb32-r1.json", f"{d}/trainer-qwen3-0.6b-hf-mb32-src-5173bee-r1.json"
+    new, old = json.loads((REPO / a).read_text())["hf"], json.loads((REPO / b).read_text())["hf"]
+    summed = [u + s for u, s in zip(new["update_s_all"], new["state_s_all"], strict=True)]
+    want = statistics.median(summed) / statistics.median(old["update_s_all"])
+    text = figures.evaluate(f"process_ratio {a} {b} hf hf update_s_all+state_s_all update_s_all")
+    assert text.startswith(f"{want:.2f}x [")
+    with pytest.raises(ValueError, match="has no state_s_all of trainer 'hf'"):  # a commit from before the field
+        figures.evaluate(f"process_ratio {b} {a} hf hf update_s_all+state_s_all")
 
 
 def test_process_medians_read_any_per_update_list() -> None:

@@ -440,6 +440,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "update_ratio": update_ratio, "process_ratio": process_ratio, "process_medians": process_medians,
     "profile_total": profile_total, "profile_op": profile_op, "profile_wall": profile_wall,
     "profile_waits": profile_waits,
+    "profile_range": profile_range,
     "series": series, "logged": logged, "paired": paired,
     "at": at, "run_medians": run_medians, "slope": slope, "share": share, "unattributed": unattributed,
 }

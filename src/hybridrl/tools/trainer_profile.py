@@ -100,7 +100,8 @@ def check_options(shape_name: str, trainer: str, megatron_permute: bool) -> None
 def ranges_table(events: Any) -> str:
     """The labelled ranges of a profiled update (hybridrl.update, hybridrl.export and the export's parts,
     export.*): each one's host time, total and per call, in the order of their totals."""
-    rows = sorted((e for e in events if e.key.startswith(("hybridrl.", "export."))),
+    # a range's GPU-side twin (no host time) is left out
+    rows = sorted((e for e in events if e.key.startswith(("hybridrl.", "export.")) and e.cpu_time_total > 0),
                   key=lambda e: -e.cpu_time_total)
     lines = ["labelled ranges (host time):", f"{'range':28} {'calls':>6} {'total s':>9} {'per call s':>11}"]
     lines += [f"{e.key:28} {e.count:6d} {e.cpu_time_total / 1e6:9.4f} {e.cpu_time_total / 1e6 / e.count:11.4f}"

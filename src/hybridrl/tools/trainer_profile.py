@@ -15,6 +15,7 @@ no longer hides behind the GPU's work.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import warnings
@@ -128,7 +129,7 @@ def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, m
         torch.cuda.set_device(dev)
     update, export_to, close = (_megatron_update(model, run, dev, megatron_permute) if trainer == "megatron"
                                 else _hf_update(model, run, dev))
-    exports = iter(range(1, 1_000))
+    exports = itertools.count(1)  # a new adapter dir per export, as the loop's steps have
 
     def timed() -> float:
         t0 = time.perf_counter()

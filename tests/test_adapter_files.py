@@ -51,6 +51,12 @@ def test_staged_copies_reuse_one_buffer_per_slot() -> None:
     assert other["a"].untyped_storage().data_ptr() != ptr and torch.equal(again["b"], tensors["b"] + 1)
     owned = to_host(tensors, staging=staging, slot="m")  # own_storage: copies out of the buffer, safe to keep
     assert owned["a"].untyped_storage().data_ptr() != ptr and torch.equal(owned["a"], tensors["a"])
+    # an optimizer's state copies groups of one dtype from two devices (step counts on the CPU, moments on the GPU)
+    # at once: a buffer shared between them would let the second group overwrite the first's views
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    one, two = (staging.buffer("opt", d, 4, torch.float32) for d in (cpu, gpu))
+    assert one.untyped_storage().data_ptr() != two.untyped_storage().data_ptr()
+    assert staging.buffer("opt", cpu, 4, torch.float32).untyped_storage().data_ptr() == one.untyped_storage().data_ptr()
 
 
 def test_optimizer_to_host_copies_the_moments_and_keeps_the_rest() -> None:

@@ -43,14 +43,17 @@ class HostStaging:
     copy must be done with them first (the trainers wait for the optimizer state's writer)."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._buffers: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
 
-    def buffer(self, slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat host tensor of numel elements for `slot` (one per use: weights, exp_avg, ...), reused."""
-        buf = self._buffers.get((slot, dtype))
+    def buffer(self, slot: str, source: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat host tensor of numel elements for `slot` (one per use: weights, exp_avg, ...) and the device the
+        copy comes from, reused. One copy may hold groups from several devices of one dtype (an optimizer's
+        state: its step counts on the CPU, its moments on the GPU): each gets its own buffer."""
+        key = (slot, source, dtype)
+        buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
-            self._buffers[(slot, dtype)] = buf
+            self._buffers[key] = buf
         return buf[:numel]
 
 
@@ -65,9 +68,12 @@ def to_host(tensors: dict[str, torch.Tensor], own_storage: bool = True, staging:
     for name, t in tensors.items():
         groups.setdefault((t.device, t.dtype), []).append(name)
     with record_function("export.to_host"):  # a labelled range in trainer-profile --export
-        for names in groups.values():
+        for (device, _), names in groups.items():
             flat = torch.cat([tensors[n].detach().reshape(-1) for n in names])
-            flat = flat.cpu() if staging is None else staging.buffer(slot, flat.numel(), flat.dtype).copy_(flat)
+            if staging is not None:
+                flat = staging.buffer(slot, device, flat.numel(), flat.dtype).copy_(flat)
+            else:
+                flat = flat.cpu()
             offset = 0
             for n in names:
                 size = tensors[n].numel()

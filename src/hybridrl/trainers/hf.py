@@ -181,15 +181,14 @@ class HFTrainer:
         })
 
     # -- state -----------------------------------------------------------------------------------
-    def save(self, out_dir: Path) -> dict[str, torch.Tensor]:
-        """The adapter (PEFT's names and files) and the optimizer's state into out_dir; returns the adapter's
-        tensors as written (on the host)."""
+    def save(self, out_dir: Path) -> None:
+        """The adapter (PEFT's names and files) into out_dir, and its optimizer state started on the writer's
+        thread (flush waits for it)."""
         weights = to_host(self.adapter_params, staging=self.staging, slot="weights")
         self.state_writer.wait()  # the last state's write reads the staging buffer the copy below overwrites
         optimizer = optimizer_to_host(self.optimizer.state_dict(), self.staging)  # the next update changes these
         write_adapter_dir(out_dir, weights, self.adapter_config)
         self.state_writer.submit(out_dir, optimizer)
-        return weights
 
     def flush(self) -> float:
         return self.state_writer.wait()

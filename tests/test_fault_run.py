@@ -28,6 +28,14 @@ def test_engine_kill_and_sigterm_land_where_asked_and_the_run_survives_both(tmp_
     assert report.leftover == [] and report.ok, report.problems
 
 
+def test_with_overlap_the_engine_is_killed_in_the_rollout_running_ahead_of_its_step(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    report = fault_run(_cmd(run, "--overlap"), run, kill_engine_at=3, term_at=None, grace_s=3)
+    # step 3's rollout runs while step 2 trains; its own `gen` would come too late to hit it
+    assert report.killed_in == "step 3 rollout, running ahead in step 2 update_actor" and report.engine_killed
+    assert report.steps == [1, 2, 3, 4] and report.engine_restarts == 1 and report.ok, report.problems
+
+
 def test_a_restart_that_is_not_counted_fails(tmp_path: Path) -> None:
     run = tmp_path / "run"
     report = fault_run(_cmd(run, "--no-restart-count"), run, kill_engine_at=2, term_at=None, grace_s=3)

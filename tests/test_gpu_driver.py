@@ -92,7 +92,7 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     assert bad.returncode == 2
     plans = ("asyncstate client exportstage exportviews faults full hfexport hffused hfrounds learnentropy "
              "learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm moe2full moe4 moe4full moepermute moerounds "
-             "packing placement placementlong rest rest4 soak syncfree syncfree2 timed timingcost trainer "
+             "overlap1 packing placement placementlong rest rest4 soak syncfree syncfree2 timed timingcost trainer "
              "trainerfast trainerfuse trainerloop trainermoe verdict verdictkv verdictpin verdictwarm")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
@@ -276,6 +276,20 @@ def test_placement_plan_runs_one_round_of_the_six_arms_and_the_long_runs_apart(r
     assert {runs[f"{e}-overlap-long"].steps for e in ("sglang", "vllm")} == {30}
     names = {rid.rsplit("-", 1)[0] if rid.endswith(("-r2", "-r3")) else rid for rid in study.runs}
     assert len(names) == 8 and len(study.runs) == 6 * 3 + 2
+
+
+def test_one_gpu_overlap_plan_runs_each_engine_and_trainer_and_hits_the_rollout_ahead(root: Path) -> None:
+    from hybridrl.study.config import load_study
+
+    assert _one_lane_plan(root, "gpu-h200-overlap", "overlap1") == [
+        "train sglang-overlap on GPU 0", "train vllm-overlap on GPU 0",
+        "fault sglang-overlap-fault on GPU 0: engine kill in step 3, SIGTERM in step 5",
+        "fault vllm-overlap-fault on GPU 0: engine kill in step 3, SIGTERM in step 5",
+        "train sglang-overlap-megatron on GPU 0", "train vllm-overlap-megatron on GPU 0"]
+    runs = load_study(REPO / "config" / "gpu-h200-overlap.yaml").runs.values()
+    assert {(r.placement, r.overlap, r.rollout_is) for r in runs} == {("split", 1, "truncate")}
+    assert {(r.engine, r.trainer) for r in runs} == {(e, t) for e in ("sglang", "vllm") for t in ("hf", "megatron")}
+    assert {r.steps for r in runs} == {6}  # the fault runs' SIGTERM at step 5 needs a step after it
 
 
 def test_soak_plan_runs_each_engine_for_fifty_steps_one_after_another(root: Path) -> None:

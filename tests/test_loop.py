@@ -549,6 +549,24 @@ def test_overlapped_split_rolls_out_ahead_with_the_engines_adapter(assets, tmp_p
     assert [r["check/logprob_gap_tier"] for r in records[1:]] == [None] * 3
 
 
+def test_phase_json_names_the_step_whose_rollout_runs_ahead_while_it_runs(assets, tmp_path):
+    out = tmp_path / "phases"
+
+    class Reading(SlowScripted):
+        seen: list = []
+
+        def generate(self, requests, progress=False):
+            if len(requests) > 1:
+                time.sleep(0.1)  # the loop has moved on to its next phase by now
+                self.seen.append(json.loads((out / "phase.json").read_text())["ahead"])
+            return super().generate(requests, progress)
+
+    run_loop(_run(steps=3, overlap=1), "r-phase", assets / "model", assets / "data", out, {}, progress=False,
+             engine=Reading())
+    assert Reading.seen == [None, 2, 3]  # step 1 rolls out in its own gen; 2 and 3 ahead
+    assert json.loads((out / "phase.json").read_text())["ahead"] is None  # told when the last one ended
+
+
 def test_an_overlapped_run_resumes_without_losing_a_step(assets, tmp_path):
     out = tmp_path / "resume"
     first = run_loop(_run(steps=2, overlap=1), "r-res", assets / "model", assets / "data", out, {},
@@ -561,6 +579,19 @@ def test_an_overlapped_run_resumes_without_losing_a_step(assets, tmp_path):
     assert [r["step"] for r in more] == [1, 2, 3, 4]
     assert (out / "steps.jsonl").read_text().startswith(before)
     assert [r["rollout/adapter_step"] for r in more[2:]] == [2, 2] and more[2]["rollout/staleness"] == 0
+
+
+def test_an_engine_dying_while_it_runs_ahead_is_restarted_and_the_step_rolled_out_again(assets, tmp_path):
+    engine = SlowScripted()
+    engine.die_at = 3  # the third rollout: step 3's, running ahead during step 2's training
+    records = run_loop(_run(steps=4, overlap=1), "r-dies-ahead", assets / "model", assets / "data",
+                       tmp_path / "dies", {}, progress=False, engine=engine)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert engine.starts == 2 and sum(r["errors/engine_restarts"] for r in records) == 1
+    # started again with step 2's adapter, the engine rolls step 3 out afresh, on-policy; step 4 runs ahead again
+    assert [r["rollout/adapter_step"] for r in records] == [0, 0, 2, 2]
+    assert [r["rollout/staleness"] for r in records] == [0, 1, 0, 1]
+    assert records[2]["check/logprob_gap_tier"] is not None  # on-policy again, so judged
 
 
 def test_overlap_needs_the_split_placement():

@@ -596,6 +596,15 @@ plan_placement() {
   p1=("0,1|$(IFS=';'; echo "${items[*]}")")
 }
 
+plan_overlap1() {
+  # issue 18's overlapped split on one GPU, shared by engine and trainer (config/gpu-h200-overlap.yaml): a check of
+  # behaviour before the two-GPU study, no placement figure. Per engine with the HF trainer a run, then a fault run
+  # (the engine killed while step 3's rollout runs ahead, SIGTERM in step 5's training), then with Megatron TP 1
+  study=config/gpu-h200-overlap.yaml
+  one_lane "train sglang-overlap;train vllm-overlap;fault sglang-overlap-fault 3 5;fault vllm-overlap-fault 3 5;\
+train sglang-overlap-megatron;train vllm-overlap-megatron"
+}
+
 plan_placementlong() {
   # issue 18's drift runs: 30 overlapped steps per engine, one after the other (about 8 minutes each)
   study=config/gpu-2xh200-placement.yaml

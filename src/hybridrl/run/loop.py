@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import signal
 import time
@@ -30,7 +29,6 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hybridrl import atomic
 from hybridrl.engines import make_engine
 from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling, stream_flags
 from hybridrl.engines.client_ceiling import client_headroom_ok, run_ceiling
@@ -39,6 +37,7 @@ from hybridrl.run import request_records
 from hybridrl.run.barrier import StartBarrier
 from hybridrl.run.checks import Canary, asleep_memory_gate, gap_limits, logprob_gate, model_family
 from hybridrl.run.overlap import AheadRollouts, InFlight, overlap_s
+from hybridrl.run.phase_file import PhaseFile
 from hybridrl.run.placement import ADAPTER_NAME, Placement, make_placement
 from hybridrl.run.provenance import collect
 from hybridrl.run.provenance import write as write_provenance
@@ -74,11 +73,8 @@ class RunPaths:
 
     @property
     def phase(self) -> Path:
-        """The step and phase the run is in now, rewritten as each phase starts (fault runs wait on it)."""
+        """Where the run is now (run/phase_file.py; fault runs wait on it)."""
         return self.root / "phase.json"
-
-    def write_phase(self, step: int, name: str) -> None:
-        atomic.write_text(self.phase, json.dumps({"step": step, "phase": name, "pid": os.getpid()}))
 
     def requests(self, step: int) -> Path:
         return request_records.path(self.root, step)
@@ -103,6 +99,7 @@ class RunContext:
     sampler: MemorySampler
     paths: RunPaths
     engine_adapter_step: int = 0  # the step whose adapter the engine holds (0: the base model)
+    phase: PhaseFile | None = None  # phase.json, told every phase and every rollout ahead
     ahead: AheadRollouts = field(default_factory=AheadRollouts)  # overlap: the next step's rollout in flight
     test_problems: list[dict[str, Any]] | None = None  # the fixed eval slice (eval_every > 0)
 
@@ -179,8 +176,10 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
         write_provenance(paths.root / "provenance.json", collect(run, engine.describe()))
         canary = Canary(tokenizer, paths.canary)
         canary.record_baseline(engine)
+        phase = PhaseFile(paths.phase)
         ctx = RunContext(run, run_id, problems, tokenizer, engine, trainer, placement, canary, sampler, paths,
-                         test_problems=test_problems, engine_adapter_step=first_step - 1)
+                         phase=phase, ahead=AheadRollouts(phase.ahead), test_problems=test_problems,
+                         engine_adapter_step=first_step - 1)
         waited_s = barrier.wait(run_id, console.print) if barrier else None
         records = list(done)
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -249,7 +248,7 @@ class Trained:
 
 def one_step(ctx: RunContext, step: int) -> dict[str, Any]:
     """One step, as the list of its parts; returns its record."""
-    t = Timings(on_phase=lambda name: ctx.paths.write_phase(step, name))
+    t = Timings(on_phase=(lambda name: ctx.phase.enter(step, name)) if ctx.phase else None)
     recovery = EngineRecovery(ctx.run, ctx.engine, t, ctx.sampler)
     t0 = time.perf_counter()
     ctx.sampler.take()  # memory of this step only

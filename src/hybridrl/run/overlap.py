@@ -9,6 +9,7 @@ run split placements this way.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -40,9 +41,14 @@ class InFlight:
 class AheadRollouts:
     """Starts a step's rollout in a background thread; one at a time (the engine's batch is the step's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[int | None], None] | None = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead")
         self.pending: InFlight | None = None
+        self._on_change = on_change  # told the step of a rollout as it starts ahead, and None when it ends
+
+    def _tell(self, step: int | None) -> None:
+        if self._on_change is not None:
+            self._on_change(step)
 
     def start(self, engine: Engine, step: int, requests: list[Request], answers: list[str],
               adapter_step: int) -> InFlight:
@@ -53,7 +59,9 @@ class AheadRollouts:
                 return engine.generate(requests)
             finally:
                 flight.ended = time.perf_counter()
+                self._tell(None)
 
+        self._tell(step)
         flight.future = self._pool.submit(run)
         self.pending = flight
         return flight

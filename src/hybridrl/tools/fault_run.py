@@ -3,11 +3,13 @@
     python -m hybridrl fault-run --out fault.json --kill-engine-at 2 --term-at 4 -- \\
         python -m hybridrl train --run-config cfg.json ... --out RUN_DIR --done RUN_DIR/done.json
 
-The run's RUN_DIR/phase.json says which step and phase it is in (loop.RunPaths.write_phase). At step
-`--kill-engine-at`'s rollout (`gen`) every process group the run started (its engine) is sent SIGKILL: the
-loop must start the engine again and count it. At step `--term-at`'s `update_actor` the run gets SIGTERM, as
-SLURM preemption sends: it must stop and then, started again with the same command, resume from its last
-completed step. At the end no process the run started may be left, on the host or on a GPU.
+The run's RUN_DIR/phase.json says which step and phase it is in, and which step's rollout runs ahead
+(run/phase_file.py). During step `--kill-engine-at`'s rollout (its `gen`, or with overlap its rollout running
+ahead while the step before trains) every process group the run started (its engine) is sent SIGKILL: the
+loop must start the engine again, count it and roll that step out again. At step `--term-at`'s
+`update_actor` the run gets SIGTERM, as SLURM preemption sends: it must stop and then, started again with the
+same command, resume from its last completed step. At the end no process the run started may be left, on the
+host or on a GPU.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rich.console import Console
 
 from hybridrl import atomic
 from hybridrl.proc import descendants, stat_fields
+from hybridrl.run import phase_file
 from hybridrl.run.telemetry import read_records
 
 console = Console(stderr=True)
@@ -66,12 +69,13 @@ def _alive(pid: int) -> bool:
     return fields is not None and fields[0] != "Z"  # a zombie holds nothing; its parent has not reaped it yet
 
 
-def _phase(run_dir: Path) -> tuple[int, str] | None:
-    try:
-        p = json.loads((run_dir / "phase.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return int(p["step"]), str(p["phase"])
+def _rollout_of(where: dict[str, Any], step: int) -> str | None:
+    """Where step `step`'s rollout is running now, in words; None when it is not."""
+    if where.get("ahead") == step:
+        return f"step {step} rollout, running ahead in step {where['step']} {where['phase']}"
+    if where.get("step") == step and where.get("phase") == "gen":
+        return f"step {step} gen"
+    return None
 
 
 def _gpu_pids() -> list[int]:
@@ -108,14 +112,16 @@ def _one_start(cmd: list[str], run_dir: Path, report: FaultReport, seen: set[int
     try:
         while proc.poll() is None:
             seen.update(_children(proc.pid))
-            where = _phase(run_dir)
-            if where and report.kill_engine_at == where[0] and where[1] == "gen" and report.killed_in is None:
+            where = phase_file.read(run_dir / "phase.json") or {}
+            rollout = _rollout_of(where, report.kill_engine_at) if report.kill_engine_at is not None else None
+            if rollout and report.killed_in is None:
                 _kill_engine(proc, report)
-                report.killed_in = f"step {where[0]} {where[1]}"
+                report.killed_in = rollout
                 hit = report.engine_killed or "no engine"
                 console.print(f"[yellow]fault-run: SIGKILL to {hit} in {report.killed_in}")
-            if where and report.term_at == where[0] and where[1] == "update_actor" and report.termed_in is None:
-                report.termed_in = f"step {where[0]} {where[1]}"
+            training = where.get("step") == report.term_at and where.get("phase") == "update_actor"
+            if training and report.termed_in is None:
+                report.termed_in = f"step {report.term_at} update_actor"
                 console.print(f"[yellow]fault-run: SIGTERM to the run in {report.termed_in}")
                 proc.send_signal(signal.SIGTERM)
             time.sleep(POLL_S)

@@ -258,6 +258,37 @@ def test_a_live_engine_that_refuses_an_adapter_fails_the_run(assets, tmp_path):
     assert engine.starts == 1  # not restarted: the engine is up and said no
 
 
+def test_the_kv_gate_holds_each_engine_process_to_its_own_start(assets, tmp_path):
+    class Shrinks(ScriptedEngine):
+        """Started again, it finds less memory free (the trainer's state beside it) and sizes a smaller cache;
+        `leak_at` makes one transition (split's adapter load) lose capacity in the same process."""
+
+        def __init__(self, die_at=None, leak_at=None):
+            super().__init__(die_at=die_at)
+            self.capacity, self.leak_at, self.loads = 4096, leak_at, 0
+
+        def start(self, adapter=None):
+            self.capacity = 4096 if self.starts == 0 else 3000
+            return super().start(adapter)
+
+        def load_adapter(self, name, path):
+            self.loads += 1
+            if self.loads == self.leak_at:
+                self.capacity -= 500
+            super().load_adapter(name, path)
+
+        def kv_capacity_tokens(self):
+            return self.capacity
+
+    restarted = run_loop(_run(steps=3), "r-kv", assets / "model", assets / "data", tmp_path / "kv", {},
+                         progress=False, engine=Shrinks(die_at=2))
+    assert [r["mem/kv_capacity_tokens"] for r in restarted] == [4096, 3000, 3000]  # the drop is on record
+    assert [r["check/kv_capacity_ok"] for r in restarted] == [True, True, True]
+    leaky = run_loop(_run(steps=3), "r-kv2", assets / "model", assets / "data", tmp_path / "kv2", {},
+                     progress=False, engine=Shrinks(leak_at=2))
+    assert [r["check/kv_capacity_ok"] for r in leaky] == [True, False, False]
+
+
 def test_engine_failing_every_retry_stops_the_run(assets, tmp_path):
     class AlwaysDies(ScriptedEngine):
         def generate(self, requests, progress=False, shared_pool=False):

@@ -35,15 +35,22 @@ class Canary:
         return out
 
     def record_baseline(self, engine: Engine) -> None:
+        self.engine_started(engine)
         if self.path.exists():  # a resumed run compares against the original step-0 answer
             saved = json.loads(self.path.read_text())
             self.base = Completion(token_ids=saved["token_ids"], logprobs=saved["logprobs"])
-            self.kv_capacity = saved.get("kv_capacity_tokens")
             return
         self.base = self._probe(engine, None)
-        self.kv_capacity = engine.kv_capacity_tokens()
         write_text(self.path, json.dumps({"token_ids": self.base.token_ids, "logprobs": self.base.logprobs,
                                           "kv_capacity_tokens": self.kv_capacity}))
+
+    def engine_started(self, engine: Engine) -> None:
+        """The KV capacity of an engine process right after its start, which its later readings are held to.
+        An engine started again (a restart, a resume) sizes its cache from the memory it finds free then: on a GPU
+        shared with the trainer, SGLang restarted beside the trainer's optimizer state got 23% less
+        (results/reference/2026-11-25-h200-overlap1). That shows in mem/kv_capacity_tokens; the gate asks whether
+        transitions keep an engine's own capacity."""
+        self.kv_capacity = engine.kv_capacity_tokens()
 
     def check(self, engine: Engine, adapter_loaded: bool) -> dict[str, Any]:
         base_now = self._probe(engine, None)

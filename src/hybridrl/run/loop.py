@@ -249,7 +249,8 @@ class Trained:
 def one_step(ctx: RunContext, step: int) -> dict[str, Any]:
     """One step, as the list of its parts; returns its record."""
     t = Timings(on_phase=(lambda name: ctx.phase.enter(step, name)) if ctx.phase else None)
-    recovery = EngineRecovery(ctx.run, ctx.engine, t, ctx.sampler)
+    recovery = EngineRecovery(ctx.run, ctx.engine, t, ctx.sampler,
+                              on_start=lambda: ctx.canary.engine_started(ctx.engine))
     t0 = time.perf_counter()
     ctx.sampler.take()  # memory of this step only
     rollout = generate(ctx, step, t, recovery)
@@ -286,9 +287,9 @@ def start_next_rollout(ctx: RunContext, step: int, t: Timings) -> InFlight | Non
     """overlap: the next step's rollout starts now, against the adapter the engine holds, while the trainer trains."""
     if not ctx.run.overlap or step >= ctx.run.steps:
         return None
-    with t.phase("prepare", ctx.sampler):
+    with t.phase("prepare", ctx.sampler):  # starting the thread (and telling phase.json) is part of it
         requests, answers = step_requests(ctx.problems, ctx.run, step + 1, ctx.tokenizer, ctx.engine_adapter_step)
-    return ctx.ahead.start(ctx.engine, step + 1, requests, answers, ctx.engine_adapter_step)
+        return ctx.ahead.start(ctx.engine, step + 1, requests, answers, ctx.engine_adapter_step)
 
 
 def concurrency(t: Timings, t0: float, rollout: Rollout, ahead: InFlight | None,
@@ -461,8 +462,10 @@ class EngineRecovery:
     """One step's engine restarts: an engine found dead is started again with the newest adapter, at most
     run.retries times a step; each counts in errors/engine_restarts and its time in timing_s/recover."""
 
-    def __init__(self, run: RunConfig, engine: Engine, t: Timings, sampler: MemorySampler) -> None:
+    def __init__(self, run: RunConfig, engine: Engine, t: Timings, sampler: MemorySampler,
+                 on_start: Callable[[], None] | None = None) -> None:
         self.run, self.engine, self.t, self.sampler = run, engine, t, sampler
+        self.on_start = on_start  # told after each restart, the engine up again
         self.restarts = 0
 
     def restart(self, adapter: Path | None, exc: EngineError) -> None:
@@ -475,6 +478,8 @@ class EngineRecovery:
         with self.t.phase("recover", self.sampler):
             self.engine.stop()
             self.engine.start((ADAPTER_NAME, adapter) if adapter else None)
+            if self.on_start is not None:
+                self.on_start()
 
     def generate(self, requests: list[Request], adapter: Path | None) -> list[Completion]:
         """The rollout (timing_s/gen); a dead or broken engine is restarted and the rollout retried."""

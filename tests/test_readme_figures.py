@@ -39,11 +39,21 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
                  "2026-11-25-h200-hfrounds", "2026-11-25-h200-moerounds", "2026-11-25-h200-moepermute",
                  "2026-11-25-h200-moegathers", "2026-11-25-h200-moeexport", "2026-11-25-h200-syncfree",
                  "2026-11-25-h200-syncfree2", "2026-11-25-h200-hfexport", "2026-11-25-h200-asyncstate",
-                 "2026-11-25-h200-exportprofile", "2026-11-25-h200-exportstage",
+                 "2026-11-25-h200-exportprofile", "2026-11-25-h200-exportstage", "2026-11-25-h200-overlap1",
                  "2026-11-24-h200-timingcost2"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
     for name in ("2026-11-24-h200-faults", "2026-11-24-h200-trainermoe"):
         assert marked[f"results/reference/{name}/README.md"] >= 2, name
+
+
+def test_a_span_in_decimals_and_a_whole_configuration_id_that_starts_another() -> None:
+    study = "results/reference/2026-11-25-h200-overlap1"
+    # sglang-overlap-<hash> is the start of sglang-overlap-fault-... and -megatron-...: the whole id names one
+    with pytest.raises(ValueError, match="matches 3 configurations"):
+        figures.evaluate(f"median {study} sglang-overlap timing_s/step")
+    assert figures.evaluate(f"span {study} sglang-overlap-fault-c90a03d3 mem/kv_capacity_tokens 1 6 d0") == \
+        "486028–631573"  # the restart's smaller cache, then the resumed engine's
+    assert figures.evaluate(f"span {study} sglang-overlap-cc905499 timing_s/overlap 6 6 d1") == "0.0–0.0"
 
 
 def test_a_figure_that_disagrees_with_the_data_fails() -> None:

@@ -143,6 +143,19 @@ def test_runs_name_their_machine_by_boot_id_and_a_pair_from_two_machines_says_so
     assert "recorded by different machines (boot ids): 1a2b3c4d (SGLang) vs 99990000" in h.caveats
 
 
+def test_a_split_run_that_saw_one_gpu_counts_one_and_its_pair_says_the_gpus_were_shared() -> None:
+    own = [headline_run(f"{e}-split-{i}", e, placement="split").assign(tp=1, train_gpus=1, gpu_count=2)
+           for e, i in (("sglang", "aaaa1111"), ("vllm", "bbbb2222"))]
+    df = headline_study(*own)
+    assert set(df["cost/gpus"]) == {2.0}
+    [h] = headlines(df)
+    assert not any("fewer GPUs" in c for c in h.caveats)
+    df = headline_study(own[0].assign(gpu_count=1), own[1])
+    assert set(df.loc[df["engine"] == "sglang", "cost/gpus"]) == {1.0}  # one GPU held, not two
+    [h] = headlines(df)
+    assert any(c.startswith("split on fewer GPUs than it asks for (SGLang)") for c in h.caveats)
+
+
 def test_readme_verdict_and_bench_figures_come_from_the_committed_data() -> None:
     from hybridrl.report.figures import evaluate
 

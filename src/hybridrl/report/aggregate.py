@@ -18,6 +18,8 @@ from hybridrl.study.run_config import split_replicate
 # the share of each GPU the engine was given, which sets most of its memory, and what a colocated engine gives
 # back while the trainer runs (SGLang: kv_cache keeps the weights resident; vLLM level 1 moves them to CPU)
 PROVENANCE = ["git_commit", "gpu", "machine", "sglang_release", "device"]
+# how many GPUs the run could see: a split run that saw fewer than it asks for put its engine on the trainer's GPU
+SEEN = ["gpu_count"]
 # the GPUs a run held (train_tp, train_gpus), its rollouts per step, its warm-up and its rollout client (which
 # requests are streamed, through which pool) come from its run config too
 CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "sglang_retain_cpu_backup", "train_tp", "train_gpus",
@@ -28,7 +30,7 @@ DERIVED_STRINGS = ["config_id", "release", "client"]
 COST = ["cost/gpus", "cost/tok_s_per_gpu", "cost/gpu_s_per_step", "cost/gpu_h_per_1k_rollouts"]
 DERIVED = [*DERIVED_STRINGS, "replicate", *COST]
 # The record's keys (hybridrl.run.record), then what each run's provenance adds, then what is derived from both
-KNOWN = [*record.RECORD_KEYS, *PROVENANCE, *CONFIGURED, *DERIVED]
+KNOWN = [*record.RECORD_KEYS, *PROVENANCE, *SEEN, *CONFIGURED, *DERIVED]
 STRINGS = [*record.STRINGS, *PROVENANCE, *DERIVED_STRINGS]
 BOOLS = list(record.BOOLS)
 NUMBERS = [c for c in KNOWN if c not in STRINGS and c not in BOOLS]
@@ -89,13 +91,13 @@ def provenance_fields(prov: dict[str, Any] | None) -> dict[str, Any]:
     """The commit, the GPU name, the machine (its boot id's start) and the engine's memory settings a run
     recorded; None where unknown."""
     if prov is None:
-        return dict.fromkeys(PROVENANCE + CONFIGURED)
+        return dict.fromkeys(PROVENANCE + SEEN + CONFIGURED)
     devices = (prov.get("gpu") or {}).get("devices") or []
     names = sorted({d.get("name") for d in devices if d.get("name")})
     recorded = prov.get("run_config") or {}  # as that run wrote it: older runs may lack a key
     boot = (prov.get("host") or {}).get("boot_id")  # recorded since 2026-11-23: which machine (and boot) ran it
     return {"git_commit": commit_label(prov.get("git") or {}), "gpu": " + ".join(names) or None,
-            "machine": boot[:8] if isinstance(boot, str) and boot else None,
+            "machine": boot[:8] if isinstance(boot, str) and boot else None, "gpu_count": len(devices) or None,
             **{k: recorded.get(k) for k in ["sglang_release", "device"] + CONFIGURED}}
 
 
@@ -135,7 +137,8 @@ def rollout_client(engine: Any, stream_fraction: Any, shared_pool: Any) -> str |
 
 def run_gpus(row: pd.Series) -> float:
     """GPUs a run held: colocate and restart share the engine's TP GPUs with the trainer (Megatron may span
-    more); split adds the trainer's own GPUs (engines/gpus.py: split_engine_devices). NaN on CPU runs."""
+    more); split adds the trainer's own GPUs (engines/gpus.py: split_engine_devices), as far as the run saw that
+    many (with fewer, the engine shared the trainer's). NaN on CPU runs."""
     def text(key: str) -> str:
         return "" if _missing(row.get(key)) else str(row[key])
 
@@ -144,8 +147,17 @@ def run_gpus(row: pd.Series) -> float:
     tp = float(row["tp"])
     train_tp = 1.0 if _missing(row.get("train_tp")) or text("trainer") != "megatron" else float(row["train_tp"])
     if text("placement") == "split":
-        return tp + (1.0 if _missing(row.get("train_gpus")) else float(row["train_gpus"]))
+        wanted = tp + (1.0 if _missing(row.get("train_gpus")) else float(row["train_gpus"]))
+        return wanted if _missing(row.get("gpu_count")) else min(wanted, float(row["gpu_count"]))
     return max(tp, train_tp)
+
+
+def shared_split(row: pd.Series) -> bool:
+    """A split run that saw fewer GPUs than its engine and trainer ask for: they shared one."""
+    if str(row.get("placement")) != "split" or _missing(row.get("gpu_count")) or _missing(row.get("tp")):
+        return False
+    train = 1.0 if _missing(row.get("train_gpus")) else float(row["train_gpus"])
+    return float(row["gpu_count"]) < float(row["tp"]) + train
 
 
 def derive(df: pd.DataFrame) -> pd.DataFrame:

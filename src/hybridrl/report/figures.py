@@ -53,8 +53,10 @@ def _json(path: str) -> Any:
 
 
 def _config(df: pd.DataFrame, name: str) -> pd.DataFrame:
-    ids = sorted({c for c in df["config_id"].dropna() if str(c).startswith(name + "-")})
-    # the id's readable part must end where the name does: the rest is the model and the hash
+    ids = sorted({str(c) for c in df["config_id"].dropna() if str(c) == name or str(c).startswith(name + "-")})
+    # the id's readable part must end where the name does: the rest is the model and the hash; a whole id names
+    # its configuration even where it is the start of another's (sglang-overlap-<hash>, sglang-overlap-fault-...)
+    ids = [name] if name in ids else ids
     if len(ids) != 1:
         raise ValueError(f"{name!r} matches {len(ids)} configurations ({', '.join(ids) or 'none'})")
     return df[df["config_id"] == ids[0]]
@@ -260,11 +262,20 @@ def records(study: str) -> str:
     return str(len(_table(study)))
 
 
-def span(study: str, name: str, column: str, first: str = "1", last: str = "1000") -> str:
-    """min–max of the column over steps first..last of the configuration (every step, warm-up too), in k."""
+def _range_text(lo: float, hi: float, unit: str) -> str:
+    """lo–hi in thousands ('12.3k–15.0k', unit k), whole numbers (unit 1) or with N decimals (unit dN)."""
+    if unit == "k":
+        return f"{lo / 1000:.1f}k–{hi / 1000:.1f}k"
+    digits = int(unit[1:]) if unit.startswith("d") and unit[1:].isdigit() else 0
+    return f"{lo:.{digits}f}–{hi:.{digits}f}"
+
+
+def span(study: str, name: str, column: str, first: str = "1", last: str = "1000", unit: str = "k") -> str:
+    """min–max of the column over steps first..last of the configuration (every step, warm-up too), in k (or
+    unit 1, dN: see _range_text)."""
     df = _config(_table(study), name)
-    values = _column(df, study, column)[(df["step"] >= int(first)) & (df["step"] <= int(last))]
-    return f"{values.min() / 1000:.1f}k–{values.max() / 1000:.1f}k"
+    values = _column(df, study, column)[(df["step"] >= int(first)) & (df["step"] <= int(last))].dropna()
+    return _range_text(values.min(), values.max(), unit)
 
 
 def between(study: str, name: str, column: str, lo: str, hi: str) -> str:
@@ -308,11 +319,7 @@ def repeats(path: str, which: str, field: str, unit: str = "k") -> str:
     """min–max of one field over a bench JSON's repeats of one path (raw, client, stream_all, old_client):
     in thousands ('12.3k–15.0k', unit k), whole numbers (unit 1) or with N decimals (unit dN: '0.12–0.34')."""
     values = _repeat_values(path, which, field)
-    lo, hi = min(values), max(values)
-    if unit == "k":
-        return f"{lo / 1000:.1f}k–{hi / 1000:.1f}k"
-    digits = int(unit[1:]) if unit.startswith("d") and unit[1:].isdigit() else 0
-    return f"{lo:.{digits}f}–{hi:.{digits}f}"
+    return _range_text(min(values), max(values), unit)
 
 
 def _column(df: pd.DataFrame, study: str, column: str) -> pd.Series:

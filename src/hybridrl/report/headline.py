@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 
 from hybridrl.report import conditions, stats, wording
+from hybridrl.report.aggregate import shared_split
 
 SGLANG = "sglang"
 VLLM_VARIANTS = {"vllm": "vLLM server", "vllm-inprocess": "vLLM in-process"}
@@ -200,6 +201,10 @@ def caveats(sglang: pd.Series, vllm: pd.Series) -> tuple[str, ...]:
         out.append("SGLang pinned its CPU copy of the weights anew on every sleep and freed it on every wake "
                    "(torch_memory_saver's default), while vLLM reused its pinned buffers: sleep, wake and step "
                    "time follow that setting more than the engines (sglang_retain_cpu_backup)")
+    shared = [name for name, run in (("SGLang", sglang), ("vLLM", vllm)) if shared_split(run)]
+    if shared:
+        out.append(f"split on fewer GPUs than it asks for ({' and '.join(shared)}): the engine shared the trainer's "
+                   "GPU and competed with it for the SMs, so this compares neither placements nor engines")
     # both engines reserve their share of the GPU up front (weights, KV cache, graphs), so peak memory
     # mostly reports that configured share: an engine "using less" may only have been given less
     a, b = sglang.get("gpu_memory_utilization"), vllm.get("gpu_memory_utilization")

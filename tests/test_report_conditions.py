@@ -156,6 +156,16 @@ def test_a_split_run_that_saw_one_gpu_counts_one_and_its_pair_says_the_gpus_were
     assert any(c.startswith("split on fewer GPUs than it asks for (SGLang)") for c in h.caveats)
 
 
+def test_a_pair_whose_engine_was_restarted_mid_run_says_where() -> None:
+    plain = headline_run("sglang-colocate-aaaa1111", "sglang"), headline_run("vllm-colocate-bbbb2222", "vllm")
+    [h] = headlines(headline_study(*plain))
+    assert not any("started again" in c for c in h.caveats)
+    hit = plain[1].assign(**{"errors/engine_restarts": [0, 0, 1] + [0] * 7})
+    [h] = headlines(headline_study(plain[0], hit))
+    assert "vLLM server's engine was started again mid-run 1 time(s) (step 3; errors/engine_restarts): those steps " \
+           "include the restart" in h.caveats
+
+
 def test_readme_verdict_and_bench_figures_come_from_the_committed_data() -> None:
     from hybridrl.report.figures import evaluate
 

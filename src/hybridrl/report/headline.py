@@ -170,10 +170,25 @@ def headlines(df: pd.DataFrame) -> list[Headline]:
                 key = {k: runs.at[s, k] for k in PAIR_KEY}
                 release = runs.at[s, "release"] if "release" in runs.columns else None
                 order_note = conditions.order_caveat(wins, s, v, "SGLang", VLLM_VARIANTS[variant])
-                notes = caveats(runs.loc[s], runs.loc[v]) + ((order_note,) if order_note else ())
+                notes = (caveats(runs.loc[s], runs.loc[v]) + ((order_note,) if order_note else ())
+                         + restart_caveats(df, {"SGLang": s, VLLM_VARIANTS[variant]: v}))
                 out.append(Headline(placement, variant, s, v, key, rows, label, notes,
                                     "" if pd.isna(release) else str(release)))
     return out
+
+
+def restart_caveats(df: pd.DataFrame, sides: dict[str, str]) -> tuple[str, ...]:
+    """A side whose engine was started again mid-run (a crash, a fault run): its restarts and the steps that paid
+    for them, which a steady-state median may or may not leave out."""
+    out = []
+    for name, config in sides.items():
+        rows = df[df["config_id"] == config]
+        counts = pd.to_numeric(rows.get("errors/engine_restarts"), errors="coerce").fillna(0)
+        if counts.sum() > 0:
+            steps = ", ".join(str(int(x)) for x in rows.loc[counts > 0, "step"])
+            out.append(f"{name}'s engine was started again mid-run {int(counts.sum())} time(s) (step {steps}; "
+                       "errors/engine_restarts): those steps include the restart")
+    return tuple(out)
 
 
 def caveats(sglang: pd.Series, vllm: pd.Series) -> tuple[str, ...]:

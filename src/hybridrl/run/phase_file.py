@@ -17,6 +17,8 @@ from hybridrl import atomic
 
 
 class PhaseFile:
+    """The run's phase.json, rewritten whole on every change (an atomic rename, so a reader never sees half)."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()

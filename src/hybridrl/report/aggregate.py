@@ -147,17 +147,21 @@ def run_gpus(row: pd.Series) -> float:
     tp = float(row["tp"])
     train_tp = 1.0 if _missing(row.get("train_tp")) or text("trainer") != "megatron" else float(row["train_tp"])
     if text("placement") == "split":
-        wanted = tp + (1.0 if _missing(row.get("train_gpus")) else float(row["train_gpus"]))
+        wanted = _split_gpus(row)
         return wanted if _missing(row.get("gpu_count")) else min(wanted, float(row["gpu_count"]))
     return max(tp, train_tp)
+
+
+def _split_gpus(row: pd.Series) -> float:
+    """What a split run asks for: the engine's TP GPUs and the trainer's own."""
+    return float(row["tp"]) + (1.0 if _missing(row.get("train_gpus")) else float(row["train_gpus"]))
 
 
 def shared_split(row: pd.Series) -> bool:
     """A split run that saw fewer GPUs than its engine and trainer ask for: they shared one."""
     if str(row.get("placement")) != "split" or _missing(row.get("gpu_count")) or _missing(row.get("tp")):
         return False
-    train = 1.0 if _missing(row.get("train_gpus")) else float(row["train_gpus"])
-    return float(row["gpu_count"]) < float(row["tp"]) + train
+    return float(row["gpu_count"]) < _split_gpus(row)
 
 
 def derive(df: pd.DataFrame) -> pd.DataFrame:

@@ -98,10 +98,13 @@ class RunContext:
     canary: Canary
     sampler: MemorySampler
     paths: RunPaths
+    phase: PhaseFile  # phase.json, told every phase and every rollout ahead
     engine_adapter_step: int = 0  # the step whose adapter the engine holds (0: the base model)
-    phase: PhaseFile | None = None  # phase.json, told every phase and every rollout ahead
-    ahead: AheadRollouts = field(default_factory=AheadRollouts)  # overlap: the next step's rollout in flight
+    ahead: AheadRollouts = field(init=False)  # overlap: the next step's rollout in flight, told to phase.json
     test_problems: list[dict[str, Any]] | None = None  # the fixed eval slice (eval_every > 0)
+
+    def __post_init__(self) -> None:
+        self.ahead = AheadRollouts(self.phase.ahead)
 
 
 def step_requests(problems: list[dict[str, Any]], run: RunConfig, step: int, tokenizer: Any,
@@ -176,10 +179,8 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
         write_provenance(paths.root / "provenance.json", collect(run, engine.describe()))
         canary = Canary(tokenizer, paths.canary)
         canary.record_baseline(engine)
-        phase = PhaseFile(paths.phase)
         ctx = RunContext(run, run_id, problems, tokenizer, engine, trainer, placement, canary, sampler, paths,
-                         phase=phase, ahead=AheadRollouts(phase.ahead), test_problems=test_problems,
-                         engine_adapter_step=first_step - 1)
+                         PhaseFile(paths.phase), test_problems=test_problems, engine_adapter_step=first_step - 1)
         waited_s = barrier.wait(run_id, console.print) if barrier else None
         records = list(done)
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -248,7 +249,7 @@ class Trained:
 
 def one_step(ctx: RunContext, step: int) -> dict[str, Any]:
     """One step, as the list of its parts; returns its record."""
-    t = Timings(on_phase=(lambda name: ctx.phase.enter(step, name)) if ctx.phase else None)
+    t = Timings(on_phase=lambda name: ctx.phase.enter(step, name))
     recovery = EngineRecovery(ctx.run, ctx.engine, t, ctx.sampler,
                               on_start=lambda: ctx.canary.engine_started(ctx.engine))
     t0 = time.perf_counter()

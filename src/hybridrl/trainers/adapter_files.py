@@ -101,6 +101,7 @@ def write_adapter_dir(out_dir: Path, weights: dict[str, torch.Tensor], config: d
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
 
+
 class StateWriter:
     """Writes a step's optimizer state (host tensors) into its adapter dir on a thread of its own, atomically.
 

@@ -92,8 +92,8 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     assert bad.returncode == 2
     plans = ("asyncstate client exportstage exportviews faults full hfexport hffused hfrounds learnentropy "
              "learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm moe2full moe4 moe4full moepermute moerounds "
-             "overlap1 packing placement placementlong rest rest4 soak syncfree syncfree2 timed timingcost trainer "
-             "trainerfast trainerfuse trainerloop trainermoe verdict verdictkv verdictpin verdictwarm")
+             "overlap1 packing placement placement1 placementlong rest rest4 soak syncfree syncfree2 timed timingcost "
+             "trainer trainerfast trainerfuse trainerloop trainermoe verdict verdictkv verdictpin verdictwarm")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
@@ -290,6 +290,19 @@ def test_one_gpu_overlap_plan_runs_each_engine_and_trainer_and_hits_the_rollout_
     assert {(r.placement, r.overlap, r.rollout_is) for r in runs} == {("split", 1, "truncate")}
     assert {(r.engine, r.trainer) for r in runs} == {(e, t) for e in ("sglang", "vllm") for t in ("hf", "megatron")}
     assert {r.steps for r in runs} == {6}  # the fault runs' SIGTERM at step 5 needs a step after it
+
+
+def test_one_gpu_placement_plan_interleaves_two_rounds_of_colocate_and_overlap(root: Path) -> None:
+    from hybridrl.study.config import load_study
+
+    arms = ["sglang-colocate", "vllm-colocate", "sglang-overlap", "vllm-overlap"]
+    assert _one_lane_plan(root, "gpu-h200-placement1", "placement1") == [
+        *(f"train {a} on GPU 0" for a in arms), *(f"train {a}-r2 on GPU 0" for a in arms)]
+    runs = load_study(REPO / "config" / "gpu-h200-placement1.yaml").runs
+    assert {(r.placement, r.overlap) for r in runs.values()} == {("colocate", 0), ("split", 1)}
+    # like for like: the engine's share of the GPU, and so its KV cache, is the same in both placements
+    assert {r.gpu_memory_utilization for r in runs.values()} == {0.5}
+    assert len(runs) == 4 * 2  # every item names a run the study writes
 
 
 def test_soak_plan_runs_each_engine_for_fifty_steps_one_after_another(root: Path) -> None:

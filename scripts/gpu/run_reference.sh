@@ -605,6 +605,14 @@ plan_overlap1() {
 train sglang-overlap-megatron;train vllm-overlap-megatron"
 }
 
+plan_placement1() {
+  # issue 18's placement question on one GPU (config/gpu-h200-placement1.yaml): per engine, colocate (taking turns,
+  # everything released) against overlap (both resident, step k+1's rollout beside step k's training), two
+  # replicates interleaved round by round, one run at a time; about 22 minutes with each engine's first start
+  study=config/gpu-h200-placement1.yaml
+  one_lane "$(interleave 2 sglang-colocate vllm-colocate sglang-overlap vllm-overlap)"
+}
+
 plan_placementlong() {
   # issue 18's drift runs: 30 overlapped steps per engine, one after the other (about 8 minutes each)
   study=config/gpu-2xh200-placement.yaml

@@ -21,9 +21,10 @@ PROVENANCE = ["git_commit", "gpu", "machine", "sglang_release", "device"]
 # how many GPUs the run could see: a split run that saw fewer than it asks for put its engine on the trainer's GPU
 SEEN = ["gpu_count"]
 # the GPUs a run held (train_tp, train_gpus), its rollouts per step, its warm-up and its rollout client (which
-# requests are streamed, through which pool) come from its run config too
+# requests are streamed, through which pool) and how far its rollouts may run ahead of training (overlap) come
+# from its run config too
 CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "sglang_retain_cpu_backup", "train_tp", "train_gpus",
-              "prompts_per_step", "group_size", "warmup_steps", "stream_fraction", "shared_pool"]
+              "prompts_per_step", "group_size", "warmup_steps", "stream_fraction", "shared_pool", "overlap"]
 # Made here from the columns above: which configuration a replicate belongs to, what a colocated engine
 # releases on sleep (the arm), which rollout client it went through, and cost per GPU (cost_columns)
 DERIVED_STRINGS = ["config_id", "release", "client"]

@@ -109,7 +109,7 @@ def sentence(row: Row, vllm: str) -> str:
     return wording.conclusion(m.name, "SGLang", vllm, est, n_s, n_v, True, m.better, m.worse)
 
 
-def _pairable(key: str, a: Any, b: Any) -> bool:
+def pairable(key: str, a: Any, b: Any) -> bool:
     """Whether two configurations agree on a PAIR_KEY field. In-process vLLM has no HTTP client, so its client
     is only the share of requests streamed: it pairs with an HTTP engine's client that streams the same share."""
     if key == "client" and isinstance(a, str) and isinstance(b, str) and (", " in a) != (", " in b):
@@ -161,7 +161,7 @@ def headlines(df: pd.DataFrame) -> list[Headline]:
         here = runs[(runs["placement"] == placement).fillna(False).to_numpy(dtype=bool)]
         engines = here["engine"].astype(str)
         pairs = [(s, v) for s, v in product(here.index[engines == SGLANG], here.index[engines == variant])
-                 if all(_pairable(k, runs.at[s, k], runs.at[v, k]) for k in PAIR_KEY)]
+                 if all(pairable(k, runs.at[s, k], runs.at[v, k]) for k in PAIR_KEY)]
         for s, v in pairs:
             found = [compare_metric(m, df[df["config_id"] == s], df[df["config_id"] == v]) for m in METRICS]
             rows = [r for r in found if r is not None]

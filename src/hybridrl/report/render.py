@@ -13,7 +13,7 @@ import jinja2
 import pandas as pd
 
 from hybridrl.engines.client_ceiling import HEADROOM
-from hybridrl.report import client_paths, conditions, headline, learning, machine, stats, trend, wording
+from hybridrl.report import client_paths, conditions, headline, learning, machine, placements, stats, trend, wording
 from hybridrl.report.aggregate import CONFIG_KEY, atomic_path, commit_label, read_provenance
 from hybridrl.report.plots import PLOTS, run_labels
 from hybridrl.run.checks import GAP_LIMITS
@@ -236,6 +236,32 @@ def transitions(df: pd.DataFrame, labels: dict[str, str]) -> dict[str, Any] | No
         tables.append({"moves": moves, "table": table})
     kv_only = any(MOVES.get(c[CONFIG_KEY.index("release")]) == MOVES["kv-only"] for c in cfgs)
     return {"groups": tables, "note": NO_VLLM_KV_ONLY if kv_only else "", "n_comparisons": n}
+
+
+def _ratio_cell(est: stats.Estimate | None) -> Cell:
+    if est is None:
+        return Cell("–")
+    return Cell(wording.ratio_text(est) if math.isfinite(est.lo) else fmt_est(est), "num")
+
+
+def placement_tables(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """Per engine, each placement against its colocated arm: medians of step time, tokens/s per GPU and
+    GPU-seconds per step, their ratios to colocate with intervals, and sentences worded from those intervals."""
+    metrics = placements.METRICS
+    headers = ["placement", *(f"{m.name} ({m.unit})" for m in metrics),
+               *(f"{m.name} / colocate [95% CI]" for m in metrics), "runs × steps", "recorded, against colocate"]
+    out = []
+    for g in placements.groups(df):
+        table = Table(list(headers))
+        for arm in g.arms:
+            table.rows.append([Cell(arm.label), *(Cell(fmt_est(v), "num") for v in arm.values),
+                               *(_ratio_cell(r) for r in arm.ratios), Cell(f"{arm.n[0]} × {arm.n[1]}", "num"),
+                               Cell(arm.recorded)])
+        out.append({"title": f"{g.engine}: placements against colocate",
+                    "shared": ", ".join(f"{k} {_field(v)}" for k, v in g.key.items()), "table": table,
+                    "caveats": list(g.caveats), "conclusions": [c for a in g.arms for c in a.conclusions],
+                    "n_comparisons": sum(r is not None and math.isfinite(r.lo) for a in g.arms for r in a.ratios)})
+    return out
 
 
 def _fmt_change(x: float, kind: str) -> str:
@@ -578,17 +604,19 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
     ratios = ratio_table(df, by_config)
     heads = headline_tables(df)
     moves = transitions(df, by_config)
+    places = placement_tables(df)
     n_ratio = (len(ratios[1].rows) * sum(h.endswith("[95% CI]") for h in ratios[1].headers)) if ratios else 0
     paths = client_paths_table(df, by_config)
     n_paths = len(paths.rows) * len(client_paths.METRICS) if paths else 0
     n_comparisons = (sum(h["n_comparisons"] for h in heads) + (moves["n_comparisons"] if moves else 0) + n_ratio
-                     + n_paths)
+                     + n_paths + sum(p["n_comparisons"] for p in places))
     return {
         "summary": summary(df, title),
         "runs": [{"label": labels[r], "run_id": r} for r in stats.run_order(df)],
         "headlines": heads,
         "comparisons_note": wording.comparisons_note(n_comparisons),
         "transitions": moves,
+        "placements": places,
         "comparison": comparison_table(df, by_config),
         "baseline": ratios[0] if ratios else None,
         "ratios": ratios[1] if ratios else None,

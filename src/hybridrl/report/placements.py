@@ -1,0 +1,127 @@
+"""Placements compared within one engine (issue 18): each placement of an engine against its colocated arm.
+
+The headline tables compare engines within a placement; this compares placements within an engine, which is the
+other half of the study's question. A placement pays for every GPU it holds, so besides step time it is judged by
+the whole step's tokens per GPU and the GPU-seconds a step costs (aggregate.derive), each a ratio of medians with
+its two-level interval over runs and steps (stats.compare). Arms pair only where the engine, trainer, model, seed
+and rollout client match, as the headline's pairs do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from hybridrl.report import conditions, stats, wording
+from hybridrl.report.aggregate import shared_split
+from hybridrl.report.headline import pairable
+
+BASE = "colocate"
+PAIR_KEY = ("engine", "trainer", "model", "seed", "client")
+
+
+@dataclass(frozen=True)
+class Metric:
+    column: str
+    name: str
+    unit: str
+    higher_is_better: bool
+    better: str
+    worse: str
+
+
+METRICS = (
+    Metric("timing_s/step", "Step time", "s", False, "faster", "slower"),
+    Metric("cost/tok_s_per_gpu", "Tokens/s per GPU, whole step", "tok/s", True, "higher", "lower"),
+    Metric("cost/gpu_s_per_step", "GPU-seconds per step", "GPU-s", False, "lower", "higher"),
+)
+
+
+@dataclass(frozen=True)
+class Arm:
+    config_id: str
+    label: str  # the placement as a reader names it: "colocate", "split", "overlapped split (1 step stale)", ...
+    values: tuple[stats.Estimate, ...]  # each metric's median over runs and steps
+    ratios: tuple[stats.Estimate | None, ...]  # each metric against the colocated arm (None for that arm)
+    n: tuple[int, int]  # runs, steady-state steps
+    recorded: str  # against the colocated arm: interleaved, before, after
+    conclusions: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Group:
+    engine: str
+    key: dict[str, Any]
+    arms: tuple[Arm, ...]  # the colocated arm first
+    caveats: tuple[str, ...]
+
+
+def arm_label(run: pd.Series) -> str:
+    """A configuration's placement as a reader names it, from its placement, overlap and the GPUs it saw."""
+    placement = str(run.get("placement"))
+    overlap = pd.to_numeric(run.get("overlap"), errors="coerce")
+    label = (f"overlapped split ({int(overlap)} step{'s' if overlap != 1 else ''} stale)"
+             if placement == "split" and pd.notna(overlap) and overlap > 0 else placement)
+    return label + (", one shared GPU" if shared_split(run) else "")
+
+
+def groups(df: pd.DataFrame) -> list[Group]:
+    """Per engine and pairable colocated configuration: that arm first, then every other placement that pairs
+    with it; engines with no colocated arm, or nothing to set beside it, give no group."""
+    by_id = {c[-1]: c for c in stats.configs(df)}
+    runs = df.drop_duplicates("config_id").set_index("config_id").loc[list(by_id)]
+    steady = stats.steady_state(df)
+    wins = conditions.windows(df)
+    out = []
+    for base in runs.index[(runs["placement"] == BASE).fillna(False).to_numpy(dtype=bool)]:
+        others = [c for c in runs.index if c != base and runs.at[c, "placement"] != BASE
+                  and all(pairable(k, runs.at[base, k], runs.at[c, k]) for k in PAIR_KEY)]
+        if not others:
+            continue
+        arms = tuple(_arm(df, steady, wins, runs, by_id, c, base) for c in (base, *others))
+        engine = str(runs.at[base, "engine"])
+        out.append(Group(engine, {k: runs.at[base, k] for k in PAIR_KEY if k != "engine"}, arms,
+                         _caveats(runs, base, others, wins)))
+    return out
+
+
+def _arm(df: pd.DataFrame, steady: pd.DataFrame, wins: list[conditions.Window], runs: pd.DataFrame,
+         by_id: dict[str, tuple], config: str, base: str) -> Arm:
+    mine, theirs = (steady[steady["config_id"] == c] for c in (config, base))
+    n = (stats.n_runs(mine), len(mine))
+    values = tuple(stats.estimate(mine, m.column) for m in METRICS)
+    if config == base:
+        return Arm(config, arm_label(runs.loc[config]), values, (None,) * len(METRICS), n, "–", ())
+    ratios = tuple(stats.compare(df, m.column, by_id[config], by_id[base]) for m in METRICS)
+    label = arm_label(runs.loc[config])
+    n_base = (stats.n_runs(theirs), len(theirs))
+    said = tuple(wording.conclusion(m.name, label, BASE, r, n, n_base, m.higher_is_better, m.better, m.worse)
+                 for m, r in zip(METRICS, ratios, strict=True))
+    return Arm(config, label, values, ratios, n, conditions.relation(wins, config, base), said)
+
+
+def _caveats(runs: pd.DataFrame, base: str, others: list[str], wins: list[conditions.Window]) -> tuple[str, ...]:
+    """What the group's comparisons could not control: a shared GPU, unequal engine shares, arms not
+    interleaved, and different code or GPUs."""
+    out = []
+    if any(shared_split(runs.loc[c]) for c in others):
+        out.append("a split arm saw fewer GPUs than it asks for: its engine shared the trainer's GPU, so it "
+                   "compares taking turns on one GPU with working side by side on it, not a split onto GPUs of its "
+                   "own")
+    shares = {runs.at[c, "gpu_memory_utilization"] for c in (base, *others)} - {None}
+    shares = {s for s in shares if pd.notna(s)}
+    if len(shares) > 1:
+        out.append(f"the engine was given different shares of its GPU ({', '.join(f'{s:g}' for s in sorted(shares))})"
+                   ", so its KV cache, and what a rollout could batch, differed between arms")
+    for c in others:
+        note = conditions.order_caveat(wins, c, base, arm_label(runs.loc[c]), BASE)
+        if note:
+            out.append(note)
+    for col, what in (("git_commit", "code versions"), ("gpu", "GPU models")):
+        seen = {runs.at[c, col] for c in (base, *others)} if col in runs.columns else set()
+        seen = {s for s in seen if pd.notna(s)}
+        if len(seen) > 1:
+            out.append(f"recorded by different {what}: {', '.join(sorted(map(str, seen)))}")
+    return tuple(out)

@@ -1,0 +1,112 @@
+"""Placements compared within one engine (report/placements.py): each arm against the engine's colocated arm."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from test_report import headline_run, headline_study
+from test_report_conditions import T0, timed
+
+from hybridrl.report import placements
+from hybridrl.report.render import placement_tables
+from hybridrl.report.wording import violations
+
+
+def _run(run_id: str, engine: str, placement: str, step_s: float, start: float, overlap: int = 0,
+         gpu_count: int = 2, seed: int = 0) -> pd.DataFrame:
+    """A run whose steps take about step_s seconds (a little noise, so intervals have width)."""
+    run = timed(headline_run(run_id, engine, placement=placement, trainer="hf", seed=seed), start, step_s)
+    jitter = np.random.default_rng(len(run_id) + seed).normal(0, 0.02 * step_s, len(run))
+    return run.assign(**{"timing_s/step": step_s + jitter}, overlap=overlap, train_gpus=1, gpu_count=gpu_count,
+                      gpu_memory_utilization=0.5)
+
+
+def _study(overlap_s: float, split_s: float | None = None, rounds: int = 2, gpu_count: int = 2,
+           colocate_share: float = 0.5) -> pd.DataFrame:
+    """Per engine, colocate (10 s steps) against overlap (and split), interleaved round by round."""
+    runs, t = [], T0
+    for k in range(1, rounds + 1):
+        suffix = "" if k == 1 else f"-r{k}"
+        for engine in ("sglang", "vllm"):
+            arms = [("colocate", 10.0, 0), ("split", overlap_s, 1)] + ([("split", split_s, 0)] if split_s else [])
+            for placement, step_s, overlap in arms:
+                arm = "overlap" if overlap else placement
+                name = f"{engine}-{arm}-{hashlib.sha1(f'{engine}{arm}'.encode()).hexdigest()[:8]}{suffix}"
+                run = _run(name, engine, placement, step_s, t, overlap, gpu_count, seed=k)
+                if placement == "colocate":
+                    run = run.assign(gpu_memory_utilization=colocate_share)
+                runs.append(run)
+                t += 200
+    return headline_study(*runs)
+
+
+def test_each_engine_sets_its_placements_beside_its_colocated_arm_with_intervals_over_runs() -> None:
+    gs = placements.groups(_study(overlap_s=6.0))
+    assert [g.engine for g in gs] == ["sglang", "vllm"]
+    for g in gs:
+        base, overlap = g.arms
+        assert (base.label, overlap.label) == ("colocate", "overlapped split (1 step stale)")
+        assert base.ratios == (None, None, None) and base.n == (2, 16)
+        step, per_gpu, gpu_s = overlap.ratios
+        # overlap on two GPUs: steps about 0.6x as long, but twice the GPUs held
+        assert step.value == pytest.approx(0.6, rel=0.05) and step.n_runs == 2 and step.excludes(1.0)
+        assert per_gpu.value == pytest.approx(10.0 / 6.0 / 2, rel=0.05) and per_gpu.excludes(1.0)
+        assert gpu_s.value == pytest.approx(1.2, rel=0.05) and gpu_s.excludes(1.0)
+        assert overlap.recorded == "interleaved"
+        said = dict(zip([m.name for m in placements.METRICS], overlap.conclusions, strict=True))
+        assert said["Step time"].startswith("Step time: overlapped split (1 step stale) is faster than colocate")
+        assert said["Tokens/s per GPU, whole step"].startswith(
+            "Tokens/s per GPU, whole step: overlapped split (1 step stale) is lower than colocate")
+        assert said["GPU-seconds per step"].startswith("GPU-seconds per step: overlapped split (1 step stale) is "
+                                                       "higher than colocate")
+        assert not g.caveats  # own GPUs, one engine share, interleaved, one commit
+
+
+def test_arms_that_cannot_be_told_apart_are_worded_so_and_never_ranked() -> None:
+    [g, _] = placements.groups(_study(overlap_s=10.0, gpu_count=1))
+    _, overlap = g.arms
+    assert overlap.label == "overlapped split (1 step stale), one shared GPU"
+    step = overlap.ratios[0]
+    assert step.contains(1.0) and math.isfinite(step.lo)
+    assert "could not be told apart" in overlap.conclusions[0]
+    assert not violations(" ".join(overlap.conclusions))
+    # one GPU shared by engine and trainer: it costs one GPU, and the group says what the arm compares
+    assert overlap.ratios[1].value == pytest.approx(1.0, rel=0.05)
+    assert any(c.startswith("a split arm saw fewer GPUs than it asks for") for c in g.caveats)
+
+
+def test_what_the_comparison_could_not_control_is_a_caveat() -> None:
+    [g, _] = placements.groups(_study(overlap_s=6.0, colocate_share=0.8))
+    assert any(c.startswith("the engine was given different shares of its GPU (0.5, 0.8)") for c in g.caveats)
+    # every overlap run after every colocate run: a drift of the host falls on one arm only
+    df = _study(overlap_s=6.0)
+    late = df["config_id"].str.contains("overlap")
+    df.loc[late, "time_unix"] += 10_000
+    [g, _] = placements.groups(df)
+    assert any(c.startswith("not interleaved: every overlapped split (1 step stale) run was recorded after every "
+                            "colocate run") for c in g.caveats)
+
+
+def test_split_and_overlap_both_pair_and_nothing_pairs_across_engines_seeds_or_without_colocate() -> None:
+    [g, _] = placements.groups(_study(overlap_s=6.0, split_s=8.0))
+    assert [a.label for a in g.arms] == ["colocate", "overlapped split (1 step stale)", "split"]
+    df = _study(overlap_s=6.0)
+    assert not placements.groups(df[df["placement"] != "colocate"])  # nothing to compare against
+    other_seed = df.assign(seed=np.where(df["placement"] == "colocate", 0, 1))
+    assert not placements.groups(other_seed)  # another request set
+    assert all(a.config_id.startswith(g.engine) for g in placements.groups(df) for a in g.arms)
+
+
+def test_the_report_table_shows_values_ratios_and_sentences_per_engine() -> None:
+    [sg, vl] = placement_tables(_study(overlap_s=6.0))
+    assert sg["title"] == "sglang: placements against colocate" and vl["title"].startswith("vllm")
+    table = sg["table"]
+    assert table.headers[0] == "placement" and "Step time / colocate [95% CI]" in table.headers
+    base, overlap = table.rows
+    assert [c.text for c in base][4:7] == ["–", "–", "–"] and base[-2].text == "2 × 16"
+    assert overlap[4].text.startswith("0.6") and overlap[4].text.endswith("]")
+    assert sg["n_comparisons"] == 3 and len(sg["conclusions"]) == 3

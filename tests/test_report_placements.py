@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -110,3 +111,11 @@ def test_the_report_table_shows_values_ratios_and_sentences_per_engine() -> None
     assert [c.text for c in base][4:7] == ["–", "–", "–"] and base[-2].text == "2 × 16"
     assert overlap[4].text.startswith("0.6") and overlap[4].text.endswith("]")
     assert sg["n_comparisons"] == 3 and len(sg["conclusions"]) == 3
+
+
+def test_the_placements_plot_is_drawn_only_where_an_engine_has_arms_to_compare(tmp_path: Path) -> None:
+    from hybridrl.report.plots import plot_placements
+
+    df = _study(overlap_s=6.0)
+    assert plot_placements(df, tmp_path / "p.png") == tmp_path / "p.png" and (tmp_path / "p.png").stat().st_size
+    assert plot_placements(df[df["placement"] == "colocate"], tmp_path / "q.png") is None

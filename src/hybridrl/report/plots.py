@@ -16,6 +16,8 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from hybridrl.report.aggregate import atomic_path  # noqa: E402
 from hybridrl.report.learning import evals, with_wall_clock  # noqa: E402
+from hybridrl.report.placements import METRICS as PLACEMENT_METRICS  # noqa: E402
+from hybridrl.report.placements import groups as placement_groups  # noqa: E402
 from hybridrl.report.stats import WARMUP_STEPS, run_order, steady_state, unattributed_s  # noqa: E402
 from hybridrl.run.record import PHASE_KEYS as PHASES  # noqa: E402
 
@@ -177,6 +179,35 @@ def plot_step_breakdown(df: pd.DataFrame, out: Path) -> Path | None:
     return _save(fig, out)
 
 
+def plot_placements(df: pd.DataFrame, out: Path) -> Path | None:
+    """Per engine (a row) and metric (a column): each placement's median with its 95% interval over runs and
+    steps, and every run's own median beside it, so a reader sees both the estimate and the runs it rests on."""
+    gs = placement_groups(df)
+    if not gs:
+        return None
+    steady = steady_state(df)
+    fig, axes = plt.subplots(len(gs), len(PLACEMENT_METRICS), figsize=(4.2 * len(PLACEMENT_METRICS), 3.2 * len(gs)),
+                             squeeze=False, layout="constrained")
+    for row, g in zip(axes, gs, strict=True):
+        for j, (ax, m) in enumerate(zip(row, PLACEMENT_METRICS, strict=True)):
+            for i, arm in enumerate(g.arms):
+                est = arm.values[j]
+                if np.isfinite(est.lo):
+                    ax.errorbar([i], [est.value], yerr=[[est.value - est.lo], [est.hi - est.value]], fmt="o",
+                                color="#4C72B0", capsize=4)
+                runs = steady[steady["config_id"] == arm.config_id].groupby("run_id")[m.column]
+                medians = runs.apply(lambda x: pd.to_numeric(x, errors="coerce").median())
+                ax.scatter(np.full(len(medians), i + 0.15), medians, s=12, color="#888888", zorder=3)
+            ticks = [a.label.replace(" (", "\n(").replace(", ", "\n") for a in g.arms]
+            ax.set_xticks(range(len(g.arms)), ticks, fontsize=7)
+            ax.set_title(f"{g.engine}: {m.name}", fontsize=9)
+            ax.set_ylabel(m.unit)
+            ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("Placements per engine: median [95% CI] over runs and steps (blue), each run's median (grey)",
+                 fontsize=10)
+    return _save(fig, out)
+
+
 def plot_latency(df: pd.DataFrame, out: Path) -> Path | None:
     """Boxplots over steady-state steps of the per-step TTFT, per-request TPOT and latency percentiles."""
     if not _has(df, [m for m, _ in LATENCY]):
@@ -326,6 +357,7 @@ PLOTS: dict[str, tuple[str, Callable[[pd.DataFrame, Path], Path | None]]] = {
     "learning": ("Accuracy and reward against steps and wall clock", plot_learning),
     "memory": ("GPU memory per phase", plot_memory),
     "sleep_memory": ("Engine GPU memory across sleep and wake", plot_sleep_memory),
+    "placements": ("Placements per engine against colocate", plot_placements),
     "timeline": ("Steps on the wall clock", plot_timeline),
     "machine": ("Rollout throughput against GPU power and the busiest CPU thread", plot_machine),
 }

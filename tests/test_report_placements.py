@@ -47,7 +47,7 @@ def _study(overlap_s: float, split_s: float | None = None, rounds: int = 2, gpu_
 
 def test_each_engine_sets_its_placements_beside_its_colocated_arm_with_intervals_over_runs() -> None:
     gs = placements.groups(_study(overlap_s=6.0))
-    assert [g.engine for g in gs] == ["sglang", "vllm"]
+    assert [g.engine for g in gs] == ["SGLang", "vLLM server"]
     for g in gs:
         base, overlap = g.arms
         assert (base.label, overlap.label) == ("colocate", "overlapped split (1 step stale)")
@@ -59,11 +59,11 @@ def test_each_engine_sets_its_placements_beside_its_colocated_arm_with_intervals
         assert gpu_s.value == pytest.approx(1.2, rel=0.05) and gpu_s.excludes(1.0)
         assert overlap.recorded == "interleaved"
         said = dict(zip([m.name for m in placements.METRICS], overlap.conclusions, strict=True))
-        assert said["Step time"].startswith("Step time: overlapped split (1 step stale) is faster than colocate")
+        assert said["Step time"].startswith("Step time: overlapped split is faster than colocate, overlapped split "
+                                            "/ colocate 0.6")
         assert said["Tokens/s per GPU, whole step"].startswith(
-            "Tokens/s per GPU, whole step: overlapped split (1 step stale) is lower than colocate")
-        assert said["GPU-seconds per step"].startswith("GPU-seconds per step: overlapped split (1 step stale) is "
-                                                       "higher than colocate")
+            "Tokens/s per GPU, whole step: overlapped split is lower than colocate")
+        assert said["GPU-seconds per step"].startswith("GPU-seconds per step: overlapped split is higher than colocate")
         assert not g.caveats  # own GPUs, one engine share, interleaved, one commit
 
 
@@ -88,8 +88,8 @@ def test_what_the_comparison_could_not_control_is_a_caveat() -> None:
     late = df["config_id"].str.contains("overlap")
     df.loc[late, "time_unix"] += 10_000
     [g, _] = placements.groups(df)
-    assert any(c.startswith("not interleaved: every overlapped split (1 step stale) run was recorded after every "
-                            "colocate run") for c in g.caveats)
+    assert any(c.startswith("not interleaved: every overlapped split run was recorded after every colocate run")
+               for c in g.caveats)
 
 
 def test_split_and_overlap_both_pair_and_nothing_pairs_across_engines_seeds_or_without_colocate() -> None:
@@ -99,12 +99,13 @@ def test_split_and_overlap_both_pair_and_nothing_pairs_across_engines_seeds_or_w
     assert not placements.groups(df[df["placement"] != "colocate"])  # nothing to compare against
     other_seed = df.assign(seed=np.where(df["placement"] == "colocate", 0, 1))
     assert not placements.groups(other_seed)  # another request set
-    assert all(a.config_id.startswith(g.engine) for g in placements.groups(df) for a in g.arms)
+    assert all(a.config_id.split("-")[0] == e for g, e in zip(placements.groups(df), ("sglang", "vllm"), strict=True)
+               for a in g.arms)
 
 
 def test_the_report_table_shows_values_ratios_and_sentences_per_engine() -> None:
     [sg, vl] = placement_tables(_study(overlap_s=6.0))
-    assert sg["title"] == "sglang: placements against colocate" and vl["title"].startswith("vllm")
+    assert sg["title"] == "SGLang: placements against colocate" and vl["title"].startswith("vLLM server")
     table = sg["table"]
     assert table.headers[0] == "placement" and "Step time / colocate [95% CI]" in table.headers
     base, overlap = table.rows
@@ -119,3 +120,25 @@ def test_the_placements_plot_is_drawn_only_where_an_engine_has_arms_to_compare(t
     df = _study(overlap_s=6.0)
     assert plot_placements(df, tmp_path / "p.png") == tmp_path / "p.png" and (tmp_path / "p.png").stat().st_size
     assert plot_placements(df[df["placement"] == "colocate"], tmp_path / "q.png") is None
+
+
+def test_an_overlapped_runs_last_step_is_left_out_of_the_steady_state_and_shown_apart() -> None:
+    from hybridrl.report import stats
+    from hybridrl.report.render import summary, warmup_table
+
+    df = _study(overlap_s=6.0, rounds=1)
+    # the last step has nothing rolling out ahead beside its training: it is short
+    df.loc[(df["overlap"] == 1) & (df["step"] == 10), "timing_s/step"] = 1.0
+    drained = stats.drain(df)
+    assert set(df.loc[drained, "step"]) == {10} and set(df.loc[drained, "overlap"]) == {1}
+    steady = stats.steady_state(df)
+    assert (steady.loc[steady["overlap"] == 1, "step"].max(), steady.loc[steady["overlap"] == 0, "step"].max()) == (
+        9, 10)  # a colocated run keeps its last step
+    # runs aggregated before `overlap` was are known by their stale rollouts
+    older = df.drop(columns=["overlap"]).assign(**{"rollout/staleness": np.where(df["overlap"] == 1, 1, 0)})
+    assert stats.drain(older).equals(drained)
+    said = summary(df, "t")
+    assert (said["drain"], said["excluded_adapter"]) == (2, 0)
+    labels = dict(zip(df["run_id"], df["run_id"], strict=True))
+    rows = [(r[0].text, r[1].text) for r in warmup_table(df, labels).rows]
+    assert sum(step == "10 (last: nothing ahead)" for _, step in rows) == 2 and len(rows) == 4 * 2 + 2

@@ -20,6 +20,7 @@ from hybridrl.report.headline import pairable
 
 BASE = "colocate"
 PAIR_KEY = ("engine", "trainer", "model", "seed", "client")
+ENGINES = {"sglang": "SGLang", "vllm": "vLLM server", "vllm-inprocess": "vLLM in-process"}
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,22 @@ class Group:
     caveats: tuple[str, ...]
 
 
-def arm_label(run: pd.Series) -> str:
-    """A configuration's placement as a reader names it, from its placement, overlap and the GPUs it saw."""
-    placement = str(run.get("placement"))
+def _overlap(run: pd.Series) -> int:
     overlap = pd.to_numeric(run.get("overlap"), errors="coerce")
-    label = (f"overlapped split ({int(overlap)} step{'s' if overlap != 1 else ''} stale)"
-             if placement == "split" and pd.notna(overlap) and overlap > 0 else placement)
-    return label + (", one shared GPU" if shared_split(run) else "")
+    return int(overlap) if str(run.get("placement")) == "split" and pd.notna(overlap) else 0
+
+
+def arm_name(run: pd.Series) -> str:
+    """The placement in a sentence: colocate, restart, split or overlapped split."""
+    return "overlapped split" if _overlap(run) > 0 else str(run.get("placement"))
+
+
+def arm_label(run: pd.Series) -> str:
+    """The placement in a table: its name, how stale an overlapped split's rollouts may be, and whether a split
+    shared one GPU."""
+    k = _overlap(run)
+    stale = f" ({k} step{'s' if k != 1 else ''} stale)" if k > 0 else ""
+    return arm_name(run) + stale + (", one shared GPU" if shared_split(run) else "")
 
 
 def groups(df: pd.DataFrame) -> list[Group]:
@@ -81,7 +91,7 @@ def groups(df: pd.DataFrame) -> list[Group]:
         if not others:
             continue
         arms = tuple(_arm(df, steady, wins, runs, by_id, c, base) for c in (base, *others))
-        engine = str(runs.at[base, "engine"])
+        engine = ENGINES.get(str(runs.at[base, "engine"]), str(runs.at[base, "engine"]))
         out.append(Group(engine, {k: runs.at[base, k] for k in PAIR_KEY if k != "engine"}, arms,
                          _caveats(runs, base, others, wins)))
     return out
@@ -95,11 +105,11 @@ def _arm(df: pd.DataFrame, steady: pd.DataFrame, wins: list[conditions.Window], 
     if config == base:
         return Arm(config, arm_label(runs.loc[config]), values, (None,) * len(METRICS), n, "–", ())
     ratios = tuple(stats.compare(df, m.column, by_id[config], by_id[base]) for m in METRICS)
-    label = arm_label(runs.loc[config])
+    name = arm_name(runs.loc[config])
     n_base = (stats.n_runs(theirs), len(theirs))
-    said = tuple(wording.conclusion(m.name, label, BASE, r, n, n_base, m.higher_is_better, m.better, m.worse)
+    said = tuple(wording.conclusion(m.name, name, BASE, r, n, n_base, m.higher_is_better, m.better, m.worse)
                  for m, r in zip(METRICS, ratios, strict=True))
-    return Arm(config, label, values, ratios, n, conditions.relation(wins, config, base), said)
+    return Arm(config, arm_label(runs.loc[config]), values, ratios, n, conditions.relation(wins, config, base), said)
 
 
 def _caveats(runs: pd.DataFrame, base: str, others: list[str], wins: list[conditions.Window]) -> tuple[str, ...]:
@@ -116,7 +126,7 @@ def _caveats(runs: pd.DataFrame, base: str, others: list[str], wins: list[condit
         out.append(f"the engine was given different shares of its GPU ({', '.join(f'{s:g}' for s in sorted(shares))})"
                    ", so its KV cache, and what a rollout could batch, differed between arms")
     for c in others:
-        note = conditions.order_caveat(wins, c, base, arm_label(runs.loc[c]), BASE)
+        note = conditions.order_caveat(wins, c, base, arm_name(runs.loc[c]), BASE)
         if note:
             out.append(note)
     for col, what in (("git_commit", "code versions"), ("gpu", "GPU models")):

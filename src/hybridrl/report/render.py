@@ -138,7 +138,8 @@ def summary(df: pd.DataFrame, title: str) -> dict[str, Any]:
     steps = df.groupby("run_id")["step"].count()
     span = pd.to_numeric(df["time_unix"], errors="coerce").dropna()
     steady_n = len(stats.steady_state(df))
-    excluded = len(df) - len(stats.warmup(df)) - steady_n
+    drained = int((stats.drain(df) & (df["step"] > stats.warmup_steps(df))).sum())
+    excluded = len(df) - len(stats.warmup(df)) - drained - steady_n
     warm = sorted({int(w) for w in stats.warmup_steps(df.drop_duplicates("run_id"))})
     replicates = df.groupby("config_id")["run_id"].nunique()
     return {
@@ -157,6 +158,7 @@ def summary(df: pd.DataFrame, title: str) -> dict[str, Any]:
         "warmup_text": " or ".join(f"1–{w}" if w > 1 else str(w) for w in warm if w) or "none",
         "n_boot": stats.N_BOOT,
         "excluded_adapter": excluded,
+        "drain": drained,
     }
 
 
@@ -342,14 +344,17 @@ def _detectable(est: stats.Estimate, kind: str) -> str:
 
 
 def warmup_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
-    """Every run's warm-up steps, each apart: step 1 rolls out the base model, step 2 the first adapter."""
+    """Every run's warm-up steps, each apart (step 1 rolls out the base model, step 2 the first adapter), and an
+    overlapped run's last step, which nothing rolled out ahead of."""
     metrics = [m for m in WARMUP_METRICS if _has(df, m)]
     table = Table(["run", "step"] + metrics)
     order = {rid: i for i, rid in enumerate(stats.run_order(df))}
-    warm = stats.warmup(df)
-    warm = warm.assign(_order=warm["run_id"].map(order)).sort_values(["_order", "step"])
-    for _, row in warm.iterrows():
-        table.rows.append([Cell(labels[row["run_id"]]), Cell(str(int(row["step"])), "num"),
+    drained = stats.drain(df)
+    apart = df[(df["step"] <= stats.warmup_steps(df)) | drained]
+    apart = apart.assign(_order=apart["run_id"].map(order)).sort_values(["_order", "step"])
+    for i, row in apart.iterrows():
+        step = f"{int(row['step'])}" + (" (last: nothing ahead)" if drained[i] else "")
+        table.rows.append([Cell(labels[row["run_id"]]), Cell(step, "num"),
                            *(Cell(fmt(row[m]), "num") for m in metrics)])
     return table
 

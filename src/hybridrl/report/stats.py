@@ -161,6 +161,20 @@ def after_warmup(df: pd.DataFrame) -> pd.DataFrame:
     return df[(df["step"] > warmup_steps(df)).to_numpy(dtype=bool)]
 
 
+def drain(df: pd.DataFrame) -> pd.Series:
+    """Rows that are an overlapped run's last step: nothing rolls out ahead beside its training (there is no next
+    step), so it is shorter than any step of the run's steady state and is left out of it, as warm-up is. Runs
+    aggregated before the run config's `overlap` was are known by their stale rollouts."""
+    overlapped = pd.Series(False, index=df.index)
+    if "overlap" in df.columns:
+        overlapped |= (pd.to_numeric(df["overlap"], errors="coerce") > 0).fillna(False)
+    if "rollout/staleness" in df.columns:
+        stale = pd.to_numeric(df["rollout/staleness"], errors="coerce").fillna(0)
+        overlapped |= stale.groupby(df["run_id"]).transform("max") > 0
+    last = df["step"] == df.groupby("run_id")["step"].transform("max")
+    return (overlapped & last).astype(bool)
+
+
 def unattributed_s(df: pd.DataFrame) -> pd.Series:
     """Each step's seconds that no named phase explains: its timing_s/step less its phases (NaN without a step
     time)."""
@@ -184,9 +198,11 @@ def identity_adapter(df: pd.DataFrame) -> pd.Series:
 
 
 def steady_state(df: pd.DataFrame) -> pd.DataFrame:
-    """Steps after warm-up whose adapter was applied (a LoRA result counts only where it held). A step whose
-    adapter was still the identity counts: the check could not judge it (identity_adapter)."""
+    """Steps after warm-up, but for an overlapped run's last (drain), whose adapter was applied (a LoRA result
+    counts only where it held). A step whose adapter was still the identity counts: the check could not judge it
+    (identity_adapter)."""
     after = after_warmup(df)
+    after = after[~drain(df).loc[after.index].to_numpy(dtype=bool)]
     if "check/adapter_applied" in after.columns:
         identity = identity_adapter(df).loc[after.index]
         applied = after["check/adapter_applied"].astype("boolean").mask(identity)

@@ -142,3 +142,20 @@ def test_an_overlapped_runs_last_step_is_left_out_of_the_steady_state_and_shown_
     labels = dict(zip(df["run_id"], df["run_id"], strict=True))
     rows = [(r[0].text, r[1].text) for r in warmup_table(df, labels).rows]
     assert sum(step == "10 (last: nothing ahead)" for _, step in rows) == 2 and len(rows) == 4 * 2 + 2
+
+
+def test_run_labels_name_an_overlapped_split_apart_from_a_split() -> None:
+    from hybridrl.report.plots import run_labels
+
+    labels = set(run_labels(_study(overlap_s=6.0, split_s=8.0, rounds=1)).values())
+    assert {"sglang · overlapped split", "sglang · split", "sglang · colocate"} <= labels
+
+
+def test_the_engine_headline_pairs_a_split_with_a_split_and_an_overlapped_split_with_its_like() -> None:
+    from hybridrl.report.headline import headlines
+
+    pairs = sorted((h.title.split(" (")[0], h.sglang_run.split("-")[1], h.vllm_run.split("-")[1])
+                   for h in headlines(_study(overlap_s=6.0, split_s=8.0, rounds=1)))
+    assert pairs == [("colocate: SGLang vs vLLM server", "colocate", "colocate"),
+                     ("overlapped split: SGLang vs vLLM server", "overlap", "overlap"),
+                     ("split: SGLang vs vLLM server", "split", "split")]  # never a split against an overlapped one

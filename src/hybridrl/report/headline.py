@@ -20,9 +20,10 @@ from hybridrl.report.aggregate import shared_split
 SGLANG = "sglang"
 VLLM_VARIANTS = {"vllm": "vLLM server", "vllm-inprocess": "vLLM in-process"}
 PLACEMENTS = ("colocate", "split", "restart")
-# Two runs are compared only where these match; the request set depends on the seed, and the rollout client
-# sets how much of an engine's throughput the controller can take in (issue 20)
-PAIR_KEY = ("trainer", "model", "tp", "seed", "client")
+# Two runs are compared only where these match; the request set depends on the seed, the rollout client sets how
+# much of an engine's throughput the controller can take in (issue 20), and a split whose rollouts run ahead
+# (overlap) is a placement of its own
+PAIR_KEY = ("trainer", "model", "tp", "seed", "client", "overlap")
 APART_S = 3600.0  # two runs' first steps further apart than this get a caveat
 DIRECTIONS = {"x": "SGLang / vLLM", "inv": "vLLM / SGLang", "pct": "SGLang vs vLLM"}
 
@@ -89,7 +90,9 @@ class Headline:
     @property
     def title(self) -> str:
         arm = f" ({self.release})" if self.release else ""
-        return f"{self.placement}: SGLang{arm} vs {VLLM_VARIANTS[self.vllm_engine]}" + (
+        ahead = self.placement == "split" and pd.to_numeric(self.key.get("overlap"), errors="coerce") > 0
+        placement = "overlapped split" if ahead else self.placement
+        return f"{placement}: SGLang{arm} vs {VLLM_VARIANTS[self.vllm_engine]}" + (
             f" ({self.label})" if self.label else "")
 
 
@@ -114,6 +117,8 @@ def pairable(key: str, a: Any, b: Any) -> bool:
     is only the share of requests streamed: it pairs with an HTTP engine's client that streams the same share."""
     if key == "client" and isinstance(a, str) and isinstance(b, str) and (", " in a) != (", " in b):
         return a.split(", ")[0] == b.split(", ")[0]
+    if key == "overlap":  # runs recorded before the key existed ran none
+        return _same(0 if pd.isna(a) else a, 0 if pd.isna(b) else b)
     return _same(a, b)
 
 

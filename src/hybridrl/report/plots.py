@@ -43,7 +43,11 @@ MEMORY = [("mem/used_gb_gen", "during gen"), ("mem/used_gb_train", "during train
 def run_labels(df: pd.DataFrame) -> dict[str, str]:
     """Short legend labels: the config fields that differ between runs, plus the id's hash if needed."""
     fields = [f for f in LABEL_FIELDS if f in df.columns]
-    runs = df.drop_duplicates("run_id").set_index("run_id")[fields].astype(object).fillna("").astype(str)
+    first = df.drop_duplicates("run_id").set_index("run_id")
+    runs = first[fields].astype(object).fillna("").astype(str)
+    if "overlap" in first.columns and "placement" in fields:  # a split whose rollouts run ahead is its own arm
+        ahead = (pd.to_numeric(first["overlap"], errors="coerce") > 0) & (runs["placement"] == "split")
+        runs.loc[ahead, "placement"] = "overlapped split"
     varying = [f for f in fields if runs[f].nunique() > 1] or ["engine", "placement"]
     labels = {rid: " · ".join(v for v in runs.loc[rid, varying] if v) for rid in runs.index}
     if len(set(labels.values())) < len(labels):  # same config, different seed or parameter

@@ -120,8 +120,7 @@ def _caveats(runs: pd.DataFrame, base: str, others: list[str], wins: list[condit
         out.append("a split arm saw fewer GPUs than it asks for: its engine shared the trainer's GPU, so it "
                    "compares taking turns on one GPU with working side by side on it, not a split onto GPUs of its "
                    "own")
-    shares = {runs.at[c, "gpu_memory_utilization"] for c in (base, *others)} - {None}
-    shares = {s for s in shares if pd.notna(s)}
+    shares = {s for s in (runs.at[c, "gpu_memory_utilization"] for c in (base, *others)) if pd.notna(s)}
     if len(shares) > 1:
         out.append(f"the engine was given different shares of its GPU ({', '.join(f'{s:g}' for s in sorted(shares))})"
                    ", so its KV cache, and what a rollout could batch, differed between arms")

@@ -613,6 +613,13 @@ plan_placement1() {
   one_lane "$(interleave 2 sglang-colocate vllm-colocate sglang-overlap vllm-overlap)"
 }
 
+plan_placement1v() {
+  # placement1's third replicate of the vLLM server's pair (colocate, then overlap), in a lease of its own: needs
+  # only the `vllm` overlay
+  study=config/gpu-h200-placement1.yaml
+  one_lane "train vllm-colocate-r3;train vllm-overlap-r3"
+}
+
 plan_placementlong() {
   # issue 18's drift runs: 30 overlapped steps per engine, one after the other (about 8 minutes each)
   study=config/gpu-2xh200-placement.yaml

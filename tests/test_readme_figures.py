@@ -40,7 +40,8 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
                  "2026-11-25-h200-moegathers", "2026-11-25-h200-moeexport", "2026-11-25-h200-syncfree",
                  "2026-11-25-h200-syncfree2", "2026-11-25-h200-hfexport", "2026-11-25-h200-asyncstate",
                  "2026-11-25-h200-exportprofile", "2026-11-25-h200-exportstage", "2026-11-25-h200-overlap1",
-                 "2026-11-24-h200-timingcost2", "2026-11-25-h200-placement1"):
+                 "2026-11-24-h200-timingcost2", "2026-11-25-h200-placement1",
+                 "2026-11-25-h200-placement1v"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
     for name in ("2026-11-24-h200-faults", "2026-11-24-h200-trainermoe"):
         assert marked[f"results/reference/{name}/README.md"] >= 2, name

@@ -90,6 +90,13 @@ def test_what_the_comparison_could_not_control_is_a_caveat() -> None:
     [g, _] = placements.groups(df)
     assert any(c.startswith("not interleaved: every overlapped split run was recorded after every colocate run")
                for c in g.caveats)
+    # a replicate from another lease: the machine differs within an arm, not only between arms
+    df = _study(overlap_s=6.0).assign(machine="aaaa1111")
+    [g, _] = placements.groups(df)
+    assert not any("machines" in c for c in g.caveats)
+    df.loc[df["run_id"].str.endswith("-r2"), "machine"] = "bbbb2222"
+    [g, _] = placements.groups(df)
+    assert "recorded by different machines (boot ids): aaaa1111, bbbb2222" in g.caveats
 
 
 def test_split_and_overlap_both_pair_and_nothing_pairs_across_engines_seeds_or_without_colocate() -> None:

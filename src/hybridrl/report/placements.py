@@ -93,7 +93,7 @@ def groups(df: pd.DataFrame) -> list[Group]:
         arms = tuple(_arm(df, steady, wins, runs, by_id, c, base) for c in (base, *others))
         engine = ENGINES.get(str(runs.at[base, "engine"]), str(runs.at[base, "engine"]))
         out.append(Group(engine, {k: runs.at[base, k] for k in PAIR_KEY if k != "engine"}, arms,
-                         _caveats(runs, base, others, wins)))
+                         _caveats(df, runs, base, others, wins)))
     return out
 
 
@@ -112,9 +112,10 @@ def _arm(df: pd.DataFrame, steady: pd.DataFrame, wins: list[conditions.Window], 
     return Arm(config, arm_label(runs.loc[config]), values, ratios, n, conditions.relation(wins, config, base), said)
 
 
-def _caveats(runs: pd.DataFrame, base: str, others: list[str], wins: list[conditions.Window]) -> tuple[str, ...]:
+def _caveats(df: pd.DataFrame, runs: pd.DataFrame, base: str, others: list[str],
+             wins: list[conditions.Window]) -> tuple[str, ...]:
     """What the group's comparisons could not control: a shared GPU, unequal engine shares, arms not
-    interleaved, and different code or GPUs."""
+    interleaved, and different code, GPUs or machines."""
     out = []
     if any(shared_split(runs.loc[c]) for c in others):
         out.append("a split arm saw fewer GPUs than it asks for: its engine shared the trainer's GPU, so it "
@@ -128,9 +129,9 @@ def _caveats(runs: pd.DataFrame, base: str, others: list[str], wins: list[condit
         note = conditions.order_caveat(wins, c, base, arm_name(runs.loc[c]), BASE)
         if note:
             out.append(note)
-    for col, what in (("git_commit", "code versions"), ("gpu", "GPU models")):
-        seen = {runs.at[c, col] for c in (base, *others)} if col in runs.columns else set()
-        seen = {s for s in seen if pd.notna(s)}
+    rows = df[df["config_id"].isin([base, *others]).fillna(False).to_numpy(dtype=bool)]  # every replicate's
+    for col, what in (("git_commit", "code versions"), ("gpu", "GPU models"), ("machine", "machines (boot ids)")):
+        seen = set(rows[col].dropna()) if col in rows.columns else set()
         if len(seen) > 1:
             out.append(f"recorded by different {what}: {', '.join(sorted(map(str, seen)))}")
     return tuple(out)

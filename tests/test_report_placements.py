@@ -161,7 +161,7 @@ def test_run_labels_name_an_overlapped_split_apart_from_a_split() -> None:
 def test_the_engine_headline_pairs_a_split_with_a_split_and_an_overlapped_split_with_its_like() -> None:
     from hybridrl.report.headline import headlines
 
-    pairs = sorted((h.title.split(" (")[0], h.sglang_run.split("-")[1], h.vllm_run.split("-")[1])
+    pairs = sorted((h.title, h.sglang_run.split("-")[1], h.vllm_run.split("-")[1])
                    for h in headlines(_study(overlap_s=6.0, split_s=8.0, rounds=1)))
     assert pairs == [("colocate: SGLang vs vLLM server", "colocate", "colocate"),
                      ("overlapped split: SGLang vs vLLM server", "overlap", "overlap"),

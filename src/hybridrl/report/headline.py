@@ -171,7 +171,10 @@ def headlines(df: pd.DataFrame) -> list[Headline]:
             found = [compare_metric(m, df[df["config_id"] == s], df[df["config_id"] == v]) for m in METRICS]
             rows = [r for r in found if r is not None]
             if rows:
-                label = f"{_suffix(s)} vs {_suffix(v)}" if len(pairs) > 1 else ""
+                # the configurations' ids tell apart pairs that the title (placement, overlap, release) does not
+                alike = [p for p in pairs if all(pairable(k, runs.at[p[0], k], runs.at[s, k])
+                                                 for k in ("overlap", "release"))]
+                label = f"{_suffix(s)} vs {_suffix(v)}" if len(alike) > 1 else ""
                 key = {k: runs.at[s, k] for k in PAIR_KEY}
                 release = runs.at[s, "release"] if "release" in runs.columns else None
                 order_note = conditions.order_caveat(wins, s, v, "SGLang", VLLM_VARIANTS[variant])

@@ -102,6 +102,11 @@ def test_what_the_comparison_could_not_control_is_a_caveat() -> None:
 def test_split_and_overlap_both_pair_and_nothing_pairs_across_engines_seeds_or_without_colocate() -> None:
     [g, _] = placements.groups(_study(overlap_s=6.0, split_s=8.0))
     assert [a.label for a in g.arms] == ["colocate", "overlapped split (1 step stale)", "split"]
+    # and the overlap against the split that takes turns on the same GPUs
+    [(est, said)] = g.against_split
+    assert est.value == pytest.approx(0.75, rel=0.05) and est.excludes(1.0)
+    assert said.startswith("Step time: overlapped split is faster than split, overlapped split / split 0.7")
+    assert not placements.groups(_study(overlap_s=6.0))[0].against_split  # no plain split to set it beside
     df = _study(overlap_s=6.0)
     assert not placements.groups(df[df["placement"] != "colocate"])  # nothing to compare against
     other_seed = df.assign(seed=np.where(df["placement"] == "colocate", 0, 1))

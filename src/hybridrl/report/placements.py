@@ -57,6 +57,8 @@ class Group:
     key: dict[str, Any]
     arms: tuple[Arm, ...]  # the colocated arm first
     caveats: tuple[str, ...]
+    # an overlapped split against the plain split of the same engine: its step time ratio and the sentence on it
+    against_split: tuple[tuple[stats.Estimate, str], ...] = ()
 
 
 def _overlap(run: pd.Series) -> int:
@@ -93,8 +95,24 @@ def groups(df: pd.DataFrame) -> list[Group]:
         arms = tuple(_arm(df, steady, wins, runs, by_id, c, base) for c in (base, *others))
         engine = ENGINES.get(str(runs.at[base, "engine"]), str(runs.at[base, "engine"]))
         out.append(Group(engine, {k: runs.at[base, k] for k in PAIR_KEY if k != "engine"}, arms,
-                         _caveats(df, runs, base, others, wins)))
+                         _caveats(df, runs, base, others, wins), _against_split(df, steady, runs, by_id, others)))
     return out
+
+
+def _against_split(df: pd.DataFrame, steady: pd.DataFrame, runs: pd.DataFrame, by_id: dict[str, tuple],
+                   others: list[str]) -> tuple[tuple[stats.Estimate, str], ...]:
+    """What running rollout and training at once bought over taking turns on the same GPUs: each overlapped
+    split's step time against each plain split of the group."""
+    plain = [c for c in others if runs.at[c, "placement"] == "split" and _overlap(runs.loc[c]) == 0]
+    ahead = [c for c in others if _overlap(runs.loc[c]) > 0]
+    out = []
+    for a in ahead:
+        for b in plain:
+            est = stats.compare(df, "timing_s/step", by_id[a], by_id[b])
+            n = [(stats.n_runs(x), len(x)) for x in (steady[steady["config_id"] == c] for c in (a, b))]
+            out.append((est, wording.conclusion("Step time", "overlapped split", "split", est, n[0], n[1], False,
+                                                "faster", "slower")))
+    return tuple(out)
 
 
 def _arm(df: pd.DataFrame, steady: pd.DataFrame, wins: list[conditions.Window], runs: pd.DataFrame,

@@ -261,8 +261,10 @@ def placement_tables(df: pd.DataFrame) -> list[dict[str, Any]]:
                                Cell(arm.recorded)])
         out.append({"title": f"{g.engine}: placements against colocate",
                     "shared": ", ".join(f"{k} {_field(v)}" for k, v in g.key.items()), "table": table,
-                    "caveats": list(g.caveats), "conclusions": [c for a in g.arms for c in a.conclusions],
-                    "n_comparisons": sum(r is not None and math.isfinite(r.lo) for a in g.arms for r in a.ratios)})
+                    "caveats": list(g.caveats),
+                    "conclusions": [c for a in g.arms for c in a.conclusions] + [c for _, c in g.against_split],
+                    "n_comparisons": sum(r is not None and math.isfinite(r.lo) for a in g.arms for r in a.ratios)
+                    + sum(math.isfinite(e.lo) for e, _ in g.against_split)})
     return out
 
 

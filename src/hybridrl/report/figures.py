@@ -263,11 +263,14 @@ def records(study: str) -> str:
 
 
 def _range_text(lo: float, hi: float, unit: str) -> str:
-    """lo–hi in thousands ('12.3k–15.0k', unit k), whole numbers (unit 1) or with N decimals (unit dN)."""
+    """lo–hi in thousands ('12.3k–15.0k', unit k), whole numbers (unit 1) or with N decimals (unit dN); one
+    number where both ends print alike."""
     if unit == "k":
-        return f"{lo / 1000:.1f}k–{hi / 1000:.1f}k"
-    digits = int(unit[1:]) if unit.startswith("d") and unit[1:].isdigit() else 0
-    return f"{lo:.{digits}f}–{hi:.{digits}f}"
+        ends = f"{lo / 1000:.1f}k", f"{hi / 1000:.1f}k"
+    else:
+        digits = int(unit[1:]) if unit.startswith("d") and unit[1:].isdigit() else 0
+        ends = f"{lo:.{digits}f}", f"{hi:.{digits}f}"
+    return ends[0] if ends[0] == ends[1] else "–".join(ends)
 
 
 def span(study: str, name: str, column: str, first: str = "1", last: str = "1000", unit: str = "k") -> str:

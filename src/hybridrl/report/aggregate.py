@@ -165,6 +165,17 @@ def shared_split(row: pd.Series) -> bool:
     return float(row["gpu_count"]) < _split_gpus(row)
 
 
+def overlap_steps(row: Any) -> int:
+    """How many steps a split run's rollouts may run ahead of its training (0: none, or not a split)."""
+    overlap = pd.to_numeric(row.get("overlap"), errors="coerce")
+    return int(overlap) if str(row.get("placement")) == "split" and pd.notna(overlap) else 0
+
+
+def placement_name(row: Any) -> str:
+    """The placement as a reader names it: colocate, restart, split, or overlapped split (its own arm)."""
+    return "overlapped split" if overlap_steps(row) > 0 else str(row.get("placement"))
+
+
 def derive(df: pd.DataFrame) -> pd.DataFrame:
     """The DERIVED columns: configuration id and replicate (from the run id), release arm, cost per GPU.
 

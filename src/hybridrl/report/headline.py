@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 
 from hybridrl.report import conditions, stats, wording
-from hybridrl.report.aggregate import shared_split
+from hybridrl.report.aggregate import placement_name, shared_split
 
 SGLANG = "sglang"
 VLLM_VARIANTS = {"vllm": "vLLM server", "vllm-inprocess": "vLLM in-process"}
@@ -90,8 +90,7 @@ class Headline:
     @property
     def title(self) -> str:
         arm = f" ({self.release})" if self.release else ""
-        ahead = self.placement == "split" and pd.to_numeric(self.key.get("overlap"), errors="coerce") > 0
-        placement = "overlapped split" if ahead else self.placement
+        placement = placement_name({"placement": self.placement, "overlap": self.key.get("overlap")})
         return f"{placement}: SGLang{arm} vs {VLLM_VARIANTS[self.vllm_engine]}" + (
             f" ({self.label})" if self.label else "")
 

@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 
 from hybridrl.report import conditions, stats, wording
-from hybridrl.report.aggregate import shared_split
+from hybridrl.report.aggregate import overlap_steps, placement_name, shared_split
 from hybridrl.report.headline import pairable
 
 BASE = "colocate"
@@ -61,22 +61,12 @@ class Group:
     against_split: tuple[tuple[stats.Estimate, str], ...] = ()
 
 
-def _overlap(run: pd.Series) -> int:
-    overlap = pd.to_numeric(run.get("overlap"), errors="coerce")
-    return int(overlap) if str(run.get("placement")) == "split" and pd.notna(overlap) else 0
-
-
-def arm_name(run: pd.Series) -> str:
-    """The placement in a sentence: colocate, restart, split or overlapped split."""
-    return "overlapped split" if _overlap(run) > 0 else str(run.get("placement"))
-
-
 def arm_label(run: pd.Series) -> str:
     """The placement in a table: its name, how stale an overlapped split's rollouts may be, and whether a split
     shared one GPU."""
-    k = _overlap(run)
+    k = overlap_steps(run)
     stale = f" ({k} step{'s' if k != 1 else ''} stale)" if k > 0 else ""
-    return arm_name(run) + stale + (", one shared GPU" if shared_split(run) else "")
+    return placement_name(run) + stale + (", one shared GPU" if shared_split(run) else "")
 
 
 def groups(df: pd.DataFrame) -> list[Group]:
@@ -103,8 +93,8 @@ def _against_split(df: pd.DataFrame, steady: pd.DataFrame, runs: pd.DataFrame, b
                    others: list[str]) -> tuple[tuple[stats.Estimate, str], ...]:
     """What running rollout and training at once bought over taking turns on the same GPUs: each overlapped
     split's step time against each plain split of the group."""
-    plain = [c for c in others if runs.at[c, "placement"] == "split" and _overlap(runs.loc[c]) == 0]
-    ahead = [c for c in others if _overlap(runs.loc[c]) > 0]
+    plain = [c for c in others if runs.at[c, "placement"] == "split" and overlap_steps(runs.loc[c]) == 0]
+    ahead = [c for c in others if overlap_steps(runs.loc[c]) > 0]
     out = []
     for a in ahead:
         for b in plain:
@@ -123,7 +113,7 @@ def _arm(df: pd.DataFrame, steady: pd.DataFrame, wins: list[conditions.Window], 
     if config == base:
         return Arm(config, arm_label(runs.loc[config]), values, (None,) * len(METRICS), n, "–", ())
     ratios = tuple(stats.compare(df, m.column, by_id[config], by_id[base]) for m in METRICS)
-    name = arm_name(runs.loc[config])
+    name = placement_name(runs.loc[config])
     n_base = (stats.n_runs(theirs), len(theirs))
     said = tuple(wording.conclusion(m.name, name, BASE, r, n, n_base, m.higher_is_better, m.better, m.worse)
                  for m, r in zip(METRICS, ratios, strict=True))
@@ -144,7 +134,7 @@ def _caveats(df: pd.DataFrame, runs: pd.DataFrame, base: str, others: list[str],
         out.append(f"the engine was given different shares of its GPU ({', '.join(f'{s:g}' for s in sorted(shares))})"
                    ", so its KV cache, and what a rollout could batch, differed between arms")
     for c in others:
-        note = conditions.order_caveat(wins, c, base, arm_name(runs.loc[c]), BASE)
+        note = conditions.order_caveat(wins, c, base, placement_name(runs.loc[c]), BASE)
         if note:
             out.append(note)
     rows = df[df["config_id"].isin([base, *others]).fillna(False).to_numpy(dtype=bool)]  # every replicate's

@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from hybridrl.report.aggregate import atomic_path  # noqa: E402
+from hybridrl.report.aggregate import atomic_path, placement_name  # noqa: E402
 from hybridrl.report.learning import evals, with_wall_clock  # noqa: E402
 from hybridrl.report.placements import METRICS as PLACEMENT_METRICS  # noqa: E402
 from hybridrl.report.placements import groups as placement_groups  # noqa: E402
@@ -45,9 +45,9 @@ def run_labels(df: pd.DataFrame) -> dict[str, str]:
     fields = [f for f in LABEL_FIELDS if f in df.columns]
     first = df.drop_duplicates("run_id").set_index("run_id")
     runs = first[fields].astype(object).fillna("").astype(str)
-    if "overlap" in first.columns and "placement" in fields:  # a split whose rollouts run ahead is its own arm
-        ahead = (pd.to_numeric(first["overlap"], errors="coerce") > 0) & (runs["placement"] == "split")
-        runs.loc[ahead, "placement"] = "overlapped split"
+    if "placement" in fields:  # a split whose rollouts run ahead is its own arm
+        named = pd.Series([placement_name(row) for _, row in first.iterrows()], index=first.index, dtype=object)
+        runs["placement"] = named.where(runs["placement"] != "", "")
     varying = [f for f in fields if runs[f].nunique() > 1] or ["engine", "placement"]
     labels = {rid: " · ".join(v for v in runs.loc[rid, varying] if v) for rid in runs.index}
     if len(set(labels.values())) < len(labels):  # same config, different seed or parameter

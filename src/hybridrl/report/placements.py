@@ -72,8 +72,8 @@ def arm_label(run: pd.Series) -> str:
 def groups(df: pd.DataFrame) -> list[Group]:
     """Per engine and pairable colocated configuration: that arm first, then every other placement that pairs
     with it; engines with no colocated arm, or nothing to set beside it, give no group."""
-    by_id = {c[-1]: c for c in stats.configs(df)}
-    runs = df.drop_duplicates("config_id").set_index("config_id").loc[list(by_id)]
+    order = [c[-1] for c in stats.configs(df)]
+    runs = df.drop_duplicates("config_id").set_index("config_id").loc[order]
     steady = stats.steady_state(df)
     wins = conditions.windows(df)
     out = []
@@ -82,14 +82,20 @@ def groups(df: pd.DataFrame) -> list[Group]:
                   and all(pairable(k, runs.at[base, k], runs.at[c, k]) for k in PAIR_KEY)]
         if not others:
             continue
-        arms = tuple(_arm(df, steady, wins, runs, by_id, c, base) for c in (base, *others))
+        arms = tuple(_arm(steady, wins, runs, c, base) for c in (base, *others))
         engine = ENGINES.get(str(runs.at[base, "engine"]), str(runs.at[base, "engine"]))
         out.append(Group(engine, {k: runs.at[base, k] for k in PAIR_KEY if k != "engine"}, arms,
-                         _caveats(df, runs, base, others, wins), _against_split(df, steady, runs, by_id, others)))
+                         _caveats(df, runs, base, others, wins), _against_split(steady, runs, others)))
     return out
 
 
-def _against_split(df: pd.DataFrame, steady: pd.DataFrame, runs: pd.DataFrame, by_id: dict[str, tuple],
+def _ratio(a: pd.DataFrame, b: pd.DataFrame, column: str) -> stats.Estimate:
+    """a / b of two configurations' steady-state medians, over runs and steps (stats.compare on frames already
+    in the steady state)."""
+    return stats.hierarchical_ratio(stats.per_run(a, column), stats.per_run(b, column))
+
+
+def _against_split(steady: pd.DataFrame, runs: pd.DataFrame,
                    others: list[str]) -> tuple[tuple[stats.Estimate, str], ...]:
     """What running rollout and training at once bought over taking turns on the same GPUs: each overlapped
     split's step time against each plain split of the group."""
@@ -98,21 +104,21 @@ def _against_split(df: pd.DataFrame, steady: pd.DataFrame, runs: pd.DataFrame, b
     out = []
     for a in ahead:
         for b in plain:
-            est = stats.compare(df, "timing_s/step", by_id[a], by_id[b])
-            n = [(stats.n_runs(x), len(x)) for x in (steady[steady["config_id"] == c] for c in (a, b))]
+            sides = [steady[steady["config_id"] == c] for c in (a, b)]
+            est = _ratio(*sides, "timing_s/step")
+            n = [(stats.n_runs(x), len(x)) for x in sides]
             out.append((est, wording.conclusion("Step time", "overlapped split", "split", est, n[0], n[1], False,
                                                 "faster", "slower")))
     return tuple(out)
 
 
-def _arm(df: pd.DataFrame, steady: pd.DataFrame, wins: list[conditions.Window], runs: pd.DataFrame,
-         by_id: dict[str, tuple], config: str, base: str) -> Arm:
+def _arm(steady: pd.DataFrame, wins: list[conditions.Window], runs: pd.DataFrame, config: str, base: str) -> Arm:
     mine, theirs = (steady[steady["config_id"] == c] for c in (config, base))
     n = (stats.n_runs(mine), len(mine))
     values = tuple(stats.estimate(mine, m.column) for m in METRICS)
     if config == base:
         return Arm(config, arm_label(runs.loc[config]), values, (None,) * len(METRICS), n, "–", ())
-    ratios = tuple(stats.compare(df, m.column, by_id[config], by_id[base]) for m in METRICS)
+    ratios = tuple(_ratio(mine, theirs, m.column) for m in METRICS)
     name = placement_name(runs.loc[config])
     n_base = (stats.n_runs(theirs), len(theirs))
     said = tuple(wording.conclusion(m.name, name, BASE, r, n, n_base, m.higher_is_better, m.better, m.worse)

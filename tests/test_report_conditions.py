@@ -143,6 +143,22 @@ def test_runs_name_their_machine_by_boot_id_and_a_pair_from_two_machines_says_so
     assert "recorded by different machines (boot ids): 1a2b3c4d (SGLang) vs 99990000" in h.caveats
 
 
+def test_a_pair_reads_every_replicate_for_its_machines_code_and_hours_apart() -> None:
+    """A replicate recorded elsewhere, or hours later, is a caveat even where each side's first run agrees."""
+    one = timed(headline_run("sglang-colocate-aaaa1111", "sglang", trainer="hf"), T0).assign(machine="1a2b3c4d")
+    two = timed(headline_run("sglang-colocate-aaaa1111-r2", "sglang", trainer="hf"), T0 + 600)
+    vllm = timed(headline_run("vllm-colocate-bbbb2222", "vllm", trainer="hf"), T0 + 300).assign(machine="1a2b3c4d")
+    [h] = headlines(headline_study(one, two.assign(machine="1a2b3c4d"), vllm))
+    assert not any(c.startswith("recorded") for c in h.caveats)  # one machine, one sitting
+    [h] = headlines(headline_study(one, two.assign(machine="99990000"), vllm))
+    assert "recorded by different machines (boot ids): 1a2b3c4d, 99990000 (SGLang) vs 1a2b3c4d" in h.caveats
+    later = timed(headline_run("sglang-colocate-aaaa1111-r2", "sglang", trainer="hf"), T0 + 20 * 3600)
+    [h] = headlines(headline_study(one, later.assign(machine="1a2b3c4d"), vllm))
+    apart = [c for c in h.caveats if " h apart " in c]
+    assert apart == [f"recorded 20 h apart ({conditions.span(T0 + 10, T0 + 20 * 3600 + 10)} SGLang, "
+                     f"{conditions.utc(T0 + 310)} UTC vLLM), perhaps on different machines of the same kind"]
+
+
 def test_a_split_run_that_saw_one_gpu_counts_one_and_its_pair_says_the_gpus_were_shared() -> None:
     own = [headline_run(f"{e}-split-{i}", e, placement="split").assign(tp=1, train_gpus=1, gpu_count=2)
            for e, i in (("sglang", "aaaa1111"), ("vllm", "bbbb2222"))]

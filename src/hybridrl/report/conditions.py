@@ -97,3 +97,26 @@ def order_caveat(wins: list[Window], a: str, b: str, name_a: str, name_b: str) -
                     f"{_gap_min(first, later):.0f} min between them), so a drift of the host or a change of "
                     "machine between them falls on one arm only")
     return None
+
+
+# What recorded a run (its provenance): two runs compared across any of these differ in more than their arm
+RECORDED_BY = (("git_commit", "code versions"), ("gpu", "GPU models"), ("machine", "machines (boot ids)"))
+
+
+def recorded_apart(sides: list[pd.DataFrame]) -> list[tuple[str, list[list[str]]]]:
+    """Each of code version, GPU model and machine that differs among these runs, every replicate of every side
+    read: what it is, and each side's values."""
+    out = []
+    for col, what in RECORDED_BY:
+        values = [sorted({str(v) for v in rows[col].dropna()}) if col in rows.columns else [] for rows in sides]
+        if len(set().union(*values)) > 1:
+            out.append((what, values))
+    return out
+
+
+def first_steps(rows: pd.DataFrame) -> list[float]:
+    """When each run's first step ended (unix seconds), in order; runs without times are left out."""
+    if "time_unix" not in rows.columns:
+        return []
+    return sorted(pd.to_numeric(rows["time_unix"], errors="coerce").groupby(rows["run_id"]).min().dropna())
+

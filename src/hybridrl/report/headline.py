@@ -177,7 +177,8 @@ def headlines(df: pd.DataFrame) -> list[Headline]:
                 key = {k: runs.at[s, k] for k in PAIR_KEY}
                 release = runs.at[s, "release"] if "release" in runs.columns else None
                 order_note = conditions.order_caveat(wins, s, v, "SGLang", VLLM_VARIANTS[variant])
-                notes = (caveats(runs.loc[s], runs.loc[v]) + ((order_note,) if order_note else ())
+                notes = (caveats(df[df["config_id"] == s], df[df["config_id"] == v])
+                         + ((order_note,) if order_note else ())
                          + restart_caveats(df, {"SGLang": s, VLLM_VARIANTS[variant]: v}))
                 out.append(Headline(placement, variant, s, v, key, rows, label, notes,
                                     "" if pd.isna(release) else str(release)))
@@ -198,19 +199,19 @@ def restart_caveats(df: pd.DataFrame, sides: dict[str, str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def caveats(sglang: pd.Series, vllm: pd.Series) -> tuple[str, ...]:
-    """What a reader must know to read the pair: different code or GPUs, and what peak memory compares."""
-    out = []
-    for col, what in (("git_commit", "code versions"), ("gpu", "GPUs"), ("machine", "machines (boot ids)")):
-        a, b = sglang.get(col), vllm.get(col)
-        if not (pd.isna(a) or pd.isna(b)) and a != b:
-            out.append(f"recorded by different {what}: {a} (SGLang) vs {b}")
+def caveats(sglang_rows: pd.DataFrame, vllm_rows: pd.DataFrame) -> tuple[str, ...]:
+    """What a reader must know to read the pair: different code, GPUs or machines, or hours between its runs (every
+    replicate of both sides read), and what peak memory compares."""
+    out = [f"recorded by different {what}: {', '.join(a)} (SGLang) vs {', '.join(b)}"
+           for what, [a, b] in conditions.recorded_apart([sglang_rows, vllm_rows])]
     # runs hours apart (two GPU leases, say) may have run on other machines of the same kind
-    a, b = sglang.get("time_unix"), vllm.get("time_unix")
-    if not (pd.isna(a) or pd.isna(b)) and abs(a - b) > APART_S:
-        when = [pd.Timestamp(t, unit="s").strftime("%Y-%m-%d %H:%M") for t in (a, b)]
-        out.append(f"recorded {abs(a - b) / 3600:.0f} h apart ({when[0]} UTC SGLang, {when[1]} UTC vLLM), "
+    times = [conditions.first_steps(rows) for rows in (sglang_rows, vllm_rows)]
+    apart = max(t[-1] for t in times) - min(t[0] for t in times) if all(times) else 0.0
+    if apart > APART_S:
+        when = [conditions.span(t[0], t[-1]) if len(t) > 1 else f"{conditions.utc(t[0])} UTC" for t in times]
+        out.append(f"recorded {apart / 3600:.0f} h apart ({when[0]} SGLang, {when[1]} vLLM), "
                    "perhaps on different machines of the same kind")
+    sglang, vllm = sglang_rows.iloc[0], vllm_rows.iloc[0]  # the configuration's settings, alike in its replicates
     # in colocate the trainer's peak comes on top of what the engine keeps while asleep (no trainer, no peak)
     release, level = sglang.get("sglang_release"), vllm.get("vllm_sleep_level")
     if (sglang.get("placement") == "colocate" and isinstance(release, str) and release == "kv_cache"

@@ -143,9 +143,7 @@ def _caveats(df: pd.DataFrame, runs: pd.DataFrame, base: str, others: list[str],
         note = conditions.order_caveat(wins, c, base, placement_name(runs.loc[c]), BASE)
         if note:
             out.append(note)
-    rows = df[df["config_id"].isin([base, *others]).fillna(False).to_numpy(dtype=bool)]  # every replicate's
-    for col, what in (("git_commit", "code versions"), ("gpu", "GPU models"), ("machine", "machines (boot ids)")):
-        seen = set(rows[col].dropna()) if col in rows.columns else set()
-        if len(seen) > 1:
-            out.append(f"recorded by different {what}: {', '.join(sorted(map(str, seen)))}")
+    rows = df[df["config_id"].isin([base, *others]).fillna(False).to_numpy(dtype=bool)]
+    for what, [values] in conditions.recorded_apart([rows]):
+        out.append(f"recorded by different {what}: {', '.join(values)}")
     return tuple(out)

@@ -186,6 +186,25 @@ def _figures(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
+def _reports(args: argparse.Namespace) -> None:
+    from hybridrl.report import refresh
+
+    try:
+        dirs = refresh.study_dirs([Path(d) for d in args.dirs])
+    except FileNotFoundError as exc:
+        raise SystemExit(f"hybridrl reports: {exc}") from None
+    if args.fix:
+        refresh.refresh(dirs)
+        return
+    old = refresh.stale(dirs)
+    for d in old:
+        print(f"{d}/report.md: today's report code renders it differently")
+    if old:
+        raise SystemExit(f"hybridrl reports: {len(old)} of {len(dirs)} reports are stale; write them again with "
+                         f"python -m hybridrl reports --fix {' '.join(map(str, old))}")
+    print(f"hybridrl reports: all {len(dirs)} reports read as today's code renders them")
+
+
 def _archive(args: argparse.Namespace) -> None:
     from hybridrl.tools.archive import pack
 
@@ -357,6 +376,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("files", nargs="+")
     s.add_argument("--fix", action="store_true", help="write the data's figures into the files")
     s.set_defaults(fn=_figures)
+
+    s = sub.add_parser("reports", help="check committed study reports (report.md) against today's report code")
+    s.add_argument("dirs", nargs="+", help="study folders (steps.csv, report.md, plots/); others are passed over")
+    s.add_argument("--fix", action="store_true", help="render report.md and the plots again")
+    s.set_defaults(fn=_reports)
 
     s = sub.add_parser("archive", help="pack results, configs, locks and provenance with a sha256 manifest")
     s.add_argument("--results", required=True)

@@ -664,9 +664,18 @@ def _env() -> jinja2.Environment:
 def render(df: pd.DataFrame, out_md: Path, out_html: Path, plots: dict[str, Path], title: str,
            runs_dir: Path) -> None:
     """Write report.md and report.html (atomically), each linking the plots relative to itself."""
-    env = _env()
     ctx = context(df, title, plots, runs_dir)
     for out, name in ((Path(out_md), "report.md.j2"), (Path(out_html), "report.html.j2")):
-        text = env.get_template(name).render(**{**ctx, "plots": _plots(plots, out.resolve().parent)})
+        text = fill(ctx, name, plots, out)
         with atomic_path(out) as tmp:
             tmp.write_text(text)
+
+
+def markdown(df: pd.DataFrame, plots: dict[str, Path], title: str, runs_dir: Path, out_md: Path) -> str:
+    """The text render() would write to out_md, written nowhere."""
+    return fill(context(df, title, plots, runs_dir), "report.md.j2", plots, Path(out_md))
+
+
+def fill(ctx: dict[str, Any], template: str, plots: dict[str, Path], out: Path) -> str:
+    """A report template filled from the context, its plots linked relative to the file it becomes."""
+    return _env().get_template(template).render(**{**ctx, "plots": _plots(plots, out.resolve().parent)})

@@ -153,6 +153,26 @@ def test_aggregate_writes_tidy_csv_and_parquet(study: list[Path], tmp_path: Path
     assert not [p for p in out_csv.parent.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_a_table_that_aggregate_did_not_write_is_refused_by_name_before_any_report(tmp_path: Path) -> None:
+    from hybridrl.cli import main
+
+    (tmp_path / "empty.csv").write_text("")
+    (tmp_path / "other.csv").write_text("x,y\n1,2\n")
+    (tmp_path / "header.csv").write_text(",".join(KNOWN) + "\n")
+    (tmp_path / "steps.txt").write_text("run_id\n")
+    said = {"empty.csv": "empty file, not a table of steps",
+            "other.csv": "not a table of steps: no column run_id, engine, placement, trainer, model, tp, seed, step",
+            "header.csv": "holds no steps: no run recorded one",
+            "steps.txt": "expected a .parquet or .csv table of steps"}
+    for name, why in said.items():
+        with pytest.raises(RuntimeError, match=why):
+            read_table(tmp_path / name)
+        md = tmp_path / f"{name}.md"
+        assert main(["report", "--table", str(tmp_path / name), "--md", str(md), "--html", str(tmp_path / "r.html"),
+                     "--plots", str(tmp_path / "plots")]) == 1
+        assert not md.exists()  # no report of nothing
+
+
 def test_aggregate_tolerates_torn_line_duplicates_and_missing_run_id(tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "my-run-1234"
     run_dir.mkdir(parents=True)

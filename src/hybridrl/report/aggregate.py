@@ -279,6 +279,10 @@ def write_table(df: pd.DataFrame, out_csv: Path | None, out_parquet: Path | None
             df.to_parquet(tmp, index=False)
 
 
+class TableError(RuntimeError):
+    """A file given as the study's table that is not one `hybridrl aggregate` wrote."""
+
+
 def read_table(path: Path) -> pd.DataFrame:
     """Read a table written by write_table (parquet or CSV) back with the same dtypes."""
     path = Path(path)
@@ -286,8 +290,17 @@ def read_table(path: Path) -> pd.DataFrame:
         df = pd.read_parquet(path)
     elif path.suffix == ".csv":
         # text columns stay text: a commit such as 33439e1 would otherwise read as the number 334390.0
-        header = pd.read_csv(path, nrows=0).columns
+        try:
+            header = pd.read_csv(path, nrows=0).columns
+        except pd.errors.EmptyDataError:
+            raise TableError(f"{path}: empty file, not a table of steps (write one with hybridrl aggregate)") from None
         df = pd.read_csv(path, dtype={c: str for c in STRINGS if c in header})
     else:
-        raise ValueError(f"{path}: expected a .parquet or .csv table")
+        raise TableError(f"{path}: expected a .parquet or .csv table of steps (hybridrl aggregate writes both)")
+    missing = [c for c in record.IDENTITY if c not in df.columns]
+    if missing:
+        raise TableError(f"{path}: not a table of steps: no column {', '.join(missing)} (hybridrl aggregate writes "
+                         "one from the runs' steps.jsonl)")
+    if df.empty:
+        raise TableError(f"{path}: holds no steps: no run recorded one")
     return normalise(df)

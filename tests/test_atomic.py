@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,17 @@ def test_write_text_replaces_the_file_and_leaves_no_temp(tmp_path: Path) -> None
     atomic.write_text(target, "new", fsync=True)
     assert target.read_text() == "new"
     assert _leftovers(target.parent) == []
+
+
+def test_a_new_file_gets_the_mode_open_would_give_and_a_replaced_one_keeps_its_own(tmp_path: Path) -> None:
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")  # open() under this process's umask
+    target = tmp_path / "report.md"
+    atomic.write_text(target, "new")
+    assert stat.S_IMODE(target.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode)  # not mkstemp's 0600
+    target.chmod(0o640)
+    atomic.write_text(target, "newer")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
 
 
 def test_a_failed_write_leaves_the_old_file_intact(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ Temp names are `.<name>.<random>.tmp` (directories `.<name>.tmp`), which the arc
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import tempfile
@@ -29,10 +30,22 @@ def atomic_path(path: Path, fsync: bool = False) -> Iterator[Path]:
         if fsync:
             with open(tmp, "rb+") as fh:
                 os.fsync(fh.fileno())
+        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else plain_mode())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+@functools.cache
+def plain_mode() -> int:
+    """The mode open() gives a new file under this process's umask: mkstemp's 0600 would hide results, reports and
+    records from the rest of a cluster group. Read from /proc (setting the umask to read it races other threads)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    return 0o644
 
 
 def write_bytes(path: Path, data: bytes, fsync: bool = False) -> None:

@@ -231,3 +231,22 @@ def test_bench_measures_every_path_on_one_engine_start(tmp_path, monkeypatch):
     assert streamed == {"raw": 0, "client": 2, "whole": 0, "stream_all": 8, "old_client": 8}
     assert all(r["perf/gen_tokens"] == 8 * 5 and r["errors/requests_failed"] == 0 for r in result["repeats"])
     assert result["over_raw"]["raw"] == 1.0 and result["in_loop_over_raw"] is None  # no run recorded here
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["client-ceiling", "--seconds", "0"], "argument --seconds: must be above 0 seconds, got 0"),
+    (["client-ceiling", "--stream-fraction", "1", "2"], "argument --stream-fraction: must be from 0 to 1, got 2"),
+    (["client-ceiling", "--procs", "0"], "argument --procs: must be at least 1, got 0"),
+    (["client-ceiling", "--tokens-per-event", "x"], "argument --tokens-per-event: 'x' is not a whole number"),
+    (["bench-parse", "--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
+    (["bench", "--run-config", "c.json", "--model", "m", "--data", "d", "--run-dir", "r", "--out", "o.json",
+      "--step", "0"], "argument --step: must be at least 1, got 0"),
+    (["fault-run", "--term-at", "-1", "--", "true"], "argument --term-at: must be at least 1, got -1"),
+])
+def test_the_measuring_tools_refuse_counts_and_shares_that_measure_nothing(
+        argv: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err

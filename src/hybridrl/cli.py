@@ -79,6 +79,29 @@ def _bench(args: argparse.Namespace) -> None:
                args.repeats, Path(args.out), probe=args.probe, overrides=overrides, paths=tuple(args.paths))
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _fraction(text: str) -> float:
+    """argparse type of a share (of requests streamed): a number from 0 to 1."""
+    x = _number(text)
+    if not 0.0 <= x <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {x:g}")
+    return x
+
+
+def _seconds(text: str) -> float:
+    """argparse type of a duration: a number of seconds above 0."""
+    x = _number(text)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 seconds, got {x:g}")
+    return x
+
+
 def _at_least_one(text: str) -> int:
     """argparse type of a count (updates, samples, micro-batch sizes): a whole number of at least 1."""
     try:
@@ -282,8 +305,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", required=True)
     s.add_argument("--data", required=True)
     s.add_argument("--run-dir", required=True, help="the run's output dir (adapters/, steps.jsonl)")
-    s.add_argument("--step", type=int, default=3)
-    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--step", type=_at_least_one, default=3)
+    s.add_argument("--repeats", type=_at_least_one, default=3)
     s.add_argument("--out", required=True, help="JSON result")
     s.add_argument("--probe", action="store_true", help="server engines: raw HTTP sleep/wake and adapter checks")
     s.add_argument("--paths", nargs="+", choices=BENCH_PATHS, default=list(BENCH_PATHS),
@@ -332,30 +355,30 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("fault-run", help="one run hit on purpose (engine SIGKILL in a rollout, SIGTERM in "
                        "training), started again after the SIGTERM, then checked: steps, restarts, leftovers")
-    s.add_argument("--kill-engine-at", type=int, help="step whose rollout loses its engine (SIGKILL)")
-    s.add_argument("--term-at", type=int, help="step whose training gets SIGTERM, as SLURM preemption sends")
+    s.add_argument("--kill-engine-at", type=_at_least_one, help="step whose rollout loses its engine (SIGKILL)")
+    s.add_argument("--term-at", type=_at_least_one, help="step whose training gets SIGTERM, as SLURM preemption sends")
     s.add_argument("--out", help="JSON report")
     s.add_argument("command", nargs=argparse.REMAINDER, help="-- python -m hybridrl train ... --out RUN_DIR")
     s.set_defaults(fn=_fault_run)
 
     s = sub.add_parser("client-ceiling", help="the most tokens/s the rollout client absorbs here (fake engine, no GPU)")
     s.add_argument("--format", choices=["sglang", "vllm"], nargs="+", default=["sglang", "vllm"])
-    s.add_argument("--requests", type=int, default=128)
-    s.add_argument("--tokens", type=int, default=256, help="tokens per request")
-    s.add_argument("--concurrency", type=int, default=128)
-    s.add_argument("--stream-fraction", type=float, nargs="+", default=[1.0, 0.125, 0.0],
+    s.add_argument("--requests", type=_at_least_one, default=128)
+    s.add_argument("--tokens", type=_at_least_one, default=256, help="tokens per request")
+    s.add_argument("--concurrency", type=_at_least_one, default=128)
+    s.add_argument("--stream-fraction", type=_fraction, nargs="+", default=[1.0, 0.125, 0.0],
                    help="shares of requests streamed (1: every request, the old path)")
-    s.add_argument("--tokens-per-event", type=int, nargs="+", default=[1, 20],
+    s.add_argument("--tokens-per-event", type=_at_least_one, nargs="+", default=[1, 20],
                    help="stream granularity: SGLang sends 1, vLLM about 20 under load")
-    s.add_argument("--seconds", type=float, default=3.0, help="per setting: batches until this much time passed")
-    s.add_argument("--procs", type=int, default=1, help="fake engine processes")
+    s.add_argument("--seconds", type=_seconds, default=3.0, help="per setting: batches until this much time passed")
+    s.add_argument("--procs", type=_at_least_one, default=1, help="fake engine processes")
     s.add_argument("--no-old-client", action="store_true",
                    help="leave out the client before 2026-11-23 (one shared pool, every request streamed)")
     s.add_argument("--out", help="JSON with every setting's figures")
     s.set_defaults(fn=_client_ceiling)
 
     s = sub.add_parser("bench-parse", help="answer parsing on its worst cases (whitespace runs, long digit runs)")
-    s.add_argument("--repeats", type=int, default=5, help="best of this many runs per case")
+    s.add_argument("--repeats", type=_at_least_one, default=5, help="best of this many runs per case")
     s.set_defaults(fn=_bench_parse)
 
     s = sub.add_parser("aggregate", help="gather runs into one tidy table")

@@ -95,10 +95,10 @@ def _fraction(text: str) -> float:
 
 
 def _seconds(text: str) -> float:
-    """argparse type of a duration: a number of seconds above 0."""
+    """argparse type of a duration: a number of seconds, 0 or more."""
     x = _number(text)
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0 seconds, got {x:g}")
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 seconds or more, got {x:g}")
     return x
 
 
@@ -370,7 +370,8 @@ def parser() -> argparse.ArgumentParser:
                    help="shares of requests streamed (1: every request, the old path)")
     s.add_argument("--tokens-per-event", type=_at_least_one, nargs="+", default=[1, 20],
                    help="stream granularity: SGLang sends 1, vLLM about 20 under load")
-    s.add_argument("--seconds", type=_seconds, default=3.0, help="per setting: batches until this much time passed")
+    s.add_argument("--seconds", type=_seconds, default=3.0,
+                   help="per setting: batches until this much time passed (0: one batch)")
     s.add_argument("--procs", type=_at_least_one, default=1, help="fake engine processes")
     s.add_argument("--no-old-client", action="store_true",
                    help="leave out the client before 2026-11-23 (one shared pool, every request streamed)")

@@ -91,6 +91,17 @@ def test_bootstrap_ci_contains_median_and_is_seeded() -> None:
     assert bootstrap_median(values, seed=1) != est
 
 
+def test_the_bootstraps_row_medians_are_numpys_nanmedian_to_the_bit() -> None:
+    from hybridrl.report.stats import _row_medians
+
+    rng = np.random.default_rng(3)
+    for width in (1, 2, 7, 16):  # odd and even counts of values a row keeps
+        values = rng.lognormal(size=(200, width)) * 1e3
+        values[rng.random(values.shape) < 0.4] = np.nan  # drawn runs shorter than the longest
+        values[:, 0] = rng.lognormal(size=200)  # every row keeps one value at least
+        assert np.array_equal(_row_medians(values), np.nanmedian(values, axis=1))
+
+
 def test_bootstrap_drops_missing_and_handles_tiny_samples() -> None:
     est = bootstrap_median([1.0, None, float("nan"), 3.0, 2.0])
     assert (est.value, est.n) == (2.0, 3)

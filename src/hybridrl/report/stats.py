@@ -71,7 +71,17 @@ def _boot_medians(runs: list[np.ndarray], rng: np.random.Generator, n_boot: int)
     picks = np.floor(rng.random((n_boot, n_runs, longest)) * sizes[drawn][..., None]).astype(int)
     values = table[drawn[..., None], picks]
     values[slots[None, None, :] >= sizes[drawn][..., None]] = np.nan  # a drawn run keeps its own length
-    return np.nanmedian(values.reshape(n_boot, -1), axis=1)
+    return _row_medians(values.reshape(n_boot, -1))
+
+
+def _row_medians(values: np.ndarray) -> np.ndarray:
+    """Each row's median over its values that are not NaN (every row holds some): np.nanmedian's figures, without
+    its masked-array sort, which took most of a report's time."""
+    ordered = np.sort(values, axis=1)  # NaN sorts last
+    count = np.sum(~np.isnan(values), axis=1)
+    lower = np.take_along_axis(ordered, ((count - 1) // 2)[:, None], axis=1)[:, 0]
+    upper = np.take_along_axis(ordered, (count // 2)[:, None], axis=1)[:, 0]
+    return (lower + upper) / 2
 
 
 def _interval(samples: np.ndarray, level: float) -> tuple[float, float]:

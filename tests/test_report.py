@@ -554,8 +554,8 @@ def test_report_shows_the_logprob_gap_floor_tiers_and_drift(study: list[Path], t
     restart = next(line for line in section.splitlines() if line.startswith("| restart |"))
     assert "not tiered (recorded before the tiers)" in restart and "no trend shown" in restart
 def test_transition_times_are_compared_only_between_releases_that_move_the_same_bytes() -> None:
+    from hybridrl.report.comparisons import NO_VLLM_KV_ONLY, transitions
     from hybridrl.report.plots import run_labels
-    from hybridrl.report.render import NO_VLLM_KV_ONLY, transitions
 
     frames = []
     # SGLang's full release twice: its CPU copy kept pinned (as vLLM's), and pinned anew every sleep (a run
@@ -639,8 +639,8 @@ def test_headline_never_pairs_engines_measured_through_different_clients() -> No
 
 def test_client_paths_compare_one_engine_through_two_clients_lighter_over_heavier() -> None:
     from hybridrl.report.client_paths import pairs
+    from hybridrl.report.comparisons import client_paths_table
     from hybridrl.report.plots import run_labels
-    from hybridrl.report.render import client_paths_table
 
     df = headline_study(client_run("sglang-old-bbbb", "sglang", 1.0, True),
                         client_run("sglang-new-aaaa", "sglang", 0.125, False, speed=2.0),

@@ -13,7 +13,7 @@ from test_report import headline_run, headline_study
 from test_report_conditions import T0, timed
 
 from hybridrl.report import placements
-from hybridrl.report.render import placement_tables
+from hybridrl.report.comparisons import placement_tables
 from hybridrl.report.wording import violations
 
 
@@ -136,7 +136,8 @@ def test_the_placements_plot_is_drawn_only_where_an_engine_has_arms_to_compare(t
 
 def test_an_overlapped_runs_last_step_is_left_out_of_the_steady_state_and_shown_apart() -> None:
     from hybridrl.report import stats
-    from hybridrl.report.render import summary, warmup_table
+    from hybridrl.report.comparisons import summary
+    from hybridrl.report.run_tables import warmup_table
 
     df = _study(overlap_s=6.0, rounds=1)
     # the last step has nothing rolling out ahead beside its training: it is short

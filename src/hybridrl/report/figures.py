@@ -71,7 +71,7 @@ def _steady(study: str, name: str, column: str | None = None) -> pd.DataFrame:
 
 
 def _fmt(x: float) -> str:
-    from hybridrl.report.render import fmt
+    from hybridrl.report.cells import fmt
 
     return fmt(x)
 
@@ -112,7 +112,7 @@ def verdict(study: str, a: str, b: str, column: str, mode: str = "rate") -> str:
     """The report's sentence on a / b by the fixed wording rules (report.wording.conclusion): 'Rollout throughput:
     sglang-full is faster than vllm-server, sglang-full / vllm-server 1.11x [1.04, 1.22] (3 runs, 24 steps vs ...).'
     MODE says which way is better: rate (higher, faster), time (lower, faster), cost (lower), size (higher)."""
-    from hybridrl.report.render import KEY_METRICS, TRANSITIONS
+    from hybridrl.report.comparisons import KEY_METRICS, TRANSITIONS
 
     if mode not in MODES:
         raise ValueError(f"unknown verdict mode {mode!r} (known: {', '.join(MODES)})")

@@ -92,9 +92,9 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     assert bad.returncode == 2
     plans = ("asyncstate client exportstage exportviews faults full hfexport hffused hfrounds learnentropy "
              "learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm moe2full moe4 moe4full moepermute moerounds "
-             "overlap1 packing placement placement1 placement1v placementlong rest rest4 soak syncfree syncfree2 timed "
-             "timingcost trainer trainerfast trainerfuse trainerloop trainermoe verdict verdictkv verdictpin "
-             "verdictwarm")
+             "overlap1 packing placement placement1 placement1s placement1v placementlong rest rest4 soak syncfree "
+             "syncfree2 timed timingcost trainer trainerfast trainerfuse trainerloop trainermoe verdict verdictkv "
+             "verdictpin verdictwarm")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     (root / "gpu-h200" / "setup.done").unlink()
@@ -307,6 +307,8 @@ def test_one_gpu_placement_plan_interleaves_two_rounds_of_colocate_and_overlap(r
     (root / "gpu-h200-placement1" / "lane-placement1-1.log").unlink()
     assert _one_lane_plan(root, "gpu-h200-placement1", "placement1v") == [
         "train vllm-colocate-r3 on GPU 0", "train vllm-overlap-r3 on GPU 0"]
+    assert _one_lane_plan(root, "gpu-h200-placement1", "placement1s") == [
+        "train sglang-colocate-r3 on GPU 0", "train sglang-overlap-r3 on GPU 0"]
 
 
 def test_soak_plan_runs_each_engine_for_fifty_steps_one_after_another(root: Path) -> None:

@@ -620,6 +620,13 @@ plan_placement1v() {
   one_lane "train vllm-colocate-r3;train vllm-overlap-r3"
 }
 
+plan_placement1s() {
+  # placement1's third replicate of SGLang's pair (colocate, then overlap), in a lease of its own as placement1v was
+  # for the vLLM server: needs only the `sglang` overlay
+  study=config/gpu-h200-placement1.yaml
+  one_lane "train sglang-colocate-r3;train sglang-overlap-r3"
+}
+
 plan_placementlong() {
   # issue 18's drift runs: 30 overlapped steps per engine, one after the other (about 8 minutes each)
   study=config/gpu-2xh200-placement.yaml

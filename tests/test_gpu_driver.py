@@ -277,6 +277,9 @@ def test_placement_plan_runs_one_round_of_the_six_arms_and_the_long_runs_apart(r
     assert {runs[f"{e}-overlap-long"].steps for e in ("sglang", "vllm")} == {30}
     names = {rid.rsplit("-", 1)[0] if rid.endswith(("-r2", "-r3")) else rid for rid in study.runs}
     assert len(names) == 8 and len(study.runs) == 6 * 3 + 2
+    # issue 18 asks for the realistic dense model: issue 17's warm-started policy, its answers stopping at EOS
+    assert {r.model for r in runs.values()} == {"qwen3-0.6b-warm"} and "warm_start" in study.models["qwen3-0.6b-warm"]
+    assert not any(r.sampling.ignore_eos for r in runs.values()) and all(r.eval_every == 5 for r in runs.values())
 
 
 def test_one_gpu_overlap_plan_runs_each_engine_and_trainer_and_hits_the_rollout_ahead(root: Path) -> None:

@@ -171,10 +171,12 @@ def test_a_table_that_aggregate_did_not_write_is_refused_by_name_before_any_repo
     (tmp_path / "other.csv").write_text("x,y\n1,2\n")
     (tmp_path / "header.csv").write_text(",".join(KNOWN) + "\n")
     (tmp_path / "steps.txt").write_text("run_id\n")
+    (tmp_path / "empty.parquet").write_bytes(b"")
     said = {"empty.csv": "empty file, not a table of steps",
             "other.csv": "not a table of steps: no column run_id, engine, placement, trainer, model, tp, seed, step",
             "header.csv": "holds no steps: no run recorded one",
-            "steps.txt": "expected a .parquet or .csv table of steps"}
+            "steps.txt": "expected a .parquet or .csv table of steps",
+            "empty.parquet": "not a readable parquet table"}
     for name, why in said.items():
         with pytest.raises(RuntimeError, match=why):
             read_table(tmp_path / name)

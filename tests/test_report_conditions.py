@@ -152,6 +152,8 @@ def test_a_pair_reads_every_replicate_for_its_machines_code_and_hours_apart() ->
     assert not any(c.startswith("recorded") for c in h.caveats)  # one machine, one sitting
     [h] = headlines(headline_study(one, two.assign(machine="99990000"), vllm))
     assert "recorded by different machines (boot ids): 1a2b3c4d, 99990000 (SGLang) vs 1a2b3c4d" in h.caveats
+    [h] = headlines(headline_study(one, two.assign(machine="99990000"), vllm.assign(machine=None)))
+    assert "recorded by different machines (boot ids): 1a2b3c4d, 99990000 (SGLang) vs not recorded" in h.caveats
     later = timed(headline_run("sglang-colocate-aaaa1111-r2", "sglang", trainer="hf"), T0 + 20 * 3600)
     [h] = headlines(headline_study(one, later.assign(machine="1a2b3c4d"), vllm))
     apart = [c for c in h.caveats if " h apart " in c]

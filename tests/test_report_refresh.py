@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from hybridrl.report import refresh
+from hybridrl.report.aggregate import read_table
+from hybridrl.report.plots import drawable, make_all
 
 REPO = Path(__file__).resolve().parents[1]
 STUDIES = sorted(d for d in (REPO / "results" / "reference").iterdir() if (d / "report.md").is_file())
@@ -26,21 +28,34 @@ def test_every_committed_report_reads_as_todays_code_renders_it(study: Path) -> 
     assert not refresh.is_stale(study), f"stale: python -m hybridrl reports --fix {study.relative_to(REPO)}"
 
 
-def test_a_report_edited_by_hand_is_stale_and_fix_renders_it_again(tmp_path: Path) -> None:
+def test_a_report_edited_by_hand_or_missing_a_plot_is_stale_and_fix_renders_it_again(tmp_path: Path) -> None:
     study = tmp_path / SMALL.name
     shutil.copytree(SMALL, study)
     committed = (study / "report.md").read_text()
+    assert not refresh.is_stale(study)
+    (study / "plots" / "throughput.png").unlink()  # a plot the table has data for, not drawn
+    assert refresh.is_stale(study)
+    shutil.copy(study / "plots" / "latency.png", study / "plots" / "placements.png")  # and one it has none for
     (study / "report.md").write_text(committed.replace("| ", "| 9", 1))  # one figure changed by hand
-    (study / "plots" / "throughput.png").unlink()
     out = _reports(str(study))
     assert out.returncode == 1
     assert f"{study}/report.md: today's report code renders it differently" in out.stdout
     assert f"1 of 1 reports are stale; write them again with python -m hybridrl reports --fix {study}" in out.stderr
     out = _reports("--fix", str(study))
     assert out.returncode == 0, out.stderr
-    assert (study / "report.md").read_text() == committed and (study / "plots" / "throughput.png").is_file()
+    assert (study / "report.md").read_text() == committed
+    assert (study / "plots" / "throughput.png").is_file() and not (study / "plots" / "placements.png").exists()
     out = _reports(str(study))
     assert out.returncode == 0 and "all 1 reports read as today's code renders them" in out.stdout
+
+
+@pytest.mark.parametrize("name", ["2026-11-25-h200-placement1v", "2026-11-23-cpu-smoke"])
+def test_the_plots_a_table_has_data_for_are_the_plots_drawn(name: str, tmp_path: Path) -> None:
+    """The check asks each plot whether it has data without drawing it; drawing must agree."""
+    df = read_table(REPO / "results" / "reference" / name / "steps.csv")
+    assert sorted(make_all(df, tmp_path)) == sorted(drawable(df))
+    assert sorted(p.stem for p in tmp_path.glob("*.png")) == sorted(drawable(df))
+    assert not drawable(df.iloc[0:0])  # an empty table: nothing to draw
 
 
 def test_the_check_refuses_a_missing_folder_or_a_report_without_its_table(tmp_path: Path) -> None:

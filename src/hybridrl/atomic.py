@@ -30,17 +30,26 @@ def atomic_path(path: Path, fsync: bool = False) -> Iterator[Path]:
         if fsync:
             with open(tmp, "rb+") as fh:
                 os.fsync(fh.fileno())
-        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else plain_mode())
+        os.chmod(tmp, _mode_for(path))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def _mode_for(path: Path) -> int:
+    """The target's own mode where it exists, else plain_mode()."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        return plain_mode()
+
+
 @functools.cache
 def plain_mode() -> int:
-    """The mode open() gives a new file under this process's umask: mkstemp's 0600 would hide results, reports and
-    records from the rest of a cluster group. Read from /proc (setting the umask to read it races other threads)."""
+    """The mode open() gives a new file under the umask this process had when first asked: mkstemp's 0600 would
+    hide results, reports and records from the rest of a cluster group. Read from /proc (setting the umask to read
+    it races other threads); 0644 where /proc does not say."""
     with contextlib.suppress(OSError, ValueError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):

@@ -287,7 +287,12 @@ def read_table(path: Path) -> pd.DataFrame:
     """Read a table written by write_table (parquet or CSV) back with the same dtypes."""
     path = Path(path)
     if path.suffix == ".parquet":
-        df = pd.read_parquet(path)
+        try:
+            df = pd.read_parquet(path)
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+            raise TableError(f"{path}: not a readable parquet table ({exc})") from None
     elif path.suffix == ".csv":
         # text columns stay text: a commit such as 33439e1 would otherwise read as the number 334390.0
         try:

@@ -202,8 +202,8 @@ def restart_caveats(df: pd.DataFrame, sides: dict[str, str]) -> tuple[str, ...]:
 def caveats(sglang_rows: pd.DataFrame, vllm_rows: pd.DataFrame) -> tuple[str, ...]:
     """What a reader must know to read the pair: different code, GPUs or machines, or hours between its runs (every
     replicate of both sides read), and what peak memory compares."""
-    out = [f"recorded by different {what}: {', '.join(a)} (SGLang) vs {', '.join(b)}"
-           for what, [a, b] in conditions.recorded_apart([sglang_rows, vllm_rows])]
+    out = [f"recorded by different {what}: {', '.join(a) or 'not recorded'} (SGLang) vs "
+           f"{', '.join(b) or 'not recorded'}" for what, [a, b] in conditions.recorded_apart([sglang_rows, vllm_rows])]
     # runs hours apart (two GPU leases, say) may have run on other machines of the same kind
     times = [conditions.first_steps(rows) for rows in (sglang_rows, vllm_rows)]
     apart = max(t[-1] for t in times) - min(t[0] for t in times) if all(times) else 0.0

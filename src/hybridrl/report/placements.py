@@ -69,19 +69,33 @@ def arm_label(run: pd.Series) -> str:
     return placement_name(run) + stale + (", one shared GPU" if shared_split(run) else "")
 
 
-def groups(df: pd.DataFrame) -> list[Group]:
-    """Per engine and pairable colocated configuration: that arm first, then every other placement that pairs
-    with it; engines with no colocated arm, or nothing to set beside it, give no group."""
+def _configs(df: pd.DataFrame) -> pd.DataFrame:
+    """Each configuration's first row, indexed by config_id, in the report's order."""
     order = [c[-1] for c in stats.configs(df)]
-    runs = df.drop_duplicates("config_id").set_index("config_id").loc[order]
-    steady = stats.steady_state(df)
-    wins = conditions.windows(df)
+    return df.drop_duplicates("config_id").set_index("config_id").loc[order]
+
+
+def pairings(df: pd.DataFrame) -> list[tuple[str, list[str]]]:
+    """Each colocated configuration with the other placements that pair with it (those with none are left out):
+    the groups' members, found without any statistics."""
+    runs = _configs(df)
     out = []
     for base in runs.index[(runs["placement"] == BASE).fillna(False).to_numpy(dtype=bool)]:
         others = [c for c in runs.index if c != base and runs.at[c, "placement"] != BASE
                   and all(pairable(k, runs.at[base, k], runs.at[c, k]) for k in PAIR_KEY)]
-        if not others:
-            continue
+        if others:
+            out.append((base, others))
+    return out
+
+
+def groups(df: pd.DataFrame) -> list[Group]:
+    """Per engine and pairable colocated configuration: that arm first, then every other placement that pairs
+    with it; engines with no colocated arm, or nothing to set beside it, give no group."""
+    runs = _configs(df)
+    steady = stats.steady_state(df)
+    wins = conditions.windows(df)
+    out = []
+    for base, others in pairings(df):
         arms = tuple(_arm(steady, wins, runs, c, base) for c in (base, *others))
         engine = ENGINES.get(str(runs.at[base, "engine"]), str(runs.at[base, "engine"]))
         out.append(Group(engine, {k: runs.at[base, k] for k in PAIR_KEY if k != "engine"}, arms,

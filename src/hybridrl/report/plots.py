@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import matplotlib
 
@@ -18,6 +19,7 @@ from hybridrl.report.aggregate import atomic_path, placement_name  # noqa: E402
 from hybridrl.report.learning import evals, with_wall_clock  # noqa: E402
 from hybridrl.report.placements import METRICS as PLACEMENT_METRICS  # noqa: E402
 from hybridrl.report.placements import groups as placement_groups  # noqa: E402
+from hybridrl.report.placements import pairings as placement_pairings  # noqa: E402
 from hybridrl.report.stats import WARMUP_STEPS, run_order, steady_state, unattributed_s  # noqa: E402
 from hybridrl.run.record import PHASE_KEYS as PHASES  # noqa: E402
 
@@ -99,31 +101,36 @@ def _per_step(df: pd.DataFrame, metrics: list[tuple[str, str]], title: str, out:
     return _save(fig, out)
 
 
+THROUGHPUT = [("perf/throughput", "rollout throughput (tok/s)"), ("perf/train_tok_s", "training throughput (tok/s)")]
+REWARD = [("reward/mean", "reward mean"), ("reward/accuracy", "accuracy"),
+          ("response_length/mean", "response length (tokens)"), ("response/stop_ratio", "share stopped at EOS"),
+          ("train/entropy", "policy entropy (nats per token)")]
+SLEEP_MEMORY = [("mem/engine_asleep_gb", "used after sleep (GB)"), ("mem/engine_awake_gb", "used after wake (GB)")]
+
+
 def plot_throughput(df: pd.DataFrame, out: Path) -> Path | None:
     """Rollout output tokens/s (and trainer tokens/s when recorded) per step, one line per run."""
-    return _per_step(df, [("perf/throughput", "rollout throughput (tok/s)"),
-                          ("perf/train_tok_s", "training throughput (tok/s)")],
-                     "Throughput per step (shaded: warm-up, excluded from statistics)", out)
+    return _per_step(df, THROUGHPUT, "Throughput per step (shaded: warm-up, excluded from statistics)", out)
 
 
 def plot_reward(df: pd.DataFrame, out: Path) -> Path | None:
-    return _per_step(df, [("reward/mean", "reward mean"), ("reward/accuracy", "accuracy"),
-                          ("response_length/mean", "response length (tokens)"),
-                          ("response/stop_ratio", "share stopped at EOS"),
-                          ("train/entropy", "policy entropy (nats per token)")], "Learning per step", out)
+    return _per_step(df, REWARD, "Learning per step", out)
 
 
 def plot_sleep_memory(df: pd.DataFrame, out: Path) -> Path | None:
     """NVML's used GPU memory right after each sleep and each wake, per step: a leak shows as a rising line."""
-    return _per_step(df, [("mem/engine_asleep_gb", "used after sleep (GB)"),
-                          ("mem/engine_awake_gb", "used after wake (GB)")],
-                     "Engine GPU memory across sleep and wake (NVML, whole GPU; shaded: warm-up)", out)
+    return _per_step(df, SLEEP_MEMORY, "Engine GPU memory across sleep and wake (NVML, whole GPU; shaded: warm-up)",
+                     out)
+
+
+def has_evals(df: pd.DataFrame) -> bool:
+    return not evals(df).empty
 
 
 def plot_learning(df: pd.DataFrame, out: Path) -> Path | None:
     """Eval accuracy and rollout reward against the step and against the wall clock the run has trained for
     (report.learning), one line per run; None when no run has an eval."""
-    if evals(df).empty:
+    if not has_evals(df):
         return None
     labels, colors, timed, found = run_labels(df), run_colors(df), with_wall_clock(df), evals(df)
     fig, axes = plt.subplots(2, 2, figsize=(12.8, 8), squeeze=False)
@@ -159,9 +166,13 @@ def step_breakdown(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
+def has_step_times(df: pd.DataFrame) -> bool:
+    return _has(df, [*PHASES, "timing_s/step"])
+
+
 def plot_step_breakdown(df: pd.DataFrame, out: Path) -> Path | None:
     """Stacked bars: median seconds per phase of a steady-state step, one bar per run."""
-    if not _has(df, [*PHASES, "timing_s/step"]):
+    if not has_step_times(df):
         return None
     table = step_breakdown(df)
     labels = run_labels(df)
@@ -183,13 +194,16 @@ def plot_step_breakdown(df: pd.DataFrame, out: Path) -> Path | None:
     return _save(fig, out)
 
 
+def has_placements(df: pd.DataFrame) -> bool:
+    return bool(placement_pairings(df))
+
+
 def plot_placements(df: pd.DataFrame, out: Path) -> Path | None:
     """Per engine (a row) and metric (a column): each placement's median with its 95% interval over runs and
     steps, and every run's own median beside it, so a reader sees both the estimate and the runs it rests on."""
-    gs = placement_groups(df)
-    if not gs:
+    if not has_placements(df):
         return None
-    steady = steady_state(df)
+    gs, steady = placement_groups(df), steady_state(df)
     fig, axes = plt.subplots(len(gs), len(PLACEMENT_METRICS), figsize=(4.2 * len(PLACEMENT_METRICS), 3.2 * len(gs)),
                              squeeze=False, layout="constrained")
     for row, g in zip(axes, gs, strict=True):
@@ -286,9 +300,13 @@ def plot_timeline(df: pd.DataFrame, out: Path) -> Path | None:
     return None if fig is None else _save(fig, out)
 
 
+def has_timeline(df: pd.DataFrame) -> bool:
+    return all(_has(df, [c]) for c in ("time_unix", "timing_s/step", "perf/throughput"))
+
+
 def timeline_figure(df: pd.DataFrame) -> Figure | None:
     """The figure of plot_timeline, unsaved; None without wall-clock times, step times or throughput."""
-    if not _has(df, ["time_unix"]) or not _has(df, ["timing_s/step"]) or not _has(df, ["perf/throughput"]):
+    if not has_timeline(df):
         return None
     panels = [("perf/throughput", "rollout throughput (tok/s)")]
     if _has(df, ["host/cpu_busy_pct_gen"]):
@@ -331,14 +349,17 @@ MACHINE = [("gpu/power_w_gen", "GPU power in rollout (W)"),
            ("host/busiest_thread_cpu_pct_gen", "busiest thread in rollout (% of a core)")]
 
 
+def has_machine(df: pd.DataFrame) -> bool:
+    return _has(df, [c for c, _ in MACHINE]) and _has(steady_state(df), ["perf/throughput"])
+
+
 def plot_machine(df: pd.DataFrame, out: Path) -> Path | None:
     """Each steady step's rollout throughput against the GPU's power draw and the run's busiest CPU thread during
     that rollout, one colour per run: whether a slow step was the GPU's or one thread's doing. None where no run
     recorded them."""
-    panels = [(c, x) for c, x in MACHINE if _has(df, [c])]
-    steady = steady_state(df)
-    if not panels or not _has(steady, ["perf/throughput"]):
+    if not has_machine(df):
         return None
+    panels, steady = [(c, x) for c, x in MACHINE if _has(df, [c])], steady_state(df)
     labels, colors = run_labels(df), run_colors(df)
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), sharey=True, squeeze=False)
     for ax, (column, xlabel) in zip(axes[0], panels, strict=True):
@@ -353,18 +374,34 @@ def plot_machine(df: pd.DataFrame, out: Path) -> Path | None:
     return _save(fig, out)
 
 
-PLOTS: dict[str, tuple[str, Callable[[pd.DataFrame, Path], Path | None]]] = {
-    "throughput": ("Throughput per step", plot_throughput),
-    "step_breakdown": ("Step-time breakdown", plot_step_breakdown),
-    "latency": ("Latency distributions", plot_latency),
-    "reward": ("Reward per step", plot_reward),
-    "learning": ("Accuracy and reward against steps and wall clock", plot_learning),
-    "memory": ("GPU memory per phase", plot_memory),
-    "sleep_memory": ("Engine GPU memory across sleep and wake", plot_sleep_memory),
-    "placements": ("Placements per engine against colocate", plot_placements),
-    "timeline": ("Steps on the wall clock", plot_timeline),
-    "machine": ("Rollout throughput against GPU power and the busiest CPU thread", plot_machine),
+def _any_of(metrics: list[tuple[str, str]]) -> Callable[[pd.DataFrame], bool]:
+    return lambda df: _has(df, [m for m, _ in metrics])
+
+
+class Plot(NamedTuple):
+    title: str
+    draw: Callable[[pd.DataFrame, Path], Path | None]
+    # whether the table has what the plot draws, asked without drawing it (make_all, `hybridrl reports`)
+    has_data: Callable[[pd.DataFrame], bool]
+
+
+PLOTS: dict[str, Plot] = {
+    "throughput": Plot("Throughput per step", plot_throughput, _any_of(THROUGHPUT)),
+    "step_breakdown": Plot("Step-time breakdown", plot_step_breakdown, has_step_times),
+    "latency": Plot("Latency distributions", plot_latency, _any_of(LATENCY)),
+    "reward": Plot("Reward per step", plot_reward, _any_of(REWARD)),
+    "learning": Plot("Accuracy and reward against steps and wall clock", plot_learning, has_evals),
+    "memory": Plot("GPU memory per phase", plot_memory, _any_of(MEMORY)),
+    "sleep_memory": Plot("Engine GPU memory across sleep and wake", plot_sleep_memory, _any_of(SLEEP_MEMORY)),
+    "placements": Plot("Placements per engine against colocate", plot_placements, has_placements),
+    "timeline": Plot("Steps on the wall clock", plot_timeline, has_timeline),
+    "machine": Plot("Rollout throughput against GPU power and the busiest CPU thread", plot_machine, has_machine),
 }
+
+
+def drawable(df: pd.DataFrame) -> list[str]:
+    """The plots this table has data for: what make_all writes."""
+    return [name for name, plot in PLOTS.items() if plot.has_data(df)]
 
 
 def make_all(df: pd.DataFrame, plots_dir: Path) -> dict[str, Path]:
@@ -372,8 +409,8 @@ def make_all(df: pd.DataFrame, plots_dir: Path) -> dict[str, Path]:
     plots_dir = Path(plots_dir)
     plots_dir.mkdir(parents=True, exist_ok=True)
     written = {}
-    for name, (_, fn) in PLOTS.items():
-        path = fn(df, plots_dir / f"{name}.png")
+    for name, plot in PLOTS.items():
+        path = plot.draw(df, plots_dir / f"{name}.png") if plot.has_data(df) else None
         if path is not None:
             written[name] = path
         else:  # a plot from an earlier report with data this table lacks would mislead

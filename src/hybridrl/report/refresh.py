@@ -2,8 +2,8 @@
 again, so that a reference result under results/reference/ reads as the code that ships reads its data.
 
 A study folder holds steps.csv, report.md and plots/ (and runs/ for provenance). The check renders report.md
-from steps.csv with the plots already there (plots are slow to draw and their bytes vary with matplotlib);
-refreshing draws the plots again too.
+from steps.csv and asks which plots the table has data for, without drawing them (drawing is slow, and a PNG's
+bytes vary with matplotlib); refreshing draws the plots again too.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from rich.progress import track
 
 from hybridrl.report import report_main
 from hybridrl.report.aggregate import read_table
-from hybridrl.report.plots import PLOTS
+from hybridrl.report.plots import PLOTS, drawable
 from hybridrl.report.render import markdown
 
 DEFAULT_TITLE = "hybridrl study"
@@ -45,9 +45,14 @@ def title(study: Path) -> str:
 
 
 def is_stale(study: Path) -> bool:
-    """Whether today's code would render the folder's report.md differently from the committed one."""
-    plots = {name: study / "plots" / f"{name}.png" for name in PLOTS if (study / "plots" / f"{name}.png").is_file()}
-    text = markdown(read_table(study / "steps.csv"), plots, title(study), study / "runs", study / "report.md")
+    """Whether today's code would write the folder's report differently: report.md's text, or which plots it
+    draws (plots/<name>.png present for exactly the plots the table has data for)."""
+    df = read_table(study / "steps.csv")
+    plots = {name: study / "plots" / f"{name}.png" for name in drawable(df)}
+    drawn = {name for name in PLOTS if (study / "plots" / f"{name}.png").is_file()}
+    if drawn != set(plots):
+        return True
+    text = markdown(df, plots, title(study), study / "runs", study / "report.md")
     return text != (study / "report.md").read_text()
 
 

@@ -23,7 +23,7 @@ def _plots(written: dict[str, Path], base: Path) -> list[dict[str, str]]:
     def rel(path: Path) -> str:
         return Path(os.path.relpath(Path(path).resolve(), base)).as_posix()
 
-    return [{"name": name, "title": PLOTS[name][0], "src": rel(path)} for name, path in written.items()]
+    return [{"name": name, "title": PLOTS[name].title, "src": rel(path)} for name, path in written.items()]
 
 
 def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path) -> dict[str, Any]:

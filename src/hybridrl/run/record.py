@@ -11,13 +11,13 @@ from typing import Any
 
 IDENTITY = ("run_id", "engine", "placement", "trainer", "model", "tp", "seed", "step")
 # The phases of a step, in the order they happen. Each is timed as timing_s/<phase>, and together they make up
-# timing_s/step (a test holds them to 2%): prepare builds and tokenizes the requests, reads the trainer's GPU
-# memory and the run's threads' CPU time around gen; reward includes the per-request audit file; restart is the
-# engine's stop before training plus its start after; save_adapter is timed by the trainer inside its step;
-# await_rollout is the wait, after training, for a rollout running ahead (overlap) to end before the new adapter is
-# loaded; save_state is the wait, at the step's end, for the optimizer state the trainer writes while the engine
-# takes its adapter (a recorded step can be resumed); recover is starting an engine found dead again
-# (errors/engine_restarts counts those).
+# timing_s/step (a test holds every step but one to 2%, CPU scheduling aside): prepare builds and tokenizes the
+# requests, reads the trainer's GPU memory and the run's threads' CPU time around gen; reward includes the
+# per-request audit file; restart is the engine's stop before training plus its start after; save_adapter is timed by
+# the trainer inside its step; await_rollout is the wait, after training, for a rollout running ahead (overlap) to
+# end before the new adapter is loaded; save_state is the wait, at the step's end, for the optimizer state the
+# trainer writes while the engine takes its adapter (a recorded step can be resumed); recover is starting an engine
+# found dead again (errors/engine_restarts counts those).
 PHASES = ("prepare", "gen", "reward", "sleep", "trainer_onload", "update_actor", "save_adapter", "trainer_offload",
           "await_rollout", "wake", "restart", "update_weights", "check", "save_state", "recover")
 PHASE_KEYS = tuple(f"timing_s/{p}" for p in PHASES)

@@ -9,7 +9,7 @@ import sys
 from fractions import Fraction
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hybridrl.task import answer, data
@@ -166,7 +166,8 @@ def _python_steps(text: str) -> int:
     return steps
 
 
-@pytest.mark.parametrize("unit", [" ", "\n", "7", "1,", "1 ", "-.", "$ ", "1e3 ", "a", "x2 ", "#### "])
+@pytest.mark.parametrize("unit", [" ", "\n", "7", "1,", "1 ", "-.", "$ ", "1e3 ", "a", "x2 ", "#### ", "1 / ", "- ",
+                                  "2 million "])
 def test_work_grows_linearly(unit):
     n = 2000 // len(unit)
     small, large = _python_steps(unit * n), _python_steps(unit * (2 * n))
@@ -240,3 +241,55 @@ def test_every_form_it_accepts_reads_back_exactly(value, draw):
 def test_a_number_glued_to_letters_is_refused(n, suffix):
     assert answer.answer_value(f"#### {n}{suffix}") is None
     assert answer.answer_value(f"it is {n}{suffix}") is None
+
+
+# --- a number that is one part of a written-out operation, or scaled by a word, is refused --------
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "#### 3 / 4", "#### 3 /4", "#### 3/ 4", "#### 3 ÷ 4", "#### 3÷4", "#### - 7", "#### \u2212 7", "#### + 7",
+        "#### - $7", "#### 2 x 10^3", "#### 2 \u00d7 10^3", "#### 2*10^3", "#### 2 ** 3", "#### 2 ^ 3",
+        "#### 5 - 3", "#### 5 -3", "#### 5 + 3 = 8", "#### (3 + 4)", "#### 1 000 x 3",
+        "#### 1.5 million", "#### 2 Thousand", "#### 3 hundred", "#### 3 hundredths", "#### 2 dozen eggs",
+        "#### 4 lakh", "#### 10 k", "#### 5 M", "#### 1.2 bn", "#### 3\u00a0billion",
+        "so it is 3 / 4", "Each gets 550 / 10", "12 + 12", "the answer is - 7", "it is 1.5 million",
+    ],
+)
+def test_an_operand_or_a_scaled_number_is_refused_not_misread(text):
+    assert data.extract_answer(text) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("#### 5 dollars", "5"), ("#### 5 apples", "5"), ("#### 50%", "50"), ("#### 5 m", "5"), ("#### 5 km", "5"),
+        ("#### 5 kg", "5"), ("#### 5 xylophones", "5"), ("#### **72**", "72"), ("#### 20 / hour", "20"),
+        ("#### 72\n- 3 more", "72"), ("#### 72\n1.5 million", "72"), ("#### $ -7", "-7"), ("#### -$7", "-7"),
+        ("#### 5 = 2 + 3", "5"), ("so 12 + 12 = 24", "24"), ("the maximum is 7", "7"), ("#### 5 - the rest", "5"),
+    ],
+)
+def test_units_and_a_line_break_do_not_refuse(text, expected):
+    assert data.extract_answer(text) == expected
+
+
+SPACES = st.text(st.sampled_from([" ", "\t", "\u00a0", "\u2009"]), max_size=3)
+
+
+@settings(deadline=None, max_examples=300)
+@given(VALUES, st.sampled_from(["/", "\u00f7", "\u00d7", "*", "**", "^", "x", "+", *MINUSES]), SPACES, SPACES,
+       st.sampled_from(["4", "10^3", "$2", ".5", "-3"]), st.data())
+def test_an_operand_is_refused_whatever_its_form(value, op, before, after, other, draw):
+    assume(before or after)  # unspaced, `3/4` is a fraction and `5-3` one refused token
+    form = draw.draw(st.sampled_from(_forms(value)), label="form")
+    assert answer.answer_value(f"#### {form}{before}{op}{after}{other} apples") is None
+    assert answer.answer_value(f"so {other}{before}{op}{after}{form}") is None
+
+
+@settings(deadline=None, max_examples=200)
+@given(VALUES, st.sampled_from([*MINUSES, "+"]), SPACES.filter(bool),
+       st.sampled_from(["million", "Thousand", "dozen", "k", "M", "bn"]), st.data())
+def test_a_sign_set_apart_or_a_scale_word_is_refused(value, sign, spaces, scale, draw):
+    form = draw.draw(st.sampled_from(_forms(value)), label="form")
+    assert answer.answer_value(f"#### {sign}{spaces}{form}") is None
+    assert answer.answer_value(f"#### {form}{spaces}{scale}") is None

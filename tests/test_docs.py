@@ -83,3 +83,44 @@ def test_the_readme_layout_names_every_module_where_it_is() -> None:
     for pkg, modules in named.items():
         on_disk = {p.stem for p in (src / pkg).glob("*.py")} - {"__init__", "__main__"}
         assert modules == on_disk, (pkg or "src/hybridrl", sorted(modules ^ on_disk))
+
+
+def test_cluster_doc_gives_the_log_path_of_the_profiles_job_arrays() -> None:
+    """The profile submits arrays, which the SLURM plugin logs to <logdir>/rule_<rule>/%A_%a.log: the doc gives
+    that path, and gives the per-job path (sbatch's %j, under the run id) only for a run that went out alone."""
+    import importlib.util
+
+    import yaml
+
+    profile = yaml.safe_load((REPO / "slurm" / "config.v8+.yaml").read_text())
+    assert profile["slurm-array-jobs"] == "all"
+    logdir = profile["slurm-logdir"]
+    spec = importlib.util.find_spec("snakemake_executor_plugin_slurm")
+    if spec and spec.origin:  # the plugin's own pattern, where it is installed
+        assert 'group_or_rule / r"%A_%a.log"' in Path(spec.origin).read_text()
+    text = (REPO / "docs" / "cluster.md").read_text()
+    assert f"`{logdir}/rule_<rule>/<array job id>_<task>.log`" in text and "`%A_%a.log`" in text
+    sentences = [s for s in re.split(r"(?<=\.)\s+", text) if "<jobid>.log" in s]
+    assert all("alone" in s for s in sentences), [s for s in sentences if "alone" not in s]
+
+
+def _localrules() -> set[str]:
+    """Every rule named in a `localrules:` declaration of the Snakefile and its rule files."""
+    names: set[str] = set()
+    for path in [REPO / "Snakefile", *sorted((REPO / "workflow" / "rules").glob("*.smk"))]:
+        for m in re.finditer(r"^localrules:(.*\n(?:[ \t]+\S.*\n)*)", path.read_text(), flags=re.M):
+            names.update(n for n in re.split(r"[\s,]+", m[1]) if n)
+    return names
+
+
+# How the login-node list of docs/cluster.md names a rule, where not by the rule's own name.
+CLUSTER_DOC_NAMES = {"run_config": "run configs", "container": "image builds", "model": "models"}
+
+
+def test_cluster_doc_login_node_list_names_every_localrule() -> None:
+    rules = _localrules() - {"all"}  # `all` only gathers targets
+    assert {"data", "model", "container"} <= rules, rules
+    text = (REPO / "docs" / "cluster.md").read_text()
+    paragraph = next(p for p in text.split("\n\n") if "`localrules`" in p)
+    missing = [r for r in sorted(rules) if not re.search(rf"\b{re.escape(CLUSTER_DOC_NAMES.get(r, r))}\b", paragraph)]
+    assert not missing, f"docs/cluster.md's login-node list leaves off {missing}"

@@ -65,3 +65,25 @@ def test_a_tree_too_large_for_any_part_is_refused_with_the_cause(tmp_path: Path)
     assert res.returncode == 1
     assert "the working tree is" in res.stderr and "move large files out of the tree" in res.stderr
     assert not list((tmp_path / "gpu").glob("x[0-9][0-9]"))
+
+
+def test_no_gpu_env_is_one_plain_message_naming_the_folder(tmp_path: Path) -> None:
+    """Run from a copy in a scratch git repository, so that nothing is written into this checkout; it must stop
+    before it writes anything there too (.git/info/exclude, .gpu/)."""
+    repo, empty, gpu = tmp_path / "repo", tmp_path / "empty", tmp_path / "gpu"
+    (repo / "scripts" / "gpu").mkdir(parents=True)
+    empty.mkdir()
+    (repo / "scripts" / "gpu" / "prepare-transfer.sh").write_text(SCRIPT.read_text())
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    exclude = repo / ".git" / "info" / "exclude"
+    before = exclude.read_text() if exclude.exists() else None
+    res = subprocess.run(["bash", str(repo / "scripts" / "gpu" / "prepare-transfer.sh"), "vllm"], cwd=repo,
+                         env={**os.environ, "HYBRIDRL_SHARED_GPU": str(empty), "HYBRIDRL_GPU_DIR": str(gpu)},
+                         capture_output=True, text=True)
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert f"no gpu-env in {empty}" in lines[0] and "HYBRIDRL_SHARED_GPU" in lines[0]
+    assert "steering" not in lines[0]  # no words of our own workspace: it lies beside the checkout
+    assert not res.stdout and not gpu.exists() and not (repo / ".gpu").exists()
+    assert (exclude.read_text() if exclude.exists() else None) == before

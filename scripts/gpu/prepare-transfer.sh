@@ -21,9 +21,9 @@ carry_limit=${HYBRIDRL_CARRY_LIMIT:-$((64 * 1024 * 1024))}  # the device tool's 
 # 1 MiB alone, a 24 MB tree of 1,090 files and 41.9 MB parts were refused as over 64 MiB (2026-11-24)
 margin=$((4 * 1024 * 1024))
 if [ ! -x "$shared/gpu-env" ]; then
-  echo "prepare-transfer: no gpu-env in $shared. It is not in this repository: it comes with the project's" \
-    "shared folder (shared/gpu: gpu-env and its sglang.txt, vllm.txt, trainer.txt), which lies beside the" \
-    "steering checkout as ../shared/gpu. From another clone, point HYBRIDRL_SHARED_GPU at that folder" \
+  echo "prepare-transfer: no gpu-env in $shared. It is not in this repository: gpu-env and its pin lists" \
+    "(sglang.txt, vllm.txt, trainer.txt) come with the project's shared folder, looked for as ../shared/gpu" \
+    "beside the checkout; if it is elsewhere, set HYBRIDRL_SHARED_GPU to the folder that holds gpu-env" \
     "(see docs/gpu.md)." >&2
   exit 2
 fi

@@ -16,6 +16,14 @@ The rule, also in the README beside the reward:
 - Anything else is refused, and the answer is then None rather than a different number: `1,23`,
   `1.2.3`, `5-3`, `10k`, `0x1F`, `3rd`, `½`, `10²`, `1 3/4`, `--5`, `±5`, `3/0`, a token longer than
   1,000 characters. A refused last token is not passed over for an earlier number.
+- A number that is part of a sum written out is refused too, since it is not the sum's value. Looking
+  along its line only (spaces, tabs, no newline): a number followed by an arithmetic operator (`/ ÷ × ·
+  * ** ^ x X` or a sign) and then another number (`3 / 4`, `3/ 4`, `2 x 10^3`, `2*10^3`, `5 - 3`); a
+  number preceded by such an operator that has a number (or `)`) before it (`12 + 12`, `550 / 10`); a
+  number after a sign set apart from it by spaces (`- 7`, `− 7`); and a number followed by a scale word
+  (`hundred`, `thousand`, `million`, `billion`, `trillion`, `dozen`, `lakh`, `crore` and words that begin
+  with one, in any case; the abbreviations `k`, `K`, `M`, `bn`, `Bn`, `BN`). Units and words that are not
+  scales (`5 dollars`, `5 m`, `5 km`, `50%`, `5.`, `**72**`) do not refuse.
 
 Values are Fractions, so `0.1 + 0.2` style rounding never decides a reward; `format_number` writes the
 canonical text (`1234.5`, `-7`, `1/3`).
@@ -46,6 +54,12 @@ GROUP_SPACES = frozenset(" \u00a0\u2009\u202f")
 # Between two digits these keep one token, so that its parts are never read as numbers of their own.
 JOINERS = frozenset(",./:'_^\u2019\u2014\u066b\u066c\uff0c\uff0e") | SIGNS | GROUP_SPACES
 CLOSING = frozenset(")]}")
+# Operators that make a number one operand of a written-out operation (signs are operators too).
+OPERATORS = frozenset("/\u00f7\u00d7\u00b7\u22c5\u2217*^xX") | SIGNS
+# Words after a number that scale it: `1.5 million` is 1,500,000, not 1.5. Full words match as a prefix
+# in any case (`Thousand`, `hundredths`); abbreviations only whole and as written (`5 m` is 5 metres).
+SCALE_WORDS = ("hundred", "thousand", "million", "billion", "trillion", "dozen", "lakh", "crore")
+SCALE_ABBREVIATIONS = frozenset({"k", "K", "M", "bn", "Bn", "BN"})
 
 
 def _is_letter(c: str) -> bool:
@@ -187,11 +201,79 @@ def _sign(text: str, start: int, floor: int) -> int | None:
     return -1 if sign in MINUS else 1
 
 
+def _is_space(c: str) -> bool:
+    """A space within a line (no newline)."""
+    return c == "\t" or unicodedata.category(c) == "Zs"
+
+
+def _number_at(text: str, j: int) -> bool:
+    """Whether a number starts at j, past spaces and up to two signs or currency symbols."""
+    n = len(text)
+    while j < n and _is_space(text[j]):
+        j += 1
+    for _ in range(2):
+        if j < n and (text[j] in SIGNS or unicodedata.category(text[j]) == "Sc"):
+            j += 1
+    return text[j:j + 1].isnumeric() or (text[j:j + 1] == "." and text[j + 1:j + 2].isdecimal())
+
+
+def _followed_by_operation_or_scale(text: str, end: int) -> bool:
+    """Whether the token ending at end is followed, on its line, by an operator and a number or by a
+    scale word. Each look is bounded by the line's space run, so a call is linear in the text."""
+    n = len(text)
+    i = end
+    while i < n and _is_space(text[i]):
+        i += 1
+    c = text[i:i + 1]
+    if c and c in OPERATORS:
+        j = i + 1
+        if c == "*" and text[j:j + 1] == "*":
+            j += 1  # '**', a power
+        if _number_at(text, j):
+            return True
+    k = i
+    while k < n and k - i < 16 and text[k].isalpha():
+        k += 1
+    word = text[i:k]
+    return bool(word) and (word in SCALE_ABBREVIATIONS or word.lower().startswith(SCALE_WORDS))
+
+
+def _preceded_by_operation(text: str, start: int, floor: int) -> bool:
+    """Whether the token starting at start follows, on its line, an operator that has a number before
+    it (`12 + 12`, `550 / 10`), or a sign set apart from it by spaces (`- 7`, `5 - 7`, `- $7`)."""
+    k = start
+    gap = currency = False
+    while k > floor:
+        p = text[k - 1]
+        if _is_space(p):
+            gap = True
+        elif unicodedata.category(p) == "Sc" and not currency:
+            currency = True
+        else:
+            break
+        k -= 1
+    if k == floor:
+        return False
+    c = text[k - 1]
+    if c in SIGNS and gap:
+        return True
+    if c not in OPERATORS:
+        return False  # a sign right before the digits is read by _sign
+    j = k - 1
+    if c == "*" and j > floor and text[j - 1] == "*":
+        j -= 1
+    while j > floor and _is_space(text[j - 1]):
+        j -= 1
+    return j > floor and (text[j - 1].isnumeric() or text[j - 1] in CLOSING)
+
+
 def value_of(text: str, start: int, end: int, floor: int = 0) -> Fraction | None:
     """The exact value of the token text[start:end], or None where it is refused."""
     token = _ascii(text[start:end])
     value = _unsigned(token) if token is not None else None
     if value is None:
+        return None
+    if _followed_by_operation_or_scale(text, end) or _preceded_by_operation(text, start, floor):
         return None
     sign = _sign(text, start, floor)
     return None if sign is None else sign * value

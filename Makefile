@@ -8,8 +8,12 @@ CORES ?= 2
 setup:
 	bash scripts/setup.sh
 
+STUDY ?= config/smoke.yaml
+
+# validate first: Snakemake reads --configfile itself and names no file, line or column for a YAML error
 smoke: setup
-	snakemake --cores $(CORES) --configfile config/smoke.yaml --printshellcmds
+	python -m hybridrl validate --config $(STUDY) > /dev/null
+	snakemake --cores $(CORES) --configfile $(STUDY) --printshellcmds
 	@echo "report: results/report.html (and results/report.md)"
 
 # the slowest tests are listed after the summary: CI runs this on 2 cores, where the suite takes ~13 minutes

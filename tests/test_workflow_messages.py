@@ -34,8 +34,8 @@ def _snakemake(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess
 def test_broken_default_study_is_one_line(workflow_copy):
     study = workflow_copy / "config" / "config.yaml"
     lines = study.read_text().splitlines()
-    at = next(i for i, line in enumerate(lines) if line.startswith("  n_train:"))
-    lines[at] = "  n_train: [1, 2"  # an unclosed flow sequence, broken by the next key's colon
+    at = next(i for i, line in enumerate(lines) if line.startswith("  source:"))
+    lines[at] = "  source: [1, 2"  # an unclosed flow sequence, broken by the next key's colon
     study.write_text("\n".join(lines) + "\n")
     out = _snakemake(workflow_copy, "-n")
     assert out.returncode == 1
@@ -67,3 +67,20 @@ def test_failed_download_shows_its_cause_on_the_console(workflow_copy):
     console = out.stdout + out.stderr
     assert "GSM8K train: download failed from http://127.0.0.1:9/train.jsonl" in console, console[-3000:]
     assert "download failed" in (workflow_copy / "logs" / "data" / "gsm8k.log").read_text()
+
+
+def test_make_smoke_refuses_a_broken_study_in_one_line_before_snakemake(workflow_copy):
+    study = workflow_copy / "config" / "smoke.yaml"
+    lines = study.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("study:"))
+    lines[at] = "study: [smoke"  # unclosed: the next key's colon breaks it
+    study.write_text("\n".join(lines) + "\n")
+    shutil.copy(REPO / "Makefile", workflow_copy)
+    # -o setup: the environments are this one's (make test built them); only the smoke's own recipe runs
+    environ = {**os.environ, "PATH": f"{SNAKEMAKE.parent}:{os.environ['PATH']}", "PYTHONPATH": str(REPO / "src")}
+    out = subprocess.run(["make", "-o", "setup", "smoke", f"STUDY={study}"], cwd=workflow_copy, env=environ,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    said = [line for line in out.stderr.splitlines() if line.startswith("hybridrl:")]
+    assert said and said[0].startswith(f"hybridrl: config error: {study}:{at + 2}:"), out.stderr
+    assert "snakemake" not in out.stdout.split("validate", 1)[1]  # it stopped before Snakemake ran

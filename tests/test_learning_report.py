@@ -65,3 +65,35 @@ def test_no_eval_and_no_entropy_no_trend_table():
     assert learning.trends(df, {"s": "S", "f": "F"}) == ([], [])
     two_steps = _sharpening()[lambda d: d["step"] <= 2].drop(columns=["eval/accuracy"])
     assert learning.trends(two_steps, {"s": "S", "f": "F"}) == ([], [])
+
+
+def _replicated() -> pd.DataFrame:
+    """Configuration x: three replicates (x, x-r2, x-r3); y: one run. Evals at steps 2 and 4."""
+    rows = []
+    runs = {"x-hf-m-aaaa1111": ([0.2, 0.4], 10.0), "x-hf-m-aaaa1111-r2": ([0.3, 0.5], 12.0),
+            "x-hf-m-aaaa1111-r3": ([0.1, 0.2], 8.0), "y-hf-m-bbbb2222": ([0.3, 0.6], 5.0)}
+    for rid, (accs, step_s) in runs.items():
+        for step in range(1, 5):
+            rows.append({"run_id": rid, "engine": rid[0], "placement": "colocate", "trainer": "hf", "model": "m",
+                         "tp": 1, "step": step, "timing_s/step": step_s,
+                         "eval/accuracy": accs[step // 2 - 1] if step % 2 == 0 else None, "reward/mean": 0.1 * step})
+    return pd.DataFrame(rows)
+
+
+def test_replicated_configurations_get_a_mean_curve_a_band_and_a_row_over_their_runs(tmp_path):
+    df = _replicated()
+    assert learning.replicated(df) == ["x-hf-m-aaaa1111"]  # y has one run: nothing to pool
+    curve = learning.replicate_curve(learning.evals(df), "x-hf-m-aaaa1111", "eval/accuracy", "wall_s")
+    assert curve["step"].tolist() == [2, 4] and curve["n_runs"].tolist() == [3, 3]
+    assert curve["mean"].round(6).tolist() == [0.2, round((0.4 + 0.5 + 0.2) / 3, 6)]
+    assert curve["lo"].tolist() == [0.1, 0.2] and curve["hi"].tolist() == [0.3, 0.5]
+    assert curve["x"].tolist() == [20.0, 40.0]  # the runs' mean wall clock: (20 + 24 + 16) / 3
+    header, rows = learning.time_to_accuracy_over_replicates(df, {"x-hf-m-aaaa1111": "X"})
+    [row] = rows
+    cells = dict(zip(header, row, strict=True))
+    assert cells["runs"] == "3"
+    # 0.2 is the best accuracy every run reached (y's and x-r3's best); x's three runs reach it at 20, 24 and 32 s
+    assert cells["time to accuracy ≥ 20.0%: reached by; median [range]"] == "3 of 3; 24.0 s [20.0, 32.0]"
+    assert cells["time to accuracy ≥ 50.0%: reached by; median [range]"] == "1 of 3; 48.0 s [48.0, 48.0]"
+    assert learning.time_to_accuracy_over_replicates(_table(), {}) == ([], [])  # no replicates, no table
+    assert plots.plot_learning(df, tmp_path / "learning.png").stat().st_size > 0

@@ -211,7 +211,7 @@ def test_plots_are_valid_pngs(study: list[Path], tmp_path: Path) -> None:
 
     written = make_all(gather(study), tmp_path / "plots")
     # no memory data on CPU
-    assert set(written) == {"throughput", "step_breakdown", "latency", "reward", "timeline"}
+    assert set(written) == {"throughput", "step_breakdown", "latency", "reward", "timeline", "mismatch"}
     for path in written.values():
         assert path.read_bytes()[:8] == PNG_MAGIC
         height, width, _ = matplotlib.image.imread(path).shape
@@ -703,3 +703,29 @@ def test_steps_whose_adapter_was_still_the_identity_stay_in_the_statistics() -> 
     normed = run("c", [0.1, 0, 0, 0], [True, True, False, False], lora=[0.0, 0.0, 0.0, 0.2])
     assert identity_adapter(normed).tolist() == [True, True, True, False]
     assert steady_state(normed)["step"].tolist() == [3]
+
+
+def test_the_gap_section_gives_the_other_mismatch_metrics_and_plots_them_per_step(study: list[Path],
+                                                                                   tmp_path: Path) -> None:
+    df = gather(study)
+    without = tmp_path / "without.parquet"
+    df.to_parquet(without, index=False)
+    report_main(without, tmp_path / "a.md", tmp_path / "a.html", tmp_path / "a", "t")
+    section = (tmp_path / "a.md").read_text().split("### The trainer-vs-engine logprob gap")[1].split("## ")[0]
+    assert "k3 KL, later steps" not in section  # not recorded: no column for it
+    assert (tmp_path / "a" / "mismatch.png").is_file()  # the gap alone is still drawn per step
+    split = (df["run_id"] == "vllm-split-aaaa1111").to_numpy()
+    df["mismatch/kl_k3"], df["mismatch/ess"] = np.nan, np.nan
+    df.loc[split, "mismatch/kl_k3"] = np.where(df.loc[split, "step"] == 1, 9.0, 0.002)  # step 1 stays out
+    df.loc[split, "mismatch/ess"] = 0.97
+    table = tmp_path / "steps.parquet"
+    df.to_parquet(table, index=False)
+    report_main(table, tmp_path / "r.md", tmp_path / "r.html", tmp_path / "plots", "t")
+    section = (tmp_path / "r.md").read_text().split("### The trainer-vs-engine logprob gap")[1].split("## ")[0]
+    header = next(line for line in section.splitlines() if line.startswith("| run |"))
+    assert "k3 KL, later steps" in header and "ESS share, later steps" in header and "IS weight" not in header
+    row = next(line for line in section.splitlines() if line.startswith("| split |"))
+    assert row.rstrip().endswith("| 0.00200 [0.00200, 0.00200] | 0.970 [0.970, 0.970] |"), row
+    restart = next(line for line in section.splitlines() if line.startswith("| restart |"))
+    assert restart.rstrip().endswith("| – | – |"), restart
+    assert (tmp_path / "plots" / "mismatch.png").read_bytes().startswith(PNG_MAGIC)

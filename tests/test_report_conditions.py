@@ -275,7 +275,8 @@ def test_report_flags_runs_that_saw_another_jobs_process_on_their_gpus(tmp_path:
 
 
 def test_each_configuration_says_how_it_was_recorded_against_the_baseline() -> None:
-    from hybridrl.report.comparisons import config_labels, ratio_table
+    from hybridrl.report.comparisons import ratio_table
+    from hybridrl.report.plots import config_labels
 
     wins = conditions.windows(_arms("sssvvv"))
     assert conditions.relation(wins, "vllm-colocate-bbbb2222", "sglang-colocate-aaaa1111").startswith("after it")

@@ -12,7 +12,6 @@ import pandas as pd
 from hybridrl.report import client_paths, conditions, headline, placements, stats, wording
 from hybridrl.report.aggregate import CONFIG_KEY
 from hybridrl.report.cells import Cell, Table, fmt, fmt_est, fmt_field, fmt_n, has_data
-from hybridrl.report.plots import run_labels
 
 # (column, heading, unit); the comparison table shows those with data, the detail table all of these.
 KEY_METRICS = [
@@ -49,13 +48,6 @@ MOVES = {"kv-only": "KV cache only (weights stay on the GPU)", "full release": "
 
 NO_VLLM_KV_ONLY = ("vLLM 0.26 has no KV-only sleep: level 1 moves the weights to CPU memory and drops the KV "
                    "cache, level 2 drops both; so SGLang's KV-only release has no vLLM arm to compare with")
-
-
-def config_labels(df: pd.DataFrame) -> dict[str, str]:
-    """One label per configuration: its first replicate's run label, without the replicate's suffix."""
-    first = df.sort_values(["replicate", "run_id"]).drop_duplicates("config_id")
-    labels = run_labels(df[df["run_id"].isin(first["run_id"])])
-    return {c: labels[r] for c, r in zip(first["config_id"], first["run_id"], strict=True)}
 
 
 def summary(df: pd.DataFrame, title: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 from hybridrl.report import trend
-from hybridrl.report.stats import run_order
+from hybridrl.report.stats import run_order, with_ids
 
 FIXED_TARGETS = (0.1, 0.25, 0.5)
 
@@ -63,6 +63,48 @@ def time_to_accuracy(df: pd.DataFrame, labels: dict[str, str]) -> tuple[list[str
             hit = run[run["eval/accuracy"] >= t - 1e-9]
             cells.append(f"{hit.iloc[0]['wall_s']:.1f} s (step {int(hit.iloc[0]['step'])})" if not hit.empty
                          else "not reached")
+        rows.append(cells)
+    return header, rows
+
+
+def replicated(df: pd.DataFrame) -> list[str]:
+    """The configurations that have two or more runs (replicates), in the report's order."""
+    runs = with_ids(df).drop_duplicates("run_id")
+    counts = runs.groupby("config_id")["run_id"].nunique()
+    order = [runs.loc[runs["run_id"] == rid, "config_id"].iloc[0] for rid in run_order(df)]
+    return [c for c in dict.fromkeys(order) if counts[c] >= 2]
+
+
+def replicate_curve(source: pd.DataFrame, config_id: str, metric: str, x: str) -> pd.DataFrame:
+    """One configuration's curve over its replicates: per step that two or more of its runs recorded, the mean of
+    x and of metric over those runs, the metric's lowest and highest run (the band a reader sees) and n_runs."""
+    rows = with_ids(source)
+    rows = rows[rows["config_id"] == config_id].assign(_y=lambda d: pd.to_numeric(d[metric], errors="coerce"))
+    rows = rows[rows["_y"].notna()]
+    curve = rows.groupby("step").agg(x=(x, "mean"), mean=("_y", "mean"), lo=("_y", "min"), hi=("_y", "max"),
+                                     n_runs=("run_id", "nunique")).reset_index()
+    return curve[curve["n_runs"] >= 2]
+
+
+def time_to_accuracy_over_replicates(df: pd.DataFrame, labels: dict[str, str]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows: per configuration with replicates and per target, how many of its runs reached it and the
+    median wall clock of those that did, with the range over them; empty when no configuration has replicates with
+    evals. A run that never reached a target has no time for it, so the median is of the runs that did."""
+    found, wanted = with_ids(evals(df)), targets(df)
+    configs = [c for c in replicated(df) if (found["config_id"] == c).any()]
+    n_runs = with_ids(df).groupby("config_id")["run_id"].nunique()
+    if not configs:
+        return [], []
+    header = ["configuration", "runs", *(f"time to accuracy ≥ {t:.1%}: reached by; median [range]" for t in wanted)]
+    rows = []
+    for config in configs:
+        runs = found[found["config_id"] == config]
+        n = int(n_runs[config])
+        cells = [labels[config], str(n)]
+        for t in wanted:
+            hit = runs[runs["eval/accuracy"] >= t - 1e-9].sort_values("step").groupby("run_id").first()["wall_s"]
+            cells.append(f"{len(hit)} of {n}" + (f"; {hit.median():.1f} s [{hit.min():.1f}, {hit.max():.1f}]"
+                                                  if len(hit) else ""))
         rows.append(cells)
     return header, rows
 

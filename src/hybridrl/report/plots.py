@@ -16,11 +16,11 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from hybridrl.report.aggregate import atomic_path, placement_name  # noqa: E402
-from hybridrl.report.learning import evals, with_wall_clock  # noqa: E402
+from hybridrl.report.learning import evals, replicate_curve, replicated, with_wall_clock  # noqa: E402
 from hybridrl.report.placements import METRICS as PLACEMENT_METRICS  # noqa: E402
 from hybridrl.report.placements import groups as placement_groups  # noqa: E402
 from hybridrl.report.placements import pairings as placement_pairings  # noqa: E402
-from hybridrl.report.stats import WARMUP_STEPS, run_order, steady_state, unattributed_s  # noqa: E402
+from hybridrl.report.stats import WARMUP_STEPS, run_order, steady_state, unattributed_s, with_ids  # noqa: E402
 from hybridrl.run.record import PHASE_KEYS as PHASES  # noqa: E402
 
 LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp", "release"]
@@ -55,6 +55,13 @@ def run_labels(df: pd.DataFrame) -> dict[str, str]:
     if len(set(labels.values())) < len(labels):  # same config, different seed or parameter
         labels = {rid: f"{lab} ({str(rid).rsplit('-', 1)[-1]})" for rid, lab in labels.items()}
     return labels
+
+
+def config_labels(df: pd.DataFrame) -> dict[str, str]:
+    """One label per configuration: its first replicate's run label, without the replicate's suffix."""
+    first = df.sort_values(["replicate", "run_id"]).drop_duplicates("config_id")
+    labels = run_labels(df[df["run_id"].isin(first["run_id"])])
+    return {c: labels[r] for c, r in zip(first["config_id"], first["run_id"], strict=True)}
 
 
 def run_colors(df: pd.DataFrame) -> dict[str, tuple]:
@@ -106,6 +113,8 @@ REWARD = [("reward/mean", "reward mean"), ("reward/accuracy", "accuracy"),
           ("response_length/mean", "response length (tokens)"), ("response/stop_ratio", "share stopped at EOS"),
           ("train/entropy", "policy entropy (nats per token)")]
 SLEEP_MEMORY = [("mem/engine_asleep_gb", "used after sleep (GB)"), ("mem/engine_awake_gb", "used after wake (GB)")]
+MISMATCH = [("check/rollout_logprob_abs_diff", "mean |Δ logprob|"), ("mismatch/kl_k3", "k3 KL"),
+            ("mismatch/ess", "effective sample size (share of tokens)")]
 
 
 def plot_throughput(df: pd.DataFrame, out: Path) -> Path | None:
@@ -123,32 +132,52 @@ def plot_sleep_memory(df: pd.DataFrame, out: Path) -> Path | None:
                      out)
 
 
+def plot_mismatch(df: pd.DataFrame, out: Path) -> Path | None:
+    """The trainer-vs-engine mismatch per step, one line per run: a gap that grows over the steps is drift; step 1
+    (identical weights) is the numeric noise floor."""
+    return _per_step(df, MISMATCH, "Trainer vs engine on the rollout tokens, per step (shaded: warm-up)", out)
+
+
 def has_evals(df: pd.DataFrame) -> bool:
     return not evals(df).empty
 
 
 def plot_learning(df: pd.DataFrame, out: Path) -> Path | None:
     """Eval accuracy and rollout reward against the step and against the wall clock the run has trained for
-    (report.learning), one line per run; None when no run has an eval."""
+    (report.learning): one line per run, and for a configuration with replicates their mean, shaded from the
+    lowest to the highest run, its runs drawn faint; None when no run has an eval."""
     if not has_evals(df):
         return None
+    df = with_ids(df)
     labels, colors, timed, found = run_labels(df), run_colors(df), with_wall_clock(df), evals(df)
+    pooled = replicated(df)
+    by_config, config_of = config_labels(df), df.drop_duplicates("run_id").set_index("run_id")["config_id"]
     fig, axes = plt.subplots(2, 2, figsize=(12.8, 8), squeeze=False)
     panels = [(found, "eval/accuracy", "eval accuracy (greedy, test slice)"), (timed, "reward/mean", "reward mean")]
     for row, (source, metric, ylabel) in enumerate(panels):
         for col, (x, xlabel) in enumerate([("step", "step"), ("wall_s", "training wall clock (s)")]):
             ax = axes[row][col]
             for rid in run_order(df):
-                run = source[source["run_id"] == rid]
-                ax.plot(run[x], pd.to_numeric(run[metric], errors="coerce"), marker="o", ms=3, color=colors[rid],
-                        label=labels[rid])
+                run, replicate = source[source["run_id"] == rid], config_of[rid] in pooled
+                ax.plot(run[x], pd.to_numeric(run[metric], errors="coerce"), marker="o", ms=2 if replicate else 3,
+                        color=colors[rid], alpha=0.3 if replicate else 1.0,
+                        label=None if replicate else labels[rid])
+            for config in pooled:
+                curve = replicate_curve(source, config, metric, x)
+                if curve.empty:
+                    continue
+                color = colors[next(r for r in run_order(df) if config_of[r] == config)]
+                ax.fill_between(curve["x"], curve["lo"], curve["hi"], color=color, alpha=0.2, lw=0)
+                ax.plot(curve["x"], curve["mean"], color=color, lw=2,
+                        label=f"{by_config[config]}: mean of {int(curve['n_runs'].max())} runs")
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
             if x == "step":
                 ax.xaxis.get_major_locator().set_params(integer=True)
     axes[0][0].legend(fontsize=8, loc="best")
-    fig.suptitle("Learning against steps and wall clock (eval passes and the first engine start excluded)")
+    fig.suptitle("Learning against steps and wall clock (eval passes and the first engine start excluded"
+                 + ("; replicated configurations: mean, shaded over their runs)" if pooled else ")"))
     return _save(fig, out)
 
 
@@ -392,6 +421,7 @@ PLOTS: dict[str, Plot] = {
     "reward": Plot("Reward per step", plot_reward, _any_of(REWARD)),
     "learning": Plot("Accuracy and reward against steps and wall clock", plot_learning, has_evals),
     "memory": Plot("GPU memory per phase", plot_memory, _any_of(MEMORY)),
+    "mismatch": Plot("Trainer-vs-engine mismatch per step", plot_mismatch, _any_of(MISMATCH)),
     "sleep_memory": Plot("Engine GPU memory across sleep and wake", plot_sleep_memory, _any_of(SLEEP_MEMORY)),
     "placements": Plot("Placements per engine against colocate", plot_placements, has_placements),
     "timeline": Plot("Steps on the wall clock", plot_timeline, has_timeline),

@@ -13,7 +13,7 @@ import pandas as pd
 from hybridrl.engines.client_ceiling import HEADROOM
 from hybridrl.report import client_paths, comparisons, run_tables, stats, wording
 from hybridrl.report.aggregate import atomic_path
-from hybridrl.report.plots import PLOTS, run_labels
+from hybridrl.report.plots import PLOTS, config_labels, run_labels
 from hybridrl.run.checks import GAP_LIMITS
 
 TEMPLATES = Path(__file__).resolve().parents[3] / "workflow" / "report"
@@ -28,7 +28,7 @@ def _plots(written: dict[str, Path], base: Path) -> list[dict[str, str]]:
 
 def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path) -> dict[str, Any]:
     """Everything the templates show; plot paths are filled in per output file."""
-    labels, by_config = run_labels(df), comparisons.config_labels(df)
+    labels, by_config = run_labels(df), config_labels(df)
     ratios = comparisons.ratio_table(df, by_config)
     heads = comparisons.headline_tables(df)
     moves = comparisons.transitions(df, by_config)
@@ -52,6 +52,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "recording": run_tables.recording(df, labels),
         "correctness": run_tables.correctness_table(df, labels),
         "accuracy": run_tables.accuracy_table(df, labels),
+        "accuracy_replicates": run_tables.accuracy_replicates_table(df, by_config),
         "learning_trends": run_tables.learning_trend_table(df, labels),
         "client": run_tables.client_table(df, labels),
         "client_paths": paths,

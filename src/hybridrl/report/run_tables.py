@@ -14,12 +14,12 @@ from hybridrl.engines.client_ceiling import HEADROOM
 from hybridrl.report import conditions, learning, machine, stats, trend
 from hybridrl.report.aggregate import commit_label, read_provenance
 from hybridrl.report.cells import Cell, Table, bool_cell, fmt, fmt_est, fmt_field, has_data, run_rows
-from hybridrl.run.record import CHECKS, HOST, LEARNING, MEMORY, ROLLOUT, TIMING, TRAINING
+from hybridrl.run.record import CHECKS, HOST, LEARNING, MEMORY, MISMATCH, ROLLOUT, TIMING, TRAINING
 
 WARMUP_METRICS = ["timing_s/step", "timing_s/gen", "timing_s/restart", "timing_s/update_weights",
                   "perf/throughput", "perf/ttft_s_p50"]
 
-DETAIL_METRICS = [c for c in (*TIMING, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS)
+DETAIL_METRICS = [c for c in (*TIMING, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS, *MISMATCH)
                   if not c.startswith("check/") or (c.startswith(("check/rollout_logprob", "check/logprob_gap_"))
                                                      and c != "check/logprob_gap_max")]  # a setting, not a reading
 
@@ -164,11 +164,17 @@ def machine_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
     return table
 
 
+# The mismatch between engine and trainer beyond the mean gap, over the later steps (task/rl.py computes them)
+MISMATCH_COLUMNS = [("mismatch/kl_k3", "k3 KL, later steps"), ("mismatch/ess", "ESS share, later steps"),
+                    ("mismatch/is_weight_mean", "IS weight mean, later steps")]
+
+
 def gap_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
     """Per run: the trainer-vs-engine logprob gap at step 1 (identical weights: the numeric noise floor), its
-    tiers over the run, and its drift over the steps after the first."""
+    tiers over the run, its drift over the steps after the first, and the other mismatch metrics where recorded."""
+    mismatch = [(m, head) for m, head in MISMATCH_COLUMNS if has_data(df, m)]
     table = Table(["run", "step 1: identical weights", "later steps: median [95% CI]", "max", "tiers",
-                   "drift over steps (a step, 95% CI)"])
+                   "drift over steps (a step, 95% CI)", *(head for _, head in mismatch)])
     for run_id in stats.run_order(df):
         run = run_rows(df, run_id).sort_values("step")
         gap = pd.to_numeric(run["check/rollout_logprob_abs_diff"], errors="coerce")
@@ -183,7 +189,9 @@ def gap_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
                            Cell(fmt_est(stats.bootstrap_median(gap[later])), "num"), Cell(fmt(gap.max()), "num"),
                            Cell(counts or "not tiered (recorded before the tiers)",
                                 "fail" if "fail" in counts else "na" if not counts else "num"),
-                           Cell(trend.trend_words(drift, ""), "num")])
+                           Cell(trend.trend_words(drift, ""), "num"),
+                           *(Cell(fmt_est(stats.bootstrap_median(pd.to_numeric(run.loc[later, m], errors="coerce")
+                                                                 .dropna())), "num") for m, _ in mismatch)])
     return table if table.rows else None
 
 
@@ -221,6 +229,16 @@ def accuracy_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
         return None
     table = Table(header)
     table.rows = [[Cell(r[0]), *(Cell(c, "na" if c in ("not reached", "–") else "num") for c in r[1:])] for r in rows]
+    return table
+
+
+def accuracy_replicates_table(df: pd.DataFrame, by_config: dict[str, str]) -> Table | None:
+    """Time to accuracy X per configuration over its replicates (report.learning); None without replicates."""
+    header, rows = learning.time_to_accuracy_over_replicates(df, by_config)
+    if not rows:
+        return None
+    table = Table(header)
+    table.rows = [[Cell(r[0]), *(Cell(c, "na" if c.startswith("0 of") else "num") for c in r[1:])] for r in rows]
     return table
 
 

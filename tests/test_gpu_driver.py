@@ -1,13 +1,24 @@
-"""The GPU lease driver (scripts/gpu/run_reference.sh): plans, lanes and snapshots, in dry-run mode."""
+"""The GPU lease driver: the plans, scheduler and items in Python (src/hybridrl/tools/lease), called in-process,
+and scripts/gpu/run_reference.sh's CLI and glue (start, all, plans, status, poll, pack, prepare), in dry-run mode."""
 
+import dataclasses
+import io
+import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
+
+from hybridrl.tools.lease import plans
+from hybridrl.tools.lease.driver import Lease, Refused, check, run_plan, runs_of
+from hybridrl.tools.lease.items import Bench, Fault, Train, TrainerTool, parse_item
+from hybridrl.tools.lease.plan import one_lane
+from hybridrl.tools.lease.runners import ItemFailed, Site, run_item
 
 REPO = Path(__file__).resolve().parents[1]
 DRIVER = REPO / "scripts" / "gpu" / "run_reference.sh"
@@ -25,12 +36,19 @@ def _items(log: Path) -> list[str]:
     return [line.split("dry run: ", 1)[1].strip() for line in log.read_text().splitlines() if "dry run: " in line]
 
 
+def _dry_run(root: Path, plan: str, repo: Path = REPO, **env: str) -> str:
+    """A plan's dry run in this process (run_reference.sh all PLAN's Python half); its console output."""
+    out = io.StringIO()
+    with mock.patch.dict(os.environ, {"HYBRIDRL_REF_DIR": str(root), **env}):
+        run_plan(Lease(repo, root, dry_run=True), plan, out)
+    return out.getvalue()
+
+
 def _one_lane_plan(root: Path, study: str, plan: str, **env: str) -> list[str]:
     """The items of a one-lane plan's dry run, its study marked as set up."""
     (root / study).mkdir(exist_ok=True)
     (root / study / "setup.done").touch()
-    done = _driver(root, "all", plan, **env)
-    assert done.returncode == 0, done.stderr
+    _dry_run(root, plan, **env)
     return _items(root / study / f"lane-{plan}-1.log")
 
 
@@ -218,11 +236,12 @@ def test_only_a_lanes_first_run_meets_the_start_barrier(root: Path) -> None:
 def test_a_run_already_done_releases_the_start_barrier(root: Path, tmp_path: Path) -> None:
     study = root / "gpu-h200"
     (study / "cfg").mkdir()
-    (study / "cfg" / "x.json").write_text('{"run_id": "rid", "run": {"model": "m"}}')
+    (study / "cfg" / "x.json").write_text(
+        '{"run_id": "rid", "run": {"model": "m", "engine": "sglang", "trainer": "hf"}}')
     (study / "runs" / "rid").mkdir()
     (study / "runs" / "rid" / "done.json").write_text("{}")
     (tmp_path / "b").mkdir()
-    # the driver reads the run's config with python3: this interpreter's, wherever it lives
+    # the driver (python3 -m hybridrl.tools.lease) is this interpreter, wherever it lives
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").symlink_to(sys.executable)
@@ -549,11 +568,8 @@ def test_tbench_leaves_no_process_of_its_benchmark_behind(root: Path, tmp_path: 
     pid_file = tmp_path / "worker.pid"
     (bin_dir / "python3").write_text(f"#!/bin/bash\nsleep 300 &\necho $! > {pid_file}\nexit 137\n")
     (bin_dir / "python3").chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(root)}
-    done = subprocess.run(["bash", str(DRIVER), "tbench", "tiny", "0", "hf", "4"], capture_output=True, text=True,
-                          env=env, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert "trainer-bench tiny hf mb 4 exit 137" in done.stdout
+    out = _item(root, "tbench tiny hf 4", "0", {"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    assert "trainer-bench tiny hf mb 4 exit 137" in out
     worker = int(pid_file.read_text())
     time.sleep(0.2)
     assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]
@@ -566,17 +582,13 @@ def test_a_replicate_flag_names_the_result_and_is_not_passed_on(root: Path, tmp_
     (bin_dir / "python3").write_text('#!/bin/bash\nwhile [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; a+=("$1"); '
                                      'shift; done\necho "${a[*]}" > "$out"\n')
     (bin_dir / "python3").chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(root)}
-    done = subprocess.run(["bash", str(DRIVER), "tbench", "tiny", "0", "hf", "4", "peft-lora", "r2"],
-                          capture_output=True, text=True, env=env, timeout=60)
-    assert done.returncode == 0, done.stderr
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    _item(root, "tbench tiny hf 4 peft-lora r2", "0", env)
     [result] = (root / "gpu-h200" / "bench").glob("trainer-tiny-hf-mb4-peft-lora-r2.json")
     args = result.read_text().split()
     assert "--peft-lora" in args and "--r2" not in args and "r2" not in args
     # a profile by hand, as after a plan: its flags passed on the same way
-    done = subprocess.run(["bash", str(DRIVER), "tprof", "tiny", "0", "megatron", "4", "export"],
-                          capture_output=True, text=True, env=env, timeout=60)
-    assert done.returncode == 0, done.stderr
+    _item(root, "tprof tiny megatron 4 export", "0", env)
     args = (root / "gpu-h200" / "bench" / "profile-tiny-megatron-mb4-export.txt").read_text().split()
     assert args[:3] == ["-m", "hybridrl", "trainer-profile"] and "--export" in args
     items = _one_lane_plan(root, "gpu-h200", "hfrounds")
@@ -605,8 +617,7 @@ def _driver_copy(tmp_path: Path) -> Path:
 
 
 def test_a_src_flag_runs_a_source_snapshot_names_the_result_and_is_not_passed_on(tmp_path: Path) -> None:
-    driver = _driver_copy(tmp_path)
-    repo = driver.parents[2]
+    repo = _driver_copy(tmp_path).parents[2]
     (repo / ".gpu" / "src-abc123" / "src" / "hybridrl").mkdir(parents=True)
     (repo / ".gpu" / "src-abc123" / "src" / "hybridrl" / "__init__.py").touch()
     # a stand-in python3 that writes its PYTHONPATH and arguments where --out points
@@ -615,23 +626,23 @@ def test_a_src_flag_runs_a_source_snapshot_names_the_result_and_is_not_passed_on
     (bin_dir / "python3").write_text('#!/bin/bash\nwhile [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; a+=("$1"); '
                                      'shift; done\nprintf "%s\\n%s\\n" "$PYTHONPATH" "${a[*]}" > "$out"\n')
     (bin_dir / "python3").chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(tmp_path / "ref")}
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
 
-    def tbench(*flags: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(driver), "tbench", "tiny", "0", "hf", "4", *flags],
-                              capture_output=True, text=True, env=env, timeout=60)
+    def tbench(*flags: str) -> str:
+        return _item(tmp_path / "ref", " ".join(["tbench tiny hf 4", *flags]), "0", env, repo=repo)
 
-    assert tbench("src-abc123", "r2").returncode == 0
+    tbench("src-abc123", "r2")
     path, args = (tmp_path / "ref" / "gpu-h200" / "bench" / "trainer-tiny-hf-mb4-src-abc123-r2.json").read_text() \
         .splitlines()
     assert f"{repo}/.gpu/src-abc123/src" in path.split(":") and f"{repo}/src" not in path.split(":")
     assert "src-abc123" not in args.split() and "--src-abc123" not in args.split()
-    assert tbench().returncode == 0  # no flag: the tree's own source
+    tbench()  # no flag: the tree's own source
     path, _ = (tmp_path / "ref" / "gpu-h200" / "bench" / "trainer-tiny-hf-mb4.json").read_text().splitlines()
     assert f"{repo}/src" in path.split(":")
-    missing = tbench("src-fffff")
-    assert missing.returncode != 0 and "no hybridrl source at" in missing.stdout + missing.stderr
-    assert "scripts/gpu/snapshot-src.sh" in missing.stdout + missing.stderr
+    out = io.StringIO()
+    with pytest.raises(ItemFailed):  # it stops its lane
+        run_item(parse_item("tbench tiny hf 4 src-fffff"), "0", _site(tmp_path / "ref", repo), env, out)
+    assert "no hybridrl source at" in out.getvalue() and "scripts/gpu/snapshot-src.sh" in out.getvalue()
     assert not (tmp_path / "ref" / "gpu-h200" / "bench" / "trainer-tiny-hf-mb4-src-fffff.json").exists()
 
 
@@ -729,29 +740,92 @@ def test_a_source_snapshot_holds_the_commits_source(tmp_path: Path) -> None:
     assert bad.returncode == 2 and bad.stderr.strip() == "snapshot-src: no commit nope"
 
 
-def test_a_plan_naming_a_run_its_study_lacks_is_refused_before_anything_runs(tmp_path: Path) -> None:
-    # a copy of the driver with one plan more, whose second item misnames a run (as moe1full's HF item once did:
-    # it failed after the first run's 11 minutes)
-    driver = _driver_copy(tmp_path)
-    misnamed = ('plan_misnamed() {\n  study=config/gpu-h200-moefull.yaml\n'
-                '  one_lane "train sglang-colocate-megatron;train sglang-colocate-hf"\n}\n\n')
-    driver.write_text(DRIVER.read_text().replace("plan_moe4full() {", misnamed + "plan_moe4full() {"))
+def _misnamed(monkeypatch: pytest.MonkeyPatch, second: str) -> None:
+    """One plan more, whose second item is SECOND."""
+    plan = one_lane("train sglang-colocate-megatron", second, study="config/gpu-h200-moefull.yaml")
+    monkeypatch.setitem(plans._PLANS, "misnamed", lambda: dataclasses.replace(plan, name="misnamed"))
+
+
+def test_a_plan_naming_a_run_its_study_lacks_is_refused_before_anything_runs(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # a plan whose second item misnames a run (as moe1full's HF item once did: it failed after the first run's
+    # 11 minutes)
+    _misnamed(monkeypatch, "train sglang-colocate-hf")
     root = tmp_path / "ref"
     (root / "gpu-h200-moefull").mkdir(parents=True)
     (root / "gpu-h200-moefull" / "setup.done").touch()
-    env = {**_python3_on_path(tmp_path), "HYBRIDRL_REF_DIR": str(root), "HYBRIDRL_DRY_RUN": "1"}
-    for args in (["all", "misnamed"], ["start", "misnamed"]):
-        done = subprocess.run(["bash", str(driver), *args], capture_output=True, text=True, env=env, timeout=120)
-        assert done.returncode == 2
-        [line] = done.stderr.strip().splitlines()
+    lease = Lease(REPO, root, dry_run=True)
+    # `all` and `start` (which checks every plan before it starts anything)
+    for refuse in (lambda: run_plan(lease, "misnamed", io.StringIO()), lambda: check(lease, ["misnamed"])):
+        with pytest.raises(Refused) as refused:
+            refuse()
+        assert refused.value.code == 2
+        [line] = refused.value.message.splitlines()
         assert line.startswith("plan misnamed names runs its study (config/gpu-h200-moefull.yaml) does not have: "
                                "sglang-colocate-hf (it has: ")
         assert " sglang-colocate-megatron " in line and " sglang-colocate " in line
     assert not (root / "gpu-h200-moefull" / "lane-misnamed-1.log").exists()  # nothing ran
     # the same plan with the run's right name goes through
-    driver.write_text(driver.read_text().replace("train sglang-colocate-hf", "train sglang-colocate"))
-    done = subprocess.run(["bash", str(driver), "all", "misnamed"], capture_output=True, text=True, env=env,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
+    _misnamed(monkeypatch, "train sglang-colocate")
+    _dry_run(root, "misnamed")
     assert _items(root / "gpu-h200-moefull" / "lane-misnamed-1.log") == [
         "train sglang-colocate-megatron on GPU 0", "train sglang-colocate on GPU 0"]
+
+
+def test_every_plan_loads_and_names_only_runs_of_its_study_on_gpus_it_has() -> None:
+    """What each dry run before a lease checked: every item of every plan is well formed, every train, bench and
+    fault item names a run its study writes, and every lane and item runs on GPUs the plan asks for."""
+    names = plans.known_plans()
+    assert len(names) == len(set(names)) >= 45
+    runs: dict[str, list[str]] = {}
+    for name in names:
+        plan = plans.load_plan(name)
+        assert plan.name == name and plan.description, name
+        study = runs.setdefault(plan.study, runs_of(REPO / plan.study))
+        for item in plan.items():
+            if isinstance(item, Train | Bench | Fault):
+                assert item.name in study, (name, item.text, plan.study)
+        for phase in plan.phases:
+            for lane in phase:
+                assert lane.items, name
+                for gpus in [lane.gpus] + [it.gpus for it in lane.items if isinstance(it, Train) and it.gpus]:
+                    assert {int(g) for g in gpus.split(",")} <= set(range(plan.gpus)), (name, gpus)
+        assert all(isinstance(it, TrainerTool) for it in plan.items() if it.text.startswith(("tbench", "tprof")))
+    # only the verdict and client plans compare engines' benchmarks over 5 repeats; nothing else changes the env
+    assert {n for n in names if plans.load_plan(n).env} == {"client", "timed", "verdict", "verdictkv"}
+    with pytest.raises(ValueError, match="not a plan item"):
+        parse_item("bench sglang-full")  # no step: refused when the plan loads, not when its turn comes
+
+
+def test_the_controller_path_follows_the_run_config_not_its_name(root: Path, tmp_path: Path) -> None:
+    # a stand-in python3 that writes its PYTHONPATH and GPUs into the run's train.log (where the driver sends it)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text('#!/bin/bash\necho "$PYTHONPATH|${CUDA_VISIBLE_DEVICES-unset}"\n')
+    (bin_dir / "python3").chmod(0o755)
+    study = root / "gpu-h200"
+    (study / "cfg").mkdir()
+    for name, engine, trainer in (("plain", "vllm-inprocess", "megatron"), ("vllm-inprocess-megatron", "sglang",
+                                                                             "hf")):
+        (study / "cfg" / f"{name}.json").write_text(
+            f'{{"run_id": "{name}-id", "run": {{"model": "m", "engine": "{engine}", "trainer": "{trainer}"}}}}')
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "7"}
+    out = _item(root, "train plain", "0,1", env)
+    assert "train plain (plain-id) on GPU 0,1" in out and "train plain exit 0 (0 steps)" in out
+    log = study / "runs" / "plain-id" / "train.log"
+    assert log.read_text() == f"/tmp/envs/trainer:/tmp/envs/vllm:/tmp/ctl:{REPO}/src|0,1\n"
+    assert (study / "runs" / "plain-id" / "config.json").read_text() == (study / "cfg" / "plain.json").read_text()
+    _item(root, "train vllm-inprocess-megatron", None, env)  # no GPUs named: every GPU visible
+    log = study / "runs" / "vllm-inprocess-megatron-id" / "train.log"
+    assert log.read_text() == f"/tmp/ctl:{REPO}/src|unset\n"
+
+
+def _site(root: Path, repo: Path = REPO) -> Site:
+    return Site(repo, root, root / "gpu-h200")
+
+
+def _item(root: Path, text: str, gpus: str | None, env: dict[str, str], repo: Path = REPO) -> str:
+    """One item run for real in the default study (a stand-in python3 on env's PATH); what it said."""
+    out = io.StringIO()
+    run_item(parse_item(text), gpus, _site(root, repo), env, out)
+    return out.getvalue()

@@ -44,6 +44,7 @@ def test_memory_is_in_gb_of_a_billion_bytes(driver: types.ModuleType) -> None:
     assert nvml.process_used_gb(7) == pytest.approx(2**30 / 1e9 + 1.0)
     assert nvml.process_used_gb(7, [1]) == 1.0
     assert nvml.device_count() == 2
+    assert nvml.compute_pids() == {7, 8}  # every GPU's processes, as nvidia-smi lists them
     assert driver.inits == 0  # every session is closed again
 
 
@@ -62,7 +63,7 @@ def test_without_a_driver_every_answer_is_none(monkeypatch: pytest.MonkeyPatch) 
     broken.nvmlInit = fail
     monkeypatch.setitem(sys.modules, "pynvml", broken)
     assert nvml.used_gb() is None and nvml.process_used_gb() is None and nvml.gpu_info() is None
-    assert nvml.device_count() == 0
+    assert nvml.device_count() == 0 and nvml.compute_pids() == set()
     assert not MemorySampler().active
 
 
@@ -76,3 +77,5 @@ def test_the_sampler_reads_the_same_module(driver: types.ModuleType) -> None:
 def test_no_other_module_asks_nvml() -> None:
     askers = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if "pynvml" in p.read_text())
     assert askers == ["nvml.py"]
+    # nor through the driver's command-line tool
+    assert not [str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if '"nvidia-smi"' in p.read_text()]

@@ -188,6 +188,7 @@ def test_bench_measures_every_path_on_one_engine_start(tmp_path, monkeypatch):
     from hybridrl.engines.vllm import VLLMServer
     from hybridrl.study import models
     from hybridrl.study.config import REPO, resolve
+    from hybridrl.study.run_config import RunSpec
     from hybridrl.task import data
     from hybridrl.tools import engine_bench as bench
 
@@ -215,9 +216,9 @@ def test_bench_measures_every_path_on_one_engine_start(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench, "make_engine", lambda run, model, env, logs: OnFakeEngine(model, run, env, logs))
     with FakeEngine("vllm") as fake:
-        result = bench.run_bench({"run": run, "run_id": run_id}, tmp_path / "model", tmp_path / "data",
+        result = bench.run_bench(RunSpec(run_id=run_id, run=run, study="s"), tmp_path / "model", tmp_path / "data",
                                  tmp_path / "run", step=1, repeats=2, log_dir=tmp_path / "logs")
-        chosen = bench.run_bench({"run": run, "run_id": run_id}, tmp_path / "model", tmp_path / "data",
+        chosen = bench.run_bench(RunSpec(run_id=run_id, run=run, study="s"), tmp_path / "model", tmp_path / "data",
                                  tmp_path / "run", step=1, repeats=2, log_dir=tmp_path / "logs",
                                  paths=("raw", "client"))
     assert [r["path"] for r in chosen["repeats"]] == ["raw", "client", "client", "raw"]

@@ -114,6 +114,12 @@ def device_count() -> int:
         return len(session.handles) if session else 0
 
 
+def compute_pids() -> set[int]:
+    """Every process with a CUDA context on any GPU (what `nvidia-smi` lists); empty without NVML."""
+    with devices() as session:
+        return session.compute_pids() if session else set()
+
+
 def used_gb(indices: list[int] | None = None) -> float | None:
     """Max over the given GPUs of their used memory; None without NVML."""
     with devices(indices) as session:

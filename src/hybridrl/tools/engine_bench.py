@@ -29,7 +29,8 @@ from hybridrl.nvml import used_gb
 from hybridrl.run.loop import step_requests
 from hybridrl.run.placement import ADAPTER_NAME
 from hybridrl.run.telemetry import read_records, rollout_stats
-from hybridrl.study.run_config import RunConfig
+from hybridrl.study.config import read_run_spec
+from hybridrl.study.run_config import RunConfig, RunSpec
 from hybridrl.task import data as gsm8k
 
 
@@ -99,11 +100,11 @@ def _one_pass(engine: Engine, requests: list[Request], path: str) -> tuple[list[
     return completions, time.perf_counter() - t0
 
 
-def run_bench(cfg: dict[str, Any], model_dir: Path, data_dir: Path, run_dir: Path, step: int,
+def run_bench(spec: RunSpec, model_dir: Path, data_dir: Path, run_dir: Path, step: int,
               repeats: int, log_dir: Path, probe: bool = False, paths: tuple[str, ...] = PATHS) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    run = cfg["run"]
+    run = spec.run
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     problems = gsm8k.read_jsonl(data_dir / "train.jsonl")
     requests, _ = step_requests(problems, run, step, tokenizer)
@@ -112,7 +113,7 @@ def run_bench(cfg: dict[str, Any], model_dir: Path, data_dir: Path, run_dir: Pat
         adapter = run_dir / "adapters" / f"step-{step - 1:04d}"
         if not adapter.exists():
             raise FileNotFoundError(f"adapter {adapter} (written by step {step - 1} of the run)")
-    engine = make_engine(run, model_dir, cfg.get("engine_env", {}), log_dir)
+    engine = make_engine(run, model_dir, spec.engine_env, log_dir)
     if not engine.has_http_client:  # in-process vLLM has no HTTP client, old or new
         paths = tuple(p for p in paths if p != "old_client")
     reps: list[dict[str, Any]] = []
@@ -143,7 +144,7 @@ def run_bench(cfg: dict[str, Any], model_dir: Path, data_dir: Path, run_dir: Pat
     in_loop = in_loop_throughput(run_dir, step)
     raw = medians.get("raw")
     return {
-        "run_id": cfg["run_id"], "engine": run.engine, "placement": run.placement, "step": step,
+        "run_id": spec.run_id, "engine": run.engine, "placement": run.placement, "step": step,
         "requests": len(requests), "streamed_requests": sum(r.stream for r in requests), "repeats": reps,
         "engine_start_s": start_s, "tok_s_median": medians, "raw_tok_s_median": raw,
         "over_raw": {p: (m / raw if m and raw else None) for p, m in medians.items()},
@@ -160,11 +161,11 @@ def _median(values: list[float | None]) -> float | None:
 def main(run_config: Path, model_dir: Path, data_dir: Path, run_dir: Path, step: int, repeats: int,
          out: Path, probe: bool = False, overrides: dict[str, Any] | None = None,
          paths: tuple[str, ...] = PATHS) -> dict[str, Any]:
-    cfg = json.loads(Path(run_config).read_text())
-    # e.g. sglang_release=all: start with the CPU weight backup to probe it
-    cfg["run"] = RunConfig.model_validate({**cfg["run"], **(overrides or {})})
-    result = run_bench(cfg, Path(model_dir), Path(data_dir), Path(run_dir), step, repeats,
-                       Path(out).parent / f"bench-logs-{cfg['run_id']}", probe, paths)
+    spec = read_run_spec(Path(run_config))
+    if overrides:  # e.g. sglang_release=all: start with the CPU weight backup to probe it
+        spec = spec.model_copy(update={"run": RunConfig.model_validate({**spec.run.model_dump(), **overrides})})
+    result = run_bench(spec, Path(model_dir), Path(data_dir), Path(run_dir), step, repeats,
+                       Path(out).parent / f"bench-logs-{spec.run_id}", probe, paths)
     result["overrides"] = overrides or {}
     write_text(Path(out), json.dumps(result, indent=2))
     ratio = result["in_loop_over_raw"]

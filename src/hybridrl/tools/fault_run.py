@@ -26,7 +26,7 @@ from typing import Any
 
 from rich.console import Console
 
-from hybridrl import atomic
+from hybridrl import atomic, nvml
 from hybridrl.proc import descendants, stat_fields
 from hybridrl.run import phase_file
 from hybridrl.run.telemetry import read_records
@@ -47,7 +47,7 @@ class FaultReport:
     steps: list[int] = field(default_factory=list)  # the record's steps, in file order
     engine_restarts: int = 0
     leftover: list[int] = field(default_factory=list)  # pids the run started, alive after it ended
-    leftover_gpu: list[int] = field(default_factory=list)  # of those, holding GPU memory (nvidia-smi)
+    leftover_gpu: list[int] = field(default_factory=list)  # of those, holding a CUDA context (NVML)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -76,15 +76,6 @@ def _rollout_of(where: dict[str, Any], step: int) -> str | None:
     if where.get("step") == step and where.get("phase") == "gen":
         return f"step {step} gen"
     return None
-
-
-def _gpu_pids() -> list[int]:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [int(x) for x in out.split() if x.strip().isdigit()]
 
 
 def _kill_engine(proc: subprocess.Popen, report: FaultReport) -> None:
@@ -144,7 +135,7 @@ def fault_run(cmd: list[str], run_dir: Path, kill_engine_at: int | None, term_at
     while time.monotonic() < deadline and any(_alive(p) for p in seen):
         time.sleep(0.2)
     report.leftover = sorted(p for p in seen if _alive(p))
-    report.leftover_gpu = sorted(set(report.leftover) & set(_gpu_pids()))
+    report.leftover_gpu = sorted(set(report.leftover) & nvml.compute_pids())
     records = read_records(run_dir / "steps.jsonl") if (run_dir / "steps.jsonl").exists() else []
     report.steps = [int(r["step"]) for r in records]
     report.engine_restarts = int(sum(r.get("errors/engine_restarts") or 0 for r in records))

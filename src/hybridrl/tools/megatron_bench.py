@@ -20,7 +20,7 @@ from typing import Any
 
 from hybridrl.study.run_config import RunConfig, RunLora
 from hybridrl.tools.trainer_bench import Shape, fixed_batch, random_model
-from hybridrl.trainers.base import Sample
+from hybridrl.trainers.base import Sample, Trainer
 
 # a random Qwen3 of about 1 B parameters (hidden 2048, 24 layers, 16 heads, 8 kv heads); the batch comes from `main`
 QWEN3_1B = Shape("qwen3", dict(
@@ -29,13 +29,12 @@ QWEN3_1B = Shape("qwen3", dict(
     samples=64, prompt=128, completion=256)
 
 
-def _time_steps(trainer: Any, samples: list[Sample], steps: int, out: Path) -> dict[str, float]:
+def _time_steps(trainer: Trainer, samples: list[Sample], steps: int, out: Path) -> dict[str, float]:
     import torch
 
     times, last = [], {}
     for i in range(steps):
-        if hasattr(trainer, "onload"):
-            trainer.onload()
+        trainer.onload()
         t0 = time.perf_counter()
         last = trainer.step(i + 1, samples, out / f"step{i + 1}").metrics
         if torch.cuda.is_available():

@@ -27,6 +27,7 @@ from hybridrl.trainers.base import Sample, TrainResult, lora_b_norm
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
 from hybridrl.trainers.hf_fast import fuse_lora_outputs, fuse_rms_norms, keep_adapter_inputs
+from hybridrl.trainers.offload import optimizer_state_to, optimizer_state_to_cpu
 from hybridrl.trainers.packing import varlen_causal_attention
 
 PACKED_ATTENTION = "hybridrl_packed"  # the attention implementation registered with transformers for packed rows
@@ -219,10 +220,7 @@ class HFTrainer:
             for name, b in mod._buffers.items():
                 if b is not None and b.is_cuda and not self.run.keep_base_on_gpu:
                     mod._buffers[name] = self._to_pinned((id(mod), name), b, fresh=False)
-        for st in self.optimizer.state.values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.is_cuda:
-                    st[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+        optimizer_state_to_cpu(self.optimizer)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         self.offloaded = True
@@ -237,10 +235,7 @@ class HFTrainer:
             for name, b in mod._buffers.items():
                 if b is not None and not b.is_cuda:
                     mod._buffers[name] = b.to(self.device, non_blocking=True)
-        for st in self.optimizer.state.values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and k != "step":  # AdamW keeps `step` on the CPU
-                    st[k] = v.to(self.device, non_blocking=True)
+        optimizer_state_to(self.optimizer, self.device)
         torch.cuda.synchronize(self.device)
         self.offloaded = False
 

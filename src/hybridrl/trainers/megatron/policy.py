@@ -25,6 +25,7 @@ from hybridrl.trainers.megatron.experts import experts_impl
 from hybridrl.trainers.megatron.lora import apply_lora, lora_disabled, lora_parameters
 from hybridrl.trainers.megatron.model import PackedRows, build_model, load_hf_weights
 from hybridrl.trainers.megatron.spec import MegatronSetupError, check_parallel, effective_targets, read_spec
+from hybridrl.trainers.offload import optimizer_state_to, optimizer_state_to_cpu
 
 
 def init_parallel(tp: int, device: torch.device) -> None:
@@ -224,10 +225,7 @@ class MegatronPolicy:
             elif p.requires_grad:  # the frozen base never changes: its pinned copy is still good
                 buf.copy_(p.data, non_blocking=True)
             p.data = buf
-        for st in self.optimizer.state.values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.is_cuda:
-                    st[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+        optimizer_state_to_cpu(self.optimizer)
         if not self.run.keep_base_on_gpu:
             self._move_buffers("cpu")
         torch.cuda.synchronize(self.device)
@@ -243,10 +241,7 @@ class MegatronPolicy:
             return
         for p in self.model.parameters():
             p.data = p.data.to(self.device, non_blocking=True)
-        for st in self.optimizer.state.values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and k != "step":
-                    st[k] = v.to(self.device, non_blocking=True)
+        optimizer_state_to(self.optimizer, self.device)
         self._move_buffers(self.device)
         torch.cuda.synchronize(self.device)
         self.offloaded = False

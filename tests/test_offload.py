@@ -1,0 +1,19 @@
+"""The optimizer state's move back onto the trainer's device (both trainers share it); the move to pinned CPU memory
+needs a GPU and runs in the GPU studies."""
+
+import torch
+
+from hybridrl.trainers.offload import optimizer_state_to, optimizer_state_to_cpu
+
+
+def test_the_state_moves_but_adamws_step_stays_on_the_cpu() -> None:
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    w.sum().backward()
+    opt.step()
+    optimizer_state_to_cpu(opt)  # nothing on a GPU here: it leaves CPU tensors alone
+    [state] = opt.state.values()
+    assert all(not v.is_pinned() for v in state.values())
+    optimizer_state_to(opt, torch.device("meta"))  # a device other than the CPU, without a GPU
+    assert state["exp_avg"].is_meta and state["exp_avg_sq"].is_meta
+    assert state["step"].device.type == "cpu" and float(state["step"]) == 1.0

@@ -324,3 +324,15 @@ def test_share_and_unattributed_figures_split_a_step_into_its_phases(tmp_path: P
         figures.evaluate(f"share {bare} sglang-colocate-megatron timing_s/update_actor")
     with pytest.raises(ValueError, match="has no step with its timing_s/step"):
         figures.evaluate(f"unattributed {bare} sglang-colocate-megatron")
+
+
+def test_the_verdicts_count_of_intervals_is_the_number_it_quotes() -> None:
+    """The verdict section says how many 95% intervals it quotes (the note on multiple comparisons): every verdict
+    and ratio figure in it is one."""
+    import re
+
+    section = (REPO / "README.md").read_text().split("## The verdict so far")[1].split("\n## ")[0]
+    quoted = len(re.findall(r"<!--fig (?:verdict|ratio|change) ", section))
+    said = re.search(r"This section quotes (\d+) intervals", section)
+    assert said, "the verdict section no longer says how many intervals it quotes"
+    assert int(said.group(1)) == quoted, f"it says {said.group(1)}, it quotes {quoted}"

@@ -5,6 +5,7 @@ came from (provenance)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -222,34 +223,30 @@ def memory_trend_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None
     return table if table.rows else None
 
 
-def accuracy_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
-    """Time to accuracy X per run (report.learning); None when no run has an eval."""
-    header, rows = learning.time_to_accuracy(df, labels)
+def _text_table(header: list[str], rows: list[list[str]], kind: Callable[[str], str]) -> Table | None:
+    """A table of report.learning's text rows; kind(cell) gives each figure cell its class; None without rows."""
     if not rows:
         return None
     table = Table(header)
-    table.rows = [[Cell(r[0]), *(Cell(c, "na" if c in ("not reached", "–") else "num") for c in r[1:])] for r in rows]
+    table.rows = [[Cell(r[0]), *(Cell(c, kind(c)) for c in r[1:])] for r in rows]
     return table
+
+
+def accuracy_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
+    """Time to accuracy X per run (report.learning); None when no run has an eval."""
+    return _text_table(*learning.time_to_accuracy(df, labels),
+                       lambda c: "na" if c in ("not reached", "–") else "num")
 
 
 def accuracy_replicates_table(df: pd.DataFrame, by_config: dict[str, str]) -> Table | None:
     """Time to accuracy X per configuration over its replicates (report.learning); None without replicates."""
-    header, rows = learning.time_to_accuracy_over_replicates(df, by_config)
-    if not rows:
-        return None
-    table = Table(header)
-    table.rows = [[Cell(r[0]), *(Cell(c, "na" if c.startswith("0 of") else "num") for c in r[1:])] for r in rows]
-    return table
+    return _text_table(*learning.time_to_accuracy_over_replicates(df, by_config),
+                       lambda c: "na" if c.startswith("0 of") else "num")
 
 
 def learning_trend_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
     """Per run: how sampled and eval accuracy, policy entropy and response length moved (report.learning.trends)."""
-    header, rows = learning.trends(df, labels)
-    if not rows:
-        return None
-    table = Table(header)
-    table.rows = [[Cell(r[0]), *(Cell(c, "na" if c == "–" else "") for c in r[1:])] for r in rows]
-    return table
+    return _text_table(*learning.trends(df, labels), lambda c: "na" if c == "–" else "")
 
 
 def detail_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:

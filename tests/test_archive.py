@@ -14,7 +14,7 @@ import pytest
 
 from hybridrl.run import provenance
 from hybridrl.study.run_config import RunConfig
-from hybridrl.tools.archive import MANIFEST, pack, verify
+from hybridrl.tools.archive import MANIFEST, ArchiveError, pack, verify
 
 RUN = "results/runs/vllm-split-aaaa1111"
 
@@ -132,7 +132,8 @@ def test_verify_without_manifest_or_archive(repo: Path, tmp_path: Path) -> None:
     assert verify(bad) == [f"no {MANIFEST} in the archive"]
     junk = tmp_path / "junk.tar.gz"
     junk.write_bytes(b"not a tarball")
-    assert verify(junk)[0].startswith("cannot read")
+    with pytest.raises(ArchiveError, match=f"^{junk}: not a tar archive"):
+        verify(junk)
     truncated = tmp_path / "trunc.tar.gz"
     truncated.write_bytes(out.read_bytes()[: len(out.read_bytes()) // 2])
     assert verify(truncated)[0].startswith("cannot read")
@@ -144,6 +145,29 @@ def test_pack_rejects_missing_inputs(repo: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"\.tar\.gz"):
         pack(repo / "results", [], tmp_path / "x.zip", root=repo)
     assert not list(tmp_path.glob("x.*"))
+
+
+def test_verify_answers_a_file_that_is_no_archive_in_one_line(repo: Path, tmp_path: Path, capsys) -> None:
+    from hybridrl.cli import main
+
+    text = repo / "config" / "smoke.yaml"
+    assert main(["verify", str(text)]) == 1
+    assert capsys.readouterr().err == (f"hybridrl: ArchiveError: {text}: not a tar archive (neither gzip, bzip2, xz "
+                                       "nor plain tar)\n")
+    assert main(["verify", str(tmp_path / "nope.tar.gz")]) == 2
+    said = capsys.readouterr().err  # main()'s label for a missing input is its own
+    assert said.startswith("hybridrl: ") and said.endswith(f"{tmp_path / 'nope.tar.gz'}: archive does not exist\n")
+    assert said.count("\n") == 1
+
+
+def test_pack_refuses_a_run_that_is_not_there(repo: Path, tmp_path: Path) -> None:
+    out = tmp_path / "runs.tar.gz"
+    with pytest.raises(ArchiveError, match=r"^--runs nosuch-run: no such run in .*/results/runs "
+                                           r"\(runs there: vllm-split-aaaa1111\)$"):
+        pack(repo / "results", [], out, root=repo, run_ids=["vllm-split-aaaa1111", "nosuch-run"])
+    assert not list(tmp_path.glob("runs*"))
+    pack(repo / "results", [], out, root=repo, run_ids=["vllm-split-aaaa1111"])
+    assert f"runs/{RUN.rsplit('/', 1)[1]}" in " ".join(_names(out))
 
 
 # -- provenance ---------------------------------------------------------------------------------------

@@ -170,3 +170,117 @@ def test_a_finished_checkpoint_is_moved_into_place_not_copied(tmp_path, monkeypa
     assert (tmp_path / "model" / "model.safetensors").read_bytes() == b"w" * 1000
     assert (tmp_path / "model" / "sub" / "tokenizer.json").read_text() == "{}"
     assert list(tmp.iterdir()) == [] and copies == []
+
+
+# -- bad input: one line naming the file (or argument) and the cause, nothing written lost --------------------
+
+def test_a_torn_or_garbage_line_names_the_file_and_line(tmp_path):
+    split = tmp_path / "train.jsonl"
+    split.write_text('{"question": "q", "answer": "#### 1"}\n\n{"question": "cut sh')
+    with pytest.raises(data.DataError, match=rf"^{split}:3: not a JSON record") as exc:
+        data.read_jsonl(split)
+    assert "\n" not in str(exc.value)
+    split.write_text('{"question": "q", "answer": "#### 1"}\n[1, 2]\n')
+    with pytest.raises(data.DataError, match=rf"^{split}:2: expected a JSON object"):
+        data.read_jsonl(split)
+    split.write_bytes(b'{"question": "caf\xe9"}\n')
+    with pytest.raises(data.DataError, match=rf"^{split}: not UTF-8 text"):
+        data.read_jsonl(split)
+
+
+def test_a_split_with_no_problems_is_refused(tmp_path):
+    split = tmp_path / "train.jsonl"
+    for text in ("", "\n  \n"):
+        split.write_text(text)
+        with pytest.raises(data.DataError, match=rf"^{split}: holds no problems"):
+            data.read_jsonl(split)
+
+
+@pytest.mark.parametrize(("n_train", "n_test", "flag"), [(0, 4, "--n-train"), (-5, 4, "--n-train"), (4, 0, "--n-test")])
+def test_synthetic_data_refuses_an_empty_split_and_writes_nothing(tmp_path, n_train, n_test, flag):
+    with pytest.raises(data.DataError, match=rf"^{flag} must be at least 1, got {min(n_train, n_test)}"):
+        data.write_synthetic(tmp_path / "d", n_train, n_test, seed=0)
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_run_on_an_empty_train_split_stops_before_the_trainer_and_engine(tmp_path):
+    from hybridrl.run.loop import run_loop
+    from hybridrl.study.run_config import RunConfig
+
+    class NoEngine:  # any use of the engine (preflight, start) would mean the run went on
+        def __getattr__(self, name):
+            raise AssertionError(f"the engine was used ({name}) on an empty train split")
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("")
+    (tmp_path / "data" / "test.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
+    with pytest.raises(data.DataError, match="train.jsonl: holds no problems"):
+        run_loop(RunConfig(model="tiny", engine="vllm", eval_every=0), "r-empty", tmp_path / "model",
+                 tmp_path / "data", tmp_path / "run", {}, progress=False, engine=NoEngine())
+
+
+_TINY = {"arch": "qwen3", "dtype": "float32", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+         "max_position_embeddings": 128, "tie_word_embeddings": True, "seed": 0}
+
+
+def test_model_never_replaces_an_out_directory_it_did_not_write(tmp_path):
+    src = tmp_path / "local-model"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("mine")
+    for spec in ({"path": str(src)}, {"hf_id": "nobody/nothing"}, _TINY):  # refused before any download or build
+        with pytest.raises(models.ModelOutError, match=rf"^--out {precious} exists and was not written by hybridrl"):
+            models.prepare(spec, tmp_path / "no-corpus.jsonl", precious)
+        assert (precious / "notes.txt").read_text() == "mine"
+    with pytest.raises(models.ModelOutError):  # nor by the swap itself
+        models._publish(tmp_path, precious)
+    assert (precious / "notes.txt").read_text() == "mine"
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(models.ModelOutError, match="is a file"):
+        models.prepare({"path": str(src)}, tmp_path / "no-corpus.jsonl", tmp_path / "afile")
+    # what hybridrl wrote is rebuilt in place: its link, an empty directory, a directory holding its marker
+    link = tmp_path / "link"
+    models.prepare({"path": str(src)}, tmp_path / "no-corpus.jsonl", link)
+    models.prepare({"path": str(src)}, tmp_path / "no-corpus.jsonl", link)
+    assert link.resolve() == src.resolve() and (src / "config.json").exists()
+    for built in (tmp_path / "empty", tmp_path / "built"):
+        built.mkdir()
+    (tmp_path / "built" / models.MARKER).write_text("{}")
+    (tmp_path / "built" / "model.safetensors").write_text("old")
+    for built in (tmp_path / "empty", tmp_path / "built"):
+        models.prepare({"path": str(src)}, tmp_path / "no-corpus.jsonl", built)
+        assert built.is_symlink()
+
+
+def test_a_bad_model_spec_is_one_config_error_naming_the_key(tmp_path, capsys):
+    from hybridrl.cli import main
+    from hybridrl.study.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^--spec is not JSON \(Expecting property name"):
+        models.parse_spec("{arch: qwen3")
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        models.parse_spec("[1]")
+    assert models.parse_spec('{"arch": "qwen3"}') == {"arch": "qwen3"}
+    known = "qwen3, qwen2, llama, qwen3_moe"
+    for spec, said in (({**_TINY, "arch": "qwen9"}, f"model spec: unknown arch 'qwen9' (known: {known})"),
+                       ({k: v for k, v in _TINY.items() if k != "arch"},
+                        f"model spec has none of path, hf_id or arch (arch: one of {known})")):
+        rc = main(["model", "--spec", json.dumps(spec), "--corpus", str(tmp_path / "c.jsonl"),
+                   "--out", str(tmp_path / "m")])
+        assert rc == 2 and capsys.readouterr().err == f"hybridrl: config error: {said}\n"
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_model_on_an_empty_or_torn_corpus_names_the_file(tmp_path):
+    corpus = tmp_path / "train.jsonl"
+    test = tmp_path / "test.jsonl"
+    test.write_text('{"question": "q", "answer": "#### 1"}\n')
+    for text, cause in (("", "holds no problems"), ('{"question": "q", "answer": "#### 1"}\n{"quest', "2: not a JSON")):
+        corpus.write_text(text)
+        for spec in (_TINY, {**_TINY, "warm_start": {"steps": 1}}):
+            with pytest.raises(data.DataError, match=rf"^{corpus}:? ?{cause}"):
+                models.prepare(spec, corpus, tmp_path / "m", test)
+    assert not (tmp_path / "m").exists()

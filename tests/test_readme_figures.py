@@ -98,8 +98,69 @@ def test_the_cli_answers_a_figure_that_names_a_missing_field_in_one_line(tmp_pat
                    "hf.nope-->1<!--/fig-->\n")
     with pytest.raises(SystemExit) as exc:
         main(["figures", str(doc)])
-    assert str(exc.value) == ("hybridrl figures: results/reference/2026-11-23-h200-trainer/"
+    assert str(exc.value) == (f"hybridrl figures: {doc}:1: figure 'value results/reference/2026-11-23-h200-trainer/"
+                              "trainer-qwen3-0.6b-mb8.json hf.nope': results/reference/2026-11-23-h200-trainer/"
                               "trainer-qwen3-0.6b-mb8.json has no field 'hf.nope'")
+
+
+_STUDY = "results/reference/2026-11-22-4xh200-moe"
+_STALE = f"<!--fig span {_STUDY} vllm-colocate perf/throughput 1 6-->3.9k–6.8k<!--/fig-->"  # the data give 3.1k–...
+
+
+def _figures_cli(*argv: str) -> str:
+    from hybridrl.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["figures", *argv])
+    return str(exc.value)
+
+
+def test_fix_on_a_full_disk_leaves_the_file_as_it_was(tmp_path, monkeypatch) -> None:
+    import errno
+
+    doc = tmp_path / "README.md"
+    before = "# notes\n" + f"throughput went {_STALE} in steps 1-6\n" + "a long tail the fix must not cut\n" * 100
+    doc.write_text(before)
+    real = Path.write_text
+
+    def full_disk(self, data, *args, **kwargs):  # the disk fills half-way through the write
+        real(self, data[: len(data) // 2], *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    said = _figures_cli("--fix", str(doc))
+    monkeypatch.undo()
+    assert doc.read_text() == before and sorted(tmp_path.iterdir()) == [doc]  # intact, no temp file left
+    assert said == f"hybridrl figures: [Errno 28] No space left on device: {doc} is left as it was"
+    assert figures.main([doc], fix=True) == 0 and figures.check(doc.read_text()) == []
+
+
+def test_an_unclosed_figure_marker_is_refused_with_its_file_and_line(tmp_path) -> None:
+    doc = tmp_path / "README.md"
+    doc.write_text(f"# title\n\nfast: <!--fig median {_STUDY} vllm-colocate perf/throughput-->3.1k and more\n")
+    said = _figures_cli(str(doc))
+    assert said.startswith(f"hybridrl figures: {doc}:3: figure marker '<!--fig median ")
+    assert said.endswith("has no closing <!--/fig-->") and "\n" not in said
+    # one left open before a closed one: the regex would swallow the second into the first's text
+    doc.write_text(f"<!--fig median {_STUDY} vllm-colocate perf/throughput-->3.1k\nthen\n{_STALE}\n")
+    assert _figures_cli("--fix", str(doc)).startswith(f"hybridrl figures: {doc}:1: figure '<!--fig median ")
+    assert "has no closing <!--/fig--> before the next figure" in _figures_cli(str(doc))
+
+
+def test_a_figure_with_too_few_arguments_names_the_file_the_figure_and_what_it_needs(tmp_path) -> None:
+    doc = tmp_path / "README.md"
+    doc.write_text(f"x\n<!--fig ratio {_STUDY} vllm-colocate-->1x<!--/fig-->\n")
+    assert _figures_cli(str(doc)) == (f"hybridrl figures: {doc}:2: figure 'ratio {_STUDY} vllm-colocate': ratio takes "
+                                      "STUDY A B COLUMN, got 2 arguments")
+    assert _figures_cli("--fix", str(doc)).endswith("ratio takes STUDY A B COLUMN, got 2 arguments")
+    with pytest.raises(ValueError, match=r"verdict takes STUDY A B COLUMN \[MODE\], got 6 arguments"):
+        figures.evaluate("verdict a b c d e f")
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path) -> None:
+    doc = tmp_path / "README.md"
+    doc.write_bytes(b"# ok\ncaf\xe9\n")
+    assert _figures_cli(str(doc)) == f"hybridrl figures: {doc}:2: not UTF-8 text (byte 0xe9)"
 
 
 def test_a_bench_figure_spans_one_paths_repeats_and_names_a_path_it_lacks() -> None:

@@ -14,6 +14,7 @@ fails on any difference.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import statistics
@@ -24,12 +25,19 @@ from typing import Any
 
 import pandas as pd
 
+from hybridrl.atomic import write_text
 from hybridrl.report import stats, trend, wording
 from hybridrl.report.aggregate import read_table
 from hybridrl.run import request_records
 
 REPO = Path(__file__).resolve().parents[3]
 MARK = re.compile(r"<!--fig (?P<expr>[^>]*?)-->(?P<text>.*?)<!--/fig-->", re.S)
+OPEN = "<!--fig "
+
+
+class FigureError(ValueError):
+    """A figure marker that cannot be read or computed, named by its file and line (`hybridrl figures` prints
+    a ValueError's message as its one line)."""
 
 
 @cache
@@ -457,36 +465,97 @@ FIGURES: dict[str, Callable[..., str]] = {
 
 
 def evaluate(expr: str) -> str:
+    if not expr.split():
+        raise ValueError(f"empty figure (a figure is '<!--fig NAME ARGS...-->'; known: {', '.join(FIGURES)})")
     name, *args = expr.split()
     if name not in FIGURES:
         raise ValueError(f"unknown figure {name!r} (known: {', '.join(FIGURES)})")
-    return FIGURES[name](*args)
+    fn = FIGURES[name]
+    try:  # the arguments checked against the signature, so a TypeError inside a figure still shows as a bug
+        inspect.signature(fn).bind(*args)
+    except TypeError:
+        raise ValueError(f"{name} takes {_usage(fn)}, got {len(args)} argument{'s' * (len(args) != 1)}") from None
+    return fn(*args)
 
 
-def check(text: str) -> list[tuple[str, str, str]]:
+def _usage(fn: Callable[..., str]) -> str:
+    """A figure's arguments as its marker writes them: 'STUDY A B COLUMN [MODE]'."""
+    params = inspect.signature(fn).parameters.values()
+    return " ".join(p.name.upper() if p.default is p.empty else f"[{p.name.upper()}]" for p in params)
+
+
+def _figures(text: str, source: str) -> list[re.Match[str]]:
+    """The text's figure markers; one opened but never closed (its text would run into the next figure's, or to
+    the end of the file) raises FigureError naming source and line, instead of being passed over."""
+    marks = list(MARK.finditer(text))
+    starts = {m.start() for m in marks}
+    for m in marks:
+        inner = m["text"].find(OPEN)
+        if inner >= 0:  # the match ran on into the next figure: this one was never closed
+            raise FigureError(f"{_where(text, source, m.start())}: figure '<!--fig {m['expr'].strip()}-->' has no "
+                              "closing <!--/fig--> before the next figure")
+    for found in re.finditer(re.escape(OPEN), text):
+        if found.start() not in starts:
+            line_end = text.find("\n", found.start())
+            marker = text[found.start():line_end if line_end >= 0 else len(text)][:80]
+            raise FigureError(f"{_where(text, source, found.start())}: figure marker {marker!r} has no closing "
+                              "<!--/fig-->")
+    return marks
+
+
+def _where(text: str, source: str, pos: int) -> str:
+    return f"{source}:{text.count(chr(10), 0, pos) + 1}"
+
+
+def _evaluate_at(text: str, source: str, m: re.Match[str]) -> str:
+    """evaluate, with an error naming the file, line and figure it came from."""
+    expr = m["expr"].strip()
+    try:
+        return evaluate(expr)
+    except (ValueError, KeyError, OSError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        raise FigureError(f"{_where(text, source, m.start())}: figure '{expr}': {msg}") from exc
+
+
+def check(text: str, source: str = "<text>") -> list[tuple[str, str, str]]:
     """(expression, written, recomputed) for every figure whose text differs from the data's."""
     out = []
-    for m in MARK.finditer(text):
-        want = evaluate(m["expr"].strip())
+    for m in _figures(text, source):
+        want = _evaluate_at(text, source, m)
         if m["text"] != want:
             out.append((m["expr"].strip(), m["text"], want))
     return out
 
 
-def fill(text: str) -> str:
+def fill(text: str, source: str = "<text>") -> str:
     """The text with every figure written from the data."""
-    return MARK.sub(lambda m: f"<!--fig {m['expr']}-->{evaluate(m['expr'].strip())}<!--/fig-->", text)
+    _figures(text, source)
+    return MARK.sub(lambda m: f"<!--fig {m['expr']}-->{_evaluate_at(text, source, m)}<!--/fig-->", text)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        line = exc.object.count(b"\n", 0, exc.start) + 1
+        raise FigureError(f"{path}:{line}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x})") from None
 
 
 def main(files: list[Path], fix: bool) -> int:
     """Check (or, with fix, rewrite) the figures of each file; 1 if any differed and was not fixed."""
     bad = 0
     for path in files:
-        text = path.read_text()
+        text = _read(path)
         if fix:
-            path.write_text(fill(text))
+            filled = fill(text, str(path))
+            if filled == text:
+                continue
+            try:  # atomic: a full disk or a crash leaves the file as it was, never half of it
+                write_text(path, filled)
+            except OSError as exc:
+                raise OSError(exc.errno, f"{exc.strerror or exc}: {path} is left as it was") from exc
             continue
-        for expr, written, want in check(text):
+        for expr, written, want in check(text, str(path)):
             print(f"{path}: {expr}: written {written!r}, data give {want!r}")
             bad += 1
     return 1 if bad else 0

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.atomic import atomic_dir
+from hybridrl.study.config import ConfigError
 from hybridrl.task.data import prompt_text, read_jsonl
 
 ARCH_CONFIGS = {
@@ -24,6 +25,54 @@ _SHAPE_KEYS = (
 )
 VOCAB_MULTIPLE = 128  # default padding of the model's vocab, as real checkpoints do, so TP 2..128 divides it
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
+# Written into every model directory this module builds or downloads: the mark that lets a rebuild replace it.
+MARKER = "hybridrl-model.json"
+
+
+class ModelOutError(RuntimeError):
+    """--out holds something hybridrl did not write there; it is left alone."""
+
+
+def parse_spec(text: str) -> dict[str, Any]:
+    """`--spec` as the `model` command takes it: a JSON object, checked by check_spec."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--spec is not JSON ({exc.msg} at column {exc.colno}): {text[:80]!r}") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"--spec must be a JSON object (a model's entry under models:), got {type(spec).__name__}")
+    check_spec(spec)
+    return spec
+
+
+def check_spec(spec: dict[str, Any]) -> None:
+    """A model spec names a local `path`, an `hf_id` to download, or an `arch` to build from random weights."""
+    if "path" in spec or "hf_id" in spec:
+        return
+    known = ", ".join(ARCH_CONFIGS)
+    if "arch" not in spec:
+        raise ConfigError(f"model spec has none of path, hf_id or arch (arch: one of {known})")
+    if spec["arch"] not in ARCH_CONFIGS:
+        raise ConfigError(f"model spec: unknown arch {spec['arch']!r} (known: {known})")
+
+
+def check_out(out_dir: Path) -> None:
+    """Refuse an --out that a build would replace but hybridrl did not write.
+
+    The design is "build in a temp directory beside --out, then swap it in" (_publish, link_local), and a swap
+    removes what carried the name before. That is safe only for what this module wrote itself: a model directory
+    holding MARKER, a symlink (link_local's; unlinking it leaves its target alone) or an empty directory. Anything
+    else (a user's directory, a checkpoint from elsewhere, a file) is refused before any work, so a rerun never
+    deletes what it did not create.
+    """
+    if out_dir.is_symlink() or not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ModelOutError(f"--out {out_dir} is a file, not a model directory: refusing to replace it")
+    if (out_dir / MARKER).is_file() or not any(out_dir.iterdir()):
+        return
+    raise ModelOutError(f"--out {out_dir} exists and was not written by hybridrl model (no {MARKER} in it): "
+                        "refusing to replace it; move it away or give another --out")
 
 
 def model_dir(root: Path, name: str) -> Path:
@@ -86,8 +135,12 @@ def build_random(spec: dict[str, Any], corpus: Path, out_dir: Path, test: Path |
     import torch
     import transformers
 
+    check_spec(spec)
+    check_out(out_dir)
+    if spec.get("warm_start") is not None and test is None:
+        raise ConfigError("model spec has warm_start: give --test, the test split its base accuracy is measured on")
     config_cls, model_cls = (getattr(transformers, n) for n in ARCH_CONFIGS[spec["arch"]])
-    rows = read_jsonl(corpus)
+    rows = read_jsonl(corpus)  # DataError names the file: missing problems, a torn line
     texts = [prompt_text(r["question"]) + " " + r["answer"] for r in rows]
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as tmp:
         tmp_dir = Path(tmp)
@@ -105,24 +158,24 @@ def build_random(spec: dict[str, Any], corpus: Path, out_dir: Path, test: Path |
         if spec.get("warm_start") is not None:
             from hybridrl.study.warm_start import warm_start
 
-            if test is None:
-                raise ValueError("a warm start needs the test split to measure its base accuracy")
             warm_start(model, tokenizer, rows, read_jsonl(test), spec["warm_start"], tmp_dir)
         model.to(dtype).save_pretrained(tmp_dir)
         built = {"init": "random", **spec, "warm_started": "warm_start" in spec}
-        (tmp_dir / "hybridrl-model.json").write_text(json.dumps(built, indent=2))
+        (tmp_dir / MARKER).write_text(json.dumps(built, indent=2))
         _publish(tmp_dir, out_dir)
 
 
 def download(spec: dict[str, Any], out_dir: Path) -> None:
     from huggingface_hub import snapshot_download
 
+    check_out(out_dir)
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as tmp:
         try:
             snapshot_download(spec["hf_id"], revision=spec.get("revision"), local_dir=tmp,
                               allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.py"])
         except Exception as exc:  # the hub raises many types; one message names the model
             raise RuntimeError(f"model {spec['hf_id']}: download failed ({type(exc).__name__}: {exc})") from exc
+        (Path(tmp) / MARKER).write_text(json.dumps({"init": "download", **spec}, indent=2))
         _publish(Path(tmp), out_dir)
 
 
@@ -131,6 +184,7 @@ def link_local(spec: dict[str, Any], out_dir: Path) -> None:
     if not (src / "config.json").exists():
         raise FileNotFoundError(f"model path {src} has no config.json: not a Hugging Face checkpoint")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    check_out(out_dir)
     if out_dir.is_symlink() or out_dir.exists():
         out_dir.unlink() if out_dir.is_symlink() else shutil.rmtree(out_dir)
     out_dir.symlink_to(src, target_is_directory=True)
@@ -139,6 +193,7 @@ def link_local(spec: dict[str, Any], out_dir: Path) -> None:
 def _publish(tmp_dir: Path, out_dir: Path) -> None:
     """Move a finished checkpoint into place, so a half-written one never carries the final name. Moved, not
     copied: the temporary directory is a sibling (a rename), and a 61 GB checkpoint copied needs its size twice."""
+    check_out(out_dir)  # atomic_dir removes what carries the name: only ever what hybridrl wrote
     with atomic_dir(out_dir) as staging:
         for entry in tmp_dir.iterdir():
             shutil.move(entry, staging / entry.name)
@@ -146,6 +201,8 @@ def _publish(tmp_dir: Path, out_dir: Path) -> None:
 
 
 def prepare(spec: dict[str, Any], corpus: Path, out_dir: Path, test: Path | None = None) -> None:
+    check_spec(spec)
+    check_out(out_dir)  # before a download or a warm start, not after hours of one
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     if "path" in spec:
         link_local(spec, out_dir)

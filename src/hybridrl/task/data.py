@@ -38,9 +38,34 @@ def write_jsonl_atomic(path: Path, rows: Iterable[dict]) -> None:
     write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
+class DataError(RuntimeError):
+    """A data split that cannot be used (a torn or non-JSON line, no problems at all) or a split that would be
+    written empty; the message names the file (and line) or the argument."""
+
+
 def read_jsonl(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The problems of a split, one JSON object a line (blank lines skipped). A line that is not a JSON object
+    (a crash cut it, or the file is not a split) and a split with no problems at all raise DataError naming the
+    file and line: a run must not build its trainer and start an engine on data it cannot use."""
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{lineno}: not a JSON record, torn or garbled ({exc.msg}: column "
+                                    f"{exc.colno})") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{path}:{lineno}: expected a JSON object (a problem), got {type(row).__name__}")
+                rows.append(row)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x}); not a data split") from None
+    if not rows:
+        raise DataError(f"{path}: holds no problems (an empty split); write it again with python -m hybridrl data")
+    return rows
 
 
 def reward(completion: str, reference_answer: str) -> float:
@@ -161,6 +186,10 @@ def synthesize(n: int, seed: int, steps: int = 1) -> list[dict]:
 
 
 def write_synthetic(out_dir: Path, n_train: int, n_test: int, seed: int, steps: int = 1) -> None:
+    # checked before either split is written: an empty split fails every run that reads it, much later
+    for flag, n in (("--n-train", n_train), ("--n-test", n_test)):
+        if n < 1:
+            raise DataError(f"{flag} must be at least 1, got {n}: the {flag[4:]} split would be empty")
     write_jsonl_atomic(out_dir / "train.jsonl", synthesize(n_train, seed, steps))
     write_jsonl_atomic(out_dir / "test.jsonl", synthesize(n_test, seed + 1, steps))
 

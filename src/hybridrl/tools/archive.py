@@ -28,6 +28,10 @@ SKIP_DIRS = {"adapters", "__pycache__", ".snakemake"}
 _LINE = re.compile(r"^([0-9a-f]{64})  (.+)$")
 
 
+class ArchiveError(RuntimeError):
+    """A file `verify` cannot open as an archive at all, or a run `pack` was asked for that is not there."""
+
+
 def _archive_stem(out_tar: Path) -> str:
     name = out_tar.name
     for suffix in (".tar.gz", ".tgz", ".tar"):
@@ -140,6 +144,7 @@ def pack(results_dir: Path, extra_files: Iterable[Path], out_tar: Path, root: Pa
     if not results_dir.is_dir():
         raise FileNotFoundError(f"{results_dir}: results directory does not exist")
     stem = _archive_stem(out_tar)
+    _check_runs(results_dir, run_ids)
     members = {**extra_members(extra_files, root), **results_members(results_dir, out_tar, include_adapters, run_ids)}
     with atomic_path(out_tar, fsync=True) as tmp:
         raw, stream = _open_out(tmp, compress=not out_tar.name.endswith(".tar"))
@@ -153,6 +158,15 @@ def pack(results_dir: Path, extra_files: Iterable[Path], out_tar: Path, root: Pa
                 stream.close()
             raw.close()
     return out_tar
+
+
+def _check_runs(results_dir: Path, run_ids: Collection[str] | None) -> None:
+    """Every run asked for is a folder under results/runs/: a misspelt id would pack an archive without it."""
+    missing = [rid for rid in run_ids or () if not (results_dir / "runs" / rid).is_dir()]
+    if missing:
+        there = sorted(p.name for p in (results_dir / "runs").glob("*") if p.is_dir())
+        listed = ", ".join(there[:10]) + (f" and {len(there) - 10} more" if len(there) > 10 else "") or "none"
+        raise ArchiveError(f"--runs {' '.join(missing)}: no such run in {results_dir}/runs (runs there: {listed})")
 
 
 def _parse_manifest(text: str) -> tuple[dict[str, str], list[str]]:
@@ -172,13 +186,13 @@ def _unsafe(name: str) -> bool:
     return path.is_absolute() or ".." in path.parts
 
 
-def _read_members(tar_path: Path) -> tuple[dict[str, str], bytes | None, list[str]]:
+def _read_members(tar: tarfile.TarFile) -> tuple[dict[str, str], bytes | None, list[str]]:
     """sha256 of each file member (name relative to the top directory), the manifest bytes, problems."""
     sums: dict[str, str] = {}
     manifest: bytes | None = None
     problems: list[str] = []
     tops: set[str] = set()
-    with tarfile.open(tar_path, mode="r:*") as tar:
+    with tar:
         for member in tar:
             if _unsafe(member.name):
                 problems.append(f"unsafe member path: {member.name}")
@@ -208,11 +222,28 @@ def _read_members(tar_path: Path) -> tuple[dict[str, str], bytes | None, list[st
     return sums, manifest, problems
 
 
-def verify(tar_path: Path) -> list[str]:
-    """Problems found in the archive: modified, missing or extra members against the manifest. [] = ok."""
-    tar_path = Path(tar_path)
+def _open_archive(tar_path: Path) -> tarfile.TarFile:
+    """The archive open for reading; a file that is none (tarfile lists every method it tried, over several lines)
+    raises ArchiveError in one line naming it, and a missing one FileNotFoundError."""
+    if not tar_path.exists():
+        raise FileNotFoundError(f"{tar_path}: archive does not exist")
     try:
-        actual, manifest, problems = _read_members(tar_path)
+        return tarfile.open(tar_path, mode="r:*")
+    except tarfile.ReadError as exc:
+        detail = str(exc) if "\n" not in str(exc) else "neither gzip, bzip2, xz nor plain tar"
+        raise ArchiveError(f"{tar_path}: not a tar archive ({detail})") from None
+    except OSError as exc:
+        raise ArchiveError(f"{tar_path}: cannot read it ({exc.strerror or exc})") from None
+
+
+def verify(tar_path: Path) -> list[str]:
+    """Problems found in the archive: modified, missing or extra members against the manifest. [] = ok.
+
+    A file that is not an archive at all raises (ArchiveError, FileNotFoundError): there is nothing to verify."""
+    tar_path = Path(tar_path)
+    tar = _open_archive(tar_path)
+    try:
+        actual, manifest, problems = _read_members(tar)
     except (OSError, EOFError, tarfile.TarError, zlib.error, gzip.BadGzipFile) as exc:
         return [f"cannot read {tar_path}: {exc}"]
     if manifest is None:

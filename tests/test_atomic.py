@@ -105,3 +105,24 @@ def test_atomic_dir_replaces_a_link(tmp_path: Path) -> None:
         (tmp / "config.json").write_text("{}")
     assert not out.is_symlink() and (out / "config.json").exists()
     assert (elsewhere / "keep").read_text() == "not ours"  # the link goes, never what it pointed to
+
+
+def test_a_full_disk_names_the_file_being_written_not_none_or_the_temp(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from hybridrl import cli
+
+    target = tmp_path / "report.md"
+    target.write_text("old")
+
+    def full(self: Path, data: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")  # what a write() says: no file name
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OSError) as err:
+        atomic.write_text(target, "new")
+    assert err.value.filename == str(target) and err.value.errno == errno.ENOSPC
+    assert cli.os_error_line(err.value).startswith(f"disk full while writing {target}: free space and rerun")
+    monkeypatch.undo()
+    assert target.read_text() == "old" and _leftovers(tmp_path) == []

@@ -40,3 +40,58 @@ def test_validate_prints_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith(f"hybridrl: config error: {path}:4:7: not valid YAML: ")
+
+
+def test_a_key_given_twice_is_refused_but_a_merge_may_be_overridden(tmp_path):
+    path = tmp_path / "study.yaml"
+    path.write_text("study: s\ndefaults:\n  steps: 3\n  lr: 0.1\n  steps: 4\n")
+    with pytest.raises(ConfigError) as err:
+        load_yaml(path)
+    assert str(err.value) == f"{path}:5:3: not valid YAML: key 'steps' given twice in one mapping (first at line 3)"
+    path.write_text("base: &b {steps: 3, lr: 0.1}\nrun:\n  <<: *b\n  steps: 4\n")
+    assert load_yaml(path)["run"] == {"steps": 4, "lr": 0.1}
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_a_number_that_is_not_finite_is_named_not_misread(tmp_path, value):
+    path = tmp_path / "study.yaml"
+    path.write_text("study: s\ndata: {source: synthetic}\nmodels: {m: {init: random, arch: qwen3}}\n"
+                    f"defaults:\n  sampling: {{temperature: {value}}}\nruns: [{{engine: vllm}}]\n")
+    with pytest.raises(ConfigError, match=r"study.yaml: defaults.sampling.temperature: not a finite number$"):
+        load_study(path)
+
+
+def test_a_folder_or_an_unwritable_output_is_one_line_naming_it(tmp_path, capsys):
+    assert cli.main(["validate", "--config", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"hybridrl: {tmp_path}: Is a directory\n"
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    # an output below a file: the folder cannot be made
+    assert cli.main(["data", "--source", "synthetic", "--n-train", "4", "--n-test", "2",
+                     "--out", str(blocker / "data")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"hybridrl: {blocker}") and "Not a directory" in err, err
+
+
+@pytest.mark.parametrize(("setting", "said"), [("wibble=1", "wibble: Extra inputs are not permitted"),
+                                                ("steps=many", "steps: Input should be a valid integer"),
+                                                ("steps=0", "steps: Input should be greater than or equal to 1")])
+def test_bench_set_refuses_a_key_or_value_a_run_cannot_take_in_one_line(tmp_path, capsys, setting, said):
+    from pathlib import Path
+
+    from hybridrl.study.prepare_study import run_spec_json
+
+    study = load_study(Path(__file__).resolve().parents[1] / "config" / "smoke.yaml")
+    cfg = tmp_path / "run.json"
+    cfg.write_text(run_spec_json(study, next(iter(study.runs))))
+    code = cli.main(["bench", "--run-config", str(cfg), "--model", str(tmp_path / "m"), "--data", str(tmp_path),
+                     "--run-dir", str(tmp_path), "--out", str(tmp_path / "out.json"), "--set", setting])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"hybridrl: config error: bench --set: {said}") and err.count("\n") == 1, err
+
+
+def test_a_model_spec_that_is_not_json_is_one_line(tmp_path, capsys):
+    code = cli.main(["model", "--spec", "{bad", "--corpus", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("hybridrl: config error: --spec is not JSON (") and err.count("\n") == 1
+    assert not (tmp_path / "m").exists()

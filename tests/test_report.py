@@ -729,3 +729,19 @@ def test_the_gap_section_gives_the_other_mismatch_metrics_and_plots_them_per_ste
     restart = next(line for line in section.splitlines() if line.startswith("| restart |"))
     assert restart.rstrip().endswith("| – | – |"), restart
     assert (tmp_path / "plots" / "mismatch.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_aggregate_of_runs_without_a_step_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from hybridrl import cli
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "steps.jsonl").write_text("\n")
+    with pytest.warns(UserWarning, match="holds no steps"):
+        code = cli.main(["aggregate", "--runs", str(tmp_path / "a"), str(tmp_path / "b"), "--csv",
+                         str(tmp_path / "s.csv"), "--parquet", str(tmp_path / "s.parquet")])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err == f"hybridrl: TableError: no steps in any of the 2 run folders given ({tmp_path / 'a'}, ...): " \
+                  "nothing to aggregate\n"
+    assert not (tmp_path / "s.csv").exists()

@@ -115,3 +115,17 @@ def test_memory_sampler_without_gpu_reports_nothing():
     sampler.start().set_phase("gen")
     assert sampler.take() == {}
     sampler.close()
+
+
+def test_a_damaged_record_file_is_named_with_its_line_not_a_json_traceback(tmp_path):
+    from hybridrl.run.telemetry import RecordError
+
+    path = tmp_path / "steps.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "timing_s/ge\n')
+    with pytest.raises(RecordError, match=rf"^{path}:2: not a step record \(Unterminated string"):
+        read_records(path)
+    path.write_text('{"step": 1}\n\n[1, 2]\n')
+    with pytest.raises(RecordError, match=rf"^{path}:3: not a step record \(\[1, 2\]\)"):
+        read_records(path)
+    path.write_text('{"step": 1}\n\n{"step": 2}\n')
+    assert [r["step"] for r in read_records(path)] == [1, 2]

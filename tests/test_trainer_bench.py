@@ -230,3 +230,20 @@ def test_trainer_tools_refuse_bad_arguments_in_one_line(argv: list[str], said: s
     err = capsys.readouterr().err
     assert said in err and "Traceback" not in err
     assert not (tmp_path / "w").exists()  # refused before anything was built
+
+
+@pytest.mark.parametrize("command", ["trainer-bench", "trainer-profile"])
+def test_a_gpu_asked_for_where_there_is_none_is_one_line_before_any_build(tmp_path, capsys, command):
+    import torch
+
+    from hybridrl import cli
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    extra = ["--out", str(tmp_path / "p.txt"), "--trainer", "hf"] if command == "trainer-profile" else []
+    with pytest.raises(SystemExit) as stop:
+        cli.main([command, "--shape", "tiny", "--device", "cuda", "--workdir", str(tmp_path / "w"), *extra])
+    assert stop.value.code == 2
+    said = f"hybridrl {command}: --device cuda: torch {torch.__version__} sees no CUDA GPU on this machine\n"
+    assert capsys.readouterr().err == said
+    assert not (tmp_path / "w").exists()  # refused before any model was built

@@ -23,17 +23,23 @@ def atomic_path(path: Path, fsync: bool = False) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = ""
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
         yield Path(tmp)
         if fsync:
             with open(tmp, "rb+") as fh:
                 os.fsync(fh.fileno())
         os.chmod(tmp, _mode_for(path))
         os.replace(tmp, path)
+    except OSError as exc:
+        # a full disk's write names no file, a refused temp file its random name: name the target instead
+        if exc.errno is not None and exc.filename in (None, tmp):
+            raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
+        raise
     finally:
-        if os.path.exists(tmp):
+        if tmp and os.path.exists(tmp):
             os.unlink(tmp)
 
 

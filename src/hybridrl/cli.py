@@ -9,6 +9,9 @@ import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from hybridrl.atomic import write_text
 from hybridrl.engines.base import ROLLOUT_PATHS as BENCH_PATHS
@@ -52,9 +55,9 @@ def _data(args: argparse.Namespace) -> None:
 
 
 def _model(args: argparse.Namespace) -> None:
-    from hybridrl.study.models import prepare
+    from hybridrl.study.models import parse_spec, prepare
 
-    prepare(json.loads(args.spec), Path(args.corpus), Path(args.out), Path(args.test) if args.test else None)
+    prepare(parse_spec(args.spec), Path(args.corpus), Path(args.out), Path(args.test) if args.test else None)
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -74,7 +77,7 @@ def _train(args: argparse.Namespace) -> None:
 def _bench(args: argparse.Namespace) -> None:
     from hybridrl.tools.engine_bench import main as bench_main
 
-    overrides = dict(kv.split("=", 1) for kv in args.set)
+    overrides = dict(args.set)
     bench_main(Path(args.run_config), Path(args.model), Path(args.data), Path(args.run_dir), args.step,
                args.repeats, Path(args.out), probe=args.probe, overrides=overrides, paths=tuple(args.paths))
 
@@ -84,6 +87,17 @@ def _number(text: str) -> float:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _key_value(text: str) -> tuple[str, Any]:
+    """argparse type of a run key set on the command line: KEY=VALUE, the value read as YAML (3 is a number)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    try:
+        return key, yaml.safe_load(value)
+    except yaml.YAMLError:
+        return key, value
 
 
 def _fraction(text: str) -> float:
@@ -126,11 +140,12 @@ def _preflight(command: str, *checks: Callable[[], object]) -> None:
 
 
 def _trainer_bench(args: argparse.Namespace) -> None:
-    from hybridrl.tools.trainer_bench import check_options, shape_of
+    from hybridrl.tools.trainer_bench import check_device, check_options, shape_of
     from hybridrl.tools.trainer_bench import main as trainer_bench_main
 
     _preflight("trainer-bench", partial(shape_of, args.shape),
-               partial(check_options, args.shape, args.trainer, args.peft_lora, args.megatron_permute))
+               partial(check_options, args.shape, args.trainer, args.peft_lora, args.megatron_permute),
+               partial(check_device, args.device))
     trainer_bench_main(args.shape, args.trainer, args.updates, args.device, Path(args.workdir),
                        Path(args.out) if args.out else None, micro_batch=args.micro_batch,
                        micro_batch_tokens=args.micro_batch_tokens, samples=args.samples, pack=not args.no_pack,
@@ -138,12 +153,13 @@ def _trainer_bench(args: argparse.Namespace) -> None:
 
 
 def _trainer_profile(args: argparse.Namespace) -> None:
-    from hybridrl.tools.trainer_bench import shape_of
+    from hybridrl.tools.trainer_bench import check_device, shape_of
     from hybridrl.tools.trainer_profile import check_options
     from hybridrl.tools.trainer_profile import main as profile_main
 
     _preflight("trainer-profile", partial(shape_of, args.shape),
-               partial(check_options, args.shape, args.trainer, args.megatron_permute))
+               partial(check_options, args.shape, args.trainer, args.megatron_permute),
+               partial(check_device, args.device))
     profile_main(args.shape, args.trainer, args.device, Path(args.workdir), Path(args.out),
                  micro_batch=args.micro_batch, pack=not args.no_pack, varied=args.varied,
                  megatron_permute=args.megatron_permute, export=args.export)
@@ -311,8 +327,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--probe", action="store_true", help="server engines: raw HTTP sleep/wake and adapter checks")
     s.add_argument("--paths", nargs="+", choices=BENCH_PATHS, default=list(BENCH_PATHS),
                    help="which rollout paths to measure in each repeat (the others are given as shares of raw)")
-    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a string run key for the standalone engine, e.g. sglang_release=all")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
+                   help="override a run key for the standalone engine, e.g. sglang_release=all (VALUE read as YAML)")
     s.set_defaults(fn=_bench)
 
     s = sub.add_parser("trainer-bench", help="both trainers on a fixed batch per shape: best and median of N "
@@ -425,6 +441,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def os_error_line(exc: OSError) -> str:
+    """The file and what the system said of it, as command-line tools say it; a full disk also says what is kept."""
+    if exc.errno == errno.ENOSPC:
+        return (f"disk full while writing {exc.filename or 'a file'}: free space and rerun (files already written are "
+                "kept; a run resumes from its last recorded step)")
+    if exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -432,15 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"hybridrl: config error: {exc}", file=sys.stderr)
         return 2
-    except FileNotFoundError as exc:
-        print(f"hybridrl: missing input: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            print(f"hybridrl: disk full while writing {exc.filename or ''}: free space and rerun; "
-                  "completed steps are kept and the run resumes", file=sys.stderr)
-            return 3
-        raise
+    except OSError as exc:  # a missing input, an output that cannot be written, a full disk: one line each
+        print(f"hybridrl: {os_error_line(exc)}", file=sys.stderr)
+        return 3 if exc.errno == errno.ENOSPC else 2
     except RuntimeError as exc:  # EngineError, RunFailed, download failures: one message, no traceback
         print(f"hybridrl: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -252,7 +252,7 @@ def normalise(df: pd.DataFrame) -> pd.DataFrame:
 
 def gather(run_dirs: Iterable[Path]) -> pd.DataFrame:
     """All runs in one table. A step recorded twice (resume) keeps its last record."""
-    frames = []
+    frames, run_dirs = [], list(run_dirs)
     for run_dir in run_dirs:
         frame = load_run(Path(run_dir))
         if frame.empty:
@@ -260,7 +260,8 @@ def gather(run_dirs: Iterable[Path]) -> pd.DataFrame:
             continue
         frames.append(frame)
     if not frames:
-        raise ValueError("no steps found in any run directory; nothing to aggregate")
+        given = f"{run_dirs[0]}, ..." if len(run_dirs) > 1 else str(run_dirs[0]) if run_dirs else "none"
+        raise TableError(f"no steps in any of the {len(run_dirs)} run folders given ({given}): nothing to aggregate")
     df = pd.concat(frames, ignore_index=True, sort=False)
     before = len(df)
     df = df.drop_duplicates(subset=["run_id", "step"], keep="last")

@@ -324,7 +324,24 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
     write_bytes(path, old + (json.dumps(record, allow_nan=True) + "\n").encode(), fsync=True)
 
 
+class RecordError(RuntimeError):
+    """A steps.jsonl that hybridrl did not write whole (append_record never leaves a torn line)."""
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
+    """A run's records; RecordError naming the file and line where one is not a JSON object."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            record = exc
+        if not isinstance(record, dict):
+            raise RecordError(f"{path}:{number}: not a step record ({str(record)[:80]}); hybridrl never writes a "
+                              "torn line, so the file was changed or damaged: move it aside to record the run anew")
+        records.append(record)
+    return records

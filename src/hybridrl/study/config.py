@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,8 +88,22 @@ _Validator = jsonschema.validators.extend(
     type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_int))
 
 
+def _non_finite(value: Any, where: str) -> str | None:
+    """The dotted key of the first NaN or infinity in a parsed study (YAML's .nan and .inf), or None. JSON Schema's
+    bounds cannot catch one: every comparison with NaN is false."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if found := _non_finite(item, f"{where}.{key}" if where else str(key)):
+            return found
+    return None
+
+
 def validate(raw: dict[str, Any], source: str = "config") -> None:
     """Raise ConfigError naming the first offending key, before anything runs."""
+    if where := _non_finite(raw, ""):
+        raise ConfigError(f"{source}: {where}: not a finite number")
     schema = yaml.safe_load(SCHEMA.read_text())
     validator = _Validator(schema)
     errors = sorted(validator.iter_errors(raw), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
@@ -126,6 +142,14 @@ def read_run_spec(path: Path) -> RunSpec:
         return RunSpec.model_validate_json(Path(path).read_text())
     except pydantic.ValidationError as exc:
         raise ConfigError(f"{path}: {_first_error(exc)}") from None
+
+
+def with_overrides(run: RunConfig, overrides: dict[str, Any], where: str) -> RunConfig:
+    """The run with some keys set anew, validated as a study's run is; ConfigError naming the key."""
+    try:
+        return RunConfig.model_validate({**run.model_dump(), **overrides})
+    except pydantic.ValidationError as exc:
+        raise ConfigError(f"{where}: {_first_error(exc)}") from None
 
 
 def _first_error(exc: pydantic.ValidationError) -> str:
@@ -187,6 +211,26 @@ def yaml_error_line(path: str | Path, exc: yaml.YAMLError, text: str) -> str:
     return f"{path}:{mark.line + 1}:{mark.column + 1}: not valid YAML: {what}{where}"
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, but a key given twice in one mapping is an error, not the later value silently winning (a merge
+    `<<:` may still be overridden: that is what it is for)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            with contextlib.suppress(TypeError):  # an unhashable key: PyYAML's own error follows
+                if key in seen:
+                    first = seen[key]
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} given twice in one mapping (first at line {first.line + 1})",
+                        key_node.start_mark)
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: str | Path) -> Any:
     """Parse a YAML file; a syntax error raises ConfigError with one line naming file, line and column."""
     data = Path(path).read_bytes()
@@ -196,7 +240,7 @@ def load_yaml(path: str | Path) -> Any:
         line, column = _line_column(data, exc.start)
         raise ConfigError(f"{path}:{line}:{column}: not UTF-8 text (byte {data[exc.start]:#04x})") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(yaml_error_line(path, exc, text)) from None
 

@@ -29,8 +29,8 @@ from hybridrl.nvml import used_gb
 from hybridrl.run.loop import step_requests
 from hybridrl.run.placement import ADAPTER_NAME
 from hybridrl.run.telemetry import read_records, rollout_stats
-from hybridrl.study.config import read_run_spec
-from hybridrl.study.run_config import RunConfig, RunSpec
+from hybridrl.study.config import read_run_spec, with_overrides
+from hybridrl.study.run_config import RunSpec
 from hybridrl.task import data as gsm8k
 
 
@@ -163,7 +163,7 @@ def main(run_config: Path, model_dir: Path, data_dir: Path, run_dir: Path, step:
          paths: tuple[str, ...] = PATHS) -> dict[str, Any]:
     spec = read_run_spec(Path(run_config))
     if overrides:  # e.g. sglang_release=all: start with the CPU weight backup to probe it
-        spec = spec.model_copy(update={"run": RunConfig.model_validate({**spec.run.model_dump(), **overrides})})
+        spec = spec.model_copy(update={"run": with_overrides(spec.run, overrides, "bench --set")})
     result = run_bench(spec, Path(model_dir), Path(data_dir), Path(run_dir), step, repeats,
                        Path(out).parent / f"bench-logs-{spec.run_id}", probe, paths)
     result["overrides"] = overrides or {}

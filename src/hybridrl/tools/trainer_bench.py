@@ -268,6 +268,14 @@ def check_megatron_permute(shape_name: str, trainers: list[str]) -> None:
         raise ValueError(f"--megatron-permute changes MoE layers only, and {shape_name} has none (MoE shapes: {moe})")
 
 
+def check_device(device: str) -> None:
+    """ValueError where the device asked for is not here (torch asserts deep inside the first transfer)."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda: torch {torch.__version__} sees no CUDA GPU on this machine")
+
+
 def check_options(shape_name: str, trainers: list[str], peft_lora: bool, megatron_permute: bool = False) -> None:
     """ValueError for options that do not go together; checked before anything is built."""
     if peft_lora and trainers != ["hf"]:

@@ -84,3 +84,15 @@ def test_make_smoke_refuses_a_broken_study_in_one_line_before_snakemake(workflow
     said = [line for line in out.stderr.splitlines() if line.startswith("hybridrl:")]
     assert said and said[0].startswith(f"hybridrl: config error: {study}:{at + 2}:"), out.stderr
     assert "snakemake" not in out.stdout.split("validate", 1)[1]  # it stopped before Snakemake ran
+
+
+def test_a_study_key_snakemake_cannot_take_is_one_line_naming_the_file(workflow_copy):
+    study = workflow_copy / "config" / "smoke.yaml"
+    text = study.read_text()
+    assert "\n  steps: 3\n" in text
+    study.write_text(text.replace("\n  steps: 3\n", "\n  steps: 3.0\n", 1))
+    out = _snakemake(workflow_copy, "-n", "--cores", "1", "--configfile", "config/smoke.yaml")
+    assert out.returncode == 1
+    said = [line for line in out.stderr.splitlines() if line.startswith("hybridrl:")]
+    assert said == [f"hybridrl: config error: {study}: defaults.steps: 3.0 is not of type 'integer'"], \
+        out.stderr[-2000:]

@@ -12,10 +12,13 @@ from hybridrl.study import cluster  # noqa: E402
 from hybridrl.study.config import ConfigError, dataset_name, resolve  # noqa: E402
 from hybridrl.study.prepare_study import data_params, model_spec, run_spec_json  # noqa: E402
 
+# the file the study came from, for the message (several --configfile files merge into one config)
+_SOURCE = ", ".join(str(f) for f in workflow.overwrite_configfiles or ["config/config.yaml"])
 try:
-    STUDY = resolve(config, source="config")
+    STUDY = resolve(config, source=_SOURCE)
 except ConfigError as exc:
-    raise WorkflowError(str(exc)) from None
+    # one line, as the Snakefile answers a broken default study (a WorkflowError adds a header and traceback line)
+    raise SystemExit(f"hybridrl: config error: {exc}") from None
 
 RUNS = STUDY.runs
 DATASET = dataset_name(STUDY.data)

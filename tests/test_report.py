@@ -745,3 +745,17 @@ def test_aggregate_of_runs_without_a_step_is_one_line(tmp_path: Path, capsys: py
     assert err == f"hybridrl: TableError: no steps in any of the 2 run folders given ({tmp_path / 'a'}, ...): " \
                   "nothing to aggregate\n"
     assert not (tmp_path / "s.csv").exists()
+
+
+def test_a_warning_of_hybridrls_own_is_one_line_on_the_console(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "steps.jsonl").write_text("\n")
+    run = write_run(tmp_path / "runs", "vllm-colocate-aaaa1111", "vllm", "colocate", steps=3)
+    out = subprocess.run([sys.executable, "-m", "hybridrl", "aggregate", "--runs", str(tmp_path / "empty"), str(run),
+                          "--csv", str(tmp_path / "s.csv"), "--parquet", str(tmp_path / "s.parquet")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == f"hybridrl: warning: {tmp_path / 'empty'}: steps.jsonl holds no steps; run left out\n"

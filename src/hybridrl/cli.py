@@ -6,6 +6,7 @@ import argparse
 import errno
 import json
 import sys
+import warnings
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -451,7 +452,19 @@ def os_error_line(exc: OSError) -> str:
     return str(exc)
 
 
+_library_warning = warnings.formatwarning
+
+
+def _one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                      line: str | None = None) -> str:
+    """hybridrl's own warnings in one line, as its errors are; other libraries' as Python prints them."""
+    if "/hybridrl/" in filename:
+        return f"hybridrl: warning: {message}\n"
+    return _library_warning(message, category, filename, lineno, line)
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _one_line_warning
     args = parser().parse_args(argv)
     try:
         args.fn(args)

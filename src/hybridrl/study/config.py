@@ -282,9 +282,12 @@ def interleaved(configs: list[tuple[str, RunConfig]]) -> list[tuple[str, RunConf
     return [(run_id(run, k), run) for k in range(1, rounds + 1) for _, run in configs if k <= run.replicates]
 
 
+# `python -m hybridrl data`'s defaults, where a study's `data` leaves a key out
+DATA_DEFAULTS: dict[str, Any] = {"n_train": 512, "n_test": 128, "seed": 0, "steps": 1}
+
+
 def dataset_name(data: dict[str, Any]) -> str:
     if data["source"] == "gsm8k":
         return "gsm8k"
-    steps = data.get("steps", 1)  # one-step data keeps the name it always had
-    return (f"synthetic-s{data.get('seed', 0)}-n{data.get('n_train', 512)}-{data.get('n_test', 128)}"
-            + (f"-k{steps}" if steps != 1 else ""))
+    d = {**DATA_DEFAULTS, **data}  # one-step data keeps the name it always had
+    return f"synthetic-s{d['seed']}-n{d['n_train']}-{d['n_test']}" + (f"-k{d['steps']}" if d["steps"] != 1 else "")

@@ -15,11 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.atomic import write_text
-from hybridrl.study.config import ConfigError, Study
+from hybridrl.study.config import DATA_DEFAULTS, ConfigError, Study
 from hybridrl.study.run_config import RunConfig, RunSpec, split_replicate
-
-# `python -m hybridrl data`'s defaults, where a study's `data` leaves a key out
-DATA_DEFAULTS: dict[str, Any] = {"n_train": 512, "n_test": 128, "seed": 0, "steps": 1}
 
 
 def run_spec_json(study: Study, rid: str) -> str:

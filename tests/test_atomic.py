@@ -126,3 +126,25 @@ def test_a_full_disk_names_the_file_being_written_not_none_or_the_temp(tmp_path:
     assert cli.os_error_line(err.value).startswith(f"disk full while writing {target}: free space and rerun")
     monkeypatch.undo()
     assert target.read_text() == "old" and _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("command", [["client-ceiling", "--requests", "8", "--tokens", "8", "--seconds", "0"],
+                                     ["trainer-bench", "--shape", "tiny", "--device", "cpu", "--workdir", "W"]])
+def test_a_long_command_refuses_an_output_it_cannot_write_before_it_measures(tmp_path: Path, command: list[str],
+                                                                           monkeypatch: pytest.MonkeyPatch,
+                                                                           capsys: pytest.CaptureFixture) -> None:
+    from hybridrl import cli
+    from hybridrl.engines import client_ceiling
+    from hybridrl.tools import trainer_bench
+
+    def measured(*args: object, **kwargs: object) -> None:
+        raise AssertionError("measured before its output was checked")
+
+    monkeypatch.setattr(client_ceiling, "main", measured)
+    monkeypatch.setattr(trainer_bench, "main", measured)
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    argv = [str(tmp_path / "w") if a == "W" else a for a in command]
+    assert cli.main([*argv, "--out", str(blocker / "out.json")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"hybridrl: {blocker}: File exists\n", err  # its folder cannot be made: a file has the name

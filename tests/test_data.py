@@ -284,3 +284,14 @@ def test_a_model_on_an_empty_or_torn_corpus_names_the_file(tmp_path):
             with pytest.raises(data.DataError, match=rf"^{corpus}:? ?{cause}"):
                 models.prepare(spec, corpus, tmp_path / "m", test)
     assert not (tmp_path / "m").exists()
+
+
+def test_a_local_model_path_that_is_not_there_or_not_a_checkpoint_says_which(tmp_path):
+    from hybridrl.study import models
+
+    with pytest.raises(FileNotFoundError, match=r"^model path .*nowhere does not exist$"):
+        models.prepare({"path": str(tmp_path / "nowhere")}, tmp_path / "c.jsonl", tmp_path / "m")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no config.json: not a Hugging Face checkpoint"):
+        models.prepare({"path": str(tmp_path / "plain")}, tmp_path / "c.jsonl", tmp_path / "m")
+    assert not (tmp_path / "m").exists()

@@ -43,6 +43,18 @@ def atomic_path(path: Path, fsync: bool = False) -> Iterator[Path]:
             os.unlink(tmp)
 
 
+def check_writable(path: Path) -> None:
+    """Make `path`'s folder and try a file in it, so that a command that measures for minutes fails at its start,
+    not at its end (root may write where os.access says so and still be refused, as under /proc)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as exc:
+        raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
+
+
 def _mode_for(path: Path) -> int:
     """The target's own mode where it exists, else plain_mode()."""
     try:

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from hybridrl.atomic import write_text
+from hybridrl.atomic import check_writable, write_text
 from hybridrl.engines.base import ROLLOUT_PATHS as BENCH_PATHS
 from hybridrl.study.config import ConfigError, load_study, read_run_spec
 
@@ -78,6 +78,7 @@ def _train(args: argparse.Namespace) -> None:
 def _bench(args: argparse.Namespace) -> None:
     from hybridrl.tools.engine_bench import main as bench_main
 
+    check_writable(Path(args.out))
     overrides = dict(args.set)
     bench_main(Path(args.run_config), Path(args.model), Path(args.data), Path(args.run_dir), args.step,
                args.repeats, Path(args.out), probe=args.probe, overrides=overrides, paths=tuple(args.paths))
@@ -147,6 +148,8 @@ def _trainer_bench(args: argparse.Namespace) -> None:
     _preflight("trainer-bench", partial(shape_of, args.shape),
                partial(check_options, args.shape, args.trainer, args.peft_lora, args.megatron_permute),
                partial(check_device, args.device))
+    if args.out:
+        check_writable(Path(args.out))
     trainer_bench_main(args.shape, args.trainer, args.updates, args.device, Path(args.workdir),
                        Path(args.out) if args.out else None, micro_batch=args.micro_batch,
                        micro_batch_tokens=args.micro_batch_tokens, samples=args.samples, pack=not args.no_pack,
@@ -161,6 +164,7 @@ def _trainer_profile(args: argparse.Namespace) -> None:
     _preflight("trainer-profile", partial(shape_of, args.shape),
                partial(check_options, args.shape, args.trainer, args.megatron_permute),
                partial(check_device, args.device))
+    check_writable(Path(args.out))
     profile_main(args.shape, args.trainer, args.device, Path(args.workdir), Path(args.out),
                  micro_batch=args.micro_batch, pack=not args.no_pack, varied=args.varied,
                  megatron_permute=args.megatron_permute, export=args.export)
@@ -169,6 +173,8 @@ def _trainer_profile(args: argparse.Namespace) -> None:
 def _client_ceiling(args: argparse.Namespace) -> None:
     from hybridrl.engines.client_ceiling import main as ceiling_main
 
+    if args.out:
+        check_writable(Path(args.out))
     ceiling_main(args.format, args.requests, args.tokens, args.concurrency, args.stream_fraction,
                  args.tokens_per_event, args.seconds, args.procs, Path(args.out) if args.out else None,
                  old_client=not args.no_old_client)
@@ -184,6 +190,8 @@ def _fault_run(args: argparse.Namespace) -> None:
         run_dir = run_dir_of(cmd)
     except ValueError as exc:
         raise SystemExit(f"hybridrl fault-run: {exc}") from None
+    if args.out:
+        check_writable(Path(args.out))
     report = fault_run(cmd, run_dir, args.kill_engine_at, args.term_at)
     if args.out:
         write(report, Path(args.out))

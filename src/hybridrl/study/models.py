@@ -181,6 +181,8 @@ def download(spec: dict[str, Any], out_dir: Path) -> None:
 
 def link_local(spec: dict[str, Any], out_dir: Path) -> None:
     src = Path(spec["path"]).expanduser().resolve()
+    if not src.exists():
+        raise FileNotFoundError(f"model path {src} does not exist")
     if not (src / "config.json").exists():
         raise FileNotFoundError(f"model path {src} has no config.json: not a Hugging Face checkpoint")
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -148,3 +148,23 @@ def test_a_long_command_refuses_an_output_it_cannot_write_before_it_measures(tmp
     assert cli.main([*argv, "--out", str(blocker / "out.json")]) == 2
     err = capsys.readouterr().err
     assert err == f"hybridrl: {blocker}: File exists\n", err  # its folder cannot be made: a file has the name
+
+
+def test_a_refused_temp_file_is_named_as_the_target_and_a_bare_not_found_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import tempfile
+
+    from hybridrl import cli
+
+    target = tmp_path / "report.md"
+
+    def refused(prefix: str, suffix: str, dir: Path) -> tuple[int, str]:  # noqa: A002 (mkstemp's own name)
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(Path(dir) / f"{prefix}x1y2{suffix}"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    with pytest.raises(FileNotFoundError) as err:
+        atomic.write_text(target, "new")
+    assert cli.os_error_line(err.value) == f"{target}: No such file or directory"
+    assert cli.os_error_line(FileNotFoundError(str(tmp_path / "steps.parquet"))) == \
+        f"not found: {tmp_path / 'steps.parquet'}"

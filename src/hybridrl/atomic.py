@@ -35,12 +35,19 @@ def atomic_path(path: Path, fsync: bool = False) -> Iterator[Path]:
         os.replace(tmp, path)
     except OSError as exc:
         # a full disk's write names no file, a refused temp file its random name: name the target instead
-        if exc.errno is not None and exc.filename in (None, tmp):
+        if exc.errno is not None and (exc.filename is None or _is_temp_of(exc.filename, path)):
             raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
         raise
     finally:
         if tmp and os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _is_temp_of(name: str | bytes | int, path: Path) -> bool:
+    """Whether an error's file name is one of the temp names atomic_path and atomic_dir give `path`."""
+    name = Path(os.fsdecode(name)) if isinstance(name, (str, bytes)) else None
+    return name is not None and name.parent == path.parent and name.name.startswith(f".{path.name}.") \
+        and name.name.endswith(".tmp")
 
 
 def check_writable(path: Path) -> None:

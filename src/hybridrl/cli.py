@@ -457,7 +457,8 @@ def os_error_line(exc: OSError) -> str:
                 "kept; a run resumes from its last recorded step)")
     if exc.filename is not None and exc.strerror:
         return f"{exc.filename}: {exc.strerror}"
-    return str(exc)
+    # raised with a message of hybridrl's own (FileNotFoundError(path), or a sentence): say what kind it is
+    return f"not found: {exc}" if isinstance(exc, FileNotFoundError) else str(exc)
 
 
 _library_warning = warnings.formatwarning

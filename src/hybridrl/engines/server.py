@@ -94,8 +94,11 @@ class ServerProcess:
             raise EngineError(f"{self.name}: port {self.port} on 127.0.0.1 is already in use")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
-        self._log.write(f"\n==== {time.strftime('%F %T')} {' '.join(self.cmd)}\n".encode())
-        self._log.flush()
+        try:
+            self._log.write(f"\n==== {time.strftime('%F %T')} {' '.join(self.cmd)}\n".encode())
+            self._log.flush()
+        except OSError as exc:  # a full disk: name the log, not 'a file'
+            raise type(exc)(exc.errno, exc.strerror, str(self.log_path)) from exc
         self.log_start = self._log.tell()  # this start's output begins here (the log is appended to)
         try:
             # own session = own process group, so stop() can take down every worker it forks

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hybridrl.atomic import atomic_dir
+from hybridrl.atomic import atomic_dir, check_writable
 from hybridrl.study.config import ConfigError
 from hybridrl.task.data import prompt_text, read_jsonl
 
@@ -205,7 +205,7 @@ def _publish(tmp_dir: Path, out_dir: Path) -> None:
 def prepare(spec: dict[str, Any], corpus: Path, out_dir: Path, test: Path | None = None) -> None:
     check_spec(spec)
     check_out(out_dir)  # before a download or a warm start, not after hours of one
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(out_dir)  # likewise; an error names --out, not a temp folder beside it
     if "path" in spec:
         link_local(spec, out_dir)
     elif "hf_id" in spec:

@@ -96,3 +96,11 @@ def test_a_study_key_snakemake_cannot_take_is_one_line_naming_the_file(workflow_
     said = [line for line in out.stderr.splitlines() if line.startswith("hybridrl:")]
     assert said == [f"hybridrl: config error: {study}: defaults.steps: 3.0 is not of type 'integer'"], \
         out.stderr[-2000:]
+
+
+def test_a_bad_value_given_with_config_says_so(workflow_copy):
+    out = _snakemake(workflow_copy, "-n", "--cores", "1", "--configfile", "config/smoke.yaml", "--config", "data=5")
+    said = [line for line in out.stderr.splitlines() if line.startswith("hybridrl:")]
+    assert out.returncode == 1 and said == [
+        f"hybridrl: config error: {workflow_copy / 'config' / 'smoke.yaml'} with --config: data: 5 is not of type "
+        "'object'"], out.stderr[-2000:]

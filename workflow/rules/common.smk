@@ -13,7 +13,9 @@ from hybridrl.study.config import ConfigError, dataset_name, resolve  # noqa: E4
 from hybridrl.study.prepare_study import data_params, model_spec, run_spec_json  # noqa: E402
 
 # the file the study came from, for the message (several --configfile files merge into one config)
-_SOURCE = ", ".join(str(f) for f in workflow.overwrite_configfiles or ["config/config.yaml"])
+# (--configfile files are merged into Snakemake's overwrite_config too, so --config is read off the command line)
+_SOURCE = ", ".join(str(f) for f in workflow.overwrite_configfiles or ["config/config.yaml"]) + (
+    " with --config" if {"--config", "-C"} & set(sys.argv) else "")
 try:
     STUDY = resolve(config, source=_SOURCE)
 except ConfigError as exc:

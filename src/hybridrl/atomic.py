@@ -36,11 +36,16 @@ def atomic_path(path: Path, fsync: bool = False) -> Iterator[Path]:
     except OSError as exc:
         # a full disk's write names no file, a refused temp file its random name: name the target instead
         if exc.errno is not None and (exc.filename is None or _is_temp_of(exc.filename, path)):
-            raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
+            raise naming(exc, path) from exc
         raise
     finally:
         if tmp and os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def naming(exc: OSError, path: Path) -> OSError:
+    """The same error with `path` as its file: the one the user gave, not a temp name or none at all."""
+    return type(exc)(exc.errno, exc.strerror, str(path))
 
 
 def _is_temp_of(name: str | bytes | int, path: Path) -> bool:
@@ -59,7 +64,7 @@ def check_writable(path: Path) -> None:
         with tempfile.TemporaryFile(dir=path.parent):
             pass
     except OSError as exc:
-        raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
+        raise naming(exc, path) from exc
 
 
 def _mode_for(path: Path) -> int:

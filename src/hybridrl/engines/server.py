@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from hybridrl.atomic import naming
 from hybridrl.engines.base import Completion, EngineError, Request, SleepVariant
 from hybridrl.engines.gpus import nvml_indices
 from hybridrl.study.run_config import RunConfig
@@ -98,7 +99,7 @@ class ServerProcess:
             self._log.write(f"\n==== {time.strftime('%F %T')} {' '.join(self.cmd)}\n".encode())
             self._log.flush()
         except OSError as exc:  # a full disk: name the log, not 'a file'
-            raise type(exc)(exc.errno, exc.strerror, str(self.log_path)) from exc
+            raise naming(exc, self.log_path) from exc
         self.log_start = self._log.tell()  # this start's output begins here (the log is appended to)
         try:
             # own session = own process group, so stop() can take down every worker it forks

@@ -233,11 +233,17 @@ def test_only_a_lanes_first_run_meets_the_start_barrier(root: Path) -> None:
     assert "start barrier" not in (root / "gpu-h200" / "lane-rest-3.log").read_text()
 
 
+def _spec(run_id: str, engine: str, trainer: str) -> str:
+    """A run's config file (cfg/<name>.json) as prepare-study writes it, for a run of model m."""
+    from hybridrl.study.run_config import RunConfig, RunSpec
+
+    return RunSpec(run_id=run_id, run=RunConfig(model="m", engine=engine, trainer=trainer), study="s").model_dump_json()
+
+
 def test_a_run_already_done_releases_the_start_barrier(root: Path, tmp_path: Path) -> None:
     study = root / "gpu-h200"
     (study / "cfg").mkdir()
-    (study / "cfg" / "x.json").write_text(
-        '{"run_id": "rid", "run": {"model": "m", "engine": "sglang", "trainer": "hf"}}')
+    (study / "cfg" / "x.json").write_text(_spec("rid", "sglang", "hf"))
     (study / "runs" / "rid").mkdir()
     (study / "runs" / "rid" / "done.json").write_text("{}")
     (tmp_path / "b").mkdir()
@@ -807,8 +813,7 @@ def test_the_controller_path_follows_the_run_config_not_its_name(root: Path, tmp
     (study / "cfg").mkdir()
     for name, engine, trainer in (("plain", "vllm-inprocess", "megatron"), ("vllm-inprocess-megatron", "sglang",
                                                                              "hf")):
-        (study / "cfg" / f"{name}.json").write_text(
-            f'{{"run_id": "{name}-id", "run": {{"model": "m", "engine": "{engine}", "trainer": "{trainer}"}}}}')
+        (study / "cfg" / f"{name}.json").write_text(_spec(f"{name}-id", engine, trainer))
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "7"}
     out = _item(root, "train plain", "0,1", env)
     assert "train plain (plain-id) on GPU 0,1" in out and "train plain exit 0 (0 steps)" in out

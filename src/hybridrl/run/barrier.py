@@ -70,6 +70,12 @@ class StartBarrier:
             time.sleep(poll_s)
         return time.monotonic() - t0
 
+    def release(self, run_id: str) -> None:
+        """From outside the run (its driver, once the run's process has ended): a run that never arrived and
+        never left releases the others."""
+        if not any((self.directory / f"{run_id}{suffix}").exists() for suffix in (".ready", ".gone")):
+            self._mark(run_id, ".gone")
+
     def leave(self, run_id: str) -> None:
         """On any exit: a run that never arrived releases the others."""
         if self._arrived is None:

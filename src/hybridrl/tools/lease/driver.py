@@ -7,6 +7,7 @@ polling glue (pack, poll, status) and the environment every process of a run inh
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import TextIO
 
 from hybridrl import nvml
+from hybridrl.atomic import atomic_path
 from hybridrl.tools.lease.items import Train, is_snapshot
 from hybridrl.tools.lease.plan import Lane, Plan
 from hybridrl.tools.lease.plans import UnknownPlan, known_plans, load_plan
@@ -99,15 +101,18 @@ def check_names(lease: Lease, plan: Plan) -> None:
                       "(scripts/gpu/snapshot-src.sh REV, carried with the call)", 2)
 
 
+class _PackFailed(Exception):
+    """run_reference.sh pack failed (its stderr is in the lane's log): the last snapshot stays."""
+
+
 def snapshot(lease: Lease, log: TextIO) -> None:
     """What finished, every study, as $root/latest.tar.gz (run_reference.sh pack), replaced atomically: lanes
     finish items at once, each packing to a file of its own first."""
-    fd, tmp = tempfile.mkstemp(prefix=".latest.", dir=lease.root)
-    os.close(fd)
-    done = subprocess.run(["bash", str(lease.script), "pack", tmp], env={**os.environ, "HYBRIDRL_REF_DIR":
-                          str(lease.root)}, stdout=subprocess.DEVNULL, stderr=log, check=False)
-    if done.returncode == 0:
-        os.replace(tmp, lease.root / "latest.tar.gz")
+    with contextlib.suppress(_PackFailed), atomic_path(lease.root / "latest.tar.gz") as tmp:
+        done = subprocess.run(["bash", str(lease.script), "pack", str(tmp)], env={
+            **os.environ, "HYBRIDRL_REF_DIR": str(lease.root)}, stdout=subprocess.DEVNULL, stderr=log, check=False)
+        if done.returncode != 0:
+            raise _PackFailed
 
 
 def skipped(text: str, env: Mapping[str, str]) -> bool:

@@ -9,7 +9,6 @@ there (a run's done.json, a benchmark's JSON) is skipped, so that a rerun of the
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -64,9 +63,10 @@ class RunRef:
 
     @classmethod
     def read(cls, cfg: Path) -> RunRef:
-        spec = json.loads(cfg.read_text())
-        run = spec["run"]
-        return cls(cfg, spec["run_id"], run["model"], run["engine"], run["trainer"])
+        from hybridrl.study.config import read_run_spec  # the controller's wheels (pydantic): not for `plans`
+
+        spec = read_run_spec(cfg)
+        return cls(cfg, spec.run_id, spec.run.model, spec.run.engine, spec.run.trainer)
 
     def controller_path(self, site: Site) -> str:
         """The controller's PYTHONPATH for this run: in-process vLLM lives in the controller; Megatron's workers
@@ -94,13 +94,12 @@ def exit_code(returncode: int) -> int:
 
 def barrier_release(env: Mapping[str, str], run_id: str) -> None:
     """A run that never reached the start barrier (already done, or died before the loop could say so) releases
-    the runs waiting there (src/hybridrl/run/barrier.py)."""
-    barrier = env.get("HYBRIDRL_START_BARRIER")
-    if not barrier:
-        return
-    folder = Path(barrier.rsplit(":", 1)[0])
-    if not (folder / f"{run_id}.ready").exists() and not (folder / f"{run_id}.gone").exists():
-        (folder / f"{run_id}.gone").touch()
+    the runs waiting there."""
+    from hybridrl.run.barrier import StartBarrier
+
+    barrier = StartBarrier.from_env(dict(env))
+    if barrier is not None:
+        barrier.release(run_id)
 
 
 def _child_env(env: Mapping[str, str], pythonpath: str, gpus: str | None) -> dict[str, str]:

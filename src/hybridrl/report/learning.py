@@ -69,10 +69,9 @@ def time_to_accuracy(df: pd.DataFrame, labels: dict[str, str]) -> tuple[list[str
 
 def replicated(df: pd.DataFrame) -> list[str]:
     """The configurations that have two or more runs (replicates), in the report's order."""
-    runs = with_ids(df).drop_duplicates("run_id")
-    counts = runs.groupby("config_id")["run_id"].nunique()
-    order = [runs.loc[runs["run_id"] == rid, "config_id"].iloc[0] for rid in run_order(df)]
-    return [c for c in dict.fromkeys(order) if counts[c] >= 2]
+    config_of = with_ids(df).drop_duplicates("run_id").set_index("run_id")["config_id"]
+    counts = config_of.value_counts()
+    return [c for c in dict.fromkeys(config_of[rid] for rid in run_order(df)) if counts[c] >= 2]
 
 
 def replicate_curve(source: pd.DataFrame, config_id: str, metric: str, x: str) -> pd.DataFrame:

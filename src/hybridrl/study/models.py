@@ -168,7 +168,6 @@ def build_random(spec: dict[str, Any], corpus: Path, out_dir: Path, test: Path |
 def download(spec: dict[str, Any], out_dir: Path) -> None:
     from huggingface_hub import snapshot_download
 
-    check_out(out_dir)
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as tmp:
         try:
             snapshot_download(spec["hf_id"], revision=spec.get("revision"), local_dir=tmp,

@@ -588,6 +588,12 @@ def test_overlapped_split_rolls_out_ahead_with_the_engines_adapter(assets, tmp_p
     # a stale rollout differs from the trainer by design: the gate judges the on-policy step only
     assert records[0]["check/logprob_gap_tier"] is not None
     assert [r["check/logprob_gap_tier"] for r in records[1:]] == [None] * 3
+    # the gen phase's host and GPU readings are the rollout's only where it ran inside the step (step 1); a step
+    # whose rollout ran ahead spent gen waiting for it, so they are null there rather than the wait's
+    from hybridrl.run.record import ROLLOUT_READINGS
+
+    assert records[0]["host/controller_cpu_pct_gen"] is not None and records[0]["host/run_cpu_pct_gen"] is not None
+    assert all(r[k] is None for r in records[1:] for k in ROLLOUT_READINGS)
 
 
 def test_phase_json_names_the_step_whose_rollout_runs_ahead_while_it_runs(assets, tmp_path):
@@ -633,6 +639,8 @@ def test_an_engine_dying_while_it_runs_ahead_is_restarted_and_the_step_rolled_ou
     assert [r["rollout/adapter_step"] for r in records] == [0, 0, 2, 2]
     assert [r["rollout/staleness"] for r in records] == [0, 1, 0, 1]
     assert records[2]["check/logprob_gap_tier"] is not None  # on-policy again, so judged
+    assert records[2]["host/controller_cpu_pct_gen"] is not None  # rolled out inside its step: read
+    assert records[3]["host/controller_cpu_pct_gen"] is None  # ran ahead again
 
 
 def test_overlap_needs_the_split_placement():
@@ -716,3 +724,15 @@ def test_an_identity_adapter_is_judged_neither_applied_nor_not(assets, tmp_path)
     assert identity["check/adapter_applied"] is None and moved["check/adapter_applied"] is True
     # a trainer that reports no norm is judged as before
     assert check(ctx, 3, Trained(tmp_path / "a3", {}), Timings())["check/adapter_applied"] is True
+
+
+def test_a_run_without_a_trainer_rolls_out_the_base_model_and_nothing_is_stale():
+    """trainer: none never updates the engine: its rollouts are the base model's every step, not k steps stale
+    (they were recorded as step - 1 until 2026-11-26, which the report took for rollouts run ahead). Such a run
+    needs a GPU (colocate), so the rollout's bookkeeping is checked here on its own."""
+    from hybridrl.run.loop import _rolled_out
+
+    done = [Completion(token_ids=[1, 2], logprobs=[-1.0, -1.0], finish_reason="stop")]
+    assert _rolled_out(3, [], ["4"], done, 0, 1.0, None, trains=False).staleness == 0
+    assert _rolled_out(3, [], ["4"], done, 1, 1.0, None, trains=True).staleness == 1  # ran ahead on step 1's
+    assert _rolled_out(3, [], ["4"], done, 2, 1.0, None, trains=True).staleness == 0

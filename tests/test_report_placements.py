@@ -172,3 +172,37 @@ def test_the_engine_headline_pairs_a_split_with_a_split_and_an_overlapped_split_
     assert pairs == [("colocate: SGLang vs vLLM server", "colocate", "colocate"),
                      ("overlapped split: SGLang vs vLLM server", "overlap", "overlap"),
                      ("split: SGLang vs vLLM server", "split", "split")]  # never a split against an overlapped one
+
+
+def test_a_rollout_that_ran_ahead_keeps_its_length_but_not_the_readings_of_the_wait_for_it() -> None:
+    """An overlapped step's gen phase is the wait for a rollout that ran during the last training: tables
+    written before runs recorded null there held that wait's readings (a thread at 1,207% of a core on
+    2026-11-26); they are masked as read, and the rollout's own length is tokens over throughput."""
+    from hybridrl.report.aggregate import normalise
+    from hybridrl.run.record import ROLLOUT_READINGS
+
+    run = _run("sglang-overlap-abcdef12", "sglang", "split", 2.0, T0, overlap=1)
+    stale = np.where(run["step"] > 1, 1, 0)
+    run = run.assign(**{"rollout/staleness": stale, "timing_s/gen": np.where(stale, 0.002, 1.1),
+                        "perf/gen_tokens": 11000.0, "perf/throughput": 10000.0,
+                        "host/busiest_thread_cpu_pct_gen": 1207.0, "host/controller_cpu_pct_gen": 4.0,
+                        "gpu/sm_clock_mhz_gen": 1980.0, "host/cpu_busy_pct_update_actor": 8.0})
+    df = normalise(run)
+    ahead, first = df[df["step"] > 1], df[df["step"] == 1]
+    assert ahead[list(ROLLOUT_READINGS)].isna().all().all()
+    assert first["host/busiest_thread_cpu_pct_gen"].item() == 1207.0  # rolled out inside its step: kept
+    assert (ahead["host/cpu_busy_pct_update_actor"] == 8.0).all()  # training's readings are training's
+    assert np.allclose(df["perf/rollout_s"], 1.1)  # the rollout's own time, waited for or run ahead
+
+
+def test_a_run_without_a_trainer_recorded_as_stale_did_not_run_ahead() -> None:
+    """Rollout-only runs (trainer: none) recorded staleness step - 1 until 2026-11-26 (the learning study's
+    vocabulary runs): they rolled out inside every step, so their readings stay and their last step counts."""
+    from hybridrl.report import stats
+    from hybridrl.report.aggregate import normalise, ran_ahead
+
+    run = _run("sglang-vocab-abcdef12", "sglang", "colocate", 2.0, T0).assign(trainer="none")
+    run = run.assign(**{"rollout/staleness": run["step"] - 1, "host/busiest_thread_cpu_pct_gen": 100.0})
+    df = normalise(run)
+    assert not ran_ahead(df).any() and not stats.drain(df).any()
+    assert (df["host/busiest_thread_cpu_pct_gen"] == 100.0).all()

@@ -69,6 +69,20 @@ def test_thread_load_finds_the_busiest_thread() -> None:
     assert thread_load(before, after, 0.0)["run_cpu_pct"] is None
 
 
+def test_thread_load_reads_nothing_from_a_window_of_a_few_ticks() -> None:
+    """Over 2 ms (overlap's wait for a rollout that ran ahead) one 10 ms tick of a thread read as 500% of a core
+    (the 2026-11-26 placement lease's machine table): a window under MIN_CPU_WINDOW_TICKS ticks gives no reading."""
+    from hybridrl.run.telemetry import MIN_CPU_WINDOW_TICKS
+
+    before = {(1, 1): (100, "python/hybridrl")}
+    after = {(1, 1): (101, "python/hybridrl")}
+    assert thread_load(before, after, seconds=0.002, tick_s=0.01)["busiest_thread_cpu_pct"] is None
+    short = (MIN_CPU_WINDOW_TICKS - 1) * 0.01
+    assert thread_load(before, after, seconds=short, tick_s=0.01)["run_cpu_pct"] is None
+    load = thread_load(before, after, seconds=MIN_CPU_WINDOW_TICKS * 0.01, tick_s=0.01)
+    assert load["busiest_thread_cpu_pct"] == pytest.approx(100.0 / MIN_CPU_WINDOW_TICKS)
+
+
 def test_timings_record_the_busiest_thread_of_rollout_outside_its_time() -> None:
     reads = iter([{(1, 1): (0, "p/a")}, {(1, 1): (50, "p/a")}])
 
@@ -78,11 +92,11 @@ def test_timings_record_the_busiest_thread_of_rollout_outside_its_time() -> None
 
     t = Timings(cpu_reader=lambda: None, own_cpu=lambda: 0.0, threads=slow_reader)
     with t.phase("gen"):
-        pass
+        time.sleep(0.25)  # long enough for a CPU reading (MIN_CPU_WINDOW_TICKS)
     with t.phase("reward"):  # not watched: the reader is not called again (next() would raise)
         pass
     rec = t.record()
-    assert rec["timing_s/gen"] < 0.2
+    assert 0.25 <= rec["timing_s/gen"] < 0.4  # the two 0.2 s readings are outside it
     assert rec["host/busiest_thread_gen"] == "p/a"
     assert 0 < rec["host/busiest_thread_cpu_pct_gen"] == rec["host/run_cpu_pct_gen"]
     assert {"host/busiest_thread_gen", "host/run_cpu_pct_gen"} <= set(RECORD_KEYS)

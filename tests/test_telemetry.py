@@ -85,7 +85,8 @@ def test_host_cpu_load_is_recorded_for_rollout_and_training(tmp_path):
     stat.write_text("cpu  100 5 50 800 40 3 2 0 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n")
     assert host_cpu_jiffies(stat) == (160, 1000)  # busy leaves out idle and iowait
     assert host_cpu_jiffies(tmp_path / "absent") is None
-    readings = iter([(100, 1000), (400, 2000), (400, 2000), (1300, 3000)])
+    # windows of 100,000 ticks: long enough for any number of CPUs this test may run on
+    readings = iter([(100, 1000), (30100, 101000), (30100, 101000), (120100, 201000)])
     t = Timings(cpu_reader=lambda: next(readings))
     with t.phase("gen"):
         pass
@@ -96,6 +97,18 @@ def test_host_cpu_load_is_recorded_for_rollout_and_training(tmp_path):
     rec = t.record()
     assert rec["host/cpu_busy_pct_gen"] == 30.0 and rec["host/cpu_busy_pct_update_actor"] == 90.0
     assert Timings(cpu_reader=lambda: None).record()["host/cpu_busy_pct_gen"] is None
+
+
+def test_host_cpu_load_needs_a_window_of_enough_ticks():
+    """A phase of a few milliseconds (overlap's wait for a rollout that ran ahead) spans a tick or two of the
+    host's CPU time: no share is read from it."""
+    from hybridrl.run.telemetry import MIN_CPU_WINDOW_TICKS, busy_pct
+
+    cpus = 32
+    assert busy_pct((0, 0), (cpus, 2 * cpus), cpus=cpus) is None  # two ticks a CPU: 50% by chance
+    enough = MIN_CPU_WINDOW_TICKS * cpus
+    assert busy_pct((0, 0), (enough // 4, enough), cpus=cpus) == 25.0
+    assert busy_pct((0, 0), (enough // 4, enough - 1), cpus=cpus) is None
 
 
 def test_append_record_keeps_earlier_lines(tmp_path):

@@ -26,10 +26,12 @@ SEEN = ["gpu_count"]
 CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "sglang_retain_cpu_backup", "train_tp", "train_gpus",
               "prompts_per_step", "group_size", "warmup_steps", "stream_fraction", "shared_pool", "overlap"]
 # Made here from the columns above: which configuration a replicate belongs to, what a colocated engine
-# releases on sleep (the arm), which rollout client it went through, and cost per GPU (cost_columns)
+# releases on sleep (the arm), which rollout client it went through, cost per GPU, and the engine's own time on
+# the rollout (tokens over throughput: in overlap the rollout runs beside training, and timing_s/gen is only the
+# step's wait for its end)
 DERIVED_STRINGS = ["config_id", "release", "client"]
 COST = ["cost/gpus", "cost/tok_s_per_gpu", "cost/gpu_s_per_step", "cost/gpu_h_per_1k_rollouts"]
-DERIVED = [*DERIVED_STRINGS, "replicate", *COST]
+DERIVED = [*DERIVED_STRINGS, "replicate", *COST, "perf/rollout_s"]
 # The record's keys (hybridrl.run.record), then what each run's provenance adds, then what is derived from both
 KNOWN = [*record.RECORD_KEYS, *PROVENANCE, *SEEN, *CONFIGURED, *DERIVED]
 STRINGS = [*record.STRINGS, *PROVENANCE, *DERIVED_STRINGS]
@@ -196,6 +198,26 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     df["cost/tok_s_per_gpu"] = pd.to_numeric(df["perf/gen_tokens"], errors="coerce") / step / gpus
     df["cost/gpu_s_per_step"] = step * gpus
     df["cost/gpu_h_per_1k_rollouts"] = df["cost/gpu_s_per_step"] / rollouts * 1000 / 3600
+    df["perf/rollout_s"] = pd.to_numeric(df["perf/gen_tokens"], errors="coerce") / pd.to_numeric(
+        df["perf/throughput"], errors="coerce")
+    return mask_ahead_readings(df)
+
+
+def ran_ahead(df: pd.DataFrame) -> pd.Series:
+    """Rows whose rollout ran ahead, during the last step's training (overlap): a stale rollout of a run with a
+    trainer. Runs without one (trainer: none) recorded their steps since the base model as staleness until
+    2026-11-26, and never ran ahead."""
+    stale = pd.to_numeric(df["rollout/staleness"], errors="coerce") > 0
+    return (stale & (df["trainer"].astype(str) != "none")).astype(bool)
+
+
+def mask_ahead_readings(df: pd.DataFrame) -> pd.DataFrame:
+    """Null the gen phase's host and GPU readings (record.ROLLOUT_READINGS) of steps whose rollout ran ahead:
+    their gen phase was the wait for it. Runs record null there since 2026-11-26; older tables kept the wait's
+    readings (over a few ms: a thread at 1,200% of a core) and are masked here."""
+    ahead = ran_ahead(df)
+    if ahead.any():
+        df.loc[ahead, list(record.ROLLOUT_READINGS)] = None
     return df
 
 

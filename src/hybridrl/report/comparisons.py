@@ -17,7 +17,9 @@ from hybridrl.report.cells import Cell, Table, fmt, fmt_est, fmt_field, fmt_n, h
 KEY_METRICS = [
     ("perf/throughput", "Rollout throughput", "tok/s"),
     ("timing_s/step", "Step time", "s"),
-    ("timing_s/gen", "Generation", "s"),
+    # in overlap the rollout runs beside training: gen is then the step's wait for it, perf/rollout_s its length
+    ("timing_s/gen", "Generation, on the step's path", "s"),
+    ("perf/rollout_s", "Rollout, the engine's own time", "s"),
     ("timing_s/update_actor", "Training", "s"),
     ("timing_s/update_weights", "Weight sync", "s"),
     ("timing_s/restart", "Engine restart", "s"),
@@ -37,7 +39,7 @@ KEY_METRICS = [
 ]
 
 RATIO_METRICS = [("perf/throughput", "Rollout throughput"), ("timing_s/step", "Step time"),
-                 ("timing_s/gen", "Generation time"), ("cost/tok_s_per_gpu", "Tokens/s per GPU")]
+                 ("timing_s/gen", "Generation time on the step's path"), ("cost/tok_s_per_gpu", "Tokens/s per GPU")]
 
 # sleep and wake move what the engine releases: compared only between arms that move the same bytes
 TRANSITIONS = [("timing_s/sleep", "sleep"), ("timing_s/wake", "wake")]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from hybridrl.report.aggregate import CONFIG_KEY
+from hybridrl.report.aggregate import CONFIG_KEY, ran_ahead
 from hybridrl.run.record import PHASE_KEYS
 from hybridrl.study.run_config import split_replicate
 
@@ -178,9 +178,8 @@ def drain(df: pd.DataFrame) -> pd.Series:
     overlapped = pd.Series(False, index=df.index)
     if "overlap" in df.columns:
         overlapped |= (pd.to_numeric(df["overlap"], errors="coerce") > 0).fillna(False)
-    if "rollout/staleness" in df.columns:
-        stale = pd.to_numeric(df["rollout/staleness"], errors="coerce").fillna(0)
-        overlapped |= stale.groupby(df["run_id"]).transform("max") > 0
+    if "rollout/staleness" in df.columns and "trainer" in df.columns:
+        overlapped |= ran_ahead(df).groupby(df["run_id"]).transform("max")
     last = df["step"] == df.groupby("run_id")["step"].transform("max")
     return (overlapped & last).astype(bool)
 

@@ -22,7 +22,7 @@ import random
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from hybridrl.run.phase_file import PhaseFile
 from hybridrl.run.placement import ADAPTER_NAME, Placement, make_placement
 from hybridrl.run.provenance import collect
 from hybridrl.run.provenance import write as write_provenance
-from hybridrl.run.record import new_record
+from hybridrl.run.record import ROLLOUT_READINGS, new_record
 from hybridrl.run.telemetry import MemorySampler, Timings, append_record, read_records, rollout_stats
 from hybridrl.study.run_config import RunConfig
 from hybridrl.task import data as gsm8k
@@ -232,6 +232,7 @@ class Rollout:
     staleness: int  # steps between that adapter and the trainer's (0 on-policy)
     gen_s: float  # the engine's own time on the rollout (for throughput), waited for or not
     trainer_gb: float | None  # GPU memory the trainer held beside the engine (mem/trainer_gb_gen)
+    ran_ahead: bool = False  # rolled out during the last step's training (overlap): gen was the wait for it
 
 
 @dataclass
@@ -319,8 +320,8 @@ def generate(ctx: RunContext, step: int, t: Timings, recovery: EngineRecovery) -
                 completions = flight.result()
             if all(c.error for c in completions):
                 raise EngineError(f"every request failed, e.g. {completions[0].error}")
-            return _rolled_out(step, flight.requests, flight.answers, completions, flight.adapter_step, flight.gen_s,
-                               trainer_gb)
+            return replace(_rolled_out(step, flight.requests, flight.answers, completions, flight.adapter_step,
+                                       flight.gen_s, trainer_gb, ctx.trainer is not None), ran_ahead=True)
         except EngineError as exc:  # it failed while running ahead: roll out again now, on a live engine
             if not ctx.engine.alive():
                 recovery.restart(engine_adapter(ctx), exc)
@@ -329,17 +330,19 @@ def generate(ctx: RunContext, step: int, t: Timings, recovery: EngineRecovery) -
     waited = t.s.get("gen", 0.0)
     completions = recovery.generate(requests, engine_adapter(ctx))
     return _rolled_out(step, requests, answers, completions, ctx.engine_adapter_step, t.s["gen"] - waited,
-                       trainer_gb)
+                       trainer_gb, ctx.trainer is not None)
 
 
 def _rolled_out(step: int, requests: list[Request], answers: list[str], completions: list[Completion],
-                adapter_step: int, gen_s: float, trainer_gb: float | None) -> Rollout:
+                adapter_step: int, gen_s: float, trainer_gb: float | None, trains: bool) -> Rollout:
     failed = [(i, c.error) for i, c in enumerate(completions) if c.error]
     if failed:  # the step goes on without them; the cause goes to the log and requests/step-NNNN.jsonl
         console.print(f"[yellow]step {step}: {len(failed)} of {len(completions)} requests failed; "
                       f"first (request {failed[0][0]}): {failed[0][1]}")
-    # step N's trainer holds step N-1's adapter: a rollout from an older one is that many steps stale
-    return Rollout(requests, answers, completions, adapter_step, step - 1 - adapter_step, gen_s, trainer_gb)
+    # step N's trainer holds step N-1's adapter: a rollout from an older one is that many steps stale; without a
+    # trainer (trainer: none) the engine keeps the base model, and nothing is stale
+    staleness = step - 1 - adapter_step if trains else 0
+    return Rollout(requests, answers, completions, adapter_step, staleness, gen_s, trainer_gb)
 
 
 def score(ctx: RunContext, step: int, rollout: Rollout, t: Timings) -> Scored:
@@ -456,6 +459,8 @@ def make_record(ctx: RunContext, step: int, t: Timings, rollout: Rollout, scored
     record.update(mem)
     record.update(checks)
     record.update(ctx.engine.step_metrics())  # engine-side readings, e.g. NVML after sleep/wake
+    if rollout.ran_ahead:
+        record.update(dict.fromkeys(ROLLOUT_READINGS))
     return record
 
 

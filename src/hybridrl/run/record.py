@@ -51,6 +51,9 @@ HOST = (*(f"host/cpu_busy_pct_{p}" for p in HOST_LOAD_PHASES),
 # difference of the GPU, not of the engines.
 GPU_LOAD_PHASES = HOST_LOAD_PHASES
 GPU = tuple(f"gpu/{k}_{p}" for p in GPU_LOAD_PHASES for k in ("sm_clock_mhz", "power_w", "temp_c", "slowdown_frac"))
+# The host's and GPUs' readings of the gen phase. A rollout that ran ahead (overlap) ran during the last step's
+# training, and the step's gen phase is only the wait for its end: these are null there, not the wait's readings.
+ROLLOUT_READINGS = (*(k for k in HOST if k.endswith("_gen")), *(k for k in GPU if k.endswith("_gen")))
 ROLLOUT = (
     "perf/gen_tokens", "perf/throughput", "perf/ttft_s_mean", "perf/ttft_s_p50", "perf/ttft_s_p99",
     "perf/itl_ms_mean", "perf/itl_ms_p50", "perf/itl_ms_p99", "perf/tpot_ms_mean", "perf/tpot_ms_p50",

@@ -60,6 +60,11 @@ def foreign_pids(pids: set[int], root: int, proc: Path = Path("/proc")) -> set[i
 
 ThreadTicks = dict[tuple[int, int], tuple[int, str]]  # (pid, tid) -> (CPU ticks, "process/thread")
 
+# The kernel counts CPU time in clock ticks (10 ms at the usual 100 Hz): over a window of N ticks a reading is off
+# by up to one tick a thread, 1/N of a core. Below this many ticks a phase gets no CPU reading: over a 2 ms wait a
+# single tick read as 500% of a core.
+MIN_CPU_WINDOW_TICKS = 20
+
 
 def run_thread_ticks() -> ThreadTicks:
     """CPU time of every thread of this run: the controller and every process below it (engine servers, trainer
@@ -74,8 +79,8 @@ def thread_load(before: ThreadTicks, after: ThreadTicks, seconds: float,
                 tick_s: float = 1.0 / os.sysconf("SC_CLK_TCK")) -> dict[str, float | str | None]:
     """The run's CPU use between two readings: all its threads together and the busiest single thread, in % of
     one core, and that thread's name (a thread near 100% may limit the rollout or spin while it waits); a thread
-    that started meanwhile counts from zero."""
-    if not after or seconds <= 0:
+    that started meanwhile counts from zero; none for a window shorter than MIN_CPU_WINDOW_TICKS."""
+    if not after or seconds < MIN_CPU_WINDOW_TICKS * tick_s:
         return {"run_cpu_pct": None, "busiest_thread_cpu_pct": None, "busiest_thread": None}
     used = {key: ticks - before.get(key, (0, ""))[0] for key, (ticks, _) in after.items()}
     busiest = max(used, key=lambda key: used[key])
@@ -84,8 +89,11 @@ def thread_load(before: ThreadTicks, after: ThreadTicks, seconds: float,
             "busiest_thread": after[busiest][1]}
 
 
-def busy_pct(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    if before is None or after is None or after[1] <= before[1]:
+def busy_pct(before: tuple[int, int] | None, after: tuple[int, int] | None,
+             cpus: int = os.cpu_count() or 1) -> float | None:
+    """The host's busy share between two host_cpu_jiffies readings, in %; none over fewer than
+    MIN_CPU_WINDOW_TICKS ticks a CPU (the ticks of all CPUs together)."""
+    if before is None or after is None or after[1] - before[1] < MIN_CPU_WINDOW_TICKS * cpus:
         return None
     return 100.0 * (after[0] - before[0]) / (after[1] - before[1])
 

@@ -110,7 +110,8 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     assert bad.returncode == 2
     plans = ("asyncstate client exportstage exportviews faults full hfexport hffused hfrounds learnentropy "
              "learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm moe2full moe4 moe4full moepermute moerounds "
-             "overlap1 packing placement placement1 placement1s placement1v placementlong rest rest4 soak syncfree "
+             "overlap1 packing placement placement1 placement1s placement1v placementlong placementrest rest rest4 "
+             "soak syncfree "
              "syncfree2 timed timingcost trainer trainerfast trainerfuse trainerloop trainermoe verdict verdictkv "
              "verdictpin verdictwarm")
     assert f"no plan named nope ({plans}" in bad.stderr
@@ -294,6 +295,10 @@ def test_placement_plan_runs_one_round_of_the_six_arms_and_the_long_runs_apart(r
     assert third == [f"train {a}-r3 on GPU {g}" for a, g in zip(arms, gpus, strict=True)]
     assert _one_lane_plan(root, "gpu-2xh200-placement", "placementlong") == [
         "train sglang-overlap-long on GPU 0,1", "train vllm-overlap-long on GPU 0,1"]
+    # what the first lease left: round 2's colocate arms and vLLM's overlapped run, then round 3
+    rest = _one_lane_plan(root, "gpu-2xh200-placement", "placementrest")
+    assert rest == ["train sglang-colocate-r2 on GPU 0", "train vllm-colocate-r2 on GPU 0",
+                    "train vllm-overlap-r2 on GPU 0,1", *third]
     # every item names a run config the study writes; overlap is split with one step of staleness, corrected
     study = load_study(REPO / "config" / "gpu-2xh200-placement.yaml")
     runs = {r.name: r for r in study.runs.values()}

@@ -486,6 +486,18 @@ def plan_placement() -> Plan:
 
 
 @_plan
+def plan_placementrest() -> Plan:
+    """What issue 18's study owes after its first lease (2026-11-26): round 2's colocate arms and the vLLM
+    server's overlapped run (cut by the budget there), then round 3 whole, one run at a time. A lease that ends
+    early keeps whole runs; about 22 minutes of runs with each engine's first start."""
+    k3 = ("sglang-colocate", "vllm-colocate", "sglang-split", "vllm-split", "sglang-overlap", "vllm-overlap")
+    items = [f"train {replica(arm, 2)} 0" for arm in ("sglang-colocate", "vllm-colocate")]
+    items += [f"train {replica('vllm-overlap', 2)}"]
+    items += [f"train {replica(arm, 3)}" + (" 0" if arm.endswith("colocate") else "") for arm in k3]
+    return Plan(study="config/gpu-2xh200-placement.yaml", gpus=2, phases=((lane("0,1", *items),),))
+
+
+@_plan
 def plan_placementlong() -> Plan:
     """Issue 18's drift runs: 30 overlapped steps per engine, one after the other (about 8 minutes each)."""
     return Plan(study="config/gpu-2xh200-placement.yaml", gpus=2, phases=(

@@ -473,16 +473,28 @@ def plan_timingcost() -> Plan:
 
 # -- issue 18: placement ----------------------------------------------------------------------------------------
 
+PLACEMENT_STUDY = "config/gpu-2xh200-placement.yaml"
+# the six arms of a round; the engines alternate so that a drift of the host falls on both
+PLACEMENT_ARMS = ("sglang-colocate", "vllm-colocate", "sglang-split", "vllm-split", "sglang-overlap", "vllm-overlap")
+
+
+def placement_round(k: int, arms: tuple[str, ...] = PLACEMENT_ARMS) -> list[str]:
+    """Replicate K of the arms, one run at a time: colocate on GPU 0, split and overlap with the engine on GPU 1 and
+    the trainer on GPU 0."""
+    return [f"train {replica(arm, k)}" + (" 0" if arm.endswith("-colocate") else "") for arm in arms]
+
+
+def two_gpu_lane(*items: str) -> Plan:
+    """A plan of the placement study whose one lane holds both GPUs."""
+    return Plan(study=PLACEMENT_STUDY, gpus=2, phases=((lane("0,1", *items),),))
+
+
 @_plan
 def plan_placement() -> Plan:
     """Issue 18 on two GPUs (config/gpu-2xh200-placement.yaml): one round of the six arms, round HYBRIDRL_ROUND
-    (default 1; replicate K is ARM-rK), one run at a time: colocate on GPU 0, split and overlap with the engine on
-    GPU 1 and the trainer on GPU 0; the engines alternate so that a drift of the host falls on both. About 20 minutes,
-    so one lease a round, each holding every comparison of its round."""
-    k = int(os.environ.get("HYBRIDRL_ROUND") or 1)
-    items = [f"train {replica(arm, k)} 0" for arm in ("sglang-colocate", "vllm-colocate")]
-    items += [f"train {replica(arm, k)}" for arm in ("sglang-split", "vllm-split", "sglang-overlap", "vllm-overlap")]
-    return Plan(study="config/gpu-2xh200-placement.yaml", gpus=2, phases=((lane("0,1", *items),),))
+    (default 1; replicate K is ARM-rK). 16 minutes on 2026-11-26, so one lease a round, each holding every comparison
+    of its round."""
+    return two_gpu_lane(*placement_round(int(os.environ.get("HYBRIDRL_ROUND") or 1)))
 
 
 @_plan
@@ -490,19 +502,13 @@ def plan_placementrest() -> Plan:
     """What issue 18's study owes after its first lease (2026-11-26): round 2's colocate arms and the vLLM
     server's overlapped run (cut by the budget there), then round 3 whole, one run at a time. A lease that ends
     early keeps whole runs; about 22 minutes of runs with each engine's first start."""
-    k3 = ("sglang-colocate", "vllm-colocate", "sglang-split", "vllm-split", "sglang-overlap", "vllm-overlap")
-    items = [f"train {replica(arm, 2)} 0" for arm in ("sglang-colocate", "vllm-colocate")]
-    items += [f"train {replica('vllm-overlap', 2)}"]
-    items += [f"train {replica(arm, 3)}" + (" 0" if arm.endswith("colocate") else "") for arm in k3]
-    return Plan(study="config/gpu-2xh200-placement.yaml", gpus=2, phases=((lane("0,1", *items),),))
+    return two_gpu_lane(*placement_round(2, ("sglang-colocate", "vllm-colocate", "vllm-overlap")), *placement_round(3))
 
 
 @_plan
 def plan_placementlong() -> Plan:
     """Issue 18's drift runs: 30 overlapped steps per engine, one after the other (about 8 minutes each)."""
-    return Plan(study="config/gpu-2xh200-placement.yaml", gpus=2, phases=(
-        (lane("0,1", "train sglang-overlap-long", "train vllm-overlap-long"),),
-    ))
+    return two_gpu_lane("train sglang-overlap-long", "train vllm-overlap-long")
 
 
 @_plan

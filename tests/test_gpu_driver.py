@@ -115,6 +115,10 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
              "verdictkv verdictpin verdictwarm")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
+    for bad_round in ("x", "0"):
+        out = _driver(root, "all", "placement", HYBRIDRL_ROUND=bad_round)
+        assert out.returncode == 2 and out.stderr.strip() == (
+            f"plan placement: HYBRIDRL_ROUND='{bad_round}': expected a round number, 1 or more"), out.stderr
     (root / "gpu-h200" / "setup.done").unlink()
     assert "run setup first" in _driver(root, "all", "rest").stderr
 

@@ -25,7 +25,7 @@ from hybridrl import nvml
 from hybridrl.atomic import atomic_path
 from hybridrl.tools.lease.items import Train, is_snapshot
 from hybridrl.tools.lease.plan import Lane, Plan
-from hybridrl.tools.lease.plans import UnknownPlan, known_plans, load_plan
+from hybridrl.tools.lease.plans import BadPlanSetting, UnknownPlan, known_plans, load_plan
 from hybridrl.tools.lease.runners import ItemFailed, Site, run_item, say
 
 
@@ -69,6 +69,8 @@ def plan_named(name: str) -> Plan:
         return load_plan(name)
     except UnknownPlan:
         raise Refused(f"no plan named {name} ({' '.join(known_plans())})", 2) from None
+    except BadPlanSetting as exc:
+        raise Refused(f"plan {name}: {exc}", 2) from None
 
 
 def runs_of(config: Path) -> list[str]:

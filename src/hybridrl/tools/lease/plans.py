@@ -37,6 +37,18 @@ class UnknownPlan(KeyError):
     pass
 
 
+class BadPlanSetting(ValueError):
+    """An environment setting a plan reads (HYBRIDRL_ROUND) that it cannot take."""
+
+
+def env_round() -> int:
+    """The round HYBRIDRL_ROUND names (default 1): replicate K of every arm."""
+    text = os.environ.get("HYBRIDRL_ROUND") or "1"
+    if not text.isdigit() or int(text) < 1:
+        raise BadPlanSetting(f"HYBRIDRL_ROUND={text!r}: expected a round number, 1 or more")
+    return int(text)
+
+
 def known_plans() -> list[str]:
     return sorted(_PLANS)
 
@@ -494,7 +506,7 @@ def plan_placement() -> Plan:
     """Issue 18 on two GPUs (config/gpu-2xh200-placement.yaml): one round of the six arms, round HYBRIDRL_ROUND
     (default 1; replicate K is ARM-rK). 16 minutes on 2026-11-26, so one lease a round, each holding every comparison
     of its round."""
-    return two_gpu_lane(*placement_round(int(os.environ.get("HYBRIDRL_ROUND") or 1)))
+    return two_gpu_lane(*placement_round(env_round()))
 
 
 @_plan

@@ -178,3 +178,21 @@ def test_schema_gives_every_key_a_default_and_a_description():
         assert node.get("description"), name
         assert "default" in node or name in required, name
     assert required == {"model"}  # named per study: no default could be right
+
+
+def test_a_key_added_later_keeps_recorded_ids_at_its_default_and_changes_them_when_set():
+    """The placement study's committed runs were recorded before rollout_process existed: their ids still resolve."""
+    study = config.REPO / "config" / "gpu-2xh200-placement.yaml"
+    recorded = {p.name for p in (config.REPO / "results/reference/2026-11-26-2xh200-placement/runs").iterdir()}
+    ids = set(load_study(study).runs)
+    assert recorded and recorded <= ids
+    raw = yaml.safe_load(study.read_text())
+    raw["runs"][0]["rollout_process"] = True
+    changed = set(resolve(raw).runs) - ids
+    assert len(changed) == 3 and all(rid.startswith("sglang-colocate-") for rid in changed)  # its 3 replicates
+
+
+def test_rollout_process_is_refused_for_the_engine_without_a_client(smoke):
+    smoke["runs"][0].update(engine="vllm-inprocess", rollout_process=True)
+    with pytest.raises(ConfigError, match=r"runs\[0\].rollout_process: vllm-inprocess has no rollout client"):
+        resolve(smoke)

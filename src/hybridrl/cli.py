@@ -180,6 +180,15 @@ def _client_ceiling(args: argparse.Namespace) -> None:
                  old_client=not args.no_old_client)
 
 
+def _client_gil(args: argparse.Namespace) -> None:
+    from hybridrl.tools.client_gil import main as gil_main
+
+    if args.out:
+        check_writable(Path(args.out))
+    gil_main(args.format, args.stream_fraction, args.requests, args.tokens, args.event_interval, args.ops,
+             args.repeats, Path(args.out) if args.out else None)
+
+
 def _fault_run(args: argparse.Namespace) -> None:
     from hybridrl.tools.fault_run import fault_run, run_dir_of, write
 
@@ -402,6 +411,21 @@ def parser() -> argparse.ArgumentParser:
                    help="leave out the client before 2026-11-23 (one shared pool, every request streamed)")
     s.add_argument("--out", help="JSON with every setting's figures")
     s.set_defaults(fn=_client_ceiling)
+
+    s = sub.add_parser("client-gil", help="how long a loop of torch operators takes beside the rollout client: "
+                       "in a thread of this process, in a worker process (rollout_process), or with none (no GPU)")
+    s.add_argument("--format", choices=["sglang", "vllm"], nargs="+", default=["sglang", "vllm"])
+    s.add_argument("--stream-fraction", type=_fraction, nargs="+", default=[0.0, 0.125],
+                   help="shares of requests streamed (0.125: the runs' default)")
+    s.add_argument("--requests", type=_at_least_one, default=128)
+    s.add_argument("--tokens", type=_at_least_one, default=256, help="tokens per request")
+    s.add_argument("--event-interval", type=_seconds, default=0.006,
+                   help="seconds between one request's tokens at the fake engine (0.006: 128 x 256 tokens in "
+                        "about 1.6 s, an H200's pace on the dense model)")
+    s.add_argument("--ops", type=_at_least_one, default=15000, help="rounds of the loop")
+    s.add_argument("--repeats", type=_at_least_one, default=5, help="median of this many loops per mode")
+    s.add_argument("--out", help="JSON with every setting's figures")
+    s.set_defaults(fn=_client_gil)
 
     s = sub.add_parser("bench-parse", help="answer parsing on its worst cases (whitespace runs, long digit runs)")
     s.add_argument("--repeats", type=_at_least_one, default=5, help="best of this many runs per case")

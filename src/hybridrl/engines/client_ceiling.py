@@ -115,6 +115,8 @@ async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, fm
                     if event_interval_s:
                         await asyncio.sleep(event_interval_s)
             else:
+                if event_interval_s:  # a whole answer takes as long as its stream would have
+                    await asyncio.sleep(event_interval_s * -(-_max_tokens(body) // tokens_per_event))
                 payload = whole_answer(fmt, _max_tokens(body))
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
                              % (len(payload), payload))

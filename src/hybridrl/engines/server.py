@@ -13,7 +13,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import httpx
 
 from hybridrl.atomic import naming
 from hybridrl.engines.base import Completion, EngineError, Request, SleepVariant
+from hybridrl.engines.client_process import ClientProcess
 from hybridrl.engines.gpus import nvml_indices
 from hybridrl.study.run_config import RunConfig
 
@@ -300,15 +301,23 @@ class RolloutClient:
             await asyncio.gather(*(worker(None) for _ in range(slots)))
         return results
 
+    def collect(self, requests: list[Request], tick: Callable[[], None] = lambda: None) -> list[Completion]:
+        """Every request's completion (failures as errors in it), in order; `tick` after each one."""
+        return asyncio.run(self._all(requests, tick))
+
+    def check_alive(self) -> None:
+        """EngineError, with the server log's tail, where the server died (its answers may have been cut)."""
+        if not self.server.alive():
+            raise EngineError(f"{self.server.name} died during the rollout; last lines of "
+                              f"{self.server.log_path}:\n{log_tail(self.server.log_path)}")
+
     def generate(self, requests: list[Request], progress: bool = False) -> list[Completion]:
         from rich.progress import Progress
 
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task(f"rollout ({len(requests)} requests)", total=len(requests))
-            results = asyncio.run(self._all(requests, lambda: bar.advance(task)))
-        if not self.server.alive():
-            raise EngineError(f"{self.server.name} died during the rollout; last lines of "
-                              f"{self.server.log_path}:\n{log_tail(self.server.log_path)}")
+            results = self.collect(requests, lambda: bar.advance(task))
+        self.check_alive()
         return results
 
 
@@ -402,6 +411,8 @@ class HTTPEngine:
         self._loaded: set[str] = set()
         self._metrics: dict[str, float | None] = {}
         self._version: str | None = None
+        # rollout_process: the client runs in a worker process, away from the trainer's interpreter lock
+        self._client_process = ClientProcess() if run.rollout_process else None
 
     def command(self, port: int, adapter: tuple[str, Path] | None) -> list[str]:
         raise NotImplementedError
@@ -465,6 +476,8 @@ class HTTPEngine:
         return elapsed + time.perf_counter() - t0
 
     def stop(self) -> None:
+        if self._client_process is not None:
+            self._client_process.close()
         if self.server:
             self.server.stop()
         self.server = None
@@ -478,7 +491,11 @@ class HTTPEngine:
         client = self.stream
         if shared_pool and not client.shared_pool:
             client = type(client)(client.server, client.timeout_s, client.max_concurrency, shared_pool=True)
-        return client.generate(requests, progress)
+        if self._client_process is None:
+            return client.generate(requests, progress)
+        results = self._client_process.collect(client, requests)  # no progress bar from the worker
+        client.check_alive()
+        return results
 
     def generate_raw(self, requests: list[Request]) -> list[Completion]:
         """The requests, none streamed, from a pool of threads that each keep one plain HTTP connection:

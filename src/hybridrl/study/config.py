@@ -174,6 +174,9 @@ def _check_run(run: RunConfig, where: str) -> None:
     if run.overlap and run.placement != "split":
         raise ConfigError(f"{where}.overlap: rollout and training overlap only on separate GPUs (placement: split), "
                           f"not with {run.placement}")
+    if run.rollout_process and run.engine == "vllm-inprocess":
+        raise ConfigError(f"{where}.rollout_process: vllm-inprocess has no rollout client to move (it generates in "
+                          "the controller's own process); use engine vllm or sglang, or drop the key")
     if run.trainer == "megatron" and run.lora.rank % run.train_tp:
         raise ConfigError(f"{where}.lora.rank: {run.lora.rank} is not divisible by train_tp {run.train_tp}")
 

@@ -137,6 +137,10 @@ class RunConfig(_Frozen):
     shared_pool: bool = Field(
         False, description="the rollout client before 2026-11-23, one connection pool for every request (with "
         "stream_fraction 1: the old path), to compare with results recorded through it")
+    rollout_process: bool = Field(
+        False, description="server engines: the rollout client runs in a process of its own, so that its parsing "
+        "never waits for, or holds up, the trainer's Python thread on the controller's interpreter lock (overlap "
+        "runs both at once); false: a thread of the controller, as every result before 2026-11-26 was recorded")
     engine_timing: bool = Field(
         False, description="ask the engine for its own timing of each request (SGLang --enable-metrics with "
         "SGLANG_FORCE_STREAM_INTERVAL=1, so that its API server sees every token; vLLM "
@@ -172,6 +176,10 @@ class RunSpec(_Frozen):
     engine_env: dict[str, Any] = Field({}, description="the engine's Python and extra environment (engine_envs)")
 
 
+# keys added after reference results were recorded: out of the hash while they hold their default, so that those
+# results keep their ids (and a study's later rounds join its earlier ones); a run that sets one gets an id of its own
+_LATE_KEYS = {"rollout_process": False}
+
 # a replicate's suffix: after the 8-hex hash, so no readable prefix (`name`) can look like one
 _REPLICATE = re.compile(r"^(?P<config>.+-[0-9a-f]{8})(?:-r(?P<k>[0-9]+))?$")
 
@@ -184,7 +192,8 @@ def run_id(run: RunConfig, replicate: int = 1) -> str:
     """
     if not 1 <= replicate <= run.replicates:
         raise ValueError(f"replicate {replicate} is outside 1..{run.replicates}")
-    canonical = json.dumps(run.model_dump(mode="json", exclude={"replicates"}), sort_keys=True,
+    late_at_default = {k for k, v in _LATE_KEYS.items() if getattr(run, k) == v}
+    canonical = json.dumps(run.model_dump(mode="json", exclude={"replicates", *late_at_default}), sort_keys=True,
                            separators=(",", ":"))
     digest = hashlib.sha256(canonical.encode()).hexdigest()[:8]
     prefix = run.name or f"{run.engine}-{run.placement}-{run.trainer}-{run.model}"

@@ -524,6 +524,19 @@ def plan_placementlong() -> Plan:
 
 
 @_plan
+def plan_overlapproc() -> Plan:
+    """Whether the overlapped runs' slower update (1.55-1.85x split's on 2026-11-26) is the rollout client's thread
+    holding the trainer's interpreter lock: per engine, the overlapped arm's replicates 4 and 5 (the client in a
+    thread) against the same arm with the client in a worker process (rollout_process), interleaved; about 15
+    minutes of runs."""
+    pairs = []
+    for k in (1, 2):
+        for engine in ("sglang", "vllm"):
+            pairs += [f"train {replica(f'{engine}-overlap', k + 3)}", f"train {replica(f'{engine}-overlap-proc', k)}"]
+    return two_gpu_lane(*pairs)
+
+
+@_plan
 def plan_overlap1() -> Plan:
     """Issue 18's overlapped split on one GPU, shared by engine and trainer (config/gpu-h200-overlap.yaml): a check of
     behaviour before the two-GPU study, no placement figure. Per engine with the HF trainer a run, then a fault run

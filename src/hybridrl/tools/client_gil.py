@@ -1,0 +1,146 @@
+"""What the rollout client costs a Python thread beside it: the trainer's, in an overlapped split run.
+
+A trainer's thread spends its update calling torch operators, each of which lets go of the interpreter lock while
+its kernel runs or launches and must take it back afterwards. A rollout client in the same process (a thread)
+parses each streamed event with the lock held, so every hand-back can wait for it. This benchmark times a loop of
+small torch operators (a stand-in for the update's launches, on this host's CPU) alone, beside the controller's
+real rollout client in a thread, and beside the same client in a worker process (`rollout_process`), while the
+client reads batches from the fake engine of `client-ceiling`, paced to a rate an H200 delivers.
+
+    python -m hybridrl client-gil --format sglang vllm --stream-fraction 0 0.125 --out bench.json
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridrl.engines.client_ceiling import FakeEngine, client_class, fake_requests
+from hybridrl.engines.client_process import ClientProcess
+
+
+def launch_loop(ops: int) -> float:
+    """Seconds for `ops` rounds of three small torch operators, one thread (the stand-in for a trainer's launches)."""
+    import torch
+
+    x, w = torch.randn(64, 64), torch.randn(64, 64)
+    t0 = time.perf_counter()
+    for _ in range(ops):
+        x = torch.tanh(x @ w) * 0.5
+    return time.perf_counter() - t0
+
+
+class _Client:
+    """Batches of the same requests, one after the other, until stopped; in a thread or through a worker."""
+
+    def __init__(self, client: Any, requests: list, worker: ClientProcess | None) -> None:
+        self.client, self.requests, self.worker = client, requests, worker
+        self.started = self.finished = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.started += 1
+            if self.worker is None:
+                self.client.collect(self.requests)
+            else:
+                self.worker.collect(self.client, self.requests)
+            self.finished += 1
+
+    def __enter__(self) -> _Client:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _loop_beside(client: Any, requests: list, through: ClientProcess | None | bool, ops: int,
+                 settle_s: float) -> tuple[float, bool]:
+    """(the loop's seconds, whether one batch was in flight from its start to its end); `through` False: no
+    client at all (None: the client in a thread, a ClientProcess: in that worker)."""
+    if through is False:
+        return launch_loop(ops), True
+    with _Client(client, requests, through or None) as running:
+        time.sleep(settle_s)  # the batch under way
+        before = (running.started, running.finished)
+        seconds = launch_loop(ops)
+        covered = before == (running.started, running.finished) and before[0] > before[1]
+    return seconds, covered
+
+
+def measure(fmt: str, stream_fraction: float, requests: int = 128, tokens: int = 256, event_interval_s: float = 0.006,
+            ops: int = 15000, repeats: int = 5, settle_s: float = 0.3) -> dict[str, Any]:
+    """Rounds of the three modes in turn (alone, beside the thread, beside the worker), so that a host's drift
+    touches all three alike: the loop's median seconds per mode and the median and range of each mode's ratio
+    to the same round's loop alone. `{mode}_covered`: the rounds in which one batch was in flight for the whole
+    loop (with nothing streamed, its whole answers come at the batch's end: the client waits meanwhile)."""
+    import torch
+
+    torch.set_num_threads(1)  # one core for the loop: its time is the interpreter lock's, not the BLAS pool's
+    reqs = fake_requests(requests, tokens, stream_fraction)
+    times: dict[str, list[float]] = {"alone": [], "thread": [], "process": []}
+    covered = {"thread": 0, "process": 0}
+    worker = ClientProcess()
+    try:
+        with FakeEngine(fmt, event_interval_s=event_interval_s, procs=2) as server:
+            client = client_class(fmt)(server, timeout_s=120.0, max_concurrency=requests)
+            worker.collect(client, reqs[:1])  # the worker's start and imports stay out of the timing
+            for _ in range(repeats):
+                for mode, through in (("alone", False), ("thread", None), ("process", worker)):
+                    seconds, spanned = _loop_beside(client, reqs, through, ops, settle_s)
+                    times[mode].append(seconds)
+                    if mode in covered:
+                        covered[mode] += spanned
+    finally:
+        worker.close()
+    row: dict[str, Any] = {"format": fmt, "stream_fraction": stream_fraction,
+                           "streamed_requests": sum(r.stream for r in reqs), "requests": requests, "tokens": tokens,
+                           "event_interval_s": event_interval_s, "ops": ops, "repeats": repeats}
+    row.update({f"{mode}_s": statistics.median(t) for mode, t in times.items()})
+    for mode in ("thread", "process"):
+        ratios = [t / a for t, a in zip(times[mode], times["alone"], strict=True)]
+        row.update({f"{mode}_x": statistics.median(ratios), f"{mode}_x_min": min(ratios),
+                    f"{mode}_x_max": max(ratios), f"{mode}_covered": covered[mode]})
+    return row
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as the Markdown table the READMEs quote (a test holds them to the committed JSON)."""
+    lines = ["| answers | streamed | loop alone | beside the client's thread: median ratio [range] | "
+             "beside its process |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        beside = [f"{r[f'{m}_s']:.3f} s: {r[f'{m}_x']:.2f}x [{r[f'{m}_x_min']:.2f}, {r[f'{m}_x_max']:.2f}]"
+                  for m in ("thread", "process")]
+        lines.append(f"| {r['format']} | {r['streamed_requests']}/{r['requests']} | {r['alone_s']:.3f} s | "
+                     f"{beside[0]} | {beside[1]} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(formats: list[str], fractions: list[float], requests: int, tokens: int, event_interval_s: float, ops: int,
+         repeats: int, out: Path | None) -> list[dict[str, Any]]:
+    from rich.console import Console
+    from rich.progress import track
+
+    grid = [(fmt, f) for fmt in formats for f in fractions]
+    load_before = os.getloadavg()
+    rows = [measure(fmt, f, requests, tokens, event_interval_s, ops, repeats)
+            for fmt, f in track(grid, description="client beside a launch loop", transient=True)]
+    Console(soft_wrap=True).print(markdown_table(rows), markup=False)
+    if out is not None:
+        from hybridrl.run.provenance import write as write_json
+
+        write_json(out, {"cpus": os.cpu_count(), "host": platform.node(), "processor": platform.processor(),
+                         "python": platform.python_version(), "switch_interval_s": sys.getswitchinterval(),
+                         "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg(),
+                         "settings": rows})
+    return rows

@@ -1,0 +1,57 @@
+"""The client-gil benchmark: every mode measured with the client really running beside the loop, its table read
+from its rows, and the committed figures in the README and the study's README equal to the committed JSON.
+No speed is asserted: the figures are the benchmark's output."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridrl import cli
+from hybridrl.tools.client_gil import launch_loop, markdown_table, measure
+
+REPO = Path(__file__).resolve().parents[1]
+COMMITTED = REPO / "results/reference/2026-11-26-cpu-client-gil"
+
+
+def test_every_mode_is_timed_while_one_batch_is_in_flight():
+    # each answer takes 100 x 10 ms at the fake engine: the 50 rounds of the loop fit inside one batch
+    row = measure("sglang", 0.5, requests=4, tokens=100, event_interval_s=0.01, ops=50, repeats=2, settle_s=0.1)
+    assert row["streamed_requests"] == 2
+    assert row["alone_s"] > 0 and row["thread_s"] > 0 and row["process_s"] > 0
+    assert row["thread_covered"] == 2 and row["process_covered"] == 2
+    assert row["thread_x_min"] <= row["thread_x"] <= row["thread_x_max"]  # the median of the rounds' ratios
+    assert "| sglang | 2/4 |" in markdown_table([row])
+
+
+def test_the_loop_does_what_it_is_told():
+    assert launch_loop(10) > 0
+
+
+def test_the_cli_refuses_a_bad_fraction_and_writes_json(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["client-gil", "--stream-fraction", "2"])
+    out = tmp_path / "gil.json"
+    cli.main(["client-gil", "--format", "vllm", "--stream-fraction", "0", "--requests", "2", "--tokens", "4",
+              "--event-interval", "0.001", "--ops", "50", "--repeats", "1", "--out", str(out)])
+    settings = json.loads(out.read_text())["settings"]
+    assert [(s["format"], s["streamed_requests"]) for s in settings] == [("vllm", 0)]
+    assert "| vllm | 0/2 |" in capsys.readouterr().out
+
+
+def test_the_committed_table_is_the_committed_json():
+    rows = json.loads((COMMITTED / "client-gil.json").read_text())["settings"]
+    assert markdown_table(rows) in (COMMITTED / "README.md").read_text()
+
+
+def test_the_committed_reading_holds_for_the_committed_rounds():
+    """The README's reading, checked against its JSON: streamed rounds all slower beside the thread, none of the
+    other ranges excluding 1."""
+    rows = json.loads((COMMITTED / "client-gil.json").read_text())["settings"]
+    for r in rows:
+        assert r["thread_covered"] == r["process_covered"] == r["repeats"]
+        assert r["process_x_min"] <= 1 <= r["process_x_max"]
+        if r["streamed_requests"]:
+            assert r["thread_x_min"] > 1
+        else:
+            assert r["thread_x_min"] <= 1 <= r["thread_x_max"]

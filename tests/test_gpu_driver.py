@@ -14,6 +14,7 @@ from unittest import mock
 
 import pytest
 
+from hybridrl.study.run_config import split_replicate
 from hybridrl.tools.lease import plans
 from hybridrl.tools.lease.driver import Lease, Refused, check, run_plan, runs_of
 from hybridrl.tools.lease.items import Bench, Fault, Train, TrainerTool, parse_item
@@ -110,9 +111,9 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
     assert bad.returncode == 2
     plans = ("asyncstate client exportstage exportviews faults full hfexport hffused hfrounds learnentropy "
              "learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm moe2full moe4 moe4full moepermute moerounds "
-             "overlap1 packing placement placement1 placement1s placement1v placementlong placementrest rest rest4 "
-             "soak syncfree syncfree2 timed timingcost trainer trainerfast trainerfuse trainerloop trainermoe verdict "
-             "verdictkv verdictpin verdictwarm")
+             "overlap1 overlapproc packing placement placement1 placement1s placement1v placementlong placementrest "
+             "rest rest4 soak syncfree syncfree2 timed timingcost trainer trainerfast trainerfuse trainerloop "
+             "trainermoe verdict verdictkv verdictpin verdictwarm")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     for bad_round in ("x", "0"):
@@ -308,8 +309,19 @@ def test_placement_plan_runs_one_round_of_the_six_arms_and_the_long_runs_apart(r
     assert {runs[f"{e}-overlap"].overlap for e in ("sglang", "vllm")} == {1}
     assert {runs[f"{e}-overlap"].rollout_is for e in ("sglang", "vllm")} == {"truncate"}
     assert {runs[f"{e}-overlap-long"].steps for e in ("sglang", "vllm")} == {30}
-    names = {rid.rsplit("-", 1)[0] if rid.endswith(("-r2", "-r3")) else rid for rid in study.runs}
-    assert len(names) == 8 and len(study.runs) == 6 * 3 + 2
+    names = {split_replicate(rid)[0] for rid in study.runs}
+    # six arms x 3, the overlapped arms' replicates 4-5, two -proc arms x 2, two long runs
+    assert len(names) == 10 and len(study.runs) == 6 * 3 + 2 * 2 + 2 * 2 + 2
+    # overlapproc: each overlapped arm's replicates 4 and 5 (client in a thread) against the same arm with the
+    # client in a worker process, interleaved by engine; the -proc arms differ from their baseline in that key only
+    assert _one_lane_plan(root, "gpu-2xh200-placement", "overlapproc") == [
+        f"train {run} on GPU 0,1" for k in (1, 2) for e in ("sglang", "vllm")
+        for run in (f"{e}-overlap-r{k + 3}", f"{e}-overlap-proc" + (f"-r{k}" if k > 1 else ""))]
+    for e in ("sglang", "vllm"):
+        base, proc = runs[f"{e}-overlap"], runs[f"{e}-overlap-proc"]
+        assert proc.rollout_process and not base.rollout_process
+        same = {"rollout_process": False, "name": base.name, "replicates": base.replicates}
+        assert proc.model_copy(update=same) == base
     # issue 18 asks for the realistic dense model: issue 17's warm-started policy, its answers stopping at EOS
     assert {r.model for r in runs.values()} == {"qwen3-0.6b-warm"} and "warm_start" in study.models["qwen3-0.6b-warm"]
     assert not any(r.sampling.ignore_eos for r in runs.values()) and all(r.eval_every == 5 for r in runs.values())

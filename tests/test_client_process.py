@@ -94,3 +94,45 @@ def test_a_worker_that_dies_mid_batch_is_an_engine_error_and_the_next_batch_gets
         out = worker.collect(client, fake_requests(1, 2, 0.0))
         assert out[0].error is None and len(out[0].token_ids) == 2
     worker.close()
+
+
+class _FakeServerProcess:
+    """ServerProcess's part that start() and stop() use, over the fake engine instead of a real server."""
+
+    def __init__(self, name, cmd, env, log_path, port, fatal_markers=()) -> None:
+        self.name, self.log_path, self.log_start = name, log_path, 0
+        self._fake = FakeEngine("vllm")
+
+    def start(self) -> None:
+        self._fake.__enter__()
+
+    def wait_healthy(self, timeout_s: float, health_path: str = "/health") -> float:
+        return 0.0
+
+    @property
+    def base_url(self) -> str:
+        return self._fake.base_url
+
+    def alive(self) -> bool:
+        return self._fake.alive()
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        self._fake.__exit__(None, None, None)
+
+
+def test_the_worker_starts_with_the_engines_warm_up_and_ends_with_the_engine(tmp_path, monkeypatch):
+    from hybridrl.engines import server
+
+    monkeypatch.setattr(server, "ServerProcess", _FakeServerProcess)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 4096, "dtype": "bfloat16"}')
+    run = RunConfig.model_validate({"engine": "vllm", "model": "m", "max_concurrency": 4, "rollout_process": True})
+    engine = VLLMServer(model, run, {}, tmp_path)
+    engine.start()
+    try:
+        assert engine._client_process._pool is not None  # the warm-up request went through the worker
+        assert engine.generate(fake_requests(2, 3, 0.5))[1].streamed
+    finally:
+        engine.stop()
+    assert engine._client_process._pool is None and engine.server is None

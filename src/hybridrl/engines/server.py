@@ -463,9 +463,14 @@ class HTTPEngine:
         elapsed = self.server.wait_healthy(self.run.startup_timeout_s, health_path=self.health_path)
         self.stream = self.stream_cls(self.server, self.run.request_timeout_s, self.run.max_concurrency,
                                       shared_pool=self.run.shared_pool)
-        # the first request pays one-off kernel compilation; count it as start-up, not as rollout
+        # the first request pays one-off kernel compilation (and rollout_process's worker its start); count it as
+        # start-up, not as rollout
         t0 = time.perf_counter()
-        warm = self.stream.generate([Request([1, 2, 3], Sampling(max_new_tokens=2, temperature=0.0))])[0]
+        try:
+            warm = self.generate([Request([1, 2, 3], Sampling(max_new_tokens=2, temperature=0.0))])[0]
+        except EngineError:
+            self.stop()
+            raise
         if warm.error:
             log = self.server.log_path
             cause = first_error_line(log, self.server.log_start)  # this start's, not an earlier one's

@@ -31,6 +31,8 @@ def test_smoke_compares_split_restart_and_overlapped_split(smoke):
     assert sorted((r.placement, r.overlap) for r in study.runs.values()) == [("restart", 0), ("split", 0),
                                                                               ("split", 1)]
     assert all(r.steps >= 3 for r in study.runs.values())
+    # the overlapped run reads its rollouts through a worker process: the smoke runs that path on the real server
+    assert [r.rollout_process for r in study.runs.values() if r.overlap] == [True]
 
 
 def test_misspelt_key_is_named_with_a_suggestion(smoke):

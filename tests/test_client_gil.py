@@ -29,9 +29,15 @@ def test_the_loop_does_what_it_is_told():
     assert launch_loop(10) > 0
 
 
-def test_the_cli_refuses_a_bad_fraction_and_writes_json(tmp_path, capsys):
+def test_the_cli_refuses_a_bad_fraction_and_a_missing_gpu_and_writes_json(tmp_path, capsys, monkeypatch):
+    import torch
+
     with pytest.raises(SystemExit):
         cli.main(["client-gil", "--stream-fraction", "2"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as no_gpu:
+        cli.main(["client-gil", "--device", "cuda"])
+    assert no_gpu.value.code == 2 and "--device cuda: torch" in capsys.readouterr().err
     out = tmp_path / "gil.json"
     cli.main(["client-gil", "--format", "vllm", "--stream-fraction", "0", "--requests", "2", "--tokens", "4",
               "--event-interval", "0.001", "--ops", "50", "--repeats", "1", "--out", str(out)])

@@ -182,11 +182,13 @@ def _client_ceiling(args: argparse.Namespace) -> None:
 
 def _client_gil(args: argparse.Namespace) -> None:
     from hybridrl.tools.client_gil import main as gil_main
+    from hybridrl.tools.trainer_bench import check_device
 
+    _preflight("client-gil", partial(check_device, args.device))
     if args.out:
         check_writable(Path(args.out))
     gil_main(args.format, args.stream_fraction, args.requests, args.tokens, args.event_interval, args.ops,
-             args.repeats, Path(args.out) if args.out else None)
+             args.repeats, Path(args.out) if args.out else None, device=args.device)
 
 
 def _fault_run(args: argparse.Namespace) -> None:
@@ -424,6 +426,8 @@ def parser() -> argparse.ArgumentParser:
                         "about 1.6 s, an H200's pace on the dense model)")
     s.add_argument("--ops", type=_at_least_one, default=15000, help="rounds of the loop")
     s.add_argument("--repeats", type=_at_least_one, default=5, help="median of this many loops per mode")
+    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the loop's operators run: cuda times real kernel launches")
     s.add_argument("--out", help="JSON with every setting's figures")
     s.set_defaults(fn=_client_gil)
 

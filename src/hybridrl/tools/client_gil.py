@@ -25,14 +25,19 @@ from hybridrl.engines.client_ceiling import FakeEngine, client_class, fake_reque
 from hybridrl.engines.client_process import ClientProcess
 
 
-def launch_loop(ops: int) -> float:
-    """Seconds for `ops` rounds of three small torch operators, one thread (the stand-in for a trainer's launches)."""
+def launch_loop(ops: int, device: str = "cpu") -> float:
+    """Seconds for `ops` rounds of three small torch operators, one thread: on a CPU a stand-in for a trainer's
+    launches, on a GPU (`cuda`) the launches themselves, waited for at the end."""
     import torch
 
-    x, w = torch.randn(64, 64), torch.randn(64, 64)
+    x, w = torch.randn(64, 64, device=device), torch.randn(64, 64, device=device)
+    if device != "cpu":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(ops):
         x = torch.tanh(x @ w) * 0.5
+    if device != "cpu":
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
@@ -64,21 +69,21 @@ class _Client:
 
 
 def _loop_beside(client: Any, requests: list, through: ClientProcess | None | bool, ops: int,
-                 settle_s: float) -> tuple[float, bool]:
+                 settle_s: float, device: str) -> tuple[float, bool]:
     """(the loop's seconds, whether one batch was in flight from its start to its end); `through` False: no
     client at all (None: the client in a thread, a ClientProcess: in that worker)."""
     if through is False:
-        return launch_loop(ops), True
+        return launch_loop(ops, device), True
     with _Client(client, requests, through or None) as running:
         time.sleep(settle_s)  # the batch under way
         before = (running.started, running.finished)
-        seconds = launch_loop(ops)
+        seconds = launch_loop(ops, device)
         covered = before == (running.started, running.finished) and before[0] > before[1]
     return seconds, covered
 
 
 def measure(fmt: str, stream_fraction: float, requests: int = 128, tokens: int = 256, event_interval_s: float = 0.006,
-            ops: int = 15000, repeats: int = 5, settle_s: float = 0.3) -> dict[str, Any]:
+            ops: int = 15000, repeats: int = 5, settle_s: float = 0.3, device: str = "cpu") -> dict[str, Any]:
     """Rounds of the three modes in turn (alone, beside the thread, beside the worker), so that a host's drift
     touches all three alike: the loop's median seconds per mode and the median and range of each mode's ratio
     to the same round's loop alone. `{mode}_covered`: the rounds in which one batch was in flight for the whole
@@ -96,7 +101,7 @@ def measure(fmt: str, stream_fraction: float, requests: int = 128, tokens: int =
             worker.collect(client, reqs[:1])  # the worker's start and imports stay out of the timing
             for _ in range(repeats):
                 for mode, through in (("alone", False), ("thread", None), ("process", worker)):
-                    seconds, spanned = _loop_beside(client, reqs, through, ops, settle_s)
+                    seconds, spanned = _loop_beside(client, reqs, through, ops, settle_s, device)
                     times[mode].append(seconds)
                     if mode in covered:
                         covered[mode] += spanned
@@ -104,7 +109,7 @@ def measure(fmt: str, stream_fraction: float, requests: int = 128, tokens: int =
         worker.close()
     row: dict[str, Any] = {"format": fmt, "stream_fraction": stream_fraction,
                            "streamed_requests": sum(r.stream for r in reqs), "requests": requests, "tokens": tokens,
-                           "event_interval_s": event_interval_s, "ops": ops, "repeats": repeats}
+                           "event_interval_s": event_interval_s, "ops": ops, "repeats": repeats, "device": device}
     row.update({f"{mode}_s": statistics.median(t) for mode, t in times.items()})
     for mode in ("thread", "process"):
         ratios = [t / a for t, a in zip(times[mode], times["alone"], strict=True)]
@@ -127,13 +132,13 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(formats: list[str], fractions: list[float], requests: int, tokens: int, event_interval_s: float, ops: int,
-         repeats: int, out: Path | None) -> list[dict[str, Any]]:
+         repeats: int, out: Path | None, device: str = "cpu") -> list[dict[str, Any]]:
     from rich.console import Console
     from rich.progress import track
 
     grid = [(fmt, f) for fmt in formats for f in fractions]
     load_before = os.getloadavg()
-    rows = [measure(fmt, f, requests, tokens, event_interval_s, ops, repeats)
+    rows = [measure(fmt, f, requests, tokens, event_interval_s, ops, repeats, device=device)
             for fmt, f in track(grid, description="client beside a launch loop", transient=True)]
     Console(soft_wrap=True).print(markdown_table(rows), markup=False)
     if out is not None:

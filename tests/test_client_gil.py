@@ -62,3 +62,25 @@ def test_the_committed_reading_holds_for_the_committed_rounds():
             assert r["thread_x_min"] > 1
         else:
             assert r["thread_x_min"] <= 1 <= r["thread_x_max"]
+
+
+def test_the_update_variant_times_a_real_trainers_update_beside_the_client(tmp_path, capsys):
+    out = tmp_path / "update.json"
+    cli.main(["client-gil", "--trainer", "hf", "--shape", "tiny", "--device", "cpu", "--workdir", str(tmp_path / "w"),
+              "--format", "sglang", "--stream-fraction", "0.5", "--requests", "4", "--tokens", "200",
+              "--event-interval", "0.01", "--repeats", "1", "--out", str(out)])
+    [row] = json.loads(out.read_text())["settings"]
+    assert row["work"] == "hf update" and row["shape"] == "tiny" and row["streamed_requests"] == 2
+    assert row["alone_s"] > 0 and row["thread_covered"] == row["process_covered"] == 1
+    assert "| sglang | 2/4 |" in capsys.readouterr().out
+    assert (tmp_path / "w" / "hf" / "adapter-4").is_dir()  # warm-up, then one update per mode
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--trainer", "hf"], "--trainer needs --workdir"),
+    (["--trainer", "hf", "--shape", "nope", "--workdir", "w"], "unknown shape 'nope'"),
+])
+def test_the_update_variant_refuses_missing_options_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["client-gil", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

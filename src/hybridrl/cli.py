@@ -180,15 +180,27 @@ def _client_ceiling(args: argparse.Namespace) -> None:
                  old_client=not args.no_old_client)
 
 
+def _check_update_options(args: argparse.Namespace) -> None:
+    """client-gil's update options: a trainer needs a known shape and a workdir."""
+    if args.trainer is None:
+        return
+    from hybridrl.tools.trainer_bench import shape_of
+
+    shape_of(args.shape)
+    if not args.workdir:
+        raise ValueError("--trainer needs --workdir (the random-init model and the adapters go there)")
+
+
 def _client_gil(args: argparse.Namespace) -> None:
     from hybridrl.tools.client_gil import main as gil_main
     from hybridrl.tools.trainer_bench import check_device
 
-    _preflight("client-gil", partial(check_device, args.device))
+    _preflight("client-gil", partial(check_device, args.device), partial(_check_update_options, args))
     if args.out:
         check_writable(Path(args.out))
     gil_main(args.format, args.stream_fraction, args.requests, args.tokens, args.event_interval, args.ops,
-             args.repeats, Path(args.out) if args.out else None, device=args.device)
+             args.repeats, Path(args.out) if args.out else None, device=args.device, trainer=args.trainer,
+             shape=args.shape, workdir=Path(args.workdir) if args.workdir else None, micro_batch=args.micro_batch)
 
 
 def _fault_run(args: argparse.Namespace) -> None:
@@ -427,7 +439,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--ops", type=_at_least_one, default=15000, help="rounds of the loop")
     s.add_argument("--repeats", type=_at_least_one, default=5, help="median of this many loops per mode")
     s.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="where the loop's operators run: cuda times real kernel launches")
+                   help="where the loop's operators (or the update) run: cuda times real kernel launches")
+    s.add_argument("--trainer", choices=["hf", "megatron"],
+                   help="time one update of this trainer (trainer-bench's fixed batch) instead of the loop")
+    s.add_argument("--shape", default="qwen3-0.6b", help="with --trainer: qwen3-0.6b, qwen3-30b-a3b, tiny, tiny-moe")
+    s.add_argument("--micro-batch", type=_at_least_one, default=32, help="with --trainer: samples a pass")
+    s.add_argument("--workdir", help="with --trainer: the random-init model and the adapters go here")
     s.add_argument("--out", help="JSON with every setting's figures")
     s.set_defaults(fn=_client_gil)
 

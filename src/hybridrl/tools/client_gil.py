@@ -12,12 +12,15 @@ client reads batches from the fake engine of `client-ceiling`, paced to a rate a
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -68,29 +71,27 @@ class _Client:
         self._thread.join()
 
 
-def _loop_beside(client: Any, requests: list, through: ClientProcess | None | bool, ops: int,
-                 settle_s: float, device: str) -> tuple[float, bool]:
-    """(the loop's seconds, whether one batch was in flight from its start to its end); `through` False: no
+def _beside(client: Any, requests: list, through: ClientProcess | None | bool, work: Callable[[], float],
+            settle_s: float) -> tuple[float, bool]:
+    """(the work's seconds, whether one batch was in flight from its start to its end); `through` False: no
     client at all (None: the client in a thread, a ClientProcess: in that worker)."""
     if through is False:
-        return launch_loop(ops, device), True
+        return work(), True
     with _Client(client, requests, through or None) as running:
         time.sleep(settle_s)  # the batch under way
         before = (running.started, running.finished)
-        seconds = launch_loop(ops, device)
+        seconds = work()
         covered = before == (running.started, running.finished) and before[0] > before[1]
     return seconds, covered
 
 
-def measure(fmt: str, stream_fraction: float, requests: int = 128, tokens: int = 256, event_interval_s: float = 0.006,
-            ops: int = 15000, repeats: int = 5, settle_s: float = 0.3, device: str = "cpu") -> dict[str, Any]:
-    """Rounds of the three modes in turn (alone, beside the thread, beside the worker), so that a host's drift
-    touches all three alike: the loop's median seconds per mode and the median and range of each mode's ratio
-    to the same round's loop alone. `{mode}_covered`: the rounds in which one batch was in flight for the whole
-    loop (with nothing streamed, its whole answers come at the batch's end: the client waits meanwhile)."""
-    import torch
-
-    torch.set_num_threads(1)  # one core for the loop: its time is the interpreter lock's, not the BLAS pool's
+def rounds_beside(work: Callable[[], float], fmt: str, stream_fraction: float, requests: int = 128,
+                  tokens: int = 256, event_interval_s: float = 0.006, repeats: int = 5,
+                  settle_s: float = 0.3) -> dict[str, Any]:
+    """Rounds of the three modes in turn (alone, beside the client's thread, beside its worker), so that a host's
+    drift touches all three alike: the work's median seconds per mode and the median and range of each mode's
+    ratio to the same round's work alone. `{mode}_covered`: the rounds in which one batch was in flight for the
+    whole work (with nothing streamed, its whole answers come at the batch's end: the client waits meanwhile)."""
     reqs = fake_requests(requests, tokens, stream_fraction)
     times: dict[str, list[float]] = {"alone": [], "thread": [], "process": []}
     covered = {"thread": 0, "process": 0}
@@ -101,7 +102,7 @@ def measure(fmt: str, stream_fraction: float, requests: int = 128, tokens: int =
             worker.collect(client, reqs[:1])  # the worker's start and imports stay out of the timing
             for _ in range(repeats):
                 for mode, through in (("alone", False), ("thread", None), ("process", worker)):
-                    seconds, spanned = _loop_beside(client, reqs, through, ops, settle_s, device)
+                    seconds, spanned = _beside(client, reqs, through, work, settle_s)
                     times[mode].append(seconds)
                     if mode in covered:
                         covered[mode] += spanned
@@ -109,7 +110,7 @@ def measure(fmt: str, stream_fraction: float, requests: int = 128, tokens: int =
         worker.close()
     row: dict[str, Any] = {"format": fmt, "stream_fraction": stream_fraction,
                            "streamed_requests": sum(r.stream for r in reqs), "requests": requests, "tokens": tokens,
-                           "event_interval_s": event_interval_s, "ops": ops, "repeats": repeats, "device": device}
+                           "event_interval_s": event_interval_s, "repeats": repeats}
     row.update({f"{mode}_s": statistics.median(t) for mode, t in times.items()})
     for mode in ("thread", "process"):
         ratios = [t / a for t, a in zip(times[mode], times["alone"], strict=True)]
@@ -118,9 +119,50 @@ def measure(fmt: str, stream_fraction: float, requests: int = 128, tokens: int =
     return row
 
 
+def measure(fmt: str, stream_fraction: float, requests: int = 128, tokens: int = 256, event_interval_s: float = 0.006,
+            ops: int = 15000, repeats: int = 5, settle_s: float = 0.3, device: str = "cpu") -> dict[str, Any]:
+    """rounds_beside with the loop of operators as the work."""
+    import torch
+
+    torch.set_num_threads(1)  # one core for the loop: its time is the interpreter lock's, not the BLAS pool's
+    row = rounds_beside(lambda: launch_loop(ops, device), fmt, stream_fraction, requests, tokens, event_interval_s,
+                        repeats, settle_s)
+    return {**row, "work": "loop", "ops": ops, "device": device}
+
+
+@contextmanager
+def update_work(shape_name: str, trainer: str, device: str, workdir: Path,
+                micro_batch: int = 32) -> Iterator[Callable[[], float]]:
+    """One trainer on trainer-bench's fixed batch of the shape, warmed up; yields the work: one timed update
+    (the step with its adapter export, as the run's update_actor; the optimizer state's write waited for after)."""
+    from hybridrl.tools import trainer_bench as tb
+
+    shape = tb.shape_of(shape_name)
+    model = tb.random_model(workdir / f"model-{shape_name}", shape, "bfloat16" if device == "cuda" else "float32")
+    batch = tb.fixed_batch(shape.config["vocab_size"], shape.samples, shape.prompt, shape.completion)
+    built = tb.build_trainer(trainer, model, tb.bench_run(shape, trainer, device, micro_batch, None), workdir,
+                             peft_lora=False, megatron_permute=False)
+    steps = itertools.count(1)
+
+    def update() -> float:
+        step = next(steps)
+        t0 = time.perf_counter()
+        built.step(step, batch, workdir / trainer / f"adapter-{step}")
+        seconds = time.perf_counter() - t0
+        built.flush()
+        return seconds
+
+    try:
+        update()  # warm-up: kernels, allocator, first export
+        yield update
+    finally:
+        built.close()
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The rows as the Markdown table the READMEs quote (a test holds them to the committed JSON)."""
-    lines = ["| answers | streamed | loop alone | beside the client's thread: median ratio [range] | "
+    work = rows[0].get("work", "loop") if rows else "loop"
+    lines = [f"| answers | streamed | {work} alone | beside the client's thread: median ratio [range] | "
              "beside its process |",
              "| --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -132,14 +174,25 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(formats: list[str], fractions: list[float], requests: int, tokens: int, event_interval_s: float, ops: int,
-         repeats: int, out: Path | None, device: str = "cpu") -> list[dict[str, Any]]:
+         repeats: int, out: Path | None, device: str = "cpu", trainer: str | None = None, shape: str = "qwen3-0.6b",
+         workdir: Path | None = None, micro_batch: int = 32) -> list[dict[str, Any]]:
+    """Every (format, stream share) setting with the loop of operators as the work, or with `trainer`: one update
+    of that trainer on the shape's fixed batch (one trainer built for every setting)."""
     from rich.console import Console
     from rich.progress import track
 
     grid = [(fmt, f) for fmt in formats for f in fractions]
     load_before = os.getloadavg()
-    rows = [measure(fmt, f, requests, tokens, event_interval_s, ops, repeats, device=device)
-            for fmt, f in track(grid, description="client beside a launch loop", transient=True)]
+    if trainer is None:
+        rows = [measure(fmt, f, requests, tokens, event_interval_s, ops, repeats, device=device)
+                for fmt, f in track(grid, description="client beside a launch loop", transient=True)]
+    else:
+        if workdir is None:
+            raise ValueError("--trainer needs --workdir (the random-init model and the adapters go there)")
+        with update_work(shape, trainer, device, workdir, micro_batch) as update:
+            rows = [{**rounds_beside(update, fmt, f, requests, tokens, event_interval_s, repeats),
+                     "work": f"{trainer} update", "shape": shape, "micro_batch": micro_batch, "device": device}
+                    for fmt, f in track(grid, description=f"client beside the {trainer} update", transient=True)]
     Console(soft_wrap=True).print(markdown_table(rows), markup=False)
     if out is not None:
         from hybridrl.run.provenance import write as write_json

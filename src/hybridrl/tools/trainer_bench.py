@@ -174,7 +174,7 @@ def bench_run(shape: Shape, trainer: str, device: str, micro_batch: int, micro_b
                      lora=RunLora(rank=8, alpha=16.0, dropout=0.0, target_modules=shape.lora_targets))
 
 
-def _make_trainer(kind: str, model: Path, run: RunConfig, workdir: Path, peft_lora: bool,
+def build_trainer(kind: str, model: Path, run: RunConfig, workdir: Path, peft_lora: bool,
                   megatron_permute: bool) -> Any:
     if kind == "hf":
         from hybridrl.trainers.hf import HFTrainer
@@ -192,7 +192,7 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
     permutation (each the change its trainer is compared with in one lease)."""
     load_before = os.getloadavg()  # a host busy with something else slows these launch-bound updates
     t0 = time.perf_counter()
-    trainer = _make_trainer(kind, model, run, workdir, peft_lora, megatron_permute)
+    trainer = build_trainer(kind, model, run, workdir, peft_lora, megatron_permute)
     start_s = time.perf_counter() - t0
     update_s, compute_s, save_s, state_s, mfu = [], [], [], [], []
     metrics: dict[str, Any] = {}

@@ -46,15 +46,21 @@ def test_the_cli_refuses_a_bad_fraction_and_a_missing_gpu_and_writes_json(tmp_pa
     assert "| vllm | 0/2 |" in capsys.readouterr().out
 
 
-def test_the_committed_table_is_the_committed_json():
-    rows = json.loads((COMMITTED / "client-gil.json").read_text())["settings"]
-    assert markdown_table(rows) in (COMMITTED / "README.md").read_text()
+ON_GPU_HOST = REPO / "results/reference/2026-11-26-h200-client-gil"
+GIL_RESULTS = [COMMITTED / "client-gil.json", *sorted(ON_GPU_HOST.glob("*.json"))]
 
 
-def test_the_committed_reading_holds_for_the_committed_rounds():
-    """The README's reading, checked against its JSON: streamed rounds all slower beside the thread, none of the
-    other ranges excluding 1."""
-    rows = json.loads((COMMITTED / "client-gil.json").read_text())["settings"]
+@pytest.mark.parametrize("path", GIL_RESULTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_the_committed_table_is_the_committed_json(path):
+    rows = json.loads(path.read_text())["settings"]
+    assert markdown_table(rows) in (path.parent / "README.md").read_text()
+
+
+@pytest.mark.parametrize("path", [p for p in GIL_RESULTS if "update" not in p.name], ids=lambda p: p.name)
+def test_the_committed_reading_holds_for_the_committed_rounds(path):
+    """The READMEs' reading of the loop, checked against their JSON: streamed rounds all slower beside the thread,
+    none of the other ranges excluding 1."""
+    rows = json.loads(path.read_text())["settings"]
     for r in rows:
         assert r["thread_covered"] == r["process_covered"] == r["repeats"]
         assert r["process_x_min"] <= 1 <= r["process_x_max"]
@@ -62,6 +68,25 @@ def test_the_committed_reading_holds_for_the_committed_rounds():
             assert r["thread_x_min"] > 1
         else:
             assert r["thread_x_min"] <= 1 <= r["thread_x_max"]
+
+
+def test_the_committed_reading_of_the_update_holds():
+    """vLLM-format answers: every round slower beside the thread; SGLang-format: the range holds 1; beside the
+    process both ranges hold 1 (results/reference/2026-11-26-h200-client-gil/README.md, *Reading*)."""
+    path = ON_GPU_HOST / "client-gil-hf-update.json"
+    rows = {r["format"]: r for r in json.loads(path.read_text())["settings"]}
+    assert all(r["thread_covered"] == r["process_covered"] == r["repeats"] for r in rows.values())
+    assert rows["vllm"]["thread_x_min"] > 1
+    assert rows["sglang"]["thread_x_min"] <= 1 <= rows["sglang"]["thread_x_max"]
+    assert all(r["process_x_min"] <= 1 <= r["process_x_max"] for r in rows.values())
+    # "the medians above are smaller than both" overlapped / split update ratios of the placement study
+    from hybridrl.report import figures
+
+    study = "results/reference/2026-11-26-2xh200-placement"
+    overlapped = [float(figures.evaluate(f"ratio {study} {a} {b} timing_s/update_actor").split("x")[0])
+                  for a, b in (("sglang-overlap-df5dd4e9", "sglang-split-bf601ec8"),
+                               ("vllm-overlap-9eca5c6f", "vllm-split-9aee0e98"))]
+    assert max(r["thread_x"] for r in rows.values()) < min(overlapped)
 
 
 def test_the_update_variant_times_a_real_trainers_update_beside_the_client(tmp_path, capsys):

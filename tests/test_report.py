@@ -626,6 +626,20 @@ def test_rollout_client_names_the_path_and_older_runs_have_none() -> None:
     assert rollout_client("vllm", 0.0, "False") == "none streamed, a connection per slot"  # as CSV reads it
     assert rollout_client("vllm-inprocess", 1.0, False) == "every request streamed"  # no HTTP pool
     assert rollout_client("sglang", None, None) is None  # recorded before the choice existed
+    # rollout_process: the client in a worker process is a path of its own; off (or not recorded): a thread
+    assert rollout_client("vllm", 0.125, False, True) == "0.125 streamed, a connection per slot, in a worker process"
+    assert rollout_client("vllm", 0.125, False, "False") == rollout_client("vllm", 0.125, False, float("nan"))
+
+
+def test_a_run_through_the_worker_process_is_a_configuration_of_its_own_in_the_table(tmp_path) -> None:
+    from hybridrl.report.aggregate import normalise
+
+    thread = client_run("sglang-a-aaaa", "sglang", 0.125, False)
+    worker = client_run("sglang-b-bbbb", "sglang", 0.125, False).assign(rollout_process=True)
+    df = normalise(pd.concat([thread, worker], ignore_index=True))
+    assert df.groupby("run_id")["client"].first().to_dict() == {
+        "sglang-a-aaaa": "0.125 streamed, a connection per slot",
+        "sglang-b-bbbb": "0.125 streamed, a connection per slot, in a worker process"}
 
 
 def test_headline_never_pairs_engines_measured_through_different_clients() -> None:

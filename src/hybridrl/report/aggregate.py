@@ -21,10 +21,11 @@ PROVENANCE = ["git_commit", "gpu", "machine", "sglang_release", "device"]
 # how many GPUs the run could see: a split run that saw fewer than it asks for put its engine on the trainer's GPU
 SEEN = ["gpu_count"]
 # the GPUs a run held (train_tp, train_gpus), its rollouts per step, its warm-up and its rollout client (which
-# requests are streamed, through which pool) and how far its rollouts may run ahead of training (overlap) come
-# from its run config too
+# requests are streamed, through which pool, in which process) and how far its rollouts may run ahead of training
+# (overlap) come from its run config too
 CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "sglang_retain_cpu_backup", "train_tp", "train_gpus",
-              "prompts_per_step", "group_size", "warmup_steps", "stream_fraction", "shared_pool", "overlap"]
+              "prompts_per_step", "group_size", "warmup_steps", "stream_fraction", "shared_pool", "overlap",
+              "rollout_process"]
 # Made here from the columns above: which configuration a replicate belongs to, what a colocated engine
 # releases on sleep (the arm), which rollout client it went through, cost per GPU, and the engine's own time on
 # the rollout (tokens over throughput: in overlap the rollout runs beside training, and timing_s/gen is only the
@@ -124,9 +125,10 @@ def release_arm(engine: Any, placement: Any, sglang_release: Any, vllm_sleep_lev
     return None
 
 
-def rollout_client(engine: Any, stream_fraction: Any, shared_pool: Any) -> str | None:
+def rollout_client(engine: Any, stream_fraction: Any, shared_pool: Any, rollout_process: Any = None) -> str | None:
     """Which rollout path a run took (issue 20): the share of requests streamed token by token and, for an HTTP
-    engine, whether they share one connection pool (the old client) or get a connection per concurrency slot.
+    engine, whether they share one connection pool (the old client) or get a connection per concurrency slot, and
+    whether the client ran in a worker process (rollout_process; runs before it, and with it off, in a thread).
     None for runs recorded before the choice existed; those streamed every request through one shared pool."""
     if _missing(stream_fraction):
         return None
@@ -135,7 +137,8 @@ def rollout_client(engine: Any, stream_fraction: Any, shared_pool: Any) -> str |
     if str(engine) == "vllm-inprocess":  # no HTTP client: nothing to pool
         return streamed
     pool = "one shared pool" if _to_bool(shared_pool) is True else "a connection per slot"
-    return f"{streamed}, {pool}"
+    worker = ", in a worker process" if _to_bool(rollout_process) is True else ""
+    return f"{streamed}, {pool}{worker}"
 
 
 def run_gpus(row: pd.Series) -> float:
@@ -190,7 +193,7 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     arm = ["engine", "placement", "sglang_release", "vllm_sleep_level", "sglang_retain_cpu_backup"]
     df["release"] = [release_arm(*r) for r in df[arm].itertuples(index=False)]
     df["client"] = [rollout_client(*r) for r in
-                    df[["engine", "stream_fraction", "shared_pool"]].itertuples(index=False)]
+                    df[["engine", "stream_fraction", "shared_pool", "rollout_process"]].itertuples(index=False)]
     gpus = df.apply(run_gpus, axis=1) if len(df) else pd.Series(dtype=float)
     step = pd.to_numeric(df["timing_s/step"], errors="coerce")
     rollouts = pd.to_numeric(df["prompts_per_step"], errors="coerce") * pd.to_numeric(df["group_size"], errors="coerce")

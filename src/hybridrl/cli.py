@@ -180,27 +180,19 @@ def _client_ceiling(args: argparse.Namespace) -> None:
                  old_client=not args.no_old_client)
 
 
-def _check_update_options(args: argparse.Namespace) -> None:
-    """client-gil's update options: a trainer needs a known shape and a workdir."""
-    if args.trainer is None:
-        return
-    from hybridrl.tools.trainer_bench import shape_of
-
-    shape_of(args.shape)
-    if not args.workdir:
-        raise ValueError("--trainer needs --workdir (the random-init model and the adapters go there)")
-
-
 def _client_gil(args: argparse.Namespace) -> None:
+    from hybridrl.tools.client_gil import check_update_options
     from hybridrl.tools.client_gil import main as gil_main
     from hybridrl.tools.trainer_bench import check_device
 
-    _preflight("client-gil", partial(check_device, args.device), partial(_check_update_options, args))
+    workdir = Path(args.workdir) if args.workdir else None
+    _preflight("client-gil", partial(check_device, args.device),
+               partial(check_update_options, args.trainer, args.shape, workdir))
     if args.out:
         check_writable(Path(args.out))
     gil_main(args.format, args.stream_fraction, args.requests, args.tokens, args.event_interval, args.ops,
              args.repeats, Path(args.out) if args.out else None, device=args.device, trainer=args.trainer,
-             shape=args.shape, workdir=Path(args.workdir) if args.workdir else None, micro_batch=args.micro_batch)
+             shape=args.shape, workdir=workdir, micro_batch=args.micro_batch)
 
 
 def _fault_run(args: argparse.Namespace) -> None:
@@ -426,8 +418,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--out", help="JSON with every setting's figures")
     s.set_defaults(fn=_client_ceiling)
 
-    s = sub.add_parser("client-gil", help="how long a loop of torch operators takes beside the rollout client: "
-                       "in a thread of this process, in a worker process (rollout_process), or with none (no GPU)")
+    s = sub.add_parser("client-gil", help="how long a loop of torch operators (or one trainer update) takes beside "
+                       "the rollout client: in a thread of this process, in a worker process (rollout_process), or "
+                       "with none")
     s.add_argument("--format", choices=["sglang", "vllm"], nargs="+", default=["sglang", "vllm"])
     s.add_argument("--stream-fraction", type=_fraction, nargs="+", default=[0.0, 0.125],
                    help="shares of requests streamed (0.125: the runs' default)")

@@ -3,11 +3,13 @@
 A trainer's thread spends its update calling torch operators, each of which lets go of the interpreter lock while
 its kernel runs or launches and must take it back afterwards. A rollout client in the same process (a thread)
 parses each streamed event with the lock held, so every hand-back can wait for it. This benchmark times a loop of
-small torch operators (a stand-in for the update's launches, on this host's CPU) alone, beside the controller's
-real rollout client in a thread, and beside the same client in a worker process (`rollout_process`), while the
-client reads batches from the fake engine of `client-ceiling`, paced to a rate an H200 delivers.
+small torch operators (on the CPU a stand-in for the update's launches; `--device cuda`: real kernel launches), or
+one real trainer update (`--trainer`), alone, beside the controller's real rollout client in a thread, and beside
+the same client in a worker process (`rollout_process`), while the client reads batches from the fake engine of
+`client-ceiling`, paced to a rate an H200 delivers.
 
     python -m hybridrl client-gil --format sglang vllm --stream-fraction 0 0.125 --out bench.json
+    python -m hybridrl client-gil --trainer hf --device cuda --workdir W --stream-fraction 0.125 --event-interval 0.01
 """
 
 from __future__ import annotations
@@ -130,6 +132,18 @@ def measure(fmt: str, stream_fraction: float, requests: int = 128, tokens: int =
     return {**row, "work": "loop", "ops": ops, "device": device}
 
 
+def check_update_options(trainer: str | None, shape_name: str, workdir: Path | None) -> None:
+    """ValueError where the update variant's options do not go together: a trainer needs a known shape and a
+    workdir (checked before anything is built)."""
+    if trainer is None:
+        return
+    from hybridrl.tools.trainer_bench import shape_of
+
+    shape_of(shape_name)
+    if workdir is None:
+        raise ValueError("--trainer needs --workdir (the random-init model and the adapters go there)")
+
+
 @contextmanager
 def update_work(shape_name: str, trainer: str, device: str, workdir: Path,
                 micro_batch: int = 32) -> Iterator[Callable[[], float]]:
@@ -181,14 +195,13 @@ def main(formats: list[str], fractions: list[float], requests: int, tokens: int,
     from rich.console import Console
     from rich.progress import track
 
+    check_update_options(trainer, shape, workdir)
     grid = [(fmt, f) for fmt in formats for f in fractions]
     load_before = os.getloadavg()
     if trainer is None:
         rows = [measure(fmt, f, requests, tokens, event_interval_s, ops, repeats, device=device)
                 for fmt, f in track(grid, description="client beside a launch loop", transient=True)]
     else:
-        if workdir is None:
-            raise ValueError("--trainer needs --workdir (the random-init model and the adapters go there)")
         with update_work(shape, trainer, device, workdir, micro_batch) as update:
             rows = [{**rounds_beside(update, fmt, f, requests, tokens, event_interval_s, repeats),
                      "work": f"{trainer} update", "shape": shape, "micro_batch": micro_batch, "device": device}

@@ -143,6 +143,16 @@ def plan_moe2full() -> Plan:
 
 
 @_plan
+def plan_moe2new() -> Plan:
+    """Issue 15's 48-layer colocate rerun with the trainer of 2026-11-24 on (grouped-GEMM experts, packed
+    micro-batches of 16): moe2full's layout (engines at TP 2 on both GPUs, Megatron TP 1 on the first), SGLang then
+    the vLLM server, one run at a time; SGLang first, so that a lease cut short still holds one whole run."""
+    return Plan(study="config/gpu-4xh200-moe.yaml", phases=(
+        (lane("0,1", "train sglang-colocate-megatron", "train vllm-colocate-megatron"),),
+    ))
+
+
+@_plan
 def plan_moe1full() -> Plan:
     """Issue 15's 48-layer colocate run on one H200 (config/gpu-h200-moefull.yaml: the engine at TP 1, the trainer's
     base kept on the GPU, SGLang releasing its weights to a CPU copy): Megatron, then HF. Needs the `sglang` and

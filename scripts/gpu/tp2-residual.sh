@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# On a two-GPU machine with the `trainer` overlay installed (/tmp/envs/trainer) and the controller's wheels
+# (/tmp/ctl): Megatron TP 2's GPU memory left after offload (issue 15: at most 1 GB a rank while the engine runs),
+# python -m hybridrl.tools.megatron_bench on its 1 B random Qwen3, one process group each:
+#   before   hybridrl's source at REV (.gpu/src-REV, scripts/gpu/snapshot-src.sh): groups made one by one
+#   noshare  the tree's source, megatron's groups split from the world's communicator, not sharing its resources
+#   share    the tree's source as it runs by default (NCCL_COMM_SPLIT_SHARE_RESOURCES=1)
+# Each variant's JSON and log go to OUT/tp2-residual.tar.gz (a call returns few files: one archive).
+#
+#   bash scripts/gpu/tp2-residual.sh OUT REV
+set -euo pipefail
+out=${1:?usage: tp2-residual.sh OUT REV}
+rev=${2:?usage: tp2-residual.sh OUT REV}
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+before=$repo/.gpu/src-$rev/src
+[ -d "$before" ] || { echo "tp2-residual: no snapshot at $before (scripts/gpu/snapshot-src.sh $rev)" >&2; exit 2; }
+work=${HYBRIDRL_TP2_WORK:-/tmp/tp2-residual}
+mkdir -p "$work/res"
+bench() {  # NAME SRC [ENV...]: one benchmark process group on GPUs 0,1
+  local name=$1 src=$2
+  shift 2
+  echo "tp2-residual: $name ($(date -u +%T))"
+  env "$@" CUDA_VISIBLE_DEVICES=0,1 PYTHONPATH="/tmp/envs/trainer:/tmp/ctl:$src" \
+    python3 -m hybridrl.tools.megatron_bench "$work/$name" --tp 2 --skip-hf --model "$work/model" \
+    > "$work/res/$name.json" 2> "$work/res/$name.log" || echo "tp2-residual: $name failed (rc $?)"
+  grep -o '"mem/trainer_residual_gb": [0-9.]*' "$work/res/$name.json" | head -1 || true
+}
+if [ ! -f "$work/model/config.json" ]; then  # the benchmark's own model, made once by its first run
+  PYTHONPATH="/tmp/ctl:$repo/src" python3 -c "
+import sys
+from pathlib import Path
+from hybridrl.tools.megatron_bench import QWEN3_1B
+from hybridrl.tools.trainer_bench import random_model
+random_model(Path(sys.argv[1]), QWEN3_1B, 'bfloat16')" "$work/model"
+fi
+bench before "$before"
+bench noshare "$repo/src" NCCL_COMM_SPLIT_SHARE_RESOURCES=0
+bench share "$repo/src"
+nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$work/res/nvidia-smi.csv" 2>&1 || true
+tar czf "$out/tp2-residual.tar.gz" -C "$work" res

@@ -133,7 +133,7 @@ def test_tp2_resumes_tp1_adapter_and_reports_worker_errors(tp1_run: dict[str, An
     assert os.path.exists(trainer.log_path)
 
 
-def test_ranks_get_nccl_memory_defaults_unless_the_user_set_them(tmp_path, monkeypatch) -> None:
+def test_ranks_get_small_nccl_buffers_unless_the_user_set_them(tmp_path, monkeypatch) -> None:
     import hybridrl.trainers.megatron.trainer as mt
 
     seen: list[dict[str, str]] = []
@@ -144,28 +144,3 @@ def test_ranks_get_nccl_memory_defaults_unless_the_user_set_them(tmp_path, monke
     monkeypatch.setenv("NCCL_MAX_NCHANNELS", "8")
     bare._launch(None)
     assert seen[0]["NCCL_BUFFSIZE"] == str(1 << 20) and seen[0]["NCCL_MAX_NCHANNELS"] == "8"
-    assert seen[0]["NCCL_COMM_SPLIT_SHARE_RESOURCES"] == "1"
-
-
-@pytest.mark.parametrize(("device", "tp", "expected"), [
-    ("cuda", 2, {"backend": "nccl", "device_id": "cuda:0"}),  # split groups need the world's comm at once
-    ("cuda", 1, {"backend": "nccl", "device_id": None}),  # one rank: no communicator to share, none made early
-    ("cpu", 2, {"backend": "gloo"}),
-])
-def test_init_parallel_starts_the_world_communicator_at_once_only_for_cuda_tp(monkeypatch, device, tp,
-                                                                              expected) -> None:
-    import torch
-
-    import hybridrl.trainers.megatron.policy as policy
-
-    seen: dict[str, object] = {}
-
-    def fake_init(backend, **kw):
-        seen.update(backend=backend, **{k: None if v is None else str(v) for k, v in kw.items()})
-
-    monkeypatch.setattr(policy.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(policy.dist, "init_process_group", fake_init)
-    monkeypatch.setattr(policy.dist, "get_world_size", lambda: tp)
-    monkeypatch.setattr(policy.parallel_state, "model_parallel_is_initialized", lambda: True)
-    policy.init_parallel(tp, torch.device(device, 0) if device == "cuda" else torch.device(device))
-    assert seen == expected

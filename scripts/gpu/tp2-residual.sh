@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
 # On a two-GPU machine with the `trainer` overlay installed (/tmp/envs/trainer) and the controller's wheels
 # (/tmp/ctl): Megatron TP 2's GPU memory left after offload (issue 15: at most 1 GB a rank while the engine runs),
-# python -m hybridrl.tools.megatron_bench on its 1 B random Qwen3, one process group each:
-#   before   hybridrl's source at REV (.gpu/src-REV, scripts/gpu/snapshot-src.sh): groups made one by one
-#   noshare  the tree's source, megatron's groups split from the world's communicator, not sharing its resources
-#   share    the tree's source as it runs by default (NCCL_COMM_SPLIT_SHARE_RESOURCES=1)
+# python -m hybridrl.tools.megatron_bench on its 1 B random Qwen3, one process group per variant:
+#   before   hybridrl's source at REV (.gpu/src-REV, scripts/gpu/snapshot-src.sh)
+#   tree     the tree's source
+#   NAME=VAR=VALUE[,VAR=VALUE...]   (further arguments) the tree's source with those environment variables
 # Each variant's JSON and log go to OUT/tp2-residual.tar.gz (a call returns few files: one archive).
 #
-#   bash scripts/gpu/tp2-residual.sh OUT REV
+#   bash scripts/gpu/tp2-residual.sh OUT REV [NAME=VAR=VALUE,...]...
 set -euo pipefail
-out=${1:?usage: tp2-residual.sh OUT REV}
-rev=${2:?usage: tp2-residual.sh OUT REV}
+out=${1:?usage: tp2-residual.sh OUT REV [NAME=VAR=VALUE,...]...}
+rev=${2:?usage: tp2-residual.sh OUT REV [NAME=VAR=VALUE,...]...}
+shift 2
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 before=$repo/.gpu/src-$rev/src
 [ -d "$before" ] || { echo "tp2-residual: no snapshot at $before (scripts/gpu/snapshot-src.sh $rev)" >&2; exit 2; }
 work=${HYBRIDRL_TP2_WORK:-/tmp/tp2-residual}
 mkdir -p "$work/res"
-bench() {  # NAME SRC [ENV...]: one benchmark process group on GPUs 0,1
+bench() {  # NAME SRC [VAR=VALUE...]: one benchmark process group on GPUs 0,1
   local name=$1 src=$2
   shift 2
   echo "tp2-residual: $name ($(date -u +%T))"
@@ -34,7 +35,10 @@ from hybridrl.tools.trainer_bench import random_model
 random_model(Path(sys.argv[1]), QWEN3_1B, 'bfloat16')" "$work/model"
 fi
 bench before "$before"
-bench noshare "$repo/src" NCCL_COMM_SPLIT_SHARE_RESOURCES=0
-bench share "$repo/src"
+bench tree "$repo/src"
+for variant in "$@"; do
+  IFS=, read -r -a vars <<< "${variant#*=}"
+  bench "${variant%%=*}" "$repo/src" "${vars[@]}"
+done
 nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$work/res/nvidia-smi.csv" 2>&1 || true
 tar czf "$out/tp2-residual.tar.gz" -C "$work" res

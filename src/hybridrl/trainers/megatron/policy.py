@@ -29,16 +29,9 @@ from hybridrl.trainers.offload import optimizer_state_to, optimizer_state_to_cpu
 
 
 def init_parallel(tp: int, device: torch.device) -> None:
-    """Process group (NCCL on CUDA, gloo on CPU) from torchrun's env, then megatron's TP groups.
-
-    At TP > 1 on CUDA the world's communicator starts at once (device_id), so that torch makes megatron's groups by
-    splitting it (ncclCommSplit); with NCCL_COMM_SPLIT_SHARE_RESOURCES=1 (the trainer's default) those groups share
-    its buffers instead of each holding its own on the GPU while the engine runs."""
+    """Process group (NCCL on CUDA, gloo on CPU) from torchrun's env, then megatron's TP groups."""
     if not dist.is_initialized():
-        if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device if tp > 1 else None)
-        else:
-            dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if dist.get_world_size() != tp:
         raise MegatronSetupError(f"world size {dist.get_world_size()} != train_tp {tp}: the Megatron trainer "
                                  "runs one process per TP rank and no data parallelism")

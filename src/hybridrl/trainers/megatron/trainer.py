@@ -36,11 +36,11 @@ class MegatronWorkerError(RuntimeError):
 # H200s at TP 2 these cut the trainer's residual from 1.57 to 1.13 GiB (1.68 to 1.21 GB) at the same throughput
 # (4,630 vs 4,637 tok/s); one channel of 256 KB gave 1.10 GiB but cost 28% (results/reference/2026-11-22-h200-megatron,
 # recorded when mem/trainer_*_gb were GiB).
-# Megatron's groups of the same ranks are split from the world's communicator (policy.init_parallel) and share its
-# resources rather than each allocating its own (NCCL >= 2.18).
-# Set any of these variables to override it.
-NCCL_MEMORY_DEFAULTS = {"NCCL_BUFFSIZE": str(1 << 20), "NCCL_MAX_NCHANNELS": "2",
-                        "NCCL_COMM_SPLIT_SHARE_RESOURCES": "1"}
+# Megatron's groups stay lazily made, one communicator each: starting the world's at once (device_id) so that torch
+# splits the groups from it left 1.55 GB (1.44 with NCCL_COMM_SPLIT_SHARE_RESOURCES=1) against 1.19 GB
+# (results/reference/2026-11-27-2xh200-tp2residual).
+# Set either variable to override.
+SMALL_NCCL_BUFFERS = {"NCCL_BUFFSIZE": str(1 << 20), "NCCL_MAX_NCHANNELS": "2"}
 
 
 class MegatronTrainer:
@@ -116,7 +116,7 @@ class MegatronTrainer:
         # torchrun pins OMP_NUM_THREADS=1 when unset; on CPU share the cores between ranks instead
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.tp)))
         env.setdefault("PYTHONWARNINGS", "ignore")
-        env.update({k: v for k, v in NCCL_MEMORY_DEFAULTS.items() if k not in env})
+        env.update({k: v for k, v in SMALL_NCCL_BUFFERS.items() if k not in env})
         if extra_env:
             env.update(extra_env)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.tp}",

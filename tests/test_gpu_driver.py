@@ -113,7 +113,7 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
              "learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm moe2full moe2new moe4 moe4full moepermute "
              "moerounds overlap1 overlapproc packing placement placement1 placement1s placement1v placementlong "
              "placementrest rest rest4 soak syncfree syncfree2 timed timingcost trainer trainerfast trainerfuse "
-             "trainerloop trainermoe verdict verdictkv verdictpin verdictwarm")
+             "trainerloop trainermoe verdict verdictkv verdictpin verdictwarm verdictwarmkv")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     for bad_round in ("x", "0"):
@@ -452,12 +452,23 @@ def test_learning_plan_runs_the_long_runs_then_measures_the_vocabularies(root: P
     assert fused[:2] == ["trainer-bench qwen3-0.6b hf mb 32 peft-lora on GPU 0",
                          "trainer-bench qwen3-0.6b hf mb 32 on GPU 0"]
     assert fused[-1] == "train sglang-colocate on GPU 0"
-    assert set(names + pair + [i.removeprefix("train ").split(" on ")[0] for i in learn]) == short
+    # issue 16's other two arms on this model, interleaved, then their benchmarks (5 repeats each)
+    kv = _one_lane_plan(root, "gpu-h200-learning", "verdictwarmkv")
+    kv_runs = [i.removeprefix("train ").split(" on ")[0] for i in kv if i.startswith("train ")]
+    assert kv_runs == [f"{a}{'' if k == 1 else f'-r{k}'}" for k in (1, 2, 3)
+                       for a in ("sglang-verdict-kv", "vllm-inprocess-verdict")]
+    assert [i.split(" step ")[0] for i in kv[6:]] == ["bench sglang-verdict-kv", "bench vllm-inprocess-verdict"]
+    assert set(names + pair + kv_runs + [i.removeprefix("train ").split(" on ")[0] for i in learn]) == short
     # the pair differs in the engine and its release alone
     sg, vl = (next(r for r in study.runs.values() if r.name == n) for n in ("sglang-verdict", "vllm-verdict"))
     differ = {k for k in type(sg).model_fields if getattr(sg, k) != getattr(vl, k)}
     assert differ <= {"name", "engine", "sglang_release", "engine_args"}, differ
     assert not sg.sampling.ignore_eos and sg.model == "qwen3-0.6b-warm"
+    # and each new arm from its engine's verdict arm in the release or the engine alone
+    for base, arm, allowed in (("sglang-verdict", "sglang-verdict-kv", {"name", "sglang_release"}),
+                               ("vllm-verdict", "vllm-inprocess-verdict", {"name", "engine"})):
+        a, b = (next(r for r in study.runs.values() if r.name == n) for n in (base, arm))
+        assert {k for k in type(a).model_fields if getattr(a, k) != getattr(b, k)} == allowed, arm
 
 
 def test_trainer_plan_benchmarks_the_dense_then_the_moe_shape_on_one_gpu(root: Path) -> None:
@@ -818,7 +829,7 @@ def test_every_plan_loads_and_names_only_runs_of_its_study_on_gpus_it_has() -> N
                     assert {int(g) for g in gpus.split(",")} <= set(range(plan.gpus)), (name, gpus)
         assert all(isinstance(it, TrainerTool) for it in plan.items() if it.text.startswith(("tbench", "tprof")))
     # only the verdict and client plans compare engines' benchmarks over 5 repeats; nothing else changes the env
-    assert {n for n in names if plans.load_plan(n).env} == {"client", "timed", "verdict", "verdictkv"}
+    assert {n for n in names if plans.load_plan(n).env} == {"client", "timed", "verdict", "verdictkv", "verdictwarmkv"}
     with pytest.raises(ValueError, match="not a plan item"):
         parse_item("bench sglang-full")  # no step: refused when the plan loads, not when its turn comes
 

@@ -288,6 +288,18 @@ def plan_verdictwarm() -> Plan:
     return one_lane(interleave(3, "sglang-verdict", "vllm-verdict"), study="config/gpu-h200-learning.yaml")
 
 
+@_plan
+def plan_verdictwarmkv() -> Plan:
+    """Issue 16's other two arms on issue 17's model (config/gpu-h200-learning.yaml; prepare warm-starts it): SGLang's
+    KV-only release and in-process vLLM at level 1, three replicates each, interleaved, 10 steps a run; then each
+    engine's standalone benchmark (5 repeats, raw against the run's client) on step 3's request set of its run, SGLang
+    KV-only's first. Its comparisons with `verdictwarm`'s arms span leases, which the report's caveats say."""
+    vpaths = "--paths raw client"
+    return one_lane(interleave(3, "sglang-verdict-kv", "vllm-inprocess-verdict"), f"bench sglang-verdict-kv 3 {vpaths}",
+                    f"bench vllm-inprocess-verdict 3 {vpaths}", study="config/gpu-h200-learning.yaml",
+                    env=BENCH_REPEATS_5)
+
+
 # -- issue 15: the trainers (bench/trainer-<shape>... in the default study's folder) -----------------------------
 
 @_plan

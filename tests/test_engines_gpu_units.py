@@ -95,6 +95,20 @@ def test_release_all_keeps_its_pinned_cpu_copy_between_sleeps_unless_told_not_to
     assert "TMS_RETAIN_CPU_BACKUP" not in kv.environment()  # no CPU copy to keep
 
 
+@pytest.mark.parametrize(("settings", "checked"), [
+    ({"tp": 2, "keep_base_on_gpu": True}, False),  # the trainer's base fills one GPU of the group
+    ({"tp": 2}, True),
+    ({"tp": 1, "keep_base_on_gpu": True}, True),
+    ({"tp": 2, "keep_base_on_gpu": True, "placement": "split"}, True),  # the trainer has GPUs of its own
+])
+def test_sglang_tp_memory_balance_check_is_off_only_beside_a_resident_trainer_base(
+        model_dir: Path, tmp_path: Path, settings: dict, checked: bool):
+    env = SGLangServer(model_dir, _run(**settings), {}, tmp_path).environment()
+    assert ("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK" not in env) is checked
+    if not checked:
+        assert env["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] == "0"
+
+
 def test_restart_with_adapter_preloads_it(model_dir: Path, tmp_path: Path):
     eng = SGLangServer(model_dir, _run(engine_args=["--disable-cuda-graph"]), {}, tmp_path)
     cmd = eng.command(1, ("policy", Path("/a/step-0002")))

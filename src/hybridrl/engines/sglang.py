@@ -169,6 +169,10 @@ class SGLangServer(HTTPEngine):
             env["SGLANG_FORCE_STREAM_INTERVAL"] = "1"
         if self.run.sglang_release == "all":  # set either way: an inherited value must not decide it
             env["TMS_RETAIN_CPU_BACKUP"] = "1" if self.run.sglang_retain_cpu_backup else "0"
+        if self.run.placement == "colocate" and self.run.keep_base_on_gpu and self.run.tp > 1:
+            # the trainer's base stays on the first of the engine's GPUs, so their free memory differs by design;
+            # SGLang refuses such a TP group at start unless told (it sizes every rank's KV cache from the least)
+            env["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "0"
         env.update(split_engine_devices(self.run, env))
         env.update(self.extra_env)
         return env

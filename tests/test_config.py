@@ -77,6 +77,22 @@ def test_vllm_level_2_sleep_is_refused_because_lora_cannot_reload(smoke):
         resolve(smoke)
 
 
+@pytest.mark.parametrize("over", [{"trainer": "hf"}, {"trainer": "megatron", "train_tp": 1}])
+def test_release_comms_is_refused_where_there_are_no_groups_to_release(smoke, over):
+    smoke["runs"][0].update(release_comms=True, **over)
+    with pytest.raises(ConfigError, match=r"runs\[0\].release_comms: only the megatron trainer at train_tp 2"):
+        resolve(smoke)
+
+
+def test_release_comms_at_its_default_keeps_run_ids(smoke):
+    plain = resolve(copy.deepcopy(smoke)).runs
+    smoke["runs"][0]["release_comms"] = False
+    assert list(resolve(copy.deepcopy(smoke)).runs) == list(plain)
+    smoke["runs"][0].update(release_comms=True, trainer="megatron", train_tp=2, lora={"rank": 8})
+    changed = resolve(smoke).runs
+    assert len(set(changed) - set(plain)) == 1
+
+
 def test_run_id_changes_only_for_the_changed_run(smoke):
     before = resolve(copy.deepcopy(smoke)).runs
     smoke["runs"][1]["lr"] = 1e-3

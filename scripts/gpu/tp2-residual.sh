@@ -4,6 +4,7 @@
 # python -m hybridrl.tools.megatron_bench on its 1 B random Qwen3, one process group per variant:
 #   before   hybridrl's source at REV (.gpu/src-REV, scripts/gpu/snapshot-src.sh)
 #   tree     the tree's source
+#   release  the tree's source with the run key release_comms (the groups destroyed at offload, made at onload)
 #   NAME=VAR=VALUE[,VAR=VALUE...]   (further arguments) the tree's source with those environment variables
 # Each variant's JSON and log go to OUT/tp2-residual.tar.gz (a call returns few files: one archive).
 #
@@ -17,12 +18,13 @@ before=$repo/.gpu/src-$rev/src
 [ -d "$before" ] || { echo "tp2-residual: no snapshot at $before (scripts/gpu/snapshot-src.sh $rev)" >&2; exit 2; }
 work=${HYBRIDRL_TP2_WORK:-/tmp/tp2-residual}
 mkdir -p "$work/res"
-bench() {  # NAME SRC [VAR=VALUE...]: one benchmark process group on GPUs 0,1
-  local name=$1 src=$2
-  shift 2
+bench() {  # NAME SRC FLAGS [VAR=VALUE...]: one benchmark process group on GPUs 0,1
+  local name=$1 src=$2 flags=$3
+  shift 3
   echo "tp2-residual: $name ($(date -u +%T))"
+  # shellcheck disable=SC2086  # FLAGS: words to pass on, or none
   env "$@" CUDA_VISIBLE_DEVICES=0,1 PYTHONPATH="/tmp/envs/trainer:/tmp/ctl:$src" \
-    python3 -m hybridrl.tools.megatron_bench "$work/$name" --tp 2 --skip-hf --model "$work/model" \
+    python3 -m hybridrl.tools.megatron_bench "$work/$name" --tp 2 --skip-hf --model "$work/model" $flags \
     > "$work/res/$name.json" 2> "$work/res/$name.log" || echo "tp2-residual: $name failed (rc $?)"
   grep -o '"mem/trainer_residual_gb": [0-9.]*' "$work/res/$name.json" | head -1 || true
 }
@@ -34,11 +36,12 @@ from hybridrl.tools.megatron_bench import QWEN3_1B
 from hybridrl.tools.trainer_bench import random_model
 random_model(Path(sys.argv[1]), QWEN3_1B, 'bfloat16')" "$work/model"
 fi
-bench before "$before"
-bench tree "$repo/src"
+bench before "$before" ""
+bench tree "$repo/src" ""
+bench release "$repo/src" --release-comms
 for variant in "$@"; do
   IFS=, read -r -a vars <<< "${variant#*=}"
-  bench "${variant%%=*}" "$repo/src" "${vars[@]}"
+  bench "${variant%%=*}" "$repo/src" "" "${vars[@]}"
 done
 nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$work/res/nvidia-smi.csv" 2>&1 || true
 tar czf "$out/tp2-residual.tar.gz" -C "$work" res

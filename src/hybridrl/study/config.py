@@ -177,6 +177,9 @@ def _check_run(run: RunConfig, where: str) -> None:
     if run.rollout_process and run.engine == "vllm-inprocess":
         raise ConfigError(f"{where}.rollout_process: vllm-inprocess has no rollout client to move (it generates in "
                           "the controller's own process); use engine vllm or sglang, or drop the key")
+    if run.release_comms and (run.trainer != "megatron" or run.train_tp < 2):
+        raise ConfigError(f"{where}.release_comms: only the megatron trainer at train_tp 2 or more has process groups "
+                          f"to release (trainer {run.trainer}, train_tp {run.train_tp}); drop the key")
     if run.trainer == "megatron" and run.lora.rank % run.train_tp:
         raise ConfigError(f"{where}.lora.rank: {run.lora.rank} is not divisible by train_tp {run.train_tp}")
 

@@ -94,6 +94,10 @@ class RunConfig(_Frozen):
     keep_base_on_gpu: bool = Field(
         False, description="colocate: the trainer's frozen base weights stay on the GPU while the engine runs "
         "(only the LoRA weights and the optimizer state are offloaded); recorded as train/keep_base_on_gpu")
+    release_comms: bool = Field(
+        False, description="megatron trainer at train_tp > 1: destroy its process groups (their NCCL communicators "
+        "and buffers) at each offload and make them again at the next onload, so that a colocated engine shares the "
+        "GPU with the trainer's CUDA context alone; the groups' setup then lands in every step")
     train_dtype: Literal["bf16", "fp32"] | None = Field(
         None, description="megatron trainer: dtype of the base weights (default bf16 on cuda, fp32 on cpu)")
     rollout_is: Literal["off", "truncate", "mask"] = Field(
@@ -178,7 +182,7 @@ class RunSpec(_Frozen):
 
 # keys added after reference results were recorded: out of the hash while they hold their default, so that those
 # results keep their ids (and a study's later rounds join its earlier ones); a run that sets one gets an id of its own
-_LATE_KEYS = {"rollout_process": False}
+_LATE_KEYS = {"rollout_process": False, "release_comms": False}
 
 # a replicate's suffix: after the 8-hex hash, so no readable prefix (`name`) can look like one
 _REPLICATE = re.compile(r"^(?P<config>.+-[0-9a-f]{8})(?:-r(?P<k>[0-9]+))?$")

@@ -2,6 +2,7 @@
 offload (what it keeps while the engine runs in colocate).
 
     python -m hybridrl.tools.megatron_bench WORKDIR [--tp 2] [--model DIR] [--samples 64] [--steps 3]
+        [--release-comms]
 
 Without --model it makes a random-init Qwen3 checkpoint (about 1 B parameters, bf16) in WORKDIR. Prints one
 JSON object: per trainer the median step time over the steps after the first, completion tokens/s, and for
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--release-comms", action="store_true",
+                    help="the run key release_comms: the ranks' process groups freed at offload (TP > 1)")
     args = ap.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = args.model or random_model(args.workdir / "model", QWEN3_1B, "bfloat16")
@@ -64,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     samples = fixed_batch(vocab, args.samples, args.prompt, args.completion)
     run = RunConfig(model="bench", lora=RunLora(rank=8, alpha=16.0, dropout=0.0), lr=1e-5, weight_decay=0.0,
                     clip_eps=0.2, kl_coef=0.0, grad_clip=1.0, seed=0, train_tp=args.tp, device="cuda",
-                    micro_batch=args.micro_batch)
+                    micro_batch=args.micro_batch, release_comms=args.release_comms)
     report: dict[str, Any] = {"tp": args.tp, "samples": args.samples, "prompt": args.prompt,
-                              "completion": args.completion, "micro_batch": args.micro_batch}
+                              "completion": args.completion, "micro_batch": args.micro_batch,
+                              "release_comms": args.release_comms}
 
     from hybridrl.trainers.megatron.trainer import MegatronTrainer
 

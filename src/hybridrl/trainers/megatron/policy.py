@@ -20,6 +20,7 @@ from hybridrl.trainers.base import Sample, lora_b_norm
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
 from hybridrl.trainers.megatron import export
+from hybridrl.trainers.megatron.comms import ReloadableGroups
 from hybridrl.trainers.megatron.dispatch import use_gather_dispatch
 from hybridrl.trainers.megatron.experts import experts_impl
 from hybridrl.trainers.megatron.lora import apply_lora, lora_disabled, lora_parameters
@@ -102,6 +103,9 @@ class MegatronPolicy:
         self.staging = HostStaging()  # the export's host buffers, reused (TP 1)
         self.flop_shape = read_flop_shape(model_dir)
         self.offloaded = False
+        # run.release_comms: the groups' communicators freed while offloaded (comms.py); nothing to free at TP 1
+        self.comms = (ReloadableGroups(self.tp, "nccl" if device.type == "cuda" else "gloo", [self], self.model)
+                      if run.release_comms and self.tp > 1 else None)
 
     # -- forward ---------------------------------------------------------------------------------------
     def logprobs(self, batch: Batch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -144,6 +148,7 @@ class MegatronPolicy:
                                    kl=self.run.kl_coef > 0))
         metrics["train/keep_base_on_gpu"] = self.run.keep_base_on_gpu
         metrics["train/experts_impl"] = self.experts_impl
+        metrics["train/comms_remade"] = None if self.comms is None else self.comms.generation
         if self.device.type == "cuda":
             metrics["mem/trainer_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / nvml.GB
         return metrics
@@ -212,8 +217,12 @@ class MegatronPolicy:
 
     # -- colocate: weights and optimizer state to pinned CPU memory between steps --------------------
     def offload(self) -> None:
-        if self.device.type != "cuda" or self.offloaded:
-            return
+        if self.device.type == "cuda" and not self.offloaded:
+            self._to_host()
+        if self.comms is not None:  # after the tensors: their copies need no communicator
+            self.comms.release()
+
+    def _to_host(self) -> None:
         for p in self.model.parameters():
             if not p.requires_grad and self.run.keep_base_on_gpu:
                 continue
@@ -237,6 +246,8 @@ class MegatronPolicy:
         self.offloaded = True
 
     def onload(self) -> None:
+        if self.comms is not None:
+            self.comms.restore()
         if self.device.type != "cuda" or not self.offloaded:
             return
         for p in self.model.parameters():

@@ -65,29 +65,32 @@ def test_stale_layers_counts_modules_left_on_a_group_that_is_not_the_current_one
 
 @pytest.mark.slow
 def test_tp2_update_after_releasing_and_remaking_the_groups_matches_one_without(tmp_path: Path) -> None:
-    """Two TP 2 process groups on gloo, the same batches: one releases its groups at the offload between the steps
-    and makes them again at onload. Step 2 agrees to float precision, and each step says how often its groups
-    were made again (a trainer that keeps them says nothing)."""
+    """Two TP 2 process groups on gloo, the same batches: one releases its groups at every offload and makes them
+    again at the next onload (or step). Steps 2 and 3 agree to float precision, and each step says how often its
+    groups were made again (a trainer that keeps them says nothing)."""
     from hybridrl.tools import megatron_parity as parity
     from hybridrl.trainers.megatron import MegatronTrainer
 
     model = parity.tiny_checkpoint("qwen2", tmp_path / "model")
-    batches = [parity.make_samples(128, n=8, seed=s) for s in (11, 12)]
+    batches = [parity.make_samples(128, n=8, seed=s) for s in (11, 12, 13)]
     results: dict[bool, list[Any]] = {}
     for release in (False, True):
         trainer = MegatronTrainer(model, parity.default_run(2, release_comms=release), tmp_path / f"run-{release}")
+        steps = []
         try:
-            first = trainer.step(1, batches[0], tmp_path / f"adapters-{release}/step1")
-            trainer.offload()
-            trainer.onload()
-            second = trainer.step(2, batches[1], tmp_path / f"adapters-{release}/step2")
+            for i, batch in enumerate(batches):
+                if i:
+                    trainer.offload()
+                    if i == 1:  # step 2 after an onload, step 3 without one: the step makes the groups itself
+                        trainer.onload()
+                steps.append(trainer.step(i + 1, batch, tmp_path / f"adapters-{release}/step{i + 1}"))
             trainer.offload()  # released again: the group must still shut down cleanly
         finally:
             trainer.close()
         assert trainer.proc.poll() == 0, "the ranks did not exit cleanly"
-        results[release] = [first, second]
-    assert [r.metrics["train/comms_remade"] for r in results[True]] == [0, 1]
+        results[release] = steps
+    assert [r.metrics["train/comms_remade"] for r in results[True]] == [0, 1, 2]
     assert all(math.isnan(r.metrics["train/comms_remade"]) for r in results[False])  # JSON null: no value
-    kept, remade = (results[k][1].metrics for k in (False, True))
-    for k in ("train/loss", "train/grad_norm", "train/kl", "check/rollout_logprob_abs_diff", "train/lora_norm"):
-        assert remade[k] == pytest.approx(kept[k], rel=1e-5, abs=1e-7), k
+    for kept, remade in zip(results[False][1:], results[True][1:], strict=True):
+        for k in ("train/loss", "train/grad_norm", "train/kl", "check/rollout_logprob_abs_diff", "train/lora_norm"):
+            assert remade.metrics[k] == pytest.approx(kept.metrics[k], rel=1e-5, abs=1e-7), k

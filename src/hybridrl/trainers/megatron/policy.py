@@ -136,7 +136,7 @@ class MegatronPolicy:
         """One optimizer step on the whole batch (token-mean loss, micro-batched); returns metrics."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        if self.offloaded:  # not timed as part of the update
+        if self.offloaded or self.comms_released:  # not timed as part of the update
             self.onload()
         t0 = time.perf_counter()
         metrics = self.backward(samples)
@@ -211,11 +211,15 @@ class MegatronPolicy:
         return self.state_writer.wait()
 
     def resume(self, adapter_dir: Path) -> None:
-        if self.offloaded:
+        if self.offloaded or self.comms_released:
             self.onload()
         export.load_adapter_dir(self.adapters, self.optimizer, adapter_dir)
 
     # -- colocate: weights and optimizer state to pinned CPU memory between steps --------------------
+    @property
+    def comms_released(self) -> bool:
+        return self.comms is not None and self.comms.released
+
     def offload(self) -> None:
         if self.device.type == "cuda" and not self.offloaded:
             self._to_host()

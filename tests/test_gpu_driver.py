@@ -297,7 +297,13 @@ def test_placement_plan_runs_one_round_of_the_six_arms_and_the_long_runs_apart(r
     assert first == [f"train {a} on GPU {g}" for a, g in zip(arms, gpus, strict=True)]
     (root / "gpu-2xh200-placement" / "lane-placement-1.log").unlink()
     third = _one_lane_plan(root, "gpu-2xh200-placement", "placement", HYBRIDRL_ROUND="3")
-    assert third == [f"train {a}-r3 on GPU {g}" for a, g in zip(arms, gpus, strict=True)]
+    # round 3 reverses the placements (engine pairs together), so none always runs first in its lease
+    reverse = [4, 5, 2, 3, 0, 1]
+    assert third == [f"train {arms[i]}-r3 on GPU {gpus[i]}" for i in reverse]
+    from hybridrl.tools.lease.plans import placement_round
+
+    assert [i.split()[1] for i in placement_round(4)] == [f"{a}-r4" for a in arms]  # even rounds: as given
+    assert [i.split()[1] for i in placement_round(5)] == [f"{arms[i]}-r5" for i in reverse]
     assert _one_lane_plan(root, "gpu-2xh200-placement", "placementlong") == [
         "train sglang-overlap-long on GPU 0,1", "train vllm-overlap-long on GPU 0,1"]
     # what the first lease left: round 2's colocate arms and vLLM's overlapped run, then round 3

@@ -524,8 +524,14 @@ PLACEMENT_ARMS = ("sglang-colocate", "vllm-colocate", "sglang-split", "vllm-spli
 
 def placement_round(k: int, arms: tuple[str, ...] = PLACEMENT_ARMS) -> list[str]:
     """Replicate K of the arms, one run at a time: colocate on GPU 0, split and overlap with the engine on GPU 1 and
-    the trainer on GPU 0."""
-    return [f"train {replica(arm, k)}" + (" 0" if arm.endswith("-colocate") else "") for arm in arms]
+    the trainer on GPU 0. Rounds 1 and 2 ran the placements in the order given (2026-11-26); round 3 and every odd
+    round after it reverse the placements (each engine pair kept together), so that no placement always runs first
+    in its lease, where a host's drift would tilt it the same way every round."""
+    placements = list(dict.fromkeys(arm.split("-", 1)[1] for arm in arms))
+    if k >= 3 and k % 2:
+        placements.reverse()
+    ordered = sorted(arms, key=lambda arm: placements.index(arm.split("-", 1)[1]))  # stable: engines keep order
+    return [f"train {replica(arm, k)}" + (" 0" if arm.endswith("-colocate") else "") for arm in ordered]
 
 
 def two_gpu_lane(*items: str) -> Plan:

@@ -136,8 +136,7 @@ class MegatronPolicy:
         """One optimizer step on the whole batch (token-mean loss, micro-batched); returns metrics."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        if self.offloaded or self.comms_released:  # not timed as part of the update
-            self.onload()
+        self.onload()  # not timed as part of the update; a no-op unless offloaded
         t0 = time.perf_counter()
         metrics = self.backward(samples)
         metrics["train/grad_norm"] = self.optimizer_step()
@@ -211,15 +210,10 @@ class MegatronPolicy:
         return self.state_writer.wait()
 
     def resume(self, adapter_dir: Path) -> None:
-        if self.offloaded or self.comms_released:
-            self.onload()
+        self.onload()
         export.load_adapter_dir(self.adapters, self.optimizer, adapter_dir)
 
     # -- colocate: weights and optimizer state to pinned CPU memory between steps --------------------
-    @property
-    def comms_released(self) -> bool:
-        return self.comms is not None and self.comms.released
-
     def offload(self) -> None:
         if self.device.type == "cuda" and not self.offloaded:
             self._to_host()
@@ -250,6 +244,7 @@ class MegatronPolicy:
         self.offloaded = True
 
     def onload(self) -> None:
+        """Weights, optimizer state and released groups back; a no-op for what is already in place."""
         if self.comms is not None:
             self.comms.restore()
         if self.device.type != "cuda" or not self.offloaded:

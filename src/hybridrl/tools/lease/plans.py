@@ -131,15 +131,18 @@ def plan_moe4() -> Plan:
     ))
 
 
+def moe_pair_lane(*items: str) -> Plan:
+    """A plan of the 48-layer study on two GPUs: one lane holding both, its runs one at a time."""
+    return Plan(study="config/gpu-4xh200-moe.yaml", phases=((lane("0,1", *items),),))
+
+
 @_plan
 def plan_moe2full() -> Plan:
     """The 48-layer study on a two-GPU machine: only colocate fits (split needs two GPUs for each side), one run at a
     time, those with the fewest committed steps first: on 2026-11-23 vLLM server ran 10 steps, in-process vLLM 7;
     SGLang has 7 from the 4-GPU lease of 2026-11-22."""
-    return Plan(study="config/gpu-4xh200-moe.yaml", phases=(
-        (lane("0,1", "train sglang-colocate-megatron", "train vllm-inprocess-colocate-megatron",
-              "train vllm-colocate-megatron"),),
-    ))
+    return moe_pair_lane("train sglang-colocate-megatron", "train vllm-inprocess-colocate-megatron",
+                         "train vllm-colocate-megatron")
 
 
 @_plan
@@ -147,9 +150,7 @@ def plan_moe2new() -> Plan:
     """Issue 15's 48-layer colocate rerun with the trainer of 2026-11-24 on (grouped-GEMM experts, packed
     micro-batches of 16): moe2full's layout (engines at TP 2 on both GPUs, Megatron TP 1 on the first), SGLang then
     the vLLM server, one run at a time; SGLang first, so that a lease cut short still holds one whole run."""
-    return Plan(study="config/gpu-4xh200-moe.yaml", phases=(
-        (lane("0,1", "train sglang-colocate-megatron", "train vllm-colocate-megatron"),),
-    ))
+    return moe_pair_lane("train sglang-colocate-megatron", "train vllm-colocate-megatron")
 
 
 @_plan
@@ -157,9 +158,7 @@ def plan_moe2keep() -> Plan:
     """moe2new's pair with the trainer's frozen base kept on the first GPU (keep_base_on_gpu): each step's update
     starts without moving 57 GiB of weights back from pinned CPU memory (1.2 s of a 6-8 s step in moe2new). SGLang,
     then the vLLM server, one run at a time. Needs the `sglang`, `vllm` and `trainer` overlays."""
-    return Plan(study="config/gpu-4xh200-moe.yaml", phases=(
-        (lane("0,1", "train sglang-colocate-megatron-keep", "train vllm-colocate-megatron-keep"),),
-    ))
+    return moe_pair_lane("train sglang-colocate-megatron-keep", "train vllm-colocate-megatron-keep")
 
 
 @_plan

@@ -177,6 +177,17 @@ def test_records_resume_and_adapters(assets, tmp_path):
     assert engine.adapters["policy"] == out / "adapters" / "step-0003"
 
 
+def test_train_tok_s_is_the_trainers_update_alone_and_the_phase_has_its_own_figure(assets, tmp_path):
+    """Issue 15: perf/train_tok_s over the update alone (as perf/train_tok_s_per_gpu, one GPU here); the loop's figure
+    over the whole update_actor phase (export included) is perf/update_actor_tok_s, and it cannot be the larger."""
+    records = run_loop(_run(), "rt", assets / "model", assets / "data", tmp_path, {}, progress=False,
+                       engine=ScriptedEngine())
+    for r in records:
+        assert r["perf/train_tok_s"] == pytest.approx(r["perf/train_tok_s_per_gpu"])
+        assert r["perf/update_actor_tok_s"] == pytest.approx(r["perf/train_tokens"] / r["timing_s/update_actor"])
+        assert r["perf/update_actor_tok_s"] < r["perf/train_tok_s"]
+
+
 def test_a_step_whose_optimizer_state_cannot_be_written_is_not_recorded(assets, tmp_path, monkeypatch):
     from hybridrl.trainers import adapter_files
 

@@ -448,7 +448,7 @@ def make_record(ctx: RunContext, step: int, t: Timings, rollout: Rollout, scored
     record["response/stop_ratio"] = finish_share(done, "stop")
     record.update({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in trained.metrics.items()})
     if record["perf/train_tokens"] and t.s.get("update_actor"):
-        record["perf/train_tok_s"] = record["perf/train_tokens"] / t.s["update_actor"]
+        record["perf/update_actor_tok_s"] = record["perf/train_tokens"] / t.s["update_actor"]
     record["reward/mean"] = sum(scored.rewards) / len(scored.rewards)
     record["reward/accuracy"] = sum(scored.correct) / len(scored.correct)
     record["errors/engine_restarts"] = restarts

@@ -66,7 +66,11 @@ ROLLOUT = (
     # the step whose adapter rolled out this step's samples, and how many steps older it is than the trainer's
     "rollout/adapter_step", "rollout/staleness",
 )
-TRAINING = ("perf/train_tokens", "perf/train_tok_s", "train/loss", "train/grad_norm", "train/kl", "train/clipfrac",
+# perf/train_tok_s is the trainer's, over its update alone (as perf/mfu); perf/update_actor_tok_s is the loop's, over
+# the whole update_actor phase (the trainer's onload, the update, the adapter export, the optimizer state handed on).
+# Runs before 2026-11-27 recorded the phase's figure as perf/train_tok_s.
+TRAINING = ("perf/train_tokens", "perf/train_tok_s", "perf/update_actor_tok_s", "train/loss", "train/grad_norm",
+            "train/kl", "train/clipfrac",
             # the policy's mean entropy over the completion tokens in the update's forward (verl's actor/entropy)
             "train/entropy",
             # the trainer's own timing of the update (no adapter export): model FLOP utilisation against the GPU's

@@ -142,7 +142,7 @@ class MegatronPolicy:
         metrics["train/grad_norm"] = self.optimizer_step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        # MFU and tokens/s over this update alone (the loop's perf/train_tok_s spans the whole update_actor phase)
+        # MFU and tokens/s over this update alone (the loop's perf/update_actor_tok_s spans the update_actor phase)
         metrics.update(update_perf(self.flop_shape, samples, time.perf_counter() - t0, self.tp, self.device,
                                    kl=self.run.kl_coef > 0))
         metrics["train/keep_base_on_gpu"] = self.run.keep_base_on_gpu

@@ -8,14 +8,14 @@
 #   NAME=VAR=VALUE[,VAR=VALUE...]   (further arguments) the tree's source with those environment variables
 # Each variant's JSON and log go to OUT/tp2-residual.tar.gz (a call returns few files: one archive).
 #
-#   bash scripts/gpu/tp2-residual.sh OUT REV [NAME=VAR=VALUE,...]...
+#   bash scripts/gpu/tp2-residual.sh OUT REV|- [NAME=VAR=VALUE,...]...
 set -euo pipefail
 out=${1:?usage: tp2-residual.sh OUT REV [NAME=VAR=VALUE,...]...}
 rev=${2:?usage: tp2-residual.sh OUT REV [NAME=VAR=VALUE,...]...}
 shift 2
 repo=$(cd "$(dirname "$0")/../.." && pwd)
-before=$repo/.gpu/src-$rev/src
-[ -d "$before" ] || { echo "tp2-residual: no snapshot at $before (scripts/gpu/snapshot-src.sh $rev)" >&2; exit 2; }
+before=$repo/.gpu/src-$rev/src  # REV "-": no `before` row (a lease too short for it)
+[ "$rev" = - ] || [ -d "$before" ] || { echo "tp2-residual: no snapshot at $before (scripts/gpu/snapshot-src.sh $rev)" >&2; exit 2; }
 work=${HYBRIDRL_TP2_WORK:-/tmp/tp2-residual}
 mkdir -p "$work/res"
 bench() {  # NAME SRC FLAGS [VAR=VALUE...]: one benchmark process group on GPUs 0,1
@@ -36,7 +36,7 @@ from hybridrl.tools.megatron_bench import QWEN3_1B
 from hybridrl.tools.trainer_bench import random_model
 random_model(Path(sys.argv[1]), QWEN3_1B, 'bfloat16')" "$work/model"
 fi
-bench before "$before" ""
+[ "$rev" = - ] || bench before "$before" ""
 bench tree "$repo/src" ""
 bench release "$repo/src" --release-comms
 for variant in "$@"; do

@@ -113,8 +113,8 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
              "learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm moe2full moe2keep moe2new moe4 moe4full "
              "moepermute moerounds overlap1 overlapproc packing placement placement1 placement1s placement1v "
              "placementlong placementrest rest rest4 soak syncfree syncfree2 timed timingcost trainer "
-             "trainerfast trainerfuse trainerloop trainermoe verdict verdictkv verdictlike verdictpin verdictwarm "
-             "verdictwarmkv")
+             "trainerfast trainerfuse trainerloop trainermoe verdict verdictinproc verdictkv verdictpin verdictvllm "
+             "verdictwarm verdictwarmkv")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     for bad_round in ("x", "0"):

@@ -310,16 +310,22 @@ def plan_verdictwarmkv() -> Plan:
 
 
 @_plan
-def plan_verdictlike() -> Plan:
-    """Issue 16's three release-everything arms in one lease on issue 17's model: SGLang's full release (pinned copy
-    kept), the vLLM server and in-process vLLM (both level 1), three replicates each, interleaved, 10 steps a run; no
-    benchmarks (verdictwarmkv ran them). verdictwarmkv (2026-11-27) put in-process vLLM's rollout 1.49x the vLLM
-    server's of two earlier leases, but the HF trainer's update also ran 0.84x there (other code, other machine), so
-    that comparison needs its runs in one lease. Each round starts one arm later (a Latin square), so that no arm
-    always runs first; about 28 minutes with the warm start, and a cut lease keeps whole rounds."""
-    arms = ("sglang-verdict", "vllm-verdict", "vllm-inprocess-verdict")
-    rounds = [f"train {replica(arms[(k + i) % 3], k + 1)}" for k in range(3) for i in range(3)]
-    return one_lane(rounds, study="config/gpu-h200-learning.yaml")
+def plan_verdictvllm() -> Plan:
+    """Issue 16, in-process vLLM against the vLLM server in one lease (both level 1, the same bytes moved) on issue
+    17's model, three replicates each, interleaved, 10 steps a run. verdictwarmkv (2026-11-27) put in-process vLLM's
+    rollout 1.49x the server's of two earlier leases, while the HF update, which no engine touches, also ran 0.84x
+    there (other code, another machine). The three release-everything arms do not fit one lease (about 31 minutes
+    with the warm start, from the leases' run times), so each pair gets its own: this, verdictinproc and
+    verdictwarm."""
+    return one_lane(interleave(3, "vllm-inprocess-verdict", "vllm-verdict"), study="config/gpu-h200-learning.yaml")
+
+
+@_plan
+def plan_verdictinproc() -> Plan:
+    """Issue 16, SGLang's full release (pinned copy kept) against in-process vLLM at level 1 in one lease on issue
+    17's model, three replicates each, interleaved, 10 steps a run: the third same-lease pair of the
+    release-everything arms, beside verdictwarm (SGLang against the vLLM server) and verdictvllm."""
+    return one_lane(interleave(3, "sglang-verdict", "vllm-inprocess-verdict"), study="config/gpu-h200-learning.yaml")
 
 
 # -- issue 15: the trainers (bench/trainer-<shape>... in the default study's folder) -----------------------------

@@ -316,8 +316,11 @@ def plan_verdictvllm() -> Plan:
     rollout 1.49x the server's of two earlier leases, while the HF update, which no engine touches, also ran 0.84x
     there (other code, another machine). The three release-everything arms do not fit one lease (about 31 minutes
     with the warm start, from the leases' run times), so each pair gets its own: this, verdictinproc and
-    verdictwarm."""
-    return one_lane(interleave(3, "vllm-inprocess-verdict", "vllm-verdict"), study="config/gpu-h200-learning.yaml")
+    verdictwarm. Then the vLLM server's standalone benchmark on this model (5 repeats, raw against the run's client),
+    which no lease has run yet; a lease cut before it keeps the runs."""
+    return one_lane(interleave(3, "vllm-inprocess-verdict", "vllm-verdict"),
+                    "bench vllm-verdict 3 --paths raw client", study="config/gpu-h200-learning.yaml",
+                    env=BENCH_REPEATS_5)
 
 
 @_plan

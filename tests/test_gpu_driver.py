@@ -836,7 +836,8 @@ def test_every_plan_loads_and_names_only_runs_of_its_study_on_gpus_it_has() -> N
                     assert {int(g) for g in gpus.split(",")} <= set(range(plan.gpus)), (name, gpus)
         assert all(isinstance(it, TrainerTool) for it in plan.items() if it.text.startswith(("tbench", "tprof")))
     # only the verdict and client plans compare engines' benchmarks over 5 repeats; nothing else changes the env
-    assert {n for n in names if plans.load_plan(n).env} == {"client", "timed", "verdict", "verdictkv", "verdictwarmkv"}
+    assert {n for n in names if plans.load_plan(n).env} == {"client", "timed", "verdict", "verdictkv", "verdictvllm",
+                                                           "verdictwarmkv"}
     with pytest.raises(ValueError, match="not a plan item"):
         parse_item("bench sglang-full")  # no step: refused when the plan loads, not when its turn comes
 

@@ -60,7 +60,7 @@ def tp1_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     finally:
         trainer.close()
     return {"root": root, "model": model, "batches": batches, "results": results, "pids": pids,
-            "proc": trainer.proc, "frozen": frozen}
+            "proc": trainer.proc, "frozen": frozen, "start_memory": trainer.start_memory}
 
 
 def test_steps_write_peft_adapters(tp1_run: dict[str, Any]) -> None:
@@ -94,6 +94,20 @@ def test_the_workers_keep_long_lived_objects_out_of_collections(tp1_run: dict[st
     at_start, after_step1, after_step2 = tp1_run["frozen"]
     # the imports and the model at startup, then what step 1 made (the optimizer's state); not again after
     assert at_start > 100_000 and after_step1 > at_start and after_step2 == after_step1
+
+
+def test_rank0_reports_its_gpu_memory_at_init_and_at_load(tp1_run: dict[str, Any], monkeypatch) -> None:
+    """Two readings before any update (TP 2's residual, issue 15): with the groups set up, then with the model
+    loaded; off CUDA both are empty, and on CUDA each is torch's reserved bytes and NVML's charge to the process."""
+    from hybridrl.trainers.megatron import policy
+
+    assert tp1_run["start_memory"] == {"init": {}, "load": {}}
+    monkeypatch.setattr(policy.torch.cuda, "memory_reserved", lambda device: 2e9)
+    monkeypatch.setattr(policy, "_nvml_gb", lambda device: 1.5)
+    cuda = torch.device("cuda", 0)
+    assert policy.gpu_memory_of(cuda) == {"mem/trainer_reserved_gb": 2.0, "mem/trainer_residual_gb": 1.5}
+    monkeypatch.setattr(policy, "_nvml_gb", lambda device: None)  # NVML cannot see the process
+    assert policy.gpu_memory_of(cuda) == {"mem/trainer_reserved_gb": 2.0}
 
 
 def test_close_stops_every_process(tp1_run: dict[str, Any]) -> None:

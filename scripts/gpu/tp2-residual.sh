@@ -6,7 +6,8 @@
 #   tree     the tree's source
 #   release  the tree's source with the run key release_comms (the groups destroyed at offload, made at onload)
 #   NAME=VAR=VALUE[,VAR=VALUE...]   (further arguments) the tree's source with those environment variables
-# Each variant's JSON and log go to OUT/tp2-residual.tar.gz (a call returns few files: one archive).
+# Each variant's JSON and log go to OUT/tp2-residual.tar.gz (a call returns few files: one archive); the JSON also
+# holds rank 0's memory before the model and any collective, and with the model loaded (megatron.at_start).
 #
 #   bash scripts/gpu/tp2-residual.sh OUT REV|- [NAME=VAR=VALUE,...]...
 set -euo pipefail

@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.perf_counter()
         mt.onload()
         report["megatron"]["onload_s"] = time.perf_counter() - t1
+        # before the model and any collective, then with the model loaded: what of the residual is not the groups'
+        report["megatron"]["at_start"] = mt.start_memory
     finally:
         mt.close()
     if not args.skip_hf and args.tp == 1:

@@ -263,25 +263,31 @@ class MegatronPolicy:
                     mod._buffers[name] = b.to(device)
 
     def gpu_memory(self) -> dict[str, float]:
-        """What this rank holds on its GPU now: torch's reserved bytes and, where NVML sees our pid, the
-        process's total (CUDA context and NCCL buffers included)."""
-        if self.device.type != "cuda":
-            return {}
-        out = {"mem/trainer_reserved_gb": torch.cuda.memory_reserved(self.device) / nvml.GB}
-        used = self._nvml_gb()
-        if used is not None:
-            out["mem/trainer_residual_gb"] = used
-        return out
+        """What this rank holds on its GPU now (gpu_memory_of)."""
+        return gpu_memory_of(self.device)
 
-    def _nvml_gb(self) -> float | None:
-        """NVML's charge to this rank's process on its GPU; None where NVML is absent or cannot see us."""
-        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        visible = visible_devices()
-        if visible is not None:
-            mapped = nvml_indices()
-            if mapped is None or idx >= len(mapped):  # GPU UUIDs: no cheap map to an NVML index
-                return None
-            idx = mapped[idx]
-        used = nvml.process_used_gb(indices=[idx])
-        # 0 where NVML lists no process of ours (another pid namespace): torch's counter still stands
-        return used or None
+
+def gpu_memory_of(device: torch.device) -> dict[str, float]:
+    """What this process holds on `device` now: torch's reserved bytes and, where NVML sees our pid, the process's
+    total (CUDA context and NCCL buffers included); nothing off CUDA."""
+    if device.type != "cuda":
+        return {}
+    out = {"mem/trainer_reserved_gb": torch.cuda.memory_reserved(device) / nvml.GB}
+    used = _nvml_gb(device)
+    if used is not None:
+        out["mem/trainer_residual_gb"] = used
+    return out
+
+
+def _nvml_gb(device: torch.device) -> float | None:
+    """NVML's charge to this process on `device`; None where NVML is absent or cannot see us."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    visible = visible_devices()
+    if visible is not None:
+        mapped = nvml_indices()
+        if mapped is None or idx >= len(mapped):  # GPU UUIDs: no cheap map to an NVML index
+            return None
+        idx = mapped[idx]
+    used = nvml.process_used_gb(indices=[idx])
+    # 0 where NVML lists no process of ours (another pid namespace): torch's counter still stands
+    return used or None

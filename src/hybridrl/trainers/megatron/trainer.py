@@ -104,6 +104,8 @@ class MegatronTrainer:
             self.close()
             raise
         self.load_s = float(info.get("load_s", 0.0))
+        # rank 0's GPU memory after the process groups were set up, then after the model loaded (empty off CUDA)
+        self.start_memory: dict[str, dict[str, float]] = info.get("memory", {})
         self.experts_impl: str | None = info.get("experts_impl")
         self.moe_permute: str | None = info.get("moe_permute")  # gathers, megatron, or None (dense)
         # objects the workers keep out of Python's collections (worker.freeze_long_lived): after startup, then step 1

@@ -139,7 +139,7 @@ def _start(cfg: dict[str, Any], rank: int) -> Any:
     import torch
 
     from hybridrl.study.run_config import RunConfig
-    from hybridrl.trainers.megatron.policy import MegatronPolicy, init_parallel
+    from hybridrl.trainers.megatron.policy import MegatronPolicy, gpu_memory_of, init_parallel
 
     t0 = time.perf_counter()
     run = RunConfig.model_validate(cfg["run"])
@@ -151,12 +151,16 @@ def _start(cfg: dict[str, Any], rank: int) -> Any:
         device = torch.device("cpu")
     torch.manual_seed(run.seed)
     init_parallel(run.train_tp, device)
+    # the process's GPU memory before the model exists and before its first collective (NCCL makes a group's
+    # communicator then): the CUDA context and NCCL's library state alone, which no offload can free
+    at_init = gpu_memory_of(device)
     policy = MegatronPolicy(cfg["model_dir"], run, device, megatron_permute=bool(cfg.get("megatron_permute")))
     if cfg.get("resume_from"):
         policy.resume(Path(cfg["resume_from"]))
     policy.ready_info = {"load_s": time.perf_counter() - t0, "tp": policy.tp,
                          "lora_params": sum(p.numel() for p in policy.params) * policy.tp,
-                         "experts_impl": policy.experts_impl, "moe_permute": policy.moe_permute}
+                         "experts_impl": policy.experts_impl, "moe_permute": policy.moe_permute,
+                         "memory": {"init": at_init, "load": gpu_memory_of(device)}}
     if rank == 0:  # into worker.log: which MoE experts kernel this run trains with
         print(f"hybridrl megatron worker: tp {policy.tp}, device {device}, experts {policy.experts_impl or 'dense'}",
               flush=True)

@@ -260,6 +260,7 @@ def test_studies_joined_by_a_plus_pool_their_runs_and_keep_each_leases_replicate
                                for s in (first, second))
     assert "(6 runs, 48 steps vs 6 runs, 48 steps)" in figures.evaluate(
         f"verdict {first}+{second} sglang-full vllm-server perf/throughput rate")
+    assert [figures.evaluate(f"runs {s} sglang-full") for s in (first, f"{first}+{second}")] == ["3", "6"]
     with pytest.raises(ValueError, match="names a study twice"):
         figures.evaluate(f"median {first}+{first} sglang-full perf/throughput")
 

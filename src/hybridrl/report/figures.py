@@ -266,6 +266,11 @@ def steady_steps(study: str, name: str) -> str:
     return str(len(_steady(study, name)))
 
 
+def steady_runs(study: str, name: str) -> str:
+    """How many runs the configuration's steady-state medians rest on."""
+    return str(_steady(study, name)["run_id"].nunique())
+
+
 def records(study: str) -> str:
     return str(len(_table(study)))
 
@@ -453,6 +458,7 @@ def logged(path: str, pattern: str) -> str:
 
 FIGURES: dict[str, Callable[..., str]] = {
     "median": median, "interval": interval, "ratio": ratio, "change": change, "steps": steady_steps,
+    "runs": steady_runs,
     "records": records, "span": span, "between": between, "tiers": tiers, "value": value,
     "repeats": repeats, "verdict": verdict, "bench_ratio": bench_ratio, "path_ratio": path_ratio,
     "update_ratio": update_ratio, "process_ratio": process_ratio, "process_medians": process_medians,

@@ -55,6 +55,8 @@ def test_parts_are_cut_so_that_each_call_fits_beside_the_tree(tmp_path: Path) ->
                for p in parts)
     assert b"".join(p.read_bytes() for p in parts) == stream  # gpu-env install joins them by name
     assert "carry .gpu/ctl alone in the first call" in res.stdout
+    # this checkout's committed results are most of its tree: the script says how to leave them behind
+    assert "lean-tree.sh off" in res.stderr
 
 
 def test_a_tree_too_large_for_any_part_is_refused_with_the_cause(tmp_path: Path) -> None:

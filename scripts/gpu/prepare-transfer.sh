@@ -48,6 +48,11 @@ if [ "$part" -lt $((8 * 1024 * 1024)) ]; then
     "a call may carry (HYBRIDRL_CARRY_LIMIT) for an overlay part; move large files out of the tree (or into .gitignore) first" >&2
   exit 1
 fi
+results=$(git ls-files -z results/reference | { xargs -0 -r stat -c %s -- 2>/dev/null || true; } | awk '{s += $1} END {print s + 0}')
+if [ "$results" -gt $((8 * 1024 * 1024)) ]; then  # what no call needs: a hint, not a refusal
+  echo "prepare-transfer: results/reference is $((results / 1000000)) MB of the tree; \`scripts/gpu/lean-tree.sh off\`" \
+    "first leaves larger parts (fewer transfer calls), and \`lean-tree.sh on\` after the last call" >&2
+fi
 
 packed=$gpu/parts-$(IFS=-; echo "${sets[*]}")
 if ! ls "$packed"/part.* > /dev/null 2>&1; then

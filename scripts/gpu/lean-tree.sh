@@ -2,7 +2,8 @@
 # Here, around a GPU lease's transfer calls: every device call carries the working tree, and the committed results
 # (results/reference, about 31 of the tree's 33 MB on 2026-11-27) leave each overlay part only 26 MB of the 64 MiB
 # a call may carry: 36 transfer calls for `sglang vllm`, about 7 minutes of held time. Out of the tree they leave
-# 60 MB parts: 16 calls, 2.4 minutes (2026-11-27). Nothing on the machine reads them.
+# 60 MB parts: 16 calls, done with the install 2.4 minutes into the lease (2026-11-27). Nothing on the machine
+# reads them.
 #
 #   scripts/gpu/lean-tree.sh off   # before prepare-transfer.sh: results/reference moves to .gpu/reference-stash
 #                                  # (ignored, so it travels with no call) and leaves the index, files untouched

@@ -80,7 +80,9 @@ def test_report_compares_both_placements(smoke_run):
     workdir, *_ = smoke_run
     table = pd.read_csv(workdir / "results" / "steps.csv")
     assert sorted(table["placement"].unique()) == ["restart", "split"]
-    assert (table.groupby("run_id")["step"].apply(sorted).map(tuple) == (1, 2, 3)).all()
+    steps = table.groupby("run_id")["step"].apply(sorted).map(tuple)
+    # the overlapped run takes one step more: its last only drains the rollout ahead (config/smoke.yaml)
+    assert all(s == ((1, 2, 3, 4) if rid.startswith("vllm-overlap-") else (1, 2, 3)) for rid, s in steps.items())
     alternating = _alternating(table)
     assert sorted(alternating["placement"]) == ["restart"] * 3 + ["split"] * 3
     for column in ("perf/throughput", "perf/ttft_s_p50", "perf/itl_ms_p99", "perf/latency_s_p99",
@@ -133,17 +135,26 @@ def test_killed_engine_was_restarted_and_counted(smoke_run):
     assert _engine_pids(workdir) == []  # and nothing is left running
 
 
+def ratio_row(workdir: Path) -> str:
+    """The report's ratio row of the overlapped run against its baseline (restart)."""
+    report = (workdir / "results" / "report.md").read_text()
+    return next(line for line in report.splitlines() if line.startswith("| overlapped split | restart |"))
+
+
 def test_overlapped_split_rolled_out_ahead_on_the_real_engine(smoke_run):
     workdir, *_ = smoke_run
     table = pd.read_csv(workdir / "results" / "steps.csv")
     ahead = table[table["run_id"].str.startswith("vllm-overlap-")].sort_values("step")
-    assert ahead["rollout/adapter_step"].tolist() == [0, 0, 1] and ahead["rollout/staleness"].tolist() == [0, 1, 1]
-    assert (ahead["timing_s/overlap"].iloc[:2] > 0).all()  # steps 1 and 2 trained while the next rolled out
+    assert ahead["rollout/adapter_step"].tolist() == [0, 0, 1, 2]
+    assert ahead["rollout/staleness"].tolist() == [0, 1, 1, 1]
+    assert (ahead["timing_s/overlap"].iloc[:3] > 0).all()  # steps 1-3 trained while the next rolled out
     assert ahead["check/logprob_gap_tier"].iloc[1:].isna().all()  # stale rollouts are not judged by the gate
     assert ahead["mismatch/ess"].between(0, 1).all() and ahead["mismatch/is_capped_frac"].notna().all()
     audit = [json.loads(x) for x in next((workdir / "results" / "runs").glob("vllm-overlap-*")).joinpath(
         "requests", "step-0003.jsonl").read_text().splitlines()]
     assert {row["adapter_step"] for row in audit} == {1}
+    # step 3 is its steady step (the last, 4, drains): the report compares it with the others
+    assert "| 1 × 1 / 1 × 1 |" in ratio_row(workdir)
 
 
 def test_archive_verifies_and_rerun_is_a_no_op(smoke_run):

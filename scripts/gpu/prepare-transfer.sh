@@ -34,12 +34,11 @@ exclude=$(git rev-parse --git-path info/exclude)  # .git is a file in a worktree
 mkdir -p "$(dirname "$exclude")"
 grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 
-# what travels with every call: tracked files and untracked ones git does not ignore
-tree_bytes() {
-  { git ls-files -z; git ls-files -z --others --exclude-standard; } | { xargs -0 -r stat -c %s -- 2>/dev/null || true; } \
-    | awk '{s += $1} END {print s + 0}'
+sum_sizes() {  # the bytes of the NUL-separated paths on stdin
+  { xargs -0 -r stat -c %s -- 2>/dev/null || true; } | awk '{s += $1} END {print s + 0}'
 }
-tree=$(tree_bytes)
+# what travels with every call: tracked files and untracked ones git does not ignore
+tree=$({ git ls-files -z; git ls-files -z --others --exclude-standard; } | sum_sizes)
 files=$({ git ls-files; git ls-files --others --exclude-standard; } | wc -l)
 margin=$((margin + files * 1024))  # a header and padding per file, as an archive of the tree has
 part=$((carry_limit - tree - margin))
@@ -48,7 +47,7 @@ if [ "$part" -lt $((8 * 1024 * 1024)) ]; then
     "a call may carry (HYBRIDRL_CARRY_LIMIT) for an overlay part; move large files out of the tree (or into .gitignore) first" >&2
   exit 1
 fi
-results=$(git ls-files -z results/reference | { xargs -0 -r stat -c %s -- 2>/dev/null || true; } | awk '{s += $1} END {print s + 0}')
+results=$(git ls-files -z results/reference | sum_sizes)
 if [ "$results" -gt $((8 * 1024 * 1024)) ]; then  # what no call needs: a hint, not a refusal
   echo "prepare-transfer: results/reference is $((results / 1000000)) MB of the tree; \`scripts/gpu/lean-tree.sh off\`" \
     "first leaves larger parts (fewer transfer calls), and \`lean-tree.sh on\` after the last call" >&2

@@ -73,7 +73,11 @@ prepare() {  # prepare CONFIG: the study's run configs, data and models, as the 
   mkdir -p "$ref"/{runs,bench}
   # cfg/<short name>.json per run (the `run_config` rule's file), then `python -m hybridrl data` and `model` with
   # the rules' arguments (src/hybridrl/study/prepare_study.py). A warm start trains on this host's GPU.
-  PYTHONPATH=$ctl_path python3 -m hybridrl prepare-study --config "$config" --out "$ref"
+  # HYBRIDRL_PREP_MODELS="NAME ...": only those models, none where it is set empty (the driver names the ones its
+  # plans' runs use); unset, every model of the study
+  local only=()
+  [ -z "${HYBRIDRL_PREP_MODELS+set}" ] || read -r -a only <<< "--models $HYBRIDRL_PREP_MODELS"
+  PYTHONPATH=$ctl_path python3 -m hybridrl prepare-study --config "$config" --out "$ref" "${only[@]}"
   touch "$ref/setup.done"
   say "setup of $1 done"
 }

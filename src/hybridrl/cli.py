@@ -42,7 +42,7 @@ def _schema(args: argparse.Namespace) -> None:
 def _prepare_study(args: argparse.Namespace) -> None:
     from hybridrl.study.prepare_study import prepare
 
-    prepare(load_study(args.config), Path(args.out), inputs=not args.configs_only)
+    prepare(load_study(args.config), Path(args.out), inputs=not args.configs_only, models=args.models)
 
 
 def _data(args: argparse.Namespace) -> None:
@@ -312,6 +312,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--config", required=True)
     s.add_argument("--out", required=True, help="the study's folder: cfg/, data/, models/ go here")
     s.add_argument("--configs-only", action="store_true", help="write the run configs, build no data or models")
+    s.add_argument("--models", nargs="*", metavar="NAME",
+                   help="build only these of the study's models (none with no NAME; default: all); one built from "
+                        "the same spec is kept")
     s.set_defaults(fn=_prepare_study)
 
     s = sub.add_parser("data", help="download GSM8K or synthesise GSM8K-format problems")

@@ -11,11 +11,13 @@ import json
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from hybridrl.atomic import write_text
 from hybridrl.study.config import DATA_DEFAULTS, ConfigError, Study
+from hybridrl.study.models import MARKER
 from hybridrl.study.run_config import RunConfig, RunSpec, split_replicate
 
 
@@ -55,16 +57,46 @@ def model_argv(spec: dict[str, Any], data_dir: Path, out: Path) -> list[str]:
             "--test", str(data_dir / "test.jsonl"), "--out", str(out)]
 
 
-def write_run_configs(study: Study, cfg_dir: Path) -> dict[str, str]:
-    """<cfg_dir>/<short name>.json for every run, in the study's order; returns {short name: run id}."""
+def short_names(study: Study) -> dict[str, str]:
+    """{short name: run id} for every run, in the study's order; two runs of one short name are refused."""
     index: dict[str, str] = {}
     for rid, run in study.runs.items():
         short = short_name(rid, run)
         if short in index:  # two runs would share one file: a plan could not tell them apart
             raise ConfigError(f"runs {index[short]} and {rid} share the short name {short}: give one a `name`")
         index[short] = rid
+    return index
+
+
+def write_run_configs(study: Study, cfg_dir: Path) -> dict[str, str]:
+    """<cfg_dir>/<short name>.json for every run, in the study's order; returns {short name: run id}."""
+    index = short_names(study)
+    for short, rid in index.items():
         write_text(cfg_dir / f"{short}.json", run_spec_json(study, rid))
     return index
+
+
+def models_of(study: Study, shorts: Iterable[str]) -> list[str]:
+    """The models the runs of these short names train and roll out, in the study's order of models."""
+    index = short_names(study)
+    unknown = sorted(set(shorts) - set(index))
+    if unknown:
+        raise ConfigError(f"{study.name} has no run named {', '.join(unknown)}")
+    used = {study.runs[index[s]].model for s in shorts}
+    return [name for name in study.models if name in used]
+
+
+def is_built(spec: dict[str, Any], out: Path) -> bool:
+    """Whether `python -m hybridrl model` already built this spec at out: its marker holds every key of the spec
+    with the same value. A changed spec, a build cut short (no marker) or a linked path builds again."""
+    marker = out / MARKER
+    if out.is_symlink() or not marker.is_file():
+        return False
+    try:
+        built = json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(built, dict) and all(built.get(k) == v for k, v in spec.items())
 
 
 def _hybridrl(argv: list[str]) -> None:
@@ -85,14 +117,24 @@ def _model_summary(name: str, out: Path) -> str:
     return f"{name} {shape} {({k: w.get(k) for k in ('base_accuracy', 'eos_share', 'tokens', 'seconds')})}"
 
 
-def prepare(study: Study, out: Path, inputs: bool = True) -> dict[str, str]:
-    """Run configs under out/cfg/, then (inputs) the data under out/data/ and every model under out/models/."""
+def prepare(study: Study, out: Path, inputs: bool = True, models: Sequence[str] | None = None) -> dict[str, str]:
+    """Run configs under out/cfg/, then (inputs) the data under out/data/ and the models under out/models/: those
+    named (a lease's plans name the ones their runs use, perhaps none: a model no run of theirs needs costs lease
+    time), else every one the study defines. A model already built from the same spec is kept."""
+    unknown = sorted(set(models or ()) - set(study.models))
+    if unknown:
+        raise ConfigError(f"{study.name} defines no model {', '.join(unknown)} (it has: {', '.join(study.models)})")
     index = write_run_configs(study, out / "cfg")
     for short, rid in index.items():
         print(short, rid, flush=True)
     if inputs:
         _hybridrl(data_argv(study.data, out / "data"))
-        for name, spec in study.models.items():  # every model the study defines; each run names its own
+        for name, spec in study.models.items():
+            if models is not None and name not in models:
+                continue
+            if is_built(spec, out / "models" / name):
+                print(f"{name}: built already, kept", flush=True)
+                continue
             _hybridrl(model_argv(spec, out / "data", out / "models" / name))
             print(_model_summary(name, out / "models" / name), flush=True)
     return index

@@ -82,6 +82,30 @@ def runs_of(config: Path) -> list[str]:
         return list(write_run_configs(load_study(config), Path(tmp)))
 
 
+def plan_models(lease: Lease, names: list[str]) -> dict[str, list[str]]:
+    """{study: the models its runs in these plans use}: what `prepare` builds for them, in the study's order."""
+    from hybridrl.study.config import load_study
+    from hybridrl.study.prepare_study import models_of, short_names
+
+    runs: dict[str, set[str]] = {}
+    for name in names:
+        plan = plan_named(name)
+        runs.setdefault(plan.study, set()).update(
+            it.text.split()[1] for it in plan.items() if it.text.split()[0] in ("train", "bench", "fault"))
+    needed = {}
+    for study, shorts in runs.items():
+        config = load_study(lease.config(study))
+        needed[study] = models_of(config, sorted(shorts & set(short_names(config))))  # check_names names the rest
+    return needed
+
+
+def missing_models(lease: Lease, study: str, models: list[str]) -> list[str]:
+    """Those of the models not built in the study's folder (a dry run builds none and misses none)."""
+    if lease.dry_run:
+        return []
+    return [m for m in models if not (lease.study_dir(study) / "models" / m / "config.json").is_file()]
+
+
 def check_names(lease: Lease, plan: Plan) -> None:
     """Refuses, in one line, a plan whose train, bench or fault item names no run of its study, or that runs a
     source snapshot .gpu lacks: such an item would fail only when its turn came, after the runs before it."""
@@ -155,6 +179,10 @@ def run_plan(lease: Lease, name: str, out: TextIO | None = None) -> None:
         raise Refused(f"run setup first ({site.ref}/setup.done is missing): `{lease.script} setup WHEELS_DIR "
                       f"{plan.study}` builds its data and models; a dry run checks only that the marker is there "
                       "(docs/gpu.md)", 1)
+    missing = missing_models(lease, plan.study, plan_models(lease, [name]).get(plan.study, []))
+    if missing:
+        raise Refused(f"plan {name} needs models its study's folder lacks ({' '.join(missing)} under "
+                      f"{site.ref}/models): `{lease.script} prepare {plan.study}` builds them", 1)
     if not lease.dry_run and (have := nvml.device_count()) < plan.gpus:
         raise Refused(f"plan {name} needs {plan.gpus} GPUs, this machine has {have}", 2)
     env = {**os.environ, **plan.env}
@@ -220,16 +248,19 @@ def run_plans(lease: Lease, names: list[str], out: TextIO | None = None) -> None
     """The plans one after the other; studies not yet set up are prepared meanwhile, in the background."""
     out = out or sys.stdout
     studies = [plan_named(name).study for name in names]
+    needed = plan_models(lease, names)  # only these: a model no queued run uses would cost lease time
     preps: list[subprocess.Popen] = []
     started: set[str] = set()
     for study in studies:
-        # once per study, even where several plans share it
-        if (lease.study_dir(study) / "setup.done").exists() or study in started:
+        # once per study, even where several plans share it; again where a later plan needs a model not built
+        ready = (lease.study_dir(study) / "setup.done").exists() and not missing_models(
+            lease, study, needed.get(study, []))
+        if ready or study in started:
             continue
         started.add(study)
         # few threads: runs being measured share this host's CPUs with the model build
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("HYBRIDRL_PREP_THREADS") or "8",
-               "HYBRIDRL_REF_DIR": str(lease.root)}
+               "HYBRIDRL_REF_DIR": str(lease.root), "HYBRIDRL_PREP_MODELS": " ".join(needed.get(study, []))}
         log = lease.root / f"prepare-{lease.study_dir(study).name}.log"
         with open(log, "wb") as f:
             preps.append(subprocess.Popen(["bash", str(lease.script), "prepare", study], env=env, stdout=f,
@@ -237,7 +268,7 @@ def run_plans(lease: Lease, names: list[str], out: TextIO | None = None) -> None
     wait_for_envs(out)
     for name, study in zip(names, studies, strict=True):
         # a study being prepared is waited for (its log says why, if it fails)
-        if not (lease.study_dir(study) / "setup.done").exists():
+        if study in started:
             for prep in preps:
                 prep.wait()
         try:

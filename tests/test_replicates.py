@@ -113,6 +113,11 @@ def test_wording_check_refuses_what_the_intervals_do_not_say() -> None:
     # a ranking from an interval that includes 1
     assert wording.violations("SGLang is faster: 1.55x [0.70, 2.54].")
     assert wording.violations("p99 latency favours SGLang, -36% [-60%, +44%].")
+    # one sentence that ranks two comparisons, one of which includes 1 (the placement README after its third round)
+    assert wording.violations("Colocated and split, SGLang was faster: 1.36x [1.14, 1.49] colocated and 1.37x "
+                              "[0.96, 1.67] split.")
+    assert wording.violations("Colocated, SGLang was faster, 1.36x [1.14, 1.49]. Split, the two could not be told "
+                              "apart, 1.37x [0.96, 1.67].") == []
     # and what the rules allow
     assert wording.violations("SGLang is faster: 1.66x [1.46, 1.86].") == []
     assert wording.violations("Neither is faster here: 1.55x [0.70, 2.54].") == []

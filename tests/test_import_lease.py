@@ -44,7 +44,11 @@ def tarball(tmp_path: Path) -> Path:
     (dead / "engine.log").write_text("CUDA error\n")
     (study / "lane-verdictwarm-1.log").write_text("lane\n")
     (root / "driver.log").write_text("driver\n")
-    out = tmp_path / "latest.tar.gz"
+    return _pack(root, tmp_path / "latest.tar.gz")
+
+
+def _pack(root: Path, out: Path) -> Path:
+    """The driver's own pack of the studies under root, as a poll returns it."""
     env = {"PATH": "/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(root)}
     done = subprocess.run(["bash", str(DRIVER), "pack", str(out)], capture_output=True, text=True, env=env,
                           timeout=120)
@@ -113,12 +117,7 @@ def _later_round(tmp_path: Path, runs: tuple[str, ...]) -> Path:
     (study / "models" / "qwen3-0.6b-warm" / "warm_start.json").write_text('{"base_accuracy": 0.45}\n')
     (study / "lane-verdictwarm-1.log").write_text("lane of lease 2\n")
     (root / "driver.log").write_text("driver of lease 2\n")
-    out = tmp_path / "later.tar.gz"
-    env = {"PATH": "/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(root)}
-    done = subprocess.run(["bash", str(DRIVER), "pack", str(out)], capture_output=True, text=True, env=env,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    return out
+    return _pack(root, tmp_path / "later.tar.gz")
 
 
 def test_add_puts_a_later_leases_runs_beside_the_first_and_renders_them_together(tarball: Path,

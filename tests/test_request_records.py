@@ -47,6 +47,18 @@ def test_a_plain_file_beside_its_gzipped_one_wins_and_is_compacted_over_it(tmp_p
     assert request_records.read(run, 1) == newer and not (run / "requests" / "step-0001.jsonl").exists()
 
 
+def test_a_damaged_record_is_named_by_its_file_and_line(tmp_path: Path) -> None:
+    import gzip
+
+    run = _run(tmp_path, steps=1)
+    request_records.compact(run)
+    packed = run / "requests" / "step-0001.jsonl.gz"
+    lines = gzip.decompress(packed.read_bytes()).decode().splitlines()
+    packed.write_bytes(gzip.compress("\n".join([*lines[:2], lines[2][:15], *lines[3:]]).encode()))
+    with pytest.raises(ValueError, match=rf"^{packed}:3: not a request record \(Expecting"):
+        request_records.read(run, 1)
+
+
 def test_the_cli_refuses_a_folder_that_is_not_a_run_and_touches_nothing(tmp_path: Path, capsys) -> None:
     run = _run(tmp_path)
     with pytest.raises(SystemExit, match=r"hybridrl compact: .*elsewhere is not a run directory \(no steps.jsonl\)"):

@@ -51,9 +51,17 @@ def read(run_dir: Path, step: int) -> list[dict[str, Any]]:
     plain = path(run_dir, step)
     packed = plain.with_name(plain.name + ".gz")
     if plain.exists():
-        text = plain.read_text()
+        source, text = plain, plain.read_text()
     elif packed.exists():
-        text = gzip.decompress(packed.read_bytes()).decode()
+        source, text = packed, gzip.decompress(packed.read_bytes()).decode()
     else:
         raise FileNotFoundError(errno.ENOENT, "no request records (plain or .gz)", str(plain))
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:  # named: a bare decode error says neither file nor line
+            raise ValueError(f"{source}:{number}: not a request record ({exc.msg}, column {exc.colno})") from None
+    return records

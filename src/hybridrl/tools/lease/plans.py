@@ -584,8 +584,8 @@ def plan_placementlong() -> Plan:
 
 @_plan
 def plan_overlapproc() -> Plan:
-    """Whether the overlapped runs' slower update (longer than a plain split's at every round of the placement
-    study, results/reference/2026-11-26-2xh200-placement) is the rollout client's thread
+    """Whether the overlapped runs' slower update (longer than a plain split's, by an interval over three runs
+    an arm that excludes 1: results/reference/2026-11-26-2xh200-placement) is the rollout client's thread
     holding the trainer's interpreter lock: per engine, the overlapped arm's replicates 4 and 5 (the client in a
     thread) against the same arm with the client in a worker process (rollout_process), interleaved; about 15
     minutes of runs."""

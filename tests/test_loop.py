@@ -143,6 +143,30 @@ def test_request_set_depends_only_on_seed_and_step(assets):
     assert not any(r.stream for r in step_requests(problems, _run(stream_fraction=0.0), 2, tok)[0])
 
 
+def test_replicate_seeds_give_a_replicate_its_own_sampling_seeds_and_keep_the_prompts(assets, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets / "model")
+    problems = data.read_jsonl(assets / "data" / "train.jsonl")
+    seeds = lambda reqs: [r.sampling.seed for r in reqs]  # noqa: E731
+    first, _ = step_requests(problems, _run(), 2, tok)
+    assert seeds(step_requests(problems, _run(), 2, tok, replicate=3)[0]) == seeds(first)  # off: a replay
+    on = _run(replicate_seeds=True)
+    assert seeds(step_requests(problems, on, 2, tok, replicate=1)[0]) == seeds(first)  # replicate 1 as before
+    third, _ = step_requests(problems, on, 2, tok, replicate=3)
+    assert not set(seeds(third)) & set(seeds(first))
+    assert [r.prompt_ids for r in third] == [r.prompt_ids for r in first]
+    assert seeds(step_requests(problems, on.model_copy(update={"engine": "sglang"}), 2, tok, replicate=3)[0]) == \
+        seeds(third)  # replicate 3 of every arm: one request set
+    # the loop takes the replicate from the run id, so its records show the seeds it sent
+    for rid in ("cfg-0123abcd", "cfg-0123abcd-r2"):
+        run_loop(on, rid, assets / "model", assets / "data", tmp_path / rid, {}, progress=False,
+                 engine=ScriptedEngine())
+    sent = [[json.loads(x)["seed"] for x in (tmp_path / rid / "requests" / "step-0002.jsonl").read_text().splitlines()]
+            for rid in ("cfg-0123abcd", "cfg-0123abcd-r2")]
+    assert sent[0] == seeds(first) and not set(sent[0]) & set(sent[1])
+
+
 def test_a_run_records_its_client_ceiling_and_headroom_each_step(assets, tmp_path):
     class HTTPNamed(ScriptedEngine):
         name = "vllm"  # an HTTP engine's answers: the run measures its client's ceiling before starting it

@@ -201,6 +201,16 @@ def test_at_and_slope_figures_read_one_step_and_the_steady_trend() -> None:
         figures.evaluate(f"at {study} vllm-soak mem/engine_asleep_gb three")
 
 
+def test_replayed_counts_the_requests_every_replicate_answered_at_the_same_length() -> None:
+    warm = "results/reference/2026-11-24-h200-verdictwarm"
+    assert figures.evaluate(f"replayed {warm} vllm-verdict 10") == "128 of 128"  # the vLLM server repeats itself
+    assert figures.evaluate(f"replayed {warm} sglang-verdict-795e3683 10") != "128 of 128"
+    with pytest.raises(ValueError, match="has 1 run; replayed compares"):
+        figures.evaluate("replayed results/reference/2026-11-24-h200-learning sglang-colocate 10")
+    with pytest.raises(ValueError, match="is not a step number"):
+        figures.evaluate(f"replayed {warm} vllm-verdict ten")
+
+
 def test_run_medians_lists_each_replicate_in_the_order_it_ran() -> None:
     study = "results/reference/2026-11-24-h200-verdictpin"
     df = pd.read_csv(REPO / study / "steps.csv")

@@ -406,17 +406,37 @@ def _only_run(study: str, name: str) -> pd.DataFrame:
     return df
 
 
-def _prompts(study: str, run: pd.DataFrame, step: int) -> list[tuple[Any, Any]]:
-    """(sampling seed, prompt length) of each request of the run's step, from its committed request records."""
+def _step_records(study: str, run: pd.DataFrame, step: int, why: str) -> list[dict[str, Any]]:
+    """The run's committed request records of one step; WHY (what needs them) ends the error for missing ones."""
     rid = str(run["run_id"].iloc[0])
     folder, _, rid = rid.rpartition("/")  # a pooled study prefixes each run id with its folder's name
     root = next((f for f in study.split("+") if Path(f).name == folder), study) if folder else study
     try:
-        records = request_records.read(REPO / root / "runs" / rid, int(step))
+        return request_records.read(REPO / root / "runs" / rid, int(step))
     except FileNotFoundError as exc:
-        raise ValueError(f"{Path(exc.filename).relative_to(REPO)} is missing: cannot check that both runs drew the "
-                         "same prompts") from None
+        raise ValueError(f"{Path(exc.filename).relative_to(REPO)} is missing: {why}") from None
+
+
+def _prompts(study: str, run: pd.DataFrame, step: int) -> list[tuple[Any, Any]]:
+    """(sampling seed, prompt length) of each request of the run's step, from its committed request records."""
+    records = _step_records(study, run, step, "cannot check that both runs drew the same prompts")
     return [(r.get("seed"), r.get("prompt_tokens")) for r in records]
+
+
+def replayed(study: str, name: str, step: str) -> str:
+    """Of one step's requests, how many got answers of the same length in every run of the configuration:
+    '128 of 128'. Its replicates send the same prompts with the same sampling seeds (checked), so an engine that
+    honours the seeds batch for batch replays one workload, and the interval over its runs holds timing only."""
+    if not step.isdigit():
+        raise ValueError(f"step {step!r} is not a step number")
+    runs = [g for _, g in _config(_table(study), name).groupby("run_id", sort=True)]
+    if len(runs) < 2:
+        raise ValueError(f"{study}: {name} has {len(runs)} run; replayed compares a configuration's replicates")
+    if len({tuple(_prompts(study, g, int(step))) for g in runs}) != 1:
+        raise ValueError(f"{name}'s runs drew different requests at step {step}")
+    lengths = [[r.get("tokens") for r in _step_records(study, g, int(step), "cannot compare the answers")]
+               for g in runs]
+    return f"{sum(len(set(col)) == 1 for col in zip(*lengths, strict=True))} of {len(lengths[0])}"
 
 
 def paired(study_a: str, name_a: str, study_b: str, name_b: str, column: str, first: str, last: str,
@@ -467,6 +487,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "profile_range": profile_range,
     "series": series, "logged": logged, "paired": paired,
     "at": at, "run_medians": run_medians, "slope": slope, "share": share, "unattributed": unattributed,
+    "replayed": replayed,
 }
 
 

@@ -43,7 +43,7 @@ from hybridrl.run.provenance import collect
 from hybridrl.run.provenance import write as write_provenance
 from hybridrl.run.record import ROLLOUT_READINGS, new_record
 from hybridrl.run.telemetry import MemorySampler, Timings, append_record, read_records, rollout_stats
-from hybridrl.study.run_config import RunConfig
+from hybridrl.study.run_config import RunConfig, split_replicate
 from hybridrl.task import data as gsm8k
 from hybridrl.task.rl import group_advantages
 from hybridrl.trainers import make_trainer
@@ -106,13 +106,19 @@ class RunContext:
     def __post_init__(self) -> None:
         self.ahead = AheadRollouts(self.phase.ahead)
 
+    @property
+    def replicate(self) -> int:
+        return split_replicate(self.run_id)[1]
+
 
 def step_requests(problems: list[dict[str, Any]], run: RunConfig, step: int, tokenizer: Any,
-                  adapter_step: int | None = None) -> tuple[list[Request], list[str]]:
-    """The same prompts, seeds and sampling for every engine: they depend only on (seed, step). The requests
-    name the policy adapter once there is one: the engine holds step `adapter_step`'s (default: the last step's)."""
+                  adapter_step: int | None = None, replicate: int = 1) -> tuple[list[Request], list[str]]:
+    """The same prompts, seeds and sampling for every engine: they depend only on (seed, step), and with
+    replicate_seeds the sampling seeds on the replicate too. The requests name the policy adapter once there is
+    one: the engine holds step `adapter_step`'s (default: the last step's)."""
     has_adapter = (step - 1 if adapter_step is None else adapter_step) > 0
     rng = random.Random(run.seed * 1_000_003 + step)
+    draw = (replicate - 1) * 7_368_787 if run.replicate_seeds else 0  # replicate 1 keeps the seeds it always had
     picked = rng.sample(range(len(problems)), min(run.prompts_per_step, len(problems)))
     s = run.sampling
     requests, answers = [], []
@@ -122,7 +128,7 @@ def step_requests(problems: list[dict[str, Any]], run: RunConfig, step: int, tok
         for g in range(run.group_size):
             sampling = Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                 max_new_tokens=run.max_new_tokens, ignore_eos=s.ignore_eos,
-                                seed=(run.seed * 1_000_003 + step * 10_007 + p_i * 101 + g) % 2**31)
+                                seed=(run.seed * 1_000_003 + step * 10_007 + p_i * 101 + g + draw) % 2**31)
             adapter = ADAPTER_NAME if has_adapter else None
             requests.append(Request(ids, sampling, adapter=adapter, stream=next(streamed)))
             answers.append(problems[idx]["answer"])
@@ -290,7 +296,8 @@ def start_next_rollout(ctx: RunContext, step: int, t: Timings) -> InFlight | Non
     if not ctx.run.overlap or step >= ctx.run.steps:
         return None
     with t.phase("prepare", ctx.sampler):  # starting the thread (and telling phase.json) is part of it
-        requests, answers = step_requests(ctx.problems, ctx.run, step + 1, ctx.tokenizer, ctx.engine_adapter_step)
+        requests, answers = step_requests(ctx.problems, ctx.run, step + 1, ctx.tokenizer, ctx.engine_adapter_step,
+                                          ctx.replicate)
         return ctx.ahead.start(ctx.engine, step + 1, requests, answers, ctx.engine_adapter_step)
 
 
@@ -326,7 +333,8 @@ def generate(ctx: RunContext, step: int, t: Timings, recovery: EngineRecovery) -
             if not ctx.engine.alive():
                 recovery.restart(engine_adapter(ctx), exc)
     with t.phase("prepare", ctx.sampler):
-        requests, answers = step_requests(ctx.problems, ctx.run, step, ctx.tokenizer, ctx.engine_adapter_step)
+        requests, answers = step_requests(ctx.problems, ctx.run, step, ctx.tokenizer, ctx.engine_adapter_step,
+                                          ctx.replicate)
     waited = t.s.get("gen", 0.0)
     completions = recovery.generate(requests, engine_adapter(ctx))
     return _rolled_out(step, requests, answers, completions, ctx.engine_adapter_step, t.s["gen"] - waited,

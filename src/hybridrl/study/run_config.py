@@ -121,6 +121,11 @@ class RunConfig(_Frozen):
         None, gt=0, description="gate, fail tier: a mean gap above this stops the run; default 0.1 (slime's "
         "rollout-logprob gate in its CI)")
     seed: int = Field(0, ge=0, description="seed of the prompts, the sampling and the adapter's initialisation")
+    replicate_seeds: bool = Field(
+        False, description="replicate k > 1 draws sampling seeds of its own (k mixed into every request's seed), "
+        "the prompts unchanged, so the interval over runs also holds the spread of the answers; replicate k of "
+        "every arm still sends one request set. Off, every replicate resends replicate 1's seeded requests, which "
+        "the vLLM engines answer alike and SGLang does not (README, the verdict)")
     # replicates repeat a configuration: same seed, hence the same request sets; only the run id differs
     replicates: int = Field(
         1, ge=1, description="independent runs of this configuration, each with its own run id (the first keeps the "
@@ -183,7 +188,7 @@ class RunSpec(_Frozen):
 
 # keys added after reference results were recorded: out of the hash while they hold their default, so that those
 # results keep their ids (and a study's later rounds join its earlier ones); a run that sets one gets an id of its own
-_LATE_KEYS = {"rollout_process": False, "release_comms": False}
+_LATE_KEYS = {"rollout_process": False, "release_comms": False, "replicate_seeds": False}
 
 # a replicate's suffix: after the 8-hex hash, so no readable prefix (`name`) can look like one
 _REPLICATE = re.compile(r"^(?P<config>.+-[0-9a-f]{8})(?:-r(?P<k>[0-9]+))?$")

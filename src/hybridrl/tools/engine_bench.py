@@ -30,7 +30,7 @@ from hybridrl.run.loop import step_requests
 from hybridrl.run.placement import ADAPTER_NAME
 from hybridrl.run.telemetry import read_records, rollout_stats
 from hybridrl.study.config import read_run_spec, with_overrides
-from hybridrl.study.run_config import RunSpec
+from hybridrl.study.run_config import RunSpec, split_replicate
 from hybridrl.task import data as gsm8k
 
 
@@ -107,7 +107,7 @@ def run_bench(spec: RunSpec, model_dir: Path, data_dir: Path, run_dir: Path, ste
     run = spec.run
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     problems = gsm8k.read_jsonl(data_dir / "train.jsonl")
-    requests, _ = step_requests(problems, run, step, tokenizer)
+    requests, _ = step_requests(problems, run, step, tokenizer, replicate=split_replicate(spec.run_id)[1])
     adapter = None
     if step > 1:  # step N's requests use the adapter trained at step N-1
         adapter = run_dir / "adapters" / f"step-{step - 1:04d}"

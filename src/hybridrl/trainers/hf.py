@@ -13,7 +13,7 @@ import torch
 from hybridrl.run.checks import model_family
 from hybridrl.study.run_config import RunConfig
 from hybridrl.task.rl import token_logprobs_entropy
-from hybridrl.trainers import grouped_mm
+from hybridrl.trainers import grouped_mm, update_memory
 from hybridrl.trainers.adapter_files import (
     OPTIMIZER_FILE,
     HostStaging,
@@ -154,6 +154,7 @@ class HFTrainer:
         if self.offloaded:
             self.onload()
         self.model.train()
+        update_memory.start(self.device)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.optimizer.zero_grad(set_to_none=True)
         metrics = grpo_backward(samples, self.run, self.device, self._logprobs, self.model.disable_adapter, pad)
@@ -161,7 +162,7 @@ class HFTrainer:
         self.optimizer.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return metrics
+        return {**metrics, **update_memory.taken(self.device)}
 
     def step(self, step: int, samples: list[Sample], out_dir: Path) -> TrainResult:
         if self.offloaded:

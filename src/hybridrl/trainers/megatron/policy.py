@@ -15,6 +15,7 @@ from hybridrl import nvml
 from hybridrl.engines.gpus import nvml_indices, visible_devices
 from hybridrl.study.run_config import RunConfig
 from hybridrl.task.rl import LOGSOFTMAX_CHUNK_BYTES, logit_chunks, token_logprobs_entropy
+from hybridrl.trainers import update_memory
 from hybridrl.trainers.adapter_files import HostStaging, StateWriter, write_adapter_dir
 from hybridrl.trainers.base import Sample, lora_b_norm
 from hybridrl.trainers.flops import read_flop_shape, update_perf
@@ -134,8 +135,7 @@ class MegatronPolicy:
     # -- the GRPO step ---------------------------------------------------------------------------------
     def step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step on the whole batch (token-mean loss, micro-batched); returns metrics."""
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        update_memory.start(self.device)
         self.onload()  # not timed as part of the update; a no-op unless offloaded
         t0 = time.perf_counter()
         metrics = self.backward(samples)
@@ -148,8 +148,7 @@ class MegatronPolicy:
         metrics["train/keep_base_on_gpu"] = self.run.keep_base_on_gpu
         metrics["train/experts_impl"] = self.experts_impl
         metrics["train/comms_remade"] = None if self.comms is None else self.comms.generation
-        if self.device.type == "cuda":
-            metrics["mem/trainer_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / nvml.GB
+        metrics.update(update_memory.taken(self.device))
         return metrics
 
     def backward(self, samples: list[Sample]) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """What a trainer's update held on its GPU by torch's allocator: the peak of live tensors during the update, and what
 the allocator's cache keeps after it. A trainer on a GPU of its own (split) never empties that cache, so NVML's
-figure for its GPU (46 GB on the 2026-11-26 placement study's HF runs, whose colocated twins peaked at 33 GB) reads
-the cache, not what the update needs; these two say which."""
+figure for its GPU (46 GB in the 2026-11-26 placement study's split HF runs, where the colocated twins' GPU, the
+engine asleep beside the trainer, peaked at 33 GB in the update) reads the cache, not what the update needs; these
+two say which."""
 
 from __future__ import annotations
 

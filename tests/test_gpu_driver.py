@@ -113,8 +113,8 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
              "learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm moe2full moe2keep moe2new moe4 moe4full "
              "moepermute moerounds overlap1 overlapproc packing placement placement1 placement1s placement1v "
              "placementlong placementrest rest rest4 soak syncfree syncfree2 timed timingcost trainer "
-             "trainerfast trainerfuse trainerloop trainermoe verdict verdictinproc verdictkv verdictpin verdictvllm "
-             "verdictwarm verdictwarmkv")
+             "trainerfast trainerfuse trainerloop trainermoe verdict verdictdraws verdictinproc verdictkv verdictpin "
+             "verdictvllm verdictwarm verdictwarmkv")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     for bad_round in ("x", "0"):
@@ -465,7 +465,12 @@ def test_learning_plan_runs_the_long_runs_then_measures_the_vocabularies(root: P
     assert kv_runs == [f"{a}{'' if k == 1 else f'-r{k}'}" for k in (1, 2, 3)
                        for a in ("sglang-verdict-kv", "vllm-inprocess-verdict")]
     assert [i.split(" step ")[0] for i in kv[6:]] == ["bench sglang-verdict-kv", "bench vllm-inprocess-verdict"]
-    assert set(names + pair + kv_runs + [i.removeprefix("train ").split(" on ")[0] for i in learn]) == short
+    # the headline pair again with a draw of answers per replicate
+    draws = [i.removeprefix("train ").split(" on ")[0] for i in _one_lane_plan(root, "gpu-h200-learning",
+                                                                               "verdictdraws")]
+    assert draws == [f"{a}{'' if k == 1 else f'-r{k}'}" for k in (1, 2, 3)
+                     for a in ("sglang-verdict-draws", "vllm-verdict-draws")]
+    assert set(names + pair + kv_runs + draws + [i.removeprefix("train ").split(" on ")[0] for i in learn]) == short
     # the pair differs in the engine and its release alone
     sg, vl = (next(r for r in study.runs.values() if r.name == n) for n in ("sglang-verdict", "vllm-verdict"))
     differ = {k for k in type(sg).model_fields if getattr(sg, k) != getattr(vl, k)}
@@ -473,7 +478,9 @@ def test_learning_plan_runs_the_long_runs_then_measures_the_vocabularies(root: P
     assert not sg.sampling.ignore_eos and sg.model == "qwen3-0.6b-warm"
     # and each new arm from its engine's verdict arm in the release or the engine alone
     for base, arm, allowed in (("sglang-verdict", "sglang-verdict-kv", {"name", "sglang_release"}),
-                               ("vllm-verdict", "vllm-inprocess-verdict", {"name", "engine"})):
+                               ("vllm-verdict", "vllm-inprocess-verdict", {"name", "engine"}),
+                               ("sglang-verdict", "sglang-verdict-draws", {"name", "replicate_seeds"}),
+                               ("vllm-verdict", "vllm-verdict-draws", {"name", "replicate_seeds"})):
         a, b = (next(r for r in study.runs.values() if r.name == n) for n in (base, arm))
         assert {k for k in type(a).model_fields if getattr(a, k) != getattr(b, k)} == allowed, arm
 

@@ -331,6 +331,18 @@ def plan_verdictinproc() -> Plan:
     return one_lane(interleave(3, "sglang-verdict", "vllm-inprocess-verdict"), study="config/gpu-h200-learning.yaml")
 
 
+@_plan
+def plan_verdictdraws() -> Plan:
+    """Issue 16's headline pair on issue 17's model with a draw of answers per replicate (replicate_seeds): SGLang's
+    full release (pinned copy kept) and the vLLM server at level 1, three replicates each, interleaved, 10 steps a
+    run. In verdictwarm the vLLM server's replicates answered every request at the same length (it honours the
+    per-request seeds) while SGLang's drifted apart, so its interval over runs held timing only; here replicate k of
+    both arms has seeds of its own and the intervals hold the spread of the answers for both. Needs the `sglang`
+    and `vllm` overlays; about 25 minutes held, as verdictwarm."""
+    return one_lane(interleave(3, "sglang-verdict-draws", "vllm-verdict-draws"),
+                    study="config/gpu-h200-learning.yaml")
+
+
 # -- issue 15: the trainers (bench/trainer-<shape>... in the default study's folder) -----------------------------
 
 @_plan

@@ -111,3 +111,25 @@ def test_run_plans_prepares_a_set_up_study_again_for_a_model_it_lacks(tmp_path, 
     preps.clear()
     run_plans(Lease(REPO, tmp_path), ["verdictvllm", "verdictinproc"])
     assert preps == []  # set up, and its one model built: nothing to prepare
+
+
+def test_the_drivers_prepare_passes_the_models_on_and_an_empty_set_builds_none(tmp_path) -> None:
+    import yaml
+
+    raw = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    bin_dir = tmp_path / "bin"  # python3 is this interpreter, as on the GPU machine
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HYBRIDRL_REF_DIR": str(tmp_path / "ref"), "HYBRIDRL_PREP_MODELS": ""}
+    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu" / "run_reference.sh"), "prepare", str(config)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ref = tmp_path / "ref" / "tiny"
+    assert (ref / "setup.done").exists() and (ref / "data" / "train.jsonl").exists()
+    assert not (ref / "models").exists() or not any((ref / "models").iterdir())  # none asked for, none built
+    env["HYBRIDRL_PREP_MODELS"] = "tiny-nope"
+    bad = subprocess.run(["bash", str(REPO / "scripts" / "gpu" / "run_reference.sh"), "prepare", str(config)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode != 0 and "defines no model tiny-nope" in bad.stderr

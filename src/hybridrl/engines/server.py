@@ -12,10 +12,11 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -193,6 +194,37 @@ async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
         yield pending.removesuffix("\r")
 
 
+T = TypeVar("T")
+
+# how long the requests still in flight get to end once a rollout is interrupted (SIGTERM raises SystemExit in it)
+CANCEL_GRACE_S = 5.0
+
+
+def run_bounded(main: Coroutine[Any, Any, T], grace_s: float = CANCEL_GRACE_S) -> T:
+    """asyncio.run, but an interrupted run gives its pending tasks `grace_s` to take their cancellation, then
+    closes the loop anyway. asyncio.run waits for them without bound: a train process that SLURM's scancel
+    interrupted mid-rollout spun in that wait at 76% of a core for 15 minutes after its job had ended (CI, the
+    SLURM test cluster, 2026-11-27), its vLLM server already dead."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending, timeout=grace_s))
+        left = sum(not t.done() for t in pending)
+        if left:
+            print(f"rollout interrupted: {left} request task(s) did not stop within {grace_s:.0f} s; left behind",
+                  file=sys.stderr, flush=True)
+        closing = loop.create_task(loop.shutdown_asyncgens())  # a stream's reader closes with the same bound
+        loop.run_until_complete(asyncio.wait([closing], timeout=grace_s))
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
 class RolloutClient:
     """Sends many generate requests concurrently from one asyncio client.
 
@@ -303,7 +335,7 @@ class RolloutClient:
 
     def collect(self, requests: list[Request], tick: Callable[[], None] = lambda: None) -> list[Completion]:
         """Every request's completion (failures as errors in it), in order; `tick` after each one."""
-        return asyncio.run(self._all(requests, tick))
+        return run_bounded(self._all(requests, tick))
 
     def check_alive(self) -> None:
         """EngineError, with the server log's tail, where the server died (its answers may have been cut)."""

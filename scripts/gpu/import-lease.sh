@@ -55,7 +55,7 @@ if [ -n "$label" ]; then
   mkdir -p "$dest/runs"
   cp -r "$src"/runs/* "$dest/runs/"
 else
-  mkdir -p "$dest/logs"
+  mkdir -p "$dest"
   cp -r "$src/runs" "$dest/runs"
 fi
 mkdir -p "$dest/logs"

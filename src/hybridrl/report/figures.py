@@ -417,10 +417,14 @@ def _step_records(study: str, run: pd.DataFrame, step: int, why: str) -> list[di
         raise ValueError(f"{Path(exc.filename).relative_to(REPO)} is missing: {why}") from None
 
 
-def _prompts(study: str, run: pd.DataFrame, step: int) -> list[tuple[Any, Any]]:
-    """(sampling seed, prompt length) of each request of the run's step, from its committed request records."""
-    records = _step_records(study, run, step, "cannot check that both runs drew the same prompts")
+def _drawn(records: list[dict[str, Any]]) -> list[tuple[Any, Any]]:
+    """(sampling seed, prompt length) of each request: what two runs drawing the same requests share."""
     return [(r.get("seed"), r.get("prompt_tokens")) for r in records]
+
+
+def _prompts(study: str, run: pd.DataFrame, step: int) -> list[tuple[Any, Any]]:
+    """_drawn of the run's step, from its committed request records."""
+    return _drawn(_step_records(study, run, step, "cannot check that both runs drew the same prompts"))
 
 
 def replayed(study: str, name: str, step: str) -> str:
@@ -432,10 +436,10 @@ def replayed(study: str, name: str, step: str) -> str:
     runs = [g for _, g in _config(_table(study), name).groupby("run_id", sort=True)]
     if len(runs) < 2:
         raise ValueError(f"{study}: {name} has {len(runs)} run; replayed compares a configuration's replicates")
-    if len({tuple(_prompts(study, g, int(step))) for g in runs}) != 1:
+    records = [_step_records(study, g, int(step), "cannot compare the replicates' answers") for g in runs]
+    if len({tuple(_drawn(r)) for r in records}) != 1:
         raise ValueError(f"{name}'s runs drew different requests at step {step}")
-    lengths = [[r.get("tokens") for r in _step_records(study, g, int(step), "cannot compare the answers")]
-               for g in runs]
+    lengths = [[r.get("tokens") for r in recs] for recs in records]
     return f"{sum(len(set(col)) == 1 for col in zip(*lengths, strict=True))} of {len(lengths[0])}"
 
 

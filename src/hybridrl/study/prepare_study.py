@@ -78,8 +78,8 @@ def write_run_configs(study: Study, cfg_dir: Path) -> dict[str, str]:
 
 def models_of(study: Study, shorts: Iterable[str]) -> list[str]:
     """The models the runs of these short names train and roll out, in the study's order of models."""
-    index = short_names(study)
-    unknown = sorted(set(shorts) - set(index))
+    index, shorts = short_names(study), set(shorts)  # a set: an iterator would be spent by the first pass
+    unknown = sorted(shorts - set(index))
     if unknown:
         raise ConfigError(f"{study.name} has no run named {', '.join(unknown)}")
     used = {study.runs[index[s]].model for s in shorts}

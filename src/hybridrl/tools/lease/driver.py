@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -76,10 +75,9 @@ def plan_named(name: str) -> Plan:
 def runs_of(config: Path) -> list[str]:
     """The names a plan calls the study's runs by (cfg/<name>.json, as `prepare-study` writes them)."""
     from hybridrl.study.config import load_study
-    from hybridrl.study.prepare_study import write_run_configs
+    from hybridrl.study.prepare_study import short_names
 
-    with tempfile.TemporaryDirectory() as tmp:  # write_run_configs also refuses two runs of one name
-        return list(write_run_configs(load_study(config), Path(tmp)))
+    return list(short_names(load_study(config)))  # which also refuses two runs of one name
 
 
 def plan_models(lease: Lease, names: list[str]) -> dict[str, list[str]]:

@@ -177,11 +177,11 @@ def test_a_finished_checkpoint_is_moved_into_place_not_copied(tmp_path, monkeypa
 def test_a_torn_or_garbage_line_names_the_file_and_line(tmp_path):
     split = tmp_path / "train.jsonl"
     split.write_text('{"question": "q", "answer": "#### 1"}\n\n{"question": "cut sh')
-    with pytest.raises(data.DataError, match=rf"^{split}:3: not a JSON record") as exc:
+    with pytest.raises(data.DataError, match=rf"^{split}:3: not a problem record \(Unterminated string") as exc:
         data.read_jsonl(split)
     assert "\n" not in str(exc.value)
     split.write_text('{"question": "q", "answer": "#### 1"}\n[1, 2]\n')
-    with pytest.raises(data.DataError, match=rf"^{split}:2: expected a JSON object"):
+    with pytest.raises(data.DataError, match=rf"^{split}:2: not a problem record \(a JSON list, not an object\)"):
         data.read_jsonl(split)
     split.write_bytes(b'{"question": "caf\xe9"}\n')
     with pytest.raises(data.DataError, match=rf"^{split}: not UTF-8 text"):
@@ -278,7 +278,8 @@ def test_a_model_on_an_empty_or_torn_corpus_names_the_file(tmp_path):
     corpus = tmp_path / "train.jsonl"
     test = tmp_path / "test.jsonl"
     test.write_text('{"question": "q", "answer": "#### 1"}\n')
-    for text, cause in (("", "holds no problems"), ('{"question": "q", "answer": "#### 1"}\n{"quest', "2: not a JSON")):
+    torn = '{"question": "q", "answer": "#### 1"}\n{"quest'
+    for text, cause in (("", "holds no problems"), (torn, "2: not a problem record")):
         corpus.write_text(text)
         for spec in (_TINY, {**_TINY, "warm_start": {"steps": 1}}):
             with pytest.raises(data.DataError, match=rf"^{corpus}:? ?{cause}"):

@@ -10,6 +10,7 @@ from typing import Any
 
 import pandas as pd
 
+from hybridrl import jsonl
 from hybridrl.atomic import atomic_path
 from hybridrl.run import record
 from hybridrl.study.run_config import split_replicate
@@ -45,19 +46,7 @@ CONFIG_KEY = ["engine", "placement", "trainer", "model", "tp", "release", "clien
 
 def read_steps(path: Path) -> list[dict[str, Any]]:
     """Records of one steps.jsonl; a torn last line (crash mid-append) is skipped with a warning."""
-    records = []
-    lines = Path(path).read_text().splitlines()
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            warnings.warn(f"{path}:{lineno}: skipping unreadable record ({exc})", stacklevel=2)
-            continue
-        if isinstance(rec, dict):
-            records.append(rec)
-    return records
+    return jsonl.objects(Path(path).read_text(), path, "step record", skip_bad=True)
 
 
 def load_run(run_dir: Path) -> pd.DataFrame:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import errno
 import gzip
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridrl import atomic
+from hybridrl import atomic, jsonl
 
 
 @dataclass(frozen=True)
@@ -56,12 +55,4 @@ def read(run_dir: Path, step: int) -> list[dict[str, Any]]:
         source, text = packed, gzip.decompress(packed.read_bytes()).decode()
     else:
         raise FileNotFoundError(errno.ENOENT, "no request records (plain or .gz)", str(plain))
-    records = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as exc:  # named: a bare decode error says neither file nor line
-            raise ValueError(f"{source}:{number}: not a request record ({exc.msg}, column {exc.colno})") from None
-    return records
+    return jsonl.objects(text, source, "request record")

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridrl import nvml
+from hybridrl import jsonl, nvml
 from hybridrl.atomic import write_bytes
 from hybridrl.engines.base import Completion
 from hybridrl.engines.gpus import nvml_indices
@@ -340,16 +340,6 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     """A run's records; RecordError naming the file and line where one is not a JSON object."""
     if not path.exists():
         return []
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            record = exc
-        if not isinstance(record, dict):
-            raise RecordError(f"{path}:{number}: not a step record ({str(record)[:80]}); hybridrl never writes a "
-                              "torn line, so the file was changed or damaged: move it aside to record the run anew")
-        records.append(record)
-    return records
+    return jsonl.objects(path.read_text(), path, "step record", RecordError,
+                         hint="; hybridrl never writes a torn line, so the file was changed or damaged: move it "
+                         "aside to record the run anew")

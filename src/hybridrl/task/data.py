@@ -15,6 +15,7 @@ from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 
+from hybridrl import jsonl
 from hybridrl.atomic import atomic_path, write_text
 
 # extract_answer is read from here by callers and tests; the rule lives in answer.py
@@ -47,22 +48,11 @@ def read_jsonl(path: Path) -> list[dict]:
     """The problems of a split, one JSON object a line (blank lines skipped). A line that is not a JSON object
     (a crash cut it, or the file is not a split) and a split with no problems at all raise DataError naming the
     file and line: a run must not build its trainer and start an engine on data it cannot use."""
-    rows = []
     try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{lineno}: not a JSON record, torn or garbled ({exc.msg}: column "
-                                    f"{exc.colno})") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{path}:{lineno}: expected a JSON object (a problem), got {type(row).__name__}")
-                rows.append(row)
+        text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x}); not a data split") from None
+    rows = jsonl.objects(text, path, "problem record", DataError)
     if not rows:
         raise DataError(f"{path}: holds no problems (an empty split); write it again with python -m hybridrl data")
     return rows

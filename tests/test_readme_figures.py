@@ -211,6 +211,17 @@ def test_replayed_counts_the_requests_every_replicate_answered_at_the_same_lengt
         figures.evaluate(f"replayed {warm} vllm-verdict ten")
 
 
+def test_alike_counts_same_length_answers_of_replicates_that_drew_their_own_seeds() -> None:
+    draws = "results/reference/2026-11-27-h200-verdictdraws"
+    said = figures.evaluate(f"alike {draws} vllm-verdict-draws 10")
+    alike, total = (int(n) for n in said.split(" of "))
+    assert total == 128 and 0 < alike < 128  # own seeds: the vLLM server no longer repeats every answer
+    with pytest.raises(ValueError, match="drew different requests"):  # replayed refuses runs of other seeds
+        figures.evaluate(f"replayed {draws} vllm-verdict-draws 10")
+    with pytest.raises(ValueError, match="share sampling seeds at step 10; replayed compares those"):
+        figures.evaluate("alike results/reference/2026-11-24-h200-verdictwarm vllm-verdict 10")
+
+
 def test_run_medians_lists_each_replicate_in_the_order_it_ran() -> None:
     study = "results/reference/2026-11-24-h200-verdictpin"
     df = pd.read_csv(REPO / study / "steps.csv")

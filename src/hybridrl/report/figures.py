@@ -431,14 +431,35 @@ def replayed(study: str, name: str, step: str) -> str:
     """Of one step's requests, how many got answers of the same length in every run of the configuration:
     '128 of 128'. Its replicates send the same prompts with the same sampling seeds (checked), so an engine that
     honours the seeds batch for batch replays one workload, and the interval over its runs holds timing only."""
+    records = _replicate_records(study, name, step, "replayed")
+    if len({tuple(_drawn(r)) for r in records}) != 1:
+        raise ValueError(f"{name}'s runs drew different requests at step {step}")
+    return _same_length(records)
+
+
+def alike(study: str, name: str, step: str) -> str:
+    """replayed for replicates with sampling seeds of their own (run key replicate_seeds): the same prompts
+    (checked), other seeds (checked), and how many requests still got answers of the same length in every run."""
+    records = _replicate_records(study, name, step, "alike")
+    if len({tuple(r.get("prompt_tokens") for r in recs) for recs in records}) != 1:
+        raise ValueError(f"{name}'s runs sent different prompts at step {step}")
+    if len({tuple(r.get("seed") for r in recs) for recs in records}) != len(records):
+        raise ValueError(f"{name}'s runs share sampling seeds at step {step}; replayed compares those")
+    return _same_length(records)
+
+
+def _replicate_records(study: str, name: str, step: str, figure: str) -> list[list[dict[str, Any]]]:
+    """Each run's request records of one step, for the configuration's replicates (at least two)."""
     if not step.isdigit():
         raise ValueError(f"step {step!r} is not a step number")
     runs = [g for _, g in _config(_table(study), name).groupby("run_id", sort=True)]
     if len(runs) < 2:
-        raise ValueError(f"{study}: {name} has {len(runs)} run; replayed compares a configuration's replicates")
-    records = [_step_records(study, g, int(step), "cannot compare the replicates' answers") for g in runs]
-    if len({tuple(_drawn(r)) for r in records}) != 1:
-        raise ValueError(f"{name}'s runs drew different requests at step {step}")
+        raise ValueError(f"{study}: {name} has {len(runs)} run; {figure} compares a configuration's replicates")
+    return [_step_records(study, g, int(step), "cannot compare the replicates' answers") for g in runs]
+
+
+def _same_length(records: list[list[dict[str, Any]]]) -> str:
+    """'K of N': the requests whose answer had the same number of tokens in every run."""
     lengths = [[r.get("tokens") for r in recs] for recs in records]
     return f"{sum(len(set(col)) == 1 for col in zip(*lengths, strict=True))} of {len(lengths[0])}"
 
@@ -491,7 +512,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "profile_range": profile_range,
     "series": series, "logged": logged, "paired": paired,
     "at": at, "run_medians": run_medians, "slope": slope, "share": share, "unattributed": unattributed,
-    "replayed": replayed,
+    "replayed": replayed, "alike": alike,
 }
 
 

@@ -425,6 +425,30 @@ def test_inprocess_stop_cancels_the_output_reader_before_the_engine_core_goes(mo
     assert eng.llm is None and eng._loop is None
 
 
+def test_inprocess_stop_lets_tasks_that_vllms_shutdown_cancels_finish_before_the_loop_stops(model_dir: Path,
+                                                                                         tmp_path: Path):
+    # vLLM's shutdown, called from outside the loop, only schedules the cancel of its output-queue task; a loop
+    # stopped at once left that task pending, and Python said "Task was destroyed but it is pending!" at exit
+    eng = VLLMInProcess(model_dir, _run(engine="vllm-inprocess"), {}, tmp_path)
+
+    async def spawn() -> asyncio.Task:
+        return asyncio.get_running_loop().create_task(asyncio.sleep(3600), name="EngineCoreOutputQueueTask")
+
+    queue_task = eng._call(spawn())
+    loop = eng._loop
+
+    class FakeLLM:
+        output_handler = None
+
+        def shutdown(self) -> None:
+            loop.call_soon_threadsafe(queue_task.cancel)
+
+    eng.llm = FakeLLM()
+    eng.stop()
+    assert queue_task.done() and queue_task.cancelled()
+    assert loop.is_closed() and eng._loop is None
+
+
 # -- the engines' own per-request timing (run key engine_timing) ---------------------------------------
 def test_engine_timing_asks_each_engine_for_its_request_stats_and_only_then(model_dir: Path, tmp_path: Path):
     def sglang(**over):

@@ -156,11 +156,32 @@ class VLLMInProcess:
                 pass
             self.llm = None
         if self._loop is not None:
+            self._settle_loop()
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._thread:
                 self._thread.join(timeout=10)
+            if not self._loop.is_running():
+                self._loop.close()
             self._loop, self._thread = None, None
         _free_cuda_cache()
+
+    def _settle_loop(self) -> None:
+        """Cancel what still runs on the private loop and wait for it (5 s at most) before the loop stops. vLLM's
+        shutdown, called from this thread, only schedules the cancel of its output-queue task; a loop stopped at
+        once left that task pending, and Python printed "Task was destroyed but it is pending!" as the last line
+        of every in-process run (H200, 2026-11-22 to -27)."""
+
+        async def settle() -> None:
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            if rest:
+                await asyncio.wait(rest, timeout=5)
+
+        try:
+            self._call(settle(), timeout_s=10)
+        except Exception:  # stopping goes on: a task that will not end is left to the loop's stop
+            pass
 
     def _cancel_output_handler(self) -> None:
         """vLLM's shutdown stops the engine core before it cancels the task that reads the core's outputs, so that

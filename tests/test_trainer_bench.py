@@ -58,6 +58,20 @@ def test_trainer_bench_hf_moe_shape(tmp_path: Path) -> None:
     assert rep["megatron"]["moe_permute"] == "gathers" and rep["megatron_permute"] is False
 
 
+def test_trainer_bench_vocab_builds_a_model_of_its_own_with_that_many_rows(tmp_path: Path) -> None:
+    import json
+
+    from hybridrl.tools.trainer_bench import main as bench
+
+    rep = bench("tiny", ["hf"], 1, "cpu", tmp_path, None, vocab=300)
+    assert rep["vocab"] == 300 and math.isfinite(rep["hf"]["last_loss"])
+    assert json.loads((tmp_path / "model-tiny-v300" / "config.json").read_text())["vocab_size"] == 300
+    # the output head's FLOPs grow with it: the same batch shape, more work per token than at the shape's own 64
+    base = bench("tiny", ["hf"], 1, "cpu", tmp_path, None)
+    assert base["vocab"] == 64 and (tmp_path / "model-tiny" / "config.json").exists()
+    assert rep["hf"]["update_flops"] > base["hf"]["update_flops"]
+
+
 def test_trainer_bench_megatron_permute_is_the_same_update_through_megatrons_dispatcher(tmp_path: Path) -> None:
     from hybridrl.tools.trainer_bench import main as bench
 
@@ -221,6 +235,7 @@ def test_an_isolated_build_runs_in_a_child_process_and_names_its_failure(tmp_pat
      "--megatron-permute changes MoE layers only, and tiny has none (MoE shapes: qwen3-30b-a3b, tiny-moe)"),
     (["trainer-profile", "--shape", "qwen3-0.6b", "--trainer", "megatron", "--megatron-permute", "--out", "p.txt"],
      "and qwen3-0.6b has none"),
+    (["trainer-bench", "--shape", "tiny", "--vocab", "2"], "hybridrl trainer-bench: --vocab must be at least 3, got 2"),
 ])
 def test_trainer_tools_refuse_bad_arguments_in_one_line(argv: list[str], said: str, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:

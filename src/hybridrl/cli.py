@@ -145,7 +145,7 @@ def _trainer_bench(args: argparse.Namespace) -> None:
     from hybridrl.tools.trainer_bench import check_device, check_options, shape_of
     from hybridrl.tools.trainer_bench import main as trainer_bench_main
 
-    _preflight("trainer-bench", partial(shape_of, args.shape),
+    _preflight("trainer-bench", partial(shape_of, args.shape, args.vocab),
                partial(check_options, args.shape, args.trainer, args.peft_lora, args.megatron_permute),
                partial(check_device, args.device))
     if args.out:
@@ -153,7 +153,8 @@ def _trainer_bench(args: argparse.Namespace) -> None:
     trainer_bench_main(args.shape, args.trainer, args.updates, args.device, Path(args.workdir),
                        Path(args.out) if args.out else None, micro_batch=args.micro_batch,
                        micro_batch_tokens=args.micro_batch_tokens, samples=args.samples, pack=not args.no_pack,
-                       varied=args.varied, peft_lora=args.peft_lora, megatron_permute=args.megatron_permute)
+                       varied=args.varied, peft_lora=args.peft_lora, megatron_permute=args.megatron_permute,
+                       vocab=args.vocab)
 
 
 def _trainer_profile(args: argparse.Namespace) -> None:
@@ -161,13 +162,13 @@ def _trainer_profile(args: argparse.Namespace) -> None:
     from hybridrl.tools.trainer_profile import check_options
     from hybridrl.tools.trainer_profile import main as profile_main
 
-    _preflight("trainer-profile", partial(shape_of, args.shape),
+    _preflight("trainer-profile", partial(shape_of, args.shape, args.vocab),
                partial(check_options, args.shape, args.trainer, args.megatron_permute),
                partial(check_device, args.device))
     check_writable(Path(args.out))
     profile_main(args.shape, args.trainer, args.device, Path(args.workdir), Path(args.out),
                  micro_batch=args.micro_batch, pack=not args.no_pack, varied=args.varied,
-                 megatron_permute=args.megatron_permute, export=args.export)
+                 megatron_permute=args.megatron_permute, export=args.export, vocab=args.vocab)
 
 
 def _client_ceiling(args: argparse.Namespace) -> None:
@@ -376,6 +377,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--megatron-permute", action="store_true",
                    help="the megatron trainer with megatron's own MoE token permutation (atomic scatters), not "
                    "hybridrl's gathers")
+    s.add_argument("--vocab", type=int, help="output rows of the model (default: the shape's 768, or 64 for the "
+                   "tiny shapes); 151936 is Qwen3's")
     s.add_argument("--workdir", required=True, help="the random-init model and the adapters go here")
     s.add_argument("--out", help="JSON result")
     s.set_defaults(fn=_trainer_bench)
@@ -392,6 +395,8 @@ def parser() -> argparse.ArgumentParser:
                    help="MoE tokens permuted by megatron's own dispatcher (atomic scatters), not hybridrl's gathers")
     s.add_argument("--export", action="store_true",
                    help="profile the adapter export and the optimizer state's write after the update too")
+    s.add_argument("--vocab", type=int, help="output rows of the model (default: the shape's 768, or 64 for the "
+                   "tiny shapes); 151936 is Qwen3's")
     s.add_argument("--workdir", required=True, help="the random-init model goes here")
     s.add_argument("--out", required=True, help="the operator table (text)")
     s.set_defaults(fn=_trainer_profile)

@@ -152,7 +152,7 @@ def update_work(shape_name: str, trainer: str, device: str, workdir: Path,
     from hybridrl.tools import trainer_bench as tb
 
     shape = tb.shape_of(shape_name)
-    model = tb.random_model(workdir / f"model-{shape_name}", shape, "bfloat16" if device == "cuda" else "float32")
+    model = tb.shape_model(workdir, shape_name, shape, device)
     batch = tb.fixed_batch(shape.config["vocab_size"], shape.samples, shape.prompt, shape.completion)
     built = tb.build_trainer(trainer, model, tb.bench_run(shape, trainer, device, micro_batch, None), workdir,
                              peft_lora=False, megatron_permute=False)

@@ -9,7 +9,9 @@ rest (for Megatron the job's round trip to its worker processes). `state_s_all` 
 the optimizer state (the loop's save_state phase): written on a thread, it overlaps the engine's transition in a
 run, but nothing here, so the next update starts only once it is on disk. The first update is a warm-up and is left
 out. Peak memory is NVML's reading of the GPUs (sampled every 50 ms during the updates), torch's peak where NVML is
-absent, None on CPU. The model is a random-init checkpoint of the shape (no download), built once under --workdir.
+absent, None on CPU. The model is a random-init checkpoint of the shape (no download), built once under --workdir;
+--vocab gives it another vocabulary (151936: Qwen3's, as the study models have since issue 17; the shapes keep the
+768 their first results were measured with).
 Micro-batches are packed (pack_sequences) unless --no-pack; --varied draws each completion's length, where padding
 would cost.
 """
@@ -22,7 +24,7 @@ import os
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +75,23 @@ SHAPES: dict[str, Shape] = {
 _CONFIG_CLASSES = {"qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
 
 
-def shape_of(name: str) -> Shape:
-    """The named shape; ValueError naming the known ones otherwise."""
+def shape_of(name: str, vocab: int | None = None) -> Shape:
+    """The named shape, with `vocab` output rows where given; ValueError naming the known shapes otherwise."""
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r} (known: {', '.join(SHAPES)})")
-    return SHAPES[name]
+    if vocab is None:
+        return SHAPES[name]
+    if vocab < 3:  # the batch draws token ids from 2 up: 0 and 1 are the tokenizer's pad and eos
+        raise ValueError(f"--vocab must be at least 3, got {vocab}")
+    return replace(SHAPES[name], config={**SHAPES[name].config, "vocab_size": vocab})
+
+
+def shape_model(workdir: Path, name: str, shape: Shape, device: str) -> Path:
+    """The shape's random checkpoint under workdir (built on first use): model-NAME, or model-NAME-vVOCAB for a
+    vocabulary other than the shape's own, so that the two never share a directory."""
+    vocab = shape.config["vocab_size"]
+    suffix = "" if vocab == SHAPES[name].config["vocab_size"] else f"-v{vocab}"
+    return random_model(workdir / f"model-{name}{suffix}", shape, "bfloat16" if device == "cuda" else "float32")
 
 
 def random_model(path: Path, shape: Shape, dtype: str, isolate: bool | None = None) -> Path:
@@ -243,8 +257,9 @@ def summary_table(report: dict[str, Any], trainers: list[str]) -> Any:
     """A rich table of each trainer's medians: the update and its parts, completion tokens/s, MFU, peak memory."""
     from rich.table import Table
 
-    table = Table(title=f"trainer-bench {report['shape']}: {report['samples']} samples, micro-batch "
-                        f"{report['micro_batch']}, {report['updates']} timed updates, {report['device']}")
+    table = Table(title=f"trainer-bench {report['shape']} (vocab {report.get('vocab', '?')}): {report['samples']} "
+                        f"samples, micro-batch {report['micro_batch']}, {report['updates']} timed updates, "
+                        f"{report['device']}")
     # seconds (medians), completion tokens/s over the compute
     for col in ("trainer", "update s", "compute s", "export s", "rest s", "state s", "tok/s", "MFU", "peak GB"):
         table.add_column(col, justify="right")
@@ -287,7 +302,7 @@ def check_options(shape_name: str, trainers: list[str], peft_lora: bool, megatro
 def main(shape_name: str, trainers: list[str], updates: int, device: str, workdir: Path, out: Path | None,
          micro_batch: int = 8, micro_batch_tokens: int | None = None, samples: int | None = None,
          pack: bool = True, varied: bool = False, peft_lora: bool = False,
-         megatron_permute: bool = False) -> dict[str, Any]:
+         megatron_permute: bool = False, vocab: int | None = None) -> dict[str, Any]:
     """Benchmark the trainers on the shape's fixed batch; prints and returns one JSON object (and writes it)."""
     import torch
 
@@ -296,14 +311,14 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
     if updates < 1:
         raise ValueError("--updates must be at least 1")
     check_options(shape_name, trainers, peft_lora, megatron_permute)
-    shape = shape_of(shape_name)
+    shape = shape_of(shape_name, vocab)
     workdir.mkdir(parents=True, exist_ok=True)
-    model = random_model(workdir / f"model-{shape_name}", shape, "bfloat16" if device == "cuda" else "float32")
+    model = shape_model(workdir, shape_name, shape, device)
     n = samples or shape.samples
     batch = fixed_batch(shape.config["vocab_size"], n, shape.prompt, shape.completion, varied=varied)
     report: dict[str, Any] = {
-        "shape": shape_name, "samples": n, "prompt": shape.prompt, "completion": shape.completion,
-        "lengths": "varied" if varied else "fixed",
+        "shape": shape_name, "vocab": shape.config["vocab_size"], "samples": n, "prompt": shape.prompt,
+        "completion": shape.completion, "lengths": "varied" if varied else "fixed",
         "completion_tokens": sum(len(x.completion_ids) for x in batch),
         "updates": updates, "micro_batch": micro_batch, "micro_batch_tokens": micro_batch_tokens,
         "pack_sequences": pack, "peft_lora": peft_lora, "megatron_permute": megatron_permute,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.server import free_port
-from hybridrl.tools.trainer_bench import bench_run, check_megatron_permute, fixed_batch, random_model, shape_of
+from hybridrl.tools.trainer_bench import bench_run, check_megatron_permute, fixed_batch, shape_model, shape_of
 
 WARMUP = 2
 
@@ -112,16 +112,16 @@ def ranges_table(events: Any) -> str:
 
 def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, micro_batch: int = 8,
          pack: bool = True, varied: bool = False, rows: int = 40, megatron_permute: bool = False,
-         export: bool = False) -> str:
+         export: bool = False, vocab: int | None = None) -> str:
     """Profile one update of `trainer` on the shape's fixed batch (and its export, with `export`); writes and
     returns the table."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     check_options(shape_name, trainer, megatron_permute)
-    shape = shape_of(shape_name)
+    shape = shape_of(shape_name, vocab)
     workdir.mkdir(parents=True, exist_ok=True)
-    model = random_model(workdir / f"model-{shape_name}", shape, "bfloat16" if device == "cuda" else "float32")
+    model = shape_model(workdir, shape_name, shape, device)
     samples = fixed_batch(shape.config["vocab_size"], shape.samples, shape.prompt, shape.completion, varied=varied)
     run = bench_run(shape, trainer, device, micro_batch, None, pack)
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")

@@ -113,8 +113,8 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
              "learning learnlr moe moe1full moe1pin moe1pin2 moe1vllm moe2full moe2keep moe2new moe4 moe4full "
              "moepermute moerounds overlap1 overlapproc packing placement placement1 placement1s placement1v "
              "placementlong placementrest rest rest4 soak syncfree syncfree2 timed timingcost trainer "
-             "trainerfast trainerfuse trainerloop trainermoe verdict verdictdraws verdictinproc verdictkv verdictpin "
-             "verdictvllm verdictwarm verdictwarmkv")
+             "trainerfast trainerfuse trainerloop trainermoe trainervocab verdict verdictdraws verdictinproc "
+             "verdictkv verdictpin verdictvllm verdictwarm verdictwarmkv")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     for bad_round in ("x", "0"):
@@ -651,6 +651,13 @@ def test_a_replicate_flag_names_the_result_and_is_not_passed_on(root: Path, tmp_
                            for k in (1, 2, 3) for flag in (" megatron-permute", "")]
     assert permute[6:] == ["trainer-profile qwen3-30b-a3b megatron mb 16 megatron-permute on GPU 0",
                            "trainer-profile qwen3-30b-a3b megatron mb 16 on GPU 0"]
+    _item(root, "tbench tiny hf 4 vocab=300 r2", "0", env)  # a flag with a value, named without its '='
+    args = (root / "gpu-h200" / "bench" / "trainer-tiny-hf-mb4-vocab-300-r2.json").read_text().split()
+    assert "--vocab=300" in args and "r2" not in args
+    vocab = _one_lane_plan(root, "gpu-h200", "trainervocab")
+    assert vocab[:2] == ["trainer-bench qwen3-0.6b hf mb 32 r1 on GPU 0",
+                         "trainer-bench qwen3-0.6b hf mb 32 vocab=151936 r1 on GPU 0"]
+    assert len(vocab) == 13 and vocab[-1] == "trainer-bench qwen3-30b-a3b megatron mb 16 vocab=151936 on GPU 0"
     moe = _one_lane_plan(root, "gpu-h200", "moerounds")
     assert moe == [f"trainer-bench qwen3-30b-a3b {t} mb 16 r{k} on GPU 0"
                    for k in (1, 2, 3) for t in ("megatron", "hf")]

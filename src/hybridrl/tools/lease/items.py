@@ -59,8 +59,9 @@ class Ceiling(Item):
 class TrainerTool(Item):
     """tbench|tprof SHAPE TRAINER MICRO_BATCH [FLAG...]: `python -m hybridrl trainer-bench` (tbench) or
     `trainer-profile` (tprof), one trainer in a process of its own. FLAGs (no-pack, varied, peft-lora, ...) pass on
-    as --FLAG; rK marks replicate K (its own process and file, not passed on); src-REV runs hybridrl's source as of
-    commit REV (.gpu/src-REV, made by scripts/gpu/snapshot-src.sh) instead of the tree's. All name the result."""
+    as --FLAG, KEY=VALUE ones (vocab=151936) as --KEY=VALUE; rK marks replicate K (its own process and file, not
+    passed on); src-REV runs hybridrl's source as of commit REV (.gpu/src-REV, made by scripts/gpu/snapshot-src.sh)
+    instead of the tree's. All name the result (KEY=VALUE as KEY-VALUE: no '=' in a file name a lease returns)."""
 
     command: str  # trainer-bench | trainer-profile
     shape: str
@@ -79,7 +80,8 @@ class TrainerTool(Item):
     @property
     def result_name(self) -> str:
         """bench/<this>.json|txt: trainer-SHAPE-TRAINER-mbN[-FLAG...] (profile-... for tprof)."""
-        return "-".join([f"{self.prefix}-{self.shape}-{self.trainer}-mb{self.micro_batch}", *self.flags])
+        flags = (f.replace("=", "-") for f in self.flags)
+        return "-".join([f"{self.prefix}-{self.shape}-{self.trainer}-mb{self.micro_batch}", *flags])
 
     @property
     def snapshots(self) -> tuple[str, ...]:

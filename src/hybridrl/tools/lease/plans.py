@@ -420,6 +420,18 @@ def plan_hfrounds() -> Plan:
 
 
 @_plan
+def plan_trainervocab() -> Plan:
+    """Issue 15's trainer rows at Qwen3's vocabulary: every committed trainer-bench row ran the shapes with 768
+    output rows, while the study models have had Qwen's 151,936 since issue 17, whose output head and log-softmax
+    the update then also computes. Three interleaved rounds of the dense shape, both trainers at 32 samples a
+    micro-batch, at 768 and at 151,936 rows; then the 48-layer shape's Megatron TP 1 row at 151,936 (16 a
+    micro-batch). Needs only the `trainer` overlay."""
+    return one_lane(tool_rounds(3, "tbench qwen3-0.6b hf 32", "tbench qwen3-0.6b hf 32 vocab=151936",
+                                "tbench qwen3-0.6b megatron 32", "tbench qwen3-0.6b megatron 32 vocab=151936"),
+                    "tbench qwen3-30b-a3b megatron 16 vocab=151936")
+
+
+@_plan
 def plan_moerounds() -> Plan:
     """Issue 15's 48-layer rows (Qwen3-30B-A3B shape, 64 x 256, 16 samples a micro-batch, packed) as three
     interleaved rounds of Megatron TP 1 then HF, one process each: the target (at most 1.9 s an update) was met by

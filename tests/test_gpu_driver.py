@@ -114,7 +114,7 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
              "moepermute moerounds overlap1 overlapproc packing placement placement1 placement1s placement1v "
              "placementlong placementrest rest rest4 soak syncfree syncfree2 timed timingcost trainer "
              "trainerfast trainerfuse trainerloop trainermoe trainervocab verdict verdictdraws verdictinproc "
-             "verdictkv verdictpin verdictvllm verdictwarm verdictwarmkv")
+             "verdictkv verdictpin verdictvllm verdictvllmtimed verdictwarm verdictwarmkv")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     for bad_round in ("x", "0"):
@@ -470,7 +470,14 @@ def test_learning_plan_runs_the_long_runs_then_measures_the_vocabularies(root: P
                                                                                "verdictdraws")]
     assert draws == [f"{a}{'' if k == 1 else f'-r{k}'}" for k in (1, 2, 3)
                      for a in ("sglang-verdict-draws", "vllm-verdict-draws")]
-    assert set(names + pair + kv_runs + draws + [i.removeprefix("train ").split(" on ")[0] for i in learn]) == short
+    # the two vLLM arms with the engines timing every request: in-process first in each round, as in verdictvllm
+    timed = [i.removeprefix("train ").split(" on ")[0] for i in _one_lane_plan(root, "gpu-h200-learning",
+                                                                               "verdictvllmtimed")]
+    assert timed == [f"{a}{'' if k == 1 else f'-r{k}'}" for k in (1, 2, 3)
+                     for a in ("vllm-inprocess-verdict-timed", "vllm-verdict-timed")]
+    assert {r.engine_timing for r in study.runs.values() if (r.name or "").endswith("-timed")} == {True}
+    assert set(names + pair + kv_runs + draws + timed
+               + [i.removeprefix("train ").split(" on ")[0] for i in learn]) == short
     # the pair differs in the engine and its release alone
     sg, vl = (next(r for r in study.runs.values() if r.name == n) for n in ("sglang-verdict", "vllm-verdict"))
     differ = {k for k in type(sg).model_fields if getattr(sg, k) != getattr(vl, k)}

@@ -324,6 +324,17 @@ def plan_verdictvllm() -> Plan:
 
 
 @_plan
+def plan_verdictvllmtimed() -> Plan:
+    """Where the vLLM server's rollout loses to in-process vLLM: verdictvllm (2026-11-27) put the server's time to
+    the first token at 2.6x in-process's with the same engine core and the same per-token pace. Both arms again
+    with the engines timing every request themselves (engine_timing: arrival at the engine to its first token,
+    beside the client's TTFT), three replicates each, interleaved, so the HTTP front end's share of that gap is
+    measured, not inferred. Needs the `sglang` (the warm start's prepare) and `vllm` overlays; about 25 minutes."""
+    return one_lane(interleave(3, "vllm-inprocess-verdict-timed", "vllm-verdict-timed"),
+                    study="config/gpu-h200-learning.yaml")
+
+
+@_plan
 def plan_verdictinproc() -> Plan:
     """Issue 16, SGLang's full release (pinned copy kept) against in-process vLLM at level 1 in one lease on issue
     17's model, three replicates each, interleaved, 10 steps a run: the third same-lease pair of the

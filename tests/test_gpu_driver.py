@@ -18,7 +18,7 @@ from hybridrl.study.run_config import split_replicate
 from hybridrl.tools.lease import plans
 from hybridrl.tools.lease.driver import Lease, Refused, check, run_plan, runs_of
 from hybridrl.tools.lease.items import Bench, Fault, Train, TrainerTool, parse_item
-from hybridrl.tools.lease.plan import one_lane
+from hybridrl.tools.lease.plan import interleave, one_lane, tool_rounds
 from hybridrl.tools.lease.runners import ItemFailed, Site, run_item
 
 REPO = Path(__file__).resolve().parents[1]
@@ -348,6 +348,13 @@ def test_one_gpu_overlap_plan_runs_each_engine_and_trainer_and_hits_the_rollout_
     assert {r.steps for r in runs} == {6}  # the fault runs' SIGTERM at step 5 needs a step after it
 
 
+def test_balanced_rounds_reverse_every_second_round_so_no_arm_always_runs_first() -> None:
+    assert interleave(3, "a", "b") == ["train a", "train b", "train a-r2", "train b-r2", "train a-r3", "train b-r3"]
+    assert interleave(4, "a", "b", balanced=True) == ["train a", "train b", "train b-r2", "train a-r2",
+                                                     "train a-r3", "train b-r3", "train b-r4", "train a-r4"]
+    assert tool_rounds(2, "x", "y", "z", balanced=True) == ["x r1", "y r1", "z r1", "z r2", "y r2", "x r2"]
+
+
 def test_one_gpu_placement_plan_interleaves_two_rounds_of_colocate_and_overlap(root: Path) -> None:
     from hybridrl.study.config import load_study
 
@@ -473,8 +480,8 @@ def test_learning_plan_runs_the_long_runs_then_measures_the_vocabularies(root: P
     # the two vLLM arms with the engines timing every request: in-process first in each round, as in verdictvllm
     timed = [i.removeprefix("train ").split(" on ")[0] for i in _one_lane_plan(root, "gpu-h200-learning",
                                                                                "verdictvllmtimed")]
-    assert timed == [f"{a}{'' if k == 1 else f'-r{k}'}" for k in (1, 2, 3)
-                     for a in ("vllm-inprocess-verdict-timed", "vllm-verdict-timed")]
+    assert timed == ["vllm-inprocess-verdict-timed", "vllm-verdict-timed", "vllm-verdict-timed-r2",
+                     "vllm-inprocess-verdict-timed-r2", "vllm-inprocess-verdict-timed-r3", "vllm-verdict-timed-r3"]
     assert {r.engine_timing for r in study.runs.values() if (r.name or "").endswith("-timed")} == {True}
     assert set(names + pair + kv_runs + draws + timed
                + [i.removeprefix("train ").split(" on ")[0] for i in learn]) == short
@@ -664,6 +671,7 @@ def test_a_replicate_flag_names_the_result_and_is_not_passed_on(root: Path, tmp_
     vocab = _one_lane_plan(root, "gpu-h200", "trainervocab")
     assert vocab[:2] == ["trainer-bench qwen3-0.6b hf mb 32 r1 on GPU 0",
                          "trainer-bench qwen3-0.6b hf mb 32 vocab=151936 r1 on GPU 0"]
+    assert vocab[4] == "trainer-bench qwen3-0.6b megatron mb 32 vocab=151936 r2 on GPU 0"  # round 2 reversed
     assert len(vocab) == 13 and vocab[-1] == "trainer-bench qwen3-30b-a3b megatron mb 16 vocab=151936 on GPU 0"
     moe = _one_lane_plan(root, "gpu-h200", "moerounds")
     assert moe == [f"trainer-bench qwen3-30b-a3b {t} mb 16 r{k} on GPU 0"

@@ -58,13 +58,19 @@ def replica(arm: str, k: int) -> str:
     return f"{arm}-r{k}" if k > 1 else arm
 
 
-def interleave(rounds: int, *arms: str) -> list[str]:
+def interleave(rounds: int, *arms: str, balanced: bool = False) -> list[str]:
     """"train ARM" items round by round (A B C A B C ...), replicate k > 1 as ARM-rK, so that a slow drift of the
-    host falls on every arm alike and a lease that ends early keeps whole rounds."""
-    return [f"train {replica(arm, k)}" for k in range(1, rounds + 1) for arm in arms]
+    host falls on every arm alike and a lease that ends early keeps whole rounds. balanced reverses every second
+    round (A B, B A, A B ...), so that no arm is always the one run first (or right after the machine's start)."""
+    return [f"train {replica(arm, k)}" for k in range(1, rounds + 1) for arm in in_round(k, arms, balanced)]
 
 
-def tool_rounds(rounds: int, *items: str) -> list[str]:
+def tool_rounds(rounds: int, *items: str, balanced: bool = False) -> list[str]:
     """tbench/tprof items round by round (A B A B ...), each marked rK (replicate K), so that every configuration
-    gets ROUNDS processes of its own and a drift of the host falls on all of them alike."""
-    return [f"{item} r{k}" for k in range(1, rounds + 1) for item in items]
+    gets ROUNDS processes of its own and a drift of the host falls on all of them alike; balanced as interleave."""
+    return [f"{item} r{k}" for k in range(1, rounds + 1) for item in in_round(k, items, balanced)]
+
+
+def in_round(k: int, items: tuple[str, ...], balanced: bool) -> tuple[str, ...]:
+    """The order of round k (from 1): as given, or with balanced reversed in every even round."""
+    return items[::-1] if balanced and k % 2 == 0 else items

@@ -328,9 +328,10 @@ def plan_verdictvllmtimed() -> Plan:
     """Where the vLLM server's rollout loses to in-process vLLM: verdictvllm (2026-11-27) put the server's time to
     the first token at 2.6x in-process's with the same engine core and the same per-token pace. Both arms again
     with the engines timing every request themselves (engine_timing: arrival at the engine to its first token,
-    beside the client's TTFT), three replicates each, interleaved, so the HTTP front end's share of that gap is
-    measured, not inferred. Needs the `sglang` (the warm start's prepare) and `vllm` overlays; about 25 minutes."""
-    return one_lane(interleave(3, "vllm-inprocess-verdict-timed", "vllm-verdict-timed"),
+    beside the client's TTFT), three replicates each, interleaved with the order reversed in the second round (in
+    verdictvllm in-process vLLM always ran first), so the HTTP front end's share of that gap is measured, not
+    inferred. Needs the `sglang` (the warm start's prepare) and `vllm` overlays; about 25 minutes."""
+    return one_lane(interleave(3, "vllm-inprocess-verdict-timed", "vllm-verdict-timed", balanced=True),
                     study="config/gpu-h200-learning.yaml")
 
 
@@ -338,8 +339,10 @@ def plan_verdictvllmtimed() -> Plan:
 def plan_verdictinproc() -> Plan:
     """Issue 16, SGLang's full release (pinned copy kept) against in-process vLLM at level 1 in one lease on issue
     17's model, three replicates each, interleaved, 10 steps a run: the third same-lease pair of the
-    release-everything arms, beside verdictwarm (SGLang against the vLLM server) and verdictvllm."""
-    return one_lane(interleave(3, "sglang-verdict", "vllm-inprocess-verdict"), study="config/gpu-h200-learning.yaml")
+    release-everything arms, beside verdictwarm (SGLang against the vLLM server) and verdictvllm. The second round
+    runs in-process vLLM first: every verdict lease so far ran the same arm first in every round."""
+    return one_lane(interleave(3, "sglang-verdict", "vllm-inprocess-verdict", balanced=True),
+                    study="config/gpu-h200-learning.yaml")
 
 
 @_plan
@@ -438,7 +441,8 @@ def plan_trainervocab() -> Plan:
     micro-batch, at 768 and at 151,936 rows; then the 48-layer shape's Megatron TP 1 row at 151,936 (16 a
     micro-batch). Needs only the `trainer` overlay."""
     return one_lane(tool_rounds(3, "tbench qwen3-0.6b hf 32", "tbench qwen3-0.6b hf 32 vocab=151936",
-                                "tbench qwen3-0.6b megatron 32", "tbench qwen3-0.6b megatron 32 vocab=151936"),
+                                "tbench qwen3-0.6b megatron 32", "tbench qwen3-0.6b megatron 32 vocab=151936",
+                                balanced=True),
                     "tbench qwen3-30b-a3b megatron 16 vocab=151936")
 
 

@@ -200,6 +200,17 @@ T = TypeVar("T")
 CANCEL_GRACE_S = 5.0
 
 
+async def cancel_others(timeout_s: float = CANCEL_GRACE_S) -> int:
+    """Cancel every other task of the running loop and wait up to timeout_s for them to end; how many did not."""
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    if not others:
+        return 0
+    _, left = await asyncio.wait(others, timeout=timeout_s)
+    return len(left)
+
+
 def run_bounded(main: Coroutine[Any, Any, T], grace_s: float = CANCEL_GRACE_S) -> T:
     """asyncio.run, but an interrupted run gives its pending tasks `grace_s` to take their cancellation, then
     closes the loop anyway. asyncio.run waits for them without bound: a train process that SLURM's scancel
@@ -210,12 +221,7 @@ def run_bounded(main: Coroutine[Any, Any, T], grace_s: float = CANCEL_GRACE_S) -
     try:
         return loop.run_until_complete(main)
     finally:
-        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-        for task in pending:
-            task.cancel()
-        if pending:
-            loop.run_until_complete(asyncio.wait(pending, timeout=grace_s))
-        left = sum(not t.done() for t in pending)
+        left = loop.run_until_complete(cancel_others(grace_s))
         if left:
             print(f"rollout interrupted: {left} request task(s) did not stop within {grace_s:.0f} s; left behind",
                   file=sys.stderr, flush=True)

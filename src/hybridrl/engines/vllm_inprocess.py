@@ -21,6 +21,7 @@ from typing import Any
 
 from hybridrl.engines.base import Completion, EngineError, Request, Sampling, SleepVariant, stamp_timing
 from hybridrl.engines.gpus import asleep_readings, awake_readings, nvml_indices, split_engine_devices
+from hybridrl.engines.server import CANCEL_GRACE_S, cancel_others
 from hybridrl.engines.vllm import engine_flags, multicast_off_env, reset_until_done
 from hybridrl.study.run_config import RunConfig
 
@@ -166,20 +167,12 @@ class VLLMInProcess:
         _free_cuda_cache()
 
     def _settle_loop(self) -> None:
-        """Cancel what still runs on the private loop and wait for it (5 s at most) before the loop stops. vLLM's
-        shutdown, called from this thread, only schedules the cancel of its output-queue task; a loop stopped at
-        once left that task pending, and Python printed "Task was destroyed but it is pending!" as the last line
-        of every in-process run (H200, 2026-11-22 to -27)."""
-
-        async def settle() -> None:
-            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in rest:
-                task.cancel()
-            if rest:
-                await asyncio.wait(rest, timeout=5)
-
+        """Cancel what still runs on the private loop and wait for it (CANCEL_GRACE_S at most) before the loop
+        stops. vLLM's shutdown, called from this thread, only schedules the cancel of its output-queue task; a loop
+        stopped at once left that task pending, and Python printed "Task was destroyed but it is pending!" as the
+        last line of every in-process run (H200, 2026-11-22 to -27)."""
         try:
-            self._call(settle(), timeout_s=10)
+            self._call(cancel_others(CANCEL_GRACE_S), timeout_s=2 * CANCEL_GRACE_S)
         except Exception:  # stopping goes on: a task that will not end is left to the loop's stop
             pass
 

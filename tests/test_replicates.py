@@ -95,7 +95,10 @@ def test_conclusions_follow_the_wording_rules() -> None:
     assert "SGLang is faster than vLLM" in faster and "1.30x [1.10, 1.50]" in faster
     apart = wording.conclusion("Rollout throughput", "SGLang", "vLLM", incl, (3, 24), (3, 24))
     assert "could not be told apart" in apart and "faster" not in apart
-    assert f"{np.sqrt(1.2 / 0.9):.2f}x" in apart  # the smallest ratio these data could have detected
+    # the ratio these data had 80% power for: wider than the half-width sqrt(1.2 / 0.9), an effect found half the time
+    se = np.log(1.2 / 0.9) / (2 * 1.959964)
+    assert f"80% power for a ratio of about {np.exp(2.801585 * se):.2f}x" in apart
+    assert np.exp(2.801585 * se) > np.sqrt(1.2 / 0.9)
     single = wording.conclusion("Rollout throughput", "SGLang", "vLLM", excl, (1, 8), (3, 24))
     assert "in these runs" in single and "step-to-step noise only" in single
     slower = wording.conclusion("Step time", "SGLang", "vLLM", excl, (3, 24), (3, 24), higher_is_better=False)

@@ -197,7 +197,7 @@ def headline_tables(df: pd.DataFrame) -> list[dict[str, Any]]:
     out = []
     for h in headline.headlines(df):
         vllm = headline.VLLM_VARIANTS[h.vllm_engine]
-        table = Table(["metric", "claimed", "SGLang", vllm, "measured", "95% CI", "detectable",
+        table = Table(["metric", "claimed", "SGLang", vllm, "measured", "95% CI", "detectable (80% power)",
                        "runs × steps (SGLang / vLLM)"])
         conclusions = []
         for r in h.rows:
@@ -223,7 +223,7 @@ def headline_tables(df: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def _detectable(est: stats.Estimate, kind: str) -> str:
-    """For an interval that includes no difference: the smallest effect these data could have detected."""
+    """For an interval that includes no difference: the effect these data had 80% power to detect."""
     if not math.isfinite(est.lo) or est.excludes(0.0 if kind == "pct" else 1.0):
         return "–"
     ratio = wording.detectable(headline.as_ratio(est) if kind == "pct" else est)

@@ -2,8 +2,8 @@
 
 The rules (README "Reading the intervals"):
 - a difference is claimed only where the 95% interval excludes "no difference" (ratio 1, change 0%);
-- an interval that includes it is reported as "could not be told apart", with the smallest ratio the data
-  could have detected (the interval's half-width on the log scale, sqrt(hi / lo));
+- an interval that includes it is reported as "could not be told apart", with the ratio these data had 80% power
+  to detect (the minimum detectable effect: the interval's standard error on the log scale times 1.96 + 0.84);
 - with one run on a side, a claim is limited to "in these runs": the interval holds step-to-step noise only;
 - text never calls two arms alike ("equally fast", "same speed", "within noise") beside an interval that
   excludes no difference, and never ranks them ("faster", "slower", ...) from intervals that all include it.
@@ -25,11 +25,17 @@ RATIO = re.compile(r"(\d+(?:\.\d+)?)x \[(\d+(?:\.\d+)?), (\d+(?:\.\d+)?)\]")
 CHANGE = re.compile(r"([+-]?\d+(?:\.\d+)?)% \[([+-]?\d+(?:\.\d+)?)%, ([+-]?\d+(?:\.\d+)?)%\]")
 
 
+Z_95 = 1.959964  # two-sided 95% interval
+Z_POWER = 0.841621  # 80% power
+
+
 def detectable(est: Estimate) -> float:
-    """The smallest ratio (> 1) the interval could have told from 1: its half-width on the log scale."""
+    """The ratio (> 1) a 95% interval of this width would tell from 1 four times in five (80% power), by the normal
+    approximation on the log scale. The half-width alone, sqrt(hi / lo), is an effect found only half the time."""
     if not (est.lo > 0 and est.hi > 0 and math.isfinite(est.lo) and math.isfinite(est.hi)):
         return float("nan")
-    return math.sqrt(est.hi / est.lo)
+    se = math.log(est.hi / est.lo) / (2 * Z_95)
+    return math.exp((Z_95 + Z_POWER) * se)
 
 
 def basis(est: Estimate, n_a: tuple[int, int], n_b: tuple[int, int]) -> str:
@@ -60,7 +66,7 @@ def conclusion(what: str, a: str, b: str, est: Estimate, n_a: tuple[int, int], n
         return f"{what}, {a} / {b}: {est.value:.2f}x with no interval {where}: nothing can be claimed."
     if not est.excludes(1.0):
         return (f"{what}: {a} and {b} could not be told apart, {a} / {b} {ratio_text(est)} {where}; these data "
-                f"could have detected only a ratio beyond about {detectable(est):.2f}x either way.")
+                f"had 80% power for a ratio of about {detectable(est):.2f}x either way, less for a smaller one.")
     ahead = (est.value > 1) == higher_is_better
     word = better if ahead else worse
     if min(n_a[0], n_b[0]) < 2:

@@ -41,7 +41,7 @@ def test_the_reference_readmes_quote_figures_from_data() -> None:
                  "2026-11-25-h200-syncfree2", "2026-11-25-h200-hfexport", "2026-11-25-h200-asyncstate",
                  "2026-11-25-h200-exportprofile", "2026-11-25-h200-exportstage", "2026-11-25-h200-overlap1",
                  "2026-11-24-h200-timingcost2", "2026-11-25-h200-placement1",
-                 "2026-11-25-h200-placement1v"):
+                 "2026-11-25-h200-placement1v", "2026-11-27-2xh200-tp2residual"):
         assert marked[f"results/reference/{name}/README.md"] >= 5, name
     for name in ("2026-11-24-h200-faults", "2026-11-24-h200-trainermoe"):
         assert marked[f"results/reference/{name}/README.md"] >= 2, name
@@ -407,6 +407,23 @@ def test_share_and_unattributed_figures_split_a_step_into_its_phases(tmp_path: P
         figures.evaluate(f"share {bare} sglang-colocate-megatron timing_s/update_actor")
     with pytest.raises(ValueError, match="has no step with its timing_s/step"):
         figures.evaluate(f"unattributed {bare} sglang-colocate-megatron")
+
+
+def test_a_total_is_the_steady_median_of_columns_summed_step_by_step() -> None:
+    study = "results/reference/2026-11-22-h200"
+    df = pd.read_csv(REPO / study / "steps.csv")
+    steady = df[df["config_id"].str.startswith("vllm-colocate-hf-") & (df["step"] > 2)]
+    phases = ["timing_s/sleep", "timing_s/wake", "timing_s/update_weights"]
+    summed = steady[phases].sum(axis=1)
+    assert summed.median() != sum(steady[c].median() for c in phases)  # not the sum of the medians
+    assert figures.evaluate(f"total {study} vllm-colocate-hf {'+'.join(phases)}") == f"{summed.median():#.3g}"
+    # one column is its median; a step that lacks a part is left out, and none left is named
+    assert figures.evaluate(f"total {study} vllm-colocate-hf perf/throughput") == \
+        figures.evaluate(f"median {study} vllm-colocate-hf perf/throughput")
+    with pytest.raises(ValueError, match="no steady-state step with all of timing_s/sleep"):
+        figures.evaluate(f"total {study} sglang-split-hf timing_s/sleep+timing_s/update_weights")
+    with pytest.raises(ValueError, match="has no column 'timing_s/nap'"):
+        figures.evaluate(f"total {study} vllm-colocate-hf timing_s/sleep+timing_s/nap")
 
 
 def test_the_verdicts_count_of_intervals_is_the_number_it_quotes() -> None:

@@ -89,6 +89,17 @@ def median(study: str, name: str, column: str) -> str:
     return _fmt(stats.estimate(_steady(study, name, column), column).value)
 
 
+def total(study: str, name: str, columns: str) -> str:
+    """The steady-state median of columns joined by '+' summed step by step (timing_s/sleep+timing_s/wake: a
+    colocated step's transition), as the report writes numbers; a step that lacks any of them is left out."""
+    df = _steady(study, name).copy()
+    parts = [_column(df, study, c) for c in columns.split("+")]
+    df["total"] = sum(parts[1:], parts[0])  # NaN wherever one part is
+    if df["total"].notna().sum() == 0:
+        raise ValueError(f"{study}: {name} has no steady-state step with all of {columns}")
+    return _fmt(stats.estimate(df, "total").value)
+
+
 def interval(study: str, name: str, column: str) -> str:
     """median [lo, hi] over runs and steps."""
     est = stats.estimate(_steady(study, name, column), column)
@@ -502,7 +513,7 @@ def logged(path: str, pattern: str) -> str:
 
 
 FIGURES: dict[str, Callable[..., str]] = {
-    "median": median, "interval": interval, "ratio": ratio, "change": change, "steps": steady_steps,
+    "median": median, "total": total, "interval": interval, "ratio": ratio, "change": change, "steps": steady_steps,
     "runs": steady_runs,
     "records": records, "span": span, "between": between, "tiers": tiers, "value": value,
     "repeats": repeats, "verdict": verdict, "bench_ratio": bench_ratio, "path_ratio": path_ratio,

@@ -114,7 +114,7 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
              "moepermute moerounds overlap1 overlapproc packing placement placement1 placement1s placement1v "
              "placementlong placementrest rest rest4 soak syncfree syncfree2 timed timingcost trainer "
              "trainerfast trainerfuse trainerloop trainermoe trainervocab verdict verdictdraws verdictinproc "
-             "verdictkv verdictpin verdictvllm verdictvllmtimed verdictwarm verdictwarmkv")
+             "verdictkv verdictpin verdictsglang verdictvllm verdictvllmtimed verdictwarm verdictwarmkv")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     for bad_round in ("x", "0"):

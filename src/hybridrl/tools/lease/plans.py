@@ -346,6 +346,17 @@ def plan_verdictinproc() -> Plan:
 
 
 @_plan
+def plan_verdictsglang() -> Plan:
+    """Issue 16: SGLang's two release policies in one lease on issue 17's model, full release (pinned copy kept)
+    against KV-only (weights stay on the GPU), three replicates each, interleaved with the order reversed in the
+    second round, 10 steps a run. The two arms were recorded in different leases so far (verdictwarm, verdictwarmkv),
+    so what releasing the weights costs SGLang's sleep, wake and step rests on runs of two machines. Needs the
+    `sglang` overlay alone; about 20 minutes held."""
+    return one_lane(interleave(3, "sglang-verdict", "sglang-verdict-kv", balanced=True),
+                    study="config/gpu-h200-learning.yaml")
+
+
+@_plan
 def plan_verdictdraws() -> Plan:
     """Issue 16's headline pair on issue 17's model with a draw of answers per replicate (replicate_seeds): SGLang's
     full release (pinned copy kept) and the vLLM server at level 1, three replicates each, interleaved, 10 steps a

@@ -227,6 +227,15 @@ def _bench_parse(args: argparse.Namespace) -> None:
         print(f"{name:36} {chars:8d} {seconds * 1e3:8.2f} {chars / seconds / 1e6:8.2f}")
 
 
+def _interval_coverage(args: argparse.Namespace) -> None:
+    from hybridrl.report.coverage import main as coverage_main
+    from hybridrl.report.coverage import summary
+
+    check_writable(Path(args.out))
+    print(summary(coverage_main(Path(args.out), sims=args.sims, seed=args.seed, n_boot=args.n_boot,
+                                split_n_boot=args.split_n_boot)))
+
+
 def _aggregate(args: argparse.Namespace) -> None:
     from hybridrl.report import aggregate_main
 
@@ -452,6 +461,16 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("bench-parse", help="answer parsing on its worst cases (whitespace runs, long digit runs)")
     s.add_argument("--repeats", type=_at_least_one, default=5, help="best of this many runs per case")
     s.set_defaults(fn=_bench_parse)
+
+    s = sub.add_parser("interval-coverage", help="how often the reports' 95%% intervals hold the truth: simulated "
+                       "arms with the studies' run and step noise, and 3-vs-3 splits of replicated configurations")
+    s.add_argument("--out", required=True, help="JSON with every design's coverage and the null splits")
+    s.add_argument("--sims", type=_at_least_one, default=1500, help="simulated pairs per design and ratio")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--n-boot", type=_at_least_one, default=2000,
+                   help="bootstrap draws per simulated interval (the reports draw 5000)")
+    s.add_argument("--split-n-boot", type=_at_least_one, default=5000, help="bootstrap draws per null-split interval")
+    s.set_defaults(fn=_interval_coverage)
 
     s = sub.add_parser("aggregate", help="gather runs into one tidy table")
     s.add_argument("--runs", nargs="+", required=True)

@@ -114,7 +114,7 @@ def test_unknown_plan_and_missing_setup_are_clear_errors(root: Path) -> None:
              "moepermute moerounds overlap1 overlapproc packing placement placement1 placement1s placement1v "
              "placementlong placementrest rest rest4 soak syncfree syncfree2 timed timingcost trainer "
              "trainerfast trainerfuse trainerloop trainermoe trainervocab verdict verdictdraws verdictinproc "
-             "verdictkv verdictpin verdictsglang verdictvllm verdictvllmtimed verdictwarm verdictwarmkv")
+             "verdictkv verdictpin verdictsglang verdictvllm verdictvllmtimed verdictwarm verdictwarmkv vocabbench")
     assert f"no plan named nope ({plans}" in bad.stderr
     assert "no plan named nope" in _driver(root, "start", "rest", "nope").stderr
     for bad_round in ("x", "0"):
@@ -864,9 +864,9 @@ def test_every_plan_loads_and_names_only_runs_of_its_study_on_gpus_it_has() -> N
                 for gpus in [lane.gpus] + [it.gpus for it in lane.items if isinstance(it, Train) and it.gpus]:
                     assert {int(g) for g in gpus.split(",")} <= set(range(plan.gpus)), (name, gpus)
         assert all(isinstance(it, TrainerTool) for it in plan.items() if it.text.startswith(("tbench", "tprof")))
-    # only the verdict and client plans compare engines' benchmarks over 5 repeats; nothing else changes the env
+    # only the verdict, client and vocabulary plans compare benchmarks over 5 repeats; nothing else changes the env
     assert {n for n in names if plans.load_plan(n).env} == {"client", "timed", "verdict", "verdictkv", "verdictvllm",
-                                                           "verdictwarmkv"}
+                                                           "verdictwarmkv", "vocabbench"}
     with pytest.raises(ValueError, match="not a plan item"):
         parse_item("bench sglang-full")  # no step: refused when the plan loads, not when its turn comes
 

@@ -259,6 +259,20 @@ def plan_learning() -> Plan:
 
 
 @_plan
+def plan_vocabbench() -> Plan:
+    """Issue 17, item 6, as the issue asks it: each engine's standalone benchmark (5 repeats, raw: nothing streamed, no
+    client of ours) on the same prompts at the 0.6B shape with a small vocabulary and with Qwen's 151,936 rows. The
+    learning lease measured it through the loop only, 3 steps of one run each. Per engine and vocabulary a short
+    rollout-only run (its step-3 request set), then the benchmark on it. Needs the `sglang` and `vllm` overlays;
+    about 20 minutes."""
+    items = []
+    for engine in ("sglang", "vllm"):
+        for vocab in ("small", "qwen"):
+            items += [f"train {engine}-vocab-{vocab}", f"bench {engine}-vocab-{vocab} 3 --paths raw"]
+    return one_lane(*items, study="config/gpu-h200-learning.yaml", env=BENCH_REPEATS_5)
+
+
+@_plan
 def plan_learnlr() -> Plan:
     """Issue 17's open question on one GPU (config/gpu-h200-learning.yaml): 50 warm-started steps per engine at ten
     times `learning`'s learning rate (1e-3), eval every 5 steps, SGLang then the vLLM server."""

@@ -19,6 +19,8 @@ def test_coverage_is_near_nominal_without_run_to_run_noise() -> None:
                              n_boot=400, seed=1)
     assert 0.88 <= rows[0]["coverage"]["fraction"] <= 1.0
     assert rows[0]["excludes_one"]["fraction"] <= 0.12
+    # the reports' detectable ratio (80% power) lies beyond the half-width (an effect found half the time)
+    assert rows[0]["median_detectable"] > rows[0]["median_half_width"] > 1.0
 
 
 def test_coverage_falls_short_with_two_runs_and_a_large_run_effect() -> None:

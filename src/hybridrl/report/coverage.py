@@ -214,17 +214,20 @@ def null_splits(n_boot: int = stats.N_BOOT, metrics: Iterable[str] = METRICS,
     def leases(metric: str) -> list[bool]:
         return [s["excludes_one"] for a in arms for s in a["metrics"][metric]["lease_against_lease"]]
 
-    overall = {m: {"splits": n, "excluding_one": k, "excludes_one": k / n if n else float("nan"),
-                   "arm_mean": arm_mean(m), "lease_splits": len(leases(m)),
-                   "lease_splits_excluding_one": sum(leases(m))}
-               for m, (k, n) in total.items()}
-    k, n = sum(v[0] for v in total.values()), sum(v[1] for v in total.values())
-    overall["all"] = {"splits": n, "excluding_one": k, "excludes_one": k / n if n else float("nan"),
-                      "arm_mean": float(np.mean([overall[m]["arm_mean"] for m in total])) if arms else float("nan"),
-                      "lease_splits": sum(overall[m]["lease_splits"] for m in total),
-                      "lease_splits_excluding_one": sum(overall[m]["lease_splits_excluding_one"] for m in total)}
+    overall = {m: _tally(k, n, arm_mean(m), leases(m)) for m, (k, n) in total.items()}
+    overall["all"] = _tally(sum(v[0] for v in total.values()), sum(v[1] for v in total.values()),
+                            float(np.mean([overall[m]["arm_mean"] for m in total])) if arms else float("nan"),
+                            [hit for m in total for hit in leases(m)])
     return {"arms": arms, "overall": overall, "n_boot": n_boot, "half": SPLIT_RUNS,
             "note": "the splits of one configuration share runs, so they are not independent: no binomial error"}
+
+
+def _tally(excluding: int, splits: int, arm_mean: float, lease_hits: list[bool]) -> dict[str, Any]:
+    """One line of null_splits' overall: how many splits excluded 1, pooled and configuration by configuration,
+    and how many of the lease-against-lease splits did."""
+    return {"splits": splits, "excluding_one": excluding,
+            "excludes_one": excluding / splits if splits else float("nan"), "arm_mean": arm_mean,
+            "lease_splits": len(lease_hits), "lease_splits_excluding_one": sum(lease_hits)}
 
 
 def _key(runs: int, steps: int) -> str:

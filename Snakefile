@@ -28,6 +28,7 @@ include: "workflow/rules/containers.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/measure.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/cluster.smk"
 
@@ -41,4 +42,5 @@ rule all:
         "results/report.html",
         "results/report.md",
         f"results/archive/{STUDY.name}.tar.gz",
+        [job.output for job in MEASUREMENTS.values()],
     default_target: True

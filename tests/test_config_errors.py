@@ -79,7 +79,7 @@ def test_a_folder_or_an_unwritable_output_is_one_line_naming_it(tmp_path, capsys
 def test_bench_set_refuses_a_key_or_value_a_run_cannot_take_in_one_line(tmp_path, capsys, setting, said):
     from pathlib import Path
 
-    from hybridrl.study.prepare_study import run_spec_json
+    from hybridrl.study.rule_params import run_spec_json
 
     study = load_study(Path(__file__).resolve().parents[1] / "config" / "smoke.yaml")
     cfg = tmp_path / "run.json"

@@ -29,20 +29,15 @@ def _schema(args: argparse.Namespace) -> None:
     from hybridrl.study.config import SCHEMA, schema_text
 
     current = SCHEMA.read_text()
-    wanted = schema_text(current)
+    wanted = schema_text()
     if args.check:
         if wanted != current:
-            raise SystemExit(f"{SCHEMA} is out of date with hybridrl.study.run_config: run `python -m hybridrl schema`")
+            raise SystemExit(f"{SCHEMA} is out of date with hybridrl.study's typed study: run `python -m hybridrl "
+                             "schema`")
         print(f"{SCHEMA}: up to date")
         return
     write_text(SCHEMA, wanted)
     print(f"{SCHEMA}: {'unchanged' if wanted == current else 'written'}")
-
-
-def _prepare_study(args: argparse.Namespace) -> None:
-    from hybridrl.study.prepare_study import prepare
-
-    prepare(load_study(args.config), Path(args.out), inputs=not args.configs_only, models=args.models)
 
 
 def _data(args: argparse.Namespace) -> None:
@@ -313,19 +308,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--config", required=True)
     s.set_defaults(fn=_validate)
 
-    s = sub.add_parser("schema", help="write the run part of workflow/schemas/config.schema.yaml from RunConfig")
+    s = sub.add_parser("schema", help="write workflow/schemas/config.schema.yaml from the typed study "
+                       "(StudyConfig, RunConfig)")
     s.add_argument("--check", action="store_true", help="fail if the committed schema differs, write nothing")
     s.set_defaults(fn=_schema)
-
-    s = sub.add_parser("prepare-study", help="a study's run configs (OUT/cfg/<short name>.json), data and models, "
-                       "as the Snakefile's rules build them; the leased-GPU driver's setup")
-    s.add_argument("--config", required=True)
-    s.add_argument("--out", required=True, help="the study's folder: cfg/, data/, models/ go here")
-    s.add_argument("--configs-only", action="store_true", help="write the run configs, build no data or models")
-    s.add_argument("--models", nargs="*", metavar="NAME",
-                   help="build only these of the study's models (none with no NAME; default: all); one built from "
-                        "the same spec is kept")
-    s.set_defaults(fn=_prepare_study)
 
     s = sub.add_parser("data", help="download GSM8K or synthesise GSM8K-format problems")
     s.add_argument("--source", choices=["gsm8k", "synthetic"], required=True)

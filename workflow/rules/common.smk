@@ -1,5 +1,6 @@
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -10,7 +11,8 @@ sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from hybridrl.study import cluster  # noqa: E402
 from hybridrl.study.config import ConfigError, dataset_name, resolve  # noqa: E402
-from hybridrl.study.prepare_study import data_params, model_spec, run_spec_json  # noqa: E402
+from hybridrl.study.measurements import Inputs, fault_runs, measure_argv  # noqa: E402
+from hybridrl.study.rule_params import data_params, model_spec, run_spec_json  # noqa: E402
 
 # the file the study came from, for the message (several --configfile files merge into one config)
 # (--configfile files are merged into Snakemake's overwrite_config too, so --config is read off the command line)
@@ -25,7 +27,9 @@ except ConfigError as exc:
 RUNS = STUDY.runs
 DATASET = dataset_name(STUDY.data)
 DATA_DIR = f"resources/data/{DATASET}"
-DATA = data_params(STUDY.data)  # the `data` rule's arguments, as the GPU driver's prepare-study passes them
+DATA = data_params(STUDY.data)  # the `data` rule's arguments
+MEASUREMENTS = STUDY.measurements
+FAULT_RUNS = fault_runs(MEASUREMENTS)  # trained only through their fault run
 
 
 def run_spec(wildcards) -> str:
@@ -33,21 +37,37 @@ def run_spec(wildcards) -> str:
     rid = wildcards.run_id
     if rid not in RUNS:
         raise WorkflowError(f"run {rid} is not in this study; known runs: {', '.join(RUNS)}")
-    return run_spec_json(STUDY, rid)  # the GPU driver's prepare-study writes the same file
+    return run_spec_json(STUDY, rid)
 
 
 def run_model_spec(wildcards) -> str:
     return model_spec(STUDY.models[wildcards.model])
 
 
-# RUNS lists the runs round by round (config.interleaved: A1 B1 C1 A2 B2 C2). Where jobs wait for a free GPU
-# or core, the scheduler starts the highest priority first, so replicates run interleaved across arms. A
-# priority, unlike a dependency between runs, never makes one run rerun because another changed.
+# RUNS lists the runs round by round (config.interleaved: A1 B1 C1 A2 B2 C2, or balanced). Where jobs wait for
+# a free GPU or core, the scheduler starts the highest priority first, so replicates run interleaved across
+# arms; measurements come after every run. A priority, unlike a dependency between runs, never makes one run
+# rerun because another changed.
 RUN_PRIORITY = {rid: len(RUNS) - i for i, rid in enumerate(RUNS)}
 
 
 def run_priority(wildcards) -> int:
     return RUN_PRIORITY[wildcards.run_id]
+
+
+def run_done(rid: str) -> str:
+    """What says a run has finished: its done.json, or its fault run's judgement for a run trained only there."""
+    if rid in FAULT_RUNS:
+        return next(job.output for job in MEASUREMENTS.values() if job.kind == "fault_run" and job.run_id == rid)
+    return f"results/runs/{rid}/done.json"
+
+
+# sbatch flags from the study's node: one job of this workflow at a time on SLURM (singleton: jobs share the
+# plugin's job name, the workflow's run id), so that no run is measured beside another
+SHARING = STUDY.node.sharing
+SLURM_EXTRA = "--dependency=singleton" if SHARING == "one_at_a_time" else ""
+# a run's time limit from the study, where it sets one; otherwise the profile's runtime
+RUN_LIMITS = {"runtime": lambda wildcards, attempt: STUDY.run_minutes * attempt} if STUDY.run_minutes else {}
 
 
 def run_model(wildcards) -> str:
@@ -109,19 +129,29 @@ def run_container(wildcards) -> str | None:
 
 
 def run_prelude(wildcards) -> str:
-    """Shell before the run: inside an image, the checkout's code first on PYTHONPATH and the image's
-    digest for provenance; with the wheelhouse deployment, the backend's environment first on PATH."""
-    run = RUNS[wildcards.run_id]
-    image = image_of(wildcards.run_id)
+    return prelude(wildcards.run_id)
+
+
+def prelude(rid: str | None, trainer: str | None = None) -> str:
+    """Shell before a job: inside an image, the checkout's code first on PYTHONPATH and the image's digest for
+    provenance; with the wheelhouse deployment, the backend's environment first on PATH; with the overlay
+    deployment, a wait for the overlays and the controller's own first on PYTHONPATH."""
+    run = RUNS[rid] if rid else None
+    image = image_of(rid) if rid else None
     if image:
         return (f"export PYTHONPATH={SRC}${{PYTHONPATH:+:$PYTHONPATH}}; "
                 f"export HYBRIDRL_IMAGE_DIGEST=$(python -m hybridrl.study.cluster digest {image}.json); ")
-    if DEPLOY == "venv" and run.device == "cuda":
+    if DEPLOY == "venv" and run and run.device == "cuda":
         venv = cluster.venv_python(Path(workflow.basedir), cluster.backend(run.engine)).parent
         return f"export PATH={venv}:$PATH PYTHONPATH={SRC}${{PYTHONPATH:+:$PYTHONPATH}}; "
+    if DEPLOY == "overlay":
+        root = os.environ.get(cluster.ENV_OVERLAYS, cluster.DEFAULT_OVERLAYS)
+        paths = cluster.controller_overlays(run.engine if run else "", trainer or (run.trainer if run else ""), root)
+        return (f"python -m hybridrl.study.cluster await-overlays {root} && "
+                f"export PYTHONPATH={':'.join([*paths, SRC])}${{PYTHONPATH:+:$PYTHONPATH}}; ")
     return ""
 
 
 # Train rules by job shape, with their run ids: the SLURM plugin gives all tasks of an array the
 # first task's resources, so runs that need different GPU counts must not share a rule.
-TRAIN_RULES = cluster.shapes(RUNS, fake=FAKE_GPUS)
+TRAIN_RULES = cluster.shapes({rid: run for rid, run in RUNS.items() if rid not in FAULT_RUNS}, fake=FAKE_GPUS)

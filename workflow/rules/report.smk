@@ -1,6 +1,6 @@
 rule aggregate:
     input:
-        expand("results/runs/{run_id}/done.json", run_id=RUNS),
+        [run_done(rid) for rid in RUNS],
     output:
         csv="results/steps.csv",
         parquet="results/steps.parquet",
@@ -38,7 +38,8 @@ rule archive:
         "results/report.html",
         "results/steps.csv",
         "results/steps.parquet",
-        expand("results/runs/{run_id}/done.json", run_id=RUNS),
+        [run_done(rid) for rid in RUNS],
+        [job.output for job in MEASUREMENTS.values()],
     output:
         f"results/archive/{STUDY.name}.tar.gz",
     params:

@@ -30,6 +30,7 @@ for _name, _run_ids in TRAIN_RULES.items():
             out=lambda wildcards, output: Path(output.done).parent,
             data=lambda wildcards, input: Path(input.data).parent,
             prelude=run_prelude,
+            sharing=SHARING,
         log:
             "logs/train/{run_id}.log",
         threads: run_threads
@@ -37,9 +38,11 @@ for _name, _run_ids in TRAIN_RULES.items():
         resources:
             gpu=run_gpus,
             gpu_model=run_gpu_model,
+            slurm_extra=SLURM_EXTRA,
+            **RUN_LIMITS,
         container:
             run_container
         shell:
             "{params.prelude}python -m hybridrl.study.cluster record-job {params.out}/slurm.json"
-            " && python -m hybridrl train --run-config {input.config} --model {input.model} --data {params.data}"
+            " --sharing {params.sharing} && python -m hybridrl train --run-config {input.config} --model {input.model} --data {params.data}"
             " --out {params.out} --done {output.done} --no-progress 2>&1 | tee -a {log}"

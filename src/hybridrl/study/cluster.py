@@ -14,13 +14,15 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridrl.atomic import write_text
 
-if TYPE_CHECKING:  # only a type here: this glue also runs inside images, before any run
+if TYPE_CHECKING:  # only types here: this glue also runs inside images, before any run
+    from hybridrl.study.measurements import MeasureJob
     from hybridrl.study.run_config import RunConfig
 
 # One image per serving stack: the in-process vLLM baseline runs in the vLLM image.
@@ -50,6 +52,11 @@ ENV_PARTITION = "HYBRIDRL_SLURM_PARTITION"
 ENV_GPU_MODEL = "HYBRIDRL_SLURM_GPU_MODEL"
 ENV_DEPLOY = "HYBRIDRL_DEPLOY"
 ENV_FAKE_GPUS = "HYBRIDRL_SLURM_FAKE_GPUS"
+# The overlay deployment (the leased GPU machine): shared/gpu/gpu-env installs one site-packages overlay per
+# stack under this folder and touches READY once every part has arrived; jobs wait for it.
+ENV_OVERLAYS = "HYBRIDRL_OVERLAYS"
+DEFAULT_OVERLAYS = "/tmp/envs"
+OVERLAYS_READY = ".ready"
 PROFILE = "slurm/config.v8+.yaml"
 
 
@@ -105,6 +112,25 @@ def shapes(runs: Mapping[str, RunConfig], fake: bool = False) -> dict[str, list[
     return out
 
 
+def measure_gpus(job: MeasureJob, fake: bool = False) -> int:
+    """GPUs a measurement job asks SLURM for: as a run's, CPU jobs none unless `fake` (CI with fake GRES)."""
+    return job.gpus if job.device == "cuda" or fake else 0
+
+
+def measure_threads(job: MeasureJob, cores: int) -> int:
+    return GPU_RUN_THREADS if job.device == "cuda" else cores
+
+
+def measure_shapes(jobs: Mapping[str, MeasureJob], fake: bool = False) -> dict[str, list[str]]:
+    """Rule name -> measurement names, one rule per kind and job shape (engine_bench_gpu1, client_ceiling_cpu,
+    ...), for the same reason as `shapes`."""
+    out: dict[str, list[str]] = {}
+    for name, job in jobs.items():
+        gpus = measure_gpus(job, fake)
+        out.setdefault(f"{job.kind}_{f'gpu{gpus}' if gpus else 'cpu'}", []).append(name)
+    return out
+
+
 def dry_run_requested(argv: Iterable[str]) -> bool:
     """Snakemake parses the Snakefile before it picks the executor, so a Snakefile cannot ask whether
     this is a dry run; the command line can (-n, -np, --dry-run, --dryrun)."""
@@ -122,14 +148,40 @@ def apptainer_binary(which: Callable[[str], str | None] = shutil.which) -> str |
 
 def deployment(sdm_apptainer: bool, environ: Mapping[str, str]) -> str:
     """How GPU runs get their software: `apptainer` (one image per backend, the default under
-    --sdm apptainer), `venv` (per-backend environments from the offline wheelhouse) or `host` (whatever
-    `python` is on PATH, e.g. a GPU box set up by hand). HYBRIDRL_DEPLOY=venv|host overrides."""
+    --sdm apptainer), `venv` (per-backend environments from the offline wheelhouse), `overlay` (gpu-env's
+    site-packages overlays under HYBRIDRL_OVERLAYS, the leased GPU machine) or `host` (whatever `python` is on
+    PATH, e.g. a GPU box set up by hand). HYBRIDRL_DEPLOY=venv|overlay|host overrides."""
     choice = environ.get(ENV_DEPLOY, "").strip().lower()
-    if choice and choice not in ("apptainer", "venv", "host"):
-        raise ValueError(f"{ENV_DEPLOY}={choice!r}: expected apptainer, venv or host")
+    if choice and choice not in DEPLOYMENTS:
+        raise ValueError(f"{ENV_DEPLOY}={choice!r}: expected {', '.join(DEPLOYMENTS)}")
     if choice:
         return choice
     return "apptainer" if sdm_apptainer else "host"
+
+
+DEPLOYMENTS = ("apptainer", "venv", "overlay", "host")
+
+
+def controller_overlays(engine: str, trainer: str, root: str) -> list[str]:
+    """The overlays a job's controller needs before its own code: in-process vLLM lives in the controller, and
+    Megatron's torchrun workers inherit the controller's path. HTTP engines get theirs from the study's
+    engine_envs, so the controller's own stack (transformers, the HF trainer) stays the base image's."""
+    sets = (["vllm"] if engine == "vllm-inprocess" else []) + (["trainer"] if trainer == "megatron" else [])
+    return [f"{root}/{name}" for name in sets]
+
+
+def await_overlays(root: Path, timeout_s: float, poll_s: float = 1.0, sleep: Callable[[float], None] = time.sleep,
+                   ) -> None:
+    """Wait until gpu-env has installed every overlay (ROOT/.ready): on a lease the study starts while the parts
+    still travel. SystemExit with one line once timeout_s has passed."""
+    waited = 0.0
+    while not (root / OVERLAYS_READY).exists():
+        if waited >= timeout_s:
+            raise SystemExit(f"hybridrl: the overlays under {root} were not installed within {timeout_s:.0f} s (no "
+                             f"{root / OVERLAYS_READY}): the lease's last transfer call runs `gpu-env install` and "
+                             "touches it (docs/gpu.md)")
+        sleep(poll_s)
+        waited += poll_s
 
 
 def venv_python(root: Path, backend_name: str) -> Path:
@@ -319,13 +371,17 @@ def _write_json(path: Path, data: Any) -> None:
     write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def record_job(out: Path, environ: MutableMapping[str, str]) -> dict[str, Any] | None:
-    """Append this job's grant to OUT (one entry per job id and requeue), with the image's digest."""
+def record_job(out: Path, environ: MutableMapping[str, str], sharing: str | None = None) -> dict[str, Any] | None:
+    """Append this job's grant to OUT (one entry per job id and requeue), with the image's digest and whether the
+    study let jobs share the node."""
     record = job_grant(environ)
     if record is None:
         return None
+    record = dict(record)
     if environ.get("HYBRIDRL_IMAGE_DIGEST"):
         record["image_digest"] = environ["HYBRIDRL_IMAGE_DIGEST"]
+    if sharing:
+        record["node_sharing"] = sharing
     history = json.loads(out.read_text()) if out.exists() else {"jobs": []}
     key = (record.get("SLURM_JOB_ID"), record.get("SLURM_RESTART_COUNT", "0"))
     if all((j.get("SLURM_JOB_ID"), j.get("SLURM_RESTART_COUNT", "0")) != key for j in history["jobs"]):
@@ -339,13 +395,20 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("record-job", help="append the SLURM grant of this job to a JSON file (no-op outside SLURM)")
     s.add_argument("out", type=Path)
+    s.add_argument("--sharing", help="the study's node.sharing, recorded beside the grant")
+    s = sub.add_parser("await-overlays", help="wait until gpu-env has installed the overlays (ROOT/.ready)")
+    s.add_argument("root", type=Path)
+    s.add_argument("--timeout-s", type=float, default=900.0)
     s = sub.add_parser("digest", help="print the image digest from a digest file written by scripts/build-container.sh")
     s.add_argument("file", type=Path)
     args = p.parse_args(argv)
     if args.command == "digest":
         print(json.loads(args.file.read_text())["digest"])
         return 0
-    record = record_job(args.out, os.environ)
+    if args.command == "await-overlays":
+        await_overlays(args.root, args.timeout_s)
+        return 0
+    record = record_job(args.out, os.environ, args.sharing)
     if record is not None:
         print(f"hybridrl: slurm job {record.get('SLURM_JOB_ID')} (restart {record.get('SLURM_RESTART_COUNT', '0')})"
               f" recorded in {args.out}", file=sys.stderr)

@@ -14,16 +14,17 @@ import jsonschema
 import pydantic
 import yaml
 
-from hybridrl.study.run_config import RunConfig, RunSpec, run_id, run_schema
+from hybridrl.study.measurements import MeasureJob, resolve_measurements
+from hybridrl.study.run_config import RunConfig, RunSpec, run_id, split_replicate
+from hybridrl.study.study_config import Measurement, Node, StudyConfig, study_schema
 
 REPO = Path(__file__).resolve().parents[3]
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
-# The run part of SCHEMA sits between these lines and is written from RunConfig (`python -m hybridrl schema`)
-SCHEMA_BEGIN = ("  # BEGIN run: generated from hybridrl.study.run_config.RunConfig by `python -m hybridrl schema`;"
-                " edit that")
-SCHEMA_END = "  # END run"
-_KEY_ORDER = ("type", "enum", "anyOf", "items", "minItems", "minimum", "exclusiveMinimum", "maximum", "pattern",
-              "default", "description", "additionalProperties", "properties")
+SCHEMA_HEADER = ("# Generated from hybridrl.study.study_config.StudyConfig and run_config.RunConfig by "
+                 "`python -m hybridrl schema`;\n# edit those, not this file.\n")
+_KEY_ORDER = ("$schema", "title", "type", "const", "enum", "anyOf", "oneOf", "items", "minItems", "minProperties",
+              "minimum", "exclusiveMinimum", "maximum", "pattern", "default", "description", "required",
+              "additionalProperties", "properties", "$defs")
 
 
 def _yaml_lines(key: str, node: Any, indent: int, width: int = 118) -> list[str]:
@@ -32,21 +33,24 @@ def _yaml_lines(key: str, node: Any, indent: int, width: int = 118) -> list[str]
         node = dict(sorted(node.items(), key=lambda kv: _KEY_ORDER.index(kv[0]) if kv[0] in _KEY_ORDER else 99))
     line = " " * indent + yaml.safe_dump({key: node}, default_flow_style=True, sort_keys=False,
                                          width=10**9).strip()[1:-1]
-    if len(line) <= width or not isinstance(node, dict) or key == "properties" and not node:
+    if len(line) <= width or not isinstance(node, (dict, list)) or key == "properties" and not node:
         return [line]
+    if isinstance(node, list):  # a list too long for one line: one item a line
+        return [" " * indent + f"{key}:"] + [
+            " " * (indent + 2) + "- " + yaml.safe_dump(item, default_flow_style=True, width=10**9).strip()
+            for item in node]
     out = [" " * indent + f"{key}:"]
     for k, v in node.items():
         out += _yaml_lines(k, v, indent + 2, width)
     return out
 
 
-def schema_text(current: str) -> str:
-    """SCHEMA's text with the run part written again from RunConfig; the rest is kept as written by hand."""
-    head, sep, rest = current.partition(SCHEMA_BEGIN + "\n")
-    _, sep2, tail = rest.partition(SCHEMA_END + "\n")
-    if not sep or not sep2:
-        raise ValueError(f"{SCHEMA}: the generated run part's marker lines are missing")
-    return head + "\n".join([SCHEMA_BEGIN, *_yaml_lines("run", run_schema(), 2), SCHEMA_END, tail])
+def schema_text() -> str:
+    """SCHEMA's text as the typed study (StudyConfig, RunConfig) generates it."""
+    schema = study_schema()
+    schema = dict(sorted(schema.items(), key=lambda kv: _KEY_ORDER.index(kv[0]) if kv[0] in _KEY_ORDER else 99))
+    lines = [line for key, value in schema.items() for line in _yaml_lines(key, value, 0)]
+    return SCHEMA_HEADER + "\n".join(lines) + "\n"
 
 
 class ConfigError(ValueError):
@@ -55,12 +59,17 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Study:
+    """A study resolved: its runs by id in the order they run, its measurements as jobs, and the typed file."""
+
     name: str
     data: dict[str, Any]
     models: dict[str, dict[str, Any]]
     engine_envs: dict[str, dict[str, Any]]
     # run_id -> resolved run, in the order the study runs them (replicates interleaved: see `interleaved`)
     runs: dict[str, RunConfig] = field(default_factory=dict)
+    measurements: dict[str, MeasureJob] = field(default_factory=dict)
+    node: Node = field(default_factory=Node)
+    run_minutes: int | None = None
 
 
 def _key_path(error: jsonschema.ValidationError) -> str:
@@ -110,7 +119,20 @@ def validate(raw: dict[str, Any], source: str = "config") -> None:
     if errors:
         # the deepest error names the key most precisely
         best = jsonschema.exceptions.best_match(errors)
+        path = list(best.absolute_path)
+        if path[:1] == ["measurements"] and len(path) >= 2:  # one of several kinds: the model names the key
+            raise ConfigError(f"{source}: {_measurement_error(raw['measurements'][path[1]], path[1])}")
         raise ConfigError(f"{source}: {_describe(best)}")
+
+
+def _measurement_error(entry: Any, i: int) -> str:
+    try:
+        pydantic.TypeAdapter(Measurement).validate_python(entry)
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err["loc"]][1:]  # the first is the kind's tag
+        return f"measurements.{i}{''.join('.' + p for p in loc)}: {err['msg']}"
+    return f"measurements.{i}: not a measurement"
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -266,6 +288,10 @@ def load_study(path: str | Path, overrides: dict[str, Any] | None = None) -> Stu
 
 def resolve(raw: dict[str, Any], source: str = "config") -> Study:
     validate(raw, source)
+    try:
+        typed = StudyConfig.model_validate(raw)
+    except pydantic.ValidationError as exc:  # the schema let it through: still one line, naming the key
+        raise ConfigError(f"{source}: {_first_error(exc)}") from None
     check_model_sources(raw["models"], source)
     configs: list[tuple[str, RunConfig]] = []
     seen: set[str] = set()
@@ -276,16 +302,58 @@ def resolve(raw: dict[str, Any], source: str = "config") -> Study:
             raise ConfigError(f"{source}: runs[{i}] resolves to the same run as an earlier entry ({rid})")
         seen.add(rid)
         configs.append((rid, run))
-    runs = {rid: run for rid, run in interleaved(configs)}
-    return Study(name=raw["study"], data=raw["data"], models=raw["models"],
-                 engine_envs=raw.get("engine_envs", {}), runs=runs)
+    runs = {rid: run for rid, run in interleaved(configs, balanced=typed.order == "balanced")}
+    try:
+        measurements = resolve_measurements(typed.measurements, runs, short_names(runs))
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    study = Study(name=raw["study"], data=raw["data"], models=raw["models"], engine_envs=raw.get("engine_envs", {}),
+                  runs=runs, measurements=measurements, node=typed.node, run_minutes=typed.run_minutes)
+    check_node(study, source)
+    return study
 
 
-def interleaved(configs: list[tuple[str, RunConfig]]) -> list[tuple[str, RunConfig]]:
+def check_node(study: Study, source: str) -> None:
+    """A run or measurement that needs more GPUs than the study's node has is refused before anything runs."""
+    limit = study.node.gpus
+    if limit is None:
+        return
+    needs = {f"run {rid}": run.tp + (run.train_gpus if run.placement == "split" else 0)
+             for rid, run in study.runs.items() if run.device == "cuda"}
+    needs.update({f"measurement {name}": job.gpus for name, job in study.measurements.items() if job.device == "cuda"})
+    for what, n in needs.items():
+        if n > limit:
+            raise ConfigError(f"{source}: {what} needs {n} GPUs but node.gpus is {limit}: lower its tp or train_gpus, "
+                              "or run the study on a larger node")
+
+
+def interleaved(configs: list[tuple[str, RunConfig]], balanced: bool = False) -> list[tuple[str, RunConfig]]:
     """Every replicate of every configuration, round by round (A1 B1 C1 A2 B2 C2 ...): the order in which the
-    study runs them, so that a slow drift of the host (thermals, caches, neighbours) falls on every arm alike."""
+    study runs them, so that a slow drift of the host (thermals, caches, neighbours) falls on every arm alike.
+    balanced reverses every second round (A1 B1 B2 A2 ...), so that no configuration always runs first."""
     rounds = max((run.replicates for _, run in configs), default=0)
-    return [(run_id(run, k), run) for k in range(1, rounds + 1) for _, run in configs if k <= run.replicates]
+    out = []
+    for k in range(1, rounds + 1):
+        this = [(run_id(run, k), run) for _, run in configs if k <= run.replicates]
+        out += this[::-1] if balanced and k % 2 == 0 else this
+    return out
+
+
+def short_name(rid: str, run: RunConfig) -> str:
+    """The name measurements call a run by: its `name`, else engine-placement[-megatron]; replicate k > 1 gets
+    -r<k>, as its run id does (NAME, NAME-r2, ...)."""
+    short = run.name or "-".join([run.engine, run.placement] + (["megatron"] if run.trainer == "megatron" else []))
+    k = split_replicate(rid)[1]
+    return short + (f"-r{k}" if k > 1 else "")
+
+
+def short_names(runs: dict[str, RunConfig]) -> dict[str, str]:
+    """{short name: run id} for every run, in the study's order. Two runs of one short name share it with no
+    measurement able to tell them apart: the later is left out (a measurement naming it is refused)."""
+    index: dict[str, str] = {}
+    for rid, run in runs.items():
+        index.setdefault(short_name(rid, run), rid)
+    return index
 
 
 # `python -m hybridrl data`'s defaults, where a study's `data` leaves a key out

@@ -1,0 +1,112 @@
+"""A study's measurements resolved to jobs: each one's result file, the run it reads and the GPUs it needs.
+
+The Snakefile turns each into a job (workflow/rules/measure.smk); its result lands in results/bench/<name>.<ext>,
+named as the committed studies name theirs: <run>.json (engine bench), client-ceiling.json, fault-<run>.json,
+trainer-<shape>-<trainer>-mb<N>[-flag...][-rK].json and profile-....txt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from hybridrl.study.run_config import RunConfig
+from hybridrl.study.study_config import ClientCeiling, EngineBench, FaultRun, Measurement, TrainerBench
+
+BENCH_DIR = "results/bench"
+
+
+@dataclass(frozen=True)
+class MeasureJob:
+    """One measurement job: `name` is its result's stem; `run_id` the run it replays or trains (None for the
+    trainer tools and the client's ceiling); `gpus` what it needs on CUDA; `device` where it runs."""
+
+    name: str
+    spec: EngineBench | ClientCeiling | TrainerBench | FaultRun
+    run_id: str | None
+    gpus: int
+    device: str
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    @property
+    def output(self) -> str:
+        return f"{BENCH_DIR}/{self.name}.{'txt' if self.kind == 'trainer_profile' else 'json'}"
+
+
+def trainer_tool_names(spec: TrainerBench) -> list[str]:
+    """trainer-SHAPE-TRAINER-mbN[-FLAG...] (profile-... for a profile), -rK for process K > 1 of `replicates`;
+    KEY=VALUE flags as KEY-VALUE (no '=' in a file name)."""
+    prefix = "trainer" if spec.kind == "trainer_bench" else "profile"
+    base = "-".join([f"{prefix}-{spec.shape}-{spec.trainer}-mb{spec.micro_batch}",
+                     *(f.replace("=", "-") for f in spec.flags)])
+    return [base + (f"-r{k}" if k > 1 else "") for k in range(1, spec.replicates + 1)]
+
+
+def _run_of(spec: EngineBench | FaultRun, names: Mapping[str, str], where: str) -> str:
+    if spec.run not in names:
+        raise ValueError(f"{where}.run: {spec.run!r} is not a run of this study (runs: {', '.join(names)})")
+    return names[spec.run]
+
+
+def resolve_measurements(specs: Sequence[Measurement], runs: Mapping[str, RunConfig],
+                         names: Mapping[str, str], where: str = "measurements") -> dict[str, MeasureJob]:
+    """{name: job} in the study's order; ValueError naming the entry for an unknown run or a name given twice."""
+    jobs: dict[str, MeasureJob] = {}
+    for i, spec in enumerate(specs):
+        at = f"{where}[{i}]"
+        if isinstance(spec, EngineBench):
+            rid = _run_of(spec, names, at)
+            new = [MeasureJob(spec.run, spec, rid, runs[rid].tp, runs[rid].device)]
+        elif isinstance(spec, FaultRun):
+            rid = _run_of(spec, names, at)
+            run = runs[rid]
+            gpus = run.tp + (run.train_gpus if run.placement == "split" else 0)
+            new = [MeasureJob(f"fault-{spec.run}", spec, rid, gpus, run.device)]
+        elif isinstance(spec, ClientCeiling):
+            new = [MeasureJob("client-ceiling", spec, None, 0, "cpu")]
+        else:
+            device = "cpu" if "device=cpu" in spec.flags else "cuda"
+            new = [MeasureJob(name, spec, None, 1, device) for name in trainer_tool_names(spec)]
+        for job in new:
+            if job.name in jobs:
+                raise ValueError(f"{at}: its result {job.output} is also another measurement's")
+            jobs[job.name] = job
+    return jobs
+
+
+def fault_runs(jobs: Mapping[str, MeasureJob]) -> set[str]:
+    """The runs trained only through their fault run."""
+    return {job.run_id for job in jobs.values() if job.kind == "fault_run" and job.run_id}
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Where a measurement job finds what it reads: the run's folder and config, the model and the data."""
+
+    run_dir: str = ""
+    run_config: str = ""
+    model: str = ""
+    data: str = ""
+    workdir: str = "resources/trainer-bench"
+
+
+def measure_argv(job: MeasureJob, at: Inputs) -> list[str]:
+    """The `python -m hybridrl ...` arguments of one measurement job, its result written to job.output."""
+    spec = job.spec
+    if isinstance(spec, EngineBench):
+        return ["bench", "--run-config", at.run_config, "--model", at.model, "--data", at.data, "--run-dir",
+                at.run_dir, "--step", str(spec.step), "--repeats", str(spec.repeats), "--probe", *spec.args,
+                "--out", job.output]
+    if isinstance(spec, FaultRun):
+        train = ["python", "-m", "hybridrl", "train", "--run-config", at.run_config, "--model", at.model, "--data",
+                 at.data, "--out", at.run_dir, "--done", f"{at.run_dir}/done.json", "--no-progress"]
+        return ["fault-run", "--kill-engine-at", str(spec.kill_engine_at), "--term-at", str(spec.term_at), "--out",
+                job.output, "--", *train]
+    if isinstance(spec, ClientCeiling):
+        return ["client-ceiling", *spec.args, "--out", job.output]
+    command = "trainer-bench" if spec.kind == "trainer_bench" else "trainer-profile"
+    return [command, "--shape", spec.shape, "--trainer", spec.trainer, "--micro-batch", str(spec.micro_batch),
+            *(f"--{flag}" for flag in spec.flags), "--workdir", at.workdir, "--out", job.output]

@@ -1,0 +1,182 @@
+"""scripts/gpu/lease.sh: the parts of a lease fit the carry limit beside the tree; the results leave the tree and come
+back as HEAD holds them; a pack leaves adapters and access lines behind; an import becomes a reference folder with
+its table and report; bad input is one line and writes nothing."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from test_report import write_run
+
+REPO = Path(__file__).resolve().parents[1]
+MiB = 1024 * 1024
+ACCESS = '127.0.0.1:5 - "POST /v1/completions HTTP/1.1" 200 OK\n'
+
+
+def _lease(*args: str, cwd: Path = REPO, **env: str) -> subprocess.CompletedProcess[str]:
+    """The script of the repository at cwd (a scratch copy, or this checkout)."""
+    return subprocess.run(["bash", str(cwd / "scripts" / "gpu" / "lease.sh"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "HYBRIDRL_PYTHON": sys.executable, **env})
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+
+def _repo(tmp: Path) -> Path:
+    """A scratch repository with the script, one committed result and .gpu ignored."""
+    repo = tmp / "repo"
+    (repo / "scripts" / "gpu").mkdir(parents=True)
+    (repo / "scripts" / "gpu" / "lease.sh").write_text((REPO / "scripts" / "gpu" / "lease.sh").read_text())
+    (repo / "results" / "reference" / "study").mkdir(parents=True)
+    (repo / "results" / "reference" / "study" / "steps.csv").write_text("step,t\n1,2.5\n")
+    (repo / ".gitignore").write_text("/.gpu/\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
+    return repo
+
+
+def _shared(tmp: Path, gpu: Path, stream: bytes) -> dict[str, str]:
+    """A shared folder whose gpu-env and slurm-lease are never asked to download (their results are there)."""
+    shared = tmp / "shared"
+    (shared / "slurm").mkdir(parents=True)
+    for tool in (shared / "gpu-env", shared / "slurm" / "slurm-lease"):
+        tool.write_text("#!/bin/sh\necho should not download >&2; exit 9\n")
+        tool.chmod(0o755)
+    packed = gpu / "parts-vllm"
+    packed.mkdir(parents=True)
+    for i in range(0, len(stream), 7 * MiB):  # gpu-env's own cut, whatever it was
+        (packed / f"part.{i // (7 * MiB):02d}").write_bytes(stream[i:i + 7 * MiB])
+    for d in ("ctl", "slurm/debs", "slurm/whl"):
+        (gpu / "start" / d).mkdir(parents=True)
+    (gpu / "start" / "ctl" / "pydantic-2-py3-none-any.whl").write_bytes(b"w" * 1000)
+    return {"HYBRIDRL_SHARED_GPU": str(shared), "HYBRIDRL_GPU_DIR": str(gpu)}
+
+
+def test_parts_are_cut_so_that_each_call_fits_beside_the_tree(tmp_path: Path) -> None:
+    repo = _repo(tmp_path)
+    stream = os.urandom(40 * MiB)
+    env = _shared(tmp_path, tmp_path / "gpu", stream)
+    tree = sum(p.stat().st_size for p in repo.rglob("*") if p.is_file() and ".git" not in p.parts)
+    limit = tree + 4 * MiB + 3 * 1024 + 11 * MiB  # leaves 11 MiB a part after the margin (3 files)
+    done = _lease("prepare", "vllm", cwd=repo, HYBRIDRL_CARRY_LIMIT=str(limit), **env)
+    assert done.returncode == 0, done.stderr
+    dirs = sorted((tmp_path / "gpu").glob("x[0-9][0-9]"))
+    assert len(dirs) == 4  # 40 MiB in parts of at most 11 MiB
+    parts = [next(d.glob("part.*")) for d in dirs]
+    assert all(tree + p.stat().st_size + (p.parent / "gpu-env").stat().st_size <= limit for p in parts)
+    assert b"".join(p.read_bytes() for p in parts) == stream  # gpu-env install joins them by name
+    assert "call 1 carries .gpu/start; then x00 x01 x02 x03 one call each" in done.stdout
+    assert (tmp_path / "gpu" / "start" / "slurm" / "kit" / "slurm-lease").exists()  # the kit travels in call 1
+    small = _lease("prepare", "vllm", cwd=repo, HYBRIDRL_CARRY_LIMIT=str(tree + 8 * MiB), **env)
+    assert small.returncode == 2 and "too little room for a part" in small.stderr and "lean off" in small.stderr
+
+
+def test_lean_off_takes_the_results_out_of_what_travels_and_on_restores_head(tmp_path: Path) -> None:
+    repo = _repo(tmp_path)
+    env = {"HYBRIDRL_GPU_DIR": str(repo / ".gpu")}
+    assert _lease("lean", "off", cwd=repo, **env).returncode == 0
+    assert set(_git(repo, "ls-files", "--cached", "--others", "--exclude-standard").split()) == {
+        ".gitignore", "scripts/gpu/lease.sh"}
+    again = _lease("lean", "off", cwd=repo, **env)
+    assert again.returncode == 2 and "the results are off already" in again.stderr
+    done = _lease("lean", "on", cwd=repo, **env)
+    assert done.returncode == 0, done.stderr
+    assert _git(repo, "status", "--porcelain") == ""
+    assert (repo / "results" / "reference" / "study" / "steps.csv").read_text() == "step,t\n1,2.5\n"
+    (repo / "results" / "reference" / "study" / "steps.csv").write_text("changed\n")
+    dirty = _lease("lean", "off", cwd=repo, **env)
+    assert dirty.returncode == 2 and "uncommitted changes" in dirty.stderr
+
+
+def _machine(tmp: Path, runs: tuple[str, ...], seed: int = 0) -> Path:
+    """The study's working directory on the machine, as Snakemake leaves it."""
+    work = tmp / "work"
+    for i, rid in enumerate(runs):
+        run = write_run(work / "results", rid, rid.split("-")[0], "colocate", seed=seed + i)
+        (run / "requests").mkdir()
+        (run / "requests" / "step-0001.jsonl").write_text(json.dumps({"request": 0, "tokens": 5}) + "\n")
+        (run / "adapters" / "step-1").mkdir(parents=True)
+        (run / "adapters" / "step-1" / "adapter_config.json").write_text("{}")
+        (run / "logs").mkdir()
+        (run / "logs" / "engine.log").write_text("started\n" + ACCESS * 3 + "slept\n")
+    (work / "results" / "bench").mkdir(parents=True)
+    (work / "results" / "bench" / "sglang-verdict.json").write_text('{"repeats": 5}\n')
+    model = work / "resources" / "models" / "qwen3-0.6b-warm"
+    model.mkdir(parents=True)
+    (model / "warm_start.json").write_text(json.dumps({"base_accuracy": 0.44 + seed / 100}) + "\n")
+    (model / "config.json").write_text("{}")
+    (work / "logs" / "slurm").mkdir(parents=True)
+    (work / "logs" / "slurm" / "job.log").write_text(f"lease {seed}\n")
+    (work / "snakemake.log").write_text("Finished\n")
+    (work / "command.txt").write_text("+ snakemake --profile slurm\n")
+    return work
+
+
+def _pack(work: Path, out: Path) -> Path:
+    done = _lease("pack", str(out), HYBRIDRL_LEASE_WORK=str(work))
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_a_pack_holds_the_results_without_adapters_models_or_access_lines(tmp_path: Path) -> None:
+    tarball = _pack(_machine(tmp_path, ("sglang-verdict-795e3683",)), tmp_path / "latest.tar.gz")
+    with tarfile.open(tarball) as tar:
+        names = {n.removeprefix("./") for n in tar.getnames()}
+        log = tar.extractfile("./results/runs/sglang-verdict-795e3683/logs/engine.log").read().decode()
+    assert "results/runs/sglang-verdict-795e3683/steps.jsonl" in names
+    assert "results/bench/sglang-verdict.json" in names and "resources/models/qwen3-0.6b-warm/warm_start.json" in names
+    assert not any("adapters" in n or n.endswith("models/qwen3-0.6b-warm/config.json") for n in names)
+    assert log == "started\nslept\n"
+
+
+def test_an_import_becomes_a_reference_folder_and_a_later_lease_adds_to_it(tmp_path: Path) -> None:
+    first = _pack(_machine(tmp_path / "a", ("sglang-verdict-795e3683", "vllm-verdict-4c49f35f")), tmp_path / "a.tgz")
+    dest = tmp_path / "results" / "2026-11-28-h100-verdict"
+    done = _lease("import", str(first), str(dest))
+    assert done.returncode == 0, done.stderr
+    assert "(2 runs with steps); commit it now" in done.stdout and not dest.with_name(f"{dest.name}.partial").exists()
+    records = dest / "runs" / "sglang-verdict-795e3683" / "requests"
+    assert [p.name for p in records.iterdir()] == ["step-0001.jsonl.gz"]  # compacted
+    assert json.loads(gzip.decompress((records / "step-0001.jsonl.gz").read_bytes())) == {"request": 0, "tokens": 5}
+    assert json.loads((dest / "models" / "qwen3-0.6b-warm" / "warm_start.json").read_text()) == {"base_accuracy": 0.44}
+    assert (dest / "bench" / "sglang-verdict.json").exists() and (dest / "logs" / "snakemake.log").exists()
+    assert len((dest / "steps.csv").read_text().splitlines()) == 1 + 2 * 8
+    assert "# hybridrl study" in (dest / "report.md").read_text()
+    later = _pack(_machine(tmp_path / "b", ("sglang-verdict-795e3683-r3",), seed=1), tmp_path / "b.tgz")
+    added = _lease("import", str(later), str(dest), "lease2")
+    assert added.returncode == 0, added.stderr
+    assert len((dest / "steps.csv").read_text().splitlines()) == 1 + 3 * 8  # every run in one table
+    assert (dest / "logs" / "lease2" / "slurm" / "job.log").read_text() == "lease 1\n"
+    assert (dest / "logs" / "slurm" / "job.log").read_text() == "lease 0\n"  # the first lease's, untouched
+
+
+@pytest.mark.parametrize("case", ["exists", "not_tar", "missing", "run_twice", "usage"])
+def test_bad_input_is_one_line_and_nothing_is_written(tmp_path: Path, case: str) -> None:
+    tarball = _pack(_machine(tmp_path, ("sglang-verdict-795e3683",)), tmp_path / "t.tgz")
+    dest = tmp_path / "out" / "study"
+    if case == "exists":
+        dest.mkdir(parents=True)
+        (dest / "README.md").write_text("kept\n")
+        done, want = _lease("import", str(tarball), str(dest)), "exists: nothing written"
+    elif case == "not_tar":
+        (tmp_path / "x.tgz").write_text("no")
+        done, want = _lease("import", str(tmp_path / "x.tgz"), str(dest)), "is not a poll's gzipped tar"
+    elif case == "missing":
+        done, want = _lease("import", str(tmp_path / "none.tgz"), str(dest)), "no file"
+    elif case == "run_twice":
+        assert _lease("import", str(tarball), str(dest)).returncode == 0
+        before = (dest / "steps.csv").read_text()
+        done, want = _lease("import", str(tarball), str(dest), "lease2"), "holds sglang-verdict-795e3683 already"
+        assert (dest / "steps.csv").read_text() == before and not (dest / "logs" / "lease2").exists()
+    else:
+        done, want = _lease("import", str(tarball)), "usage: lease.sh import TARBALL NAME [LABEL]"
+    assert done.returncode == 2 and want in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert case in ("exists", "run_twice") or not dest.exists()
+    assert not dest.with_name("study.partial").exists()

@@ -1,0 +1,57 @@
+# The study's measurements that are not training runs (config: `measurements`), each a job of its own whose
+# inputs are what it really reads: an engine bench waits for its run's done.json, a fault run trains its run,
+# the trainer tools and the client's ceiling wait for nothing. One rule per kind and GPU count, as train rules
+# are, so that a SLURM array never mixes jobs that need different GPUs. Results: results/bench/<name>.json|txt.
+
+
+def measure_inputs(wildcards) -> dict[str, str]:
+    job = MEASUREMENTS[wildcards.name]
+    if job.run_id is None:
+        return {}
+    run = RUNS[job.run_id]
+    inputs = {"config": f"results/runs/{job.run_id}/config.json", "model": f"resources/models/{run.model}",
+              "data": f"{DATA_DIR}/train.jsonl"}
+    if job.kind == "engine_bench":
+        inputs["done"] = f"results/runs/{job.run_id}/done.json"
+    return inputs
+
+
+def measure_command(wildcards) -> str:
+    job = MEASUREMENTS[wildcards.name]
+    rid = job.run_id
+    run = RUNS[rid] if rid else None
+    at = Inputs(run_dir=f"results/runs/{rid}", run_config=f"results/runs/{rid}/config.json",
+                model=f"resources/models/{run.model}", data=DATA_DIR) if run else Inputs()
+    trainer = getattr(job.spec, "trainer", None)
+    record = f"python -m hybridrl.study.cluster record-job results/bench/{job.name}.slurm.json --sharing {SHARING}"
+    command = shlex.join(["python", "-m", "hybridrl", *measure_argv(job, at)])
+    return f"{prelude(rid, trainer)}{record} && {command}"
+
+
+def measure_gpus(wildcards) -> int:
+    return cluster.measure_gpus(MEASUREMENTS[wildcards.name], fake=FAKE_GPUS)
+
+
+for _rule, _names in cluster.measure_shapes(MEASUREMENTS, fake=FAKE_GPUS).items():
+
+    rule:
+        name:
+            _rule
+        input:
+            unpack(measure_inputs),
+        output:
+            ("results/bench/{name}.txt" if _rule.startswith("trainer_profile") else "results/bench/{name}.json"),
+        wildcard_constraints:
+            name="|".join(re.escape(name) for name in _names),
+        params:
+            command=measure_command,
+        log:
+            "logs/measure/{name}.log",
+        threads: lambda wildcards: cluster.measure_threads(MEASUREMENTS[wildcards.name], CORES)
+        priority: 0
+        resources:
+            gpu=measure_gpus,
+            slurm_extra=SLURM_EXTRA,
+            runtime=lambda wildcards, attempt: MEASUREMENTS[wildcards.name].spec.minutes * attempt,
+        shell:
+            "{params.command} > {log} 2>&1"

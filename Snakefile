@@ -34,7 +34,7 @@ include: "workflow/rules/cluster.smk"
 
 
 # data and model download on the submit host: compute nodes often have no network
-localrules: all, data, model, run_config, aggregate, report, archive
+localrules: all, data, model_download, run_config, aggregate, report, archive
 
 
 rule all:

@@ -135,7 +135,8 @@ def run_prelude(wildcards) -> str:
 def prelude(rid: str | None, trainer: str | None = None) -> str:
     """Shell before a job: inside an image, the checkout's code first on PYTHONPATH and the image's digest for
     provenance; with the wheelhouse deployment, the backend's environment first on PATH; with the overlay
-    deployment, a wait for the overlays and the controller's own first on PYTHONPATH."""
+    deployment, the controller's overlays first on PYTHONPATH, after a wait for them where the job runs an engine
+    or Megatron (a model build or an HF trainer benchmark needs only the base image)."""
     run = RUNS[rid] if rid else None
     image = image_of(rid) if rid else None
     if image:
@@ -146,9 +147,10 @@ def prelude(rid: str | None, trainer: str | None = None) -> str:
         return f"export PATH={venv}:$PATH PYTHONPATH={SRC}${{PYTHONPATH:+:$PYTHONPATH}}; "
     if DEPLOY == "overlay":
         root = os.environ.get(cluster.ENV_OVERLAYS, cluster.DEFAULT_OVERLAYS)
-        paths = cluster.controller_overlays(run.engine if run else "", trainer or (run.trainer if run else ""), root)
-        return (f"python -m hybridrl.study.cluster await-overlays {root} && "
-                f"export PYTHONPATH={':'.join([*paths, SRC])}${{PYTHONPATH:+:$PYTHONPATH}}; ")
+        trainer = trainer or (run.trainer if run else "")
+        paths = cluster.controller_overlays(run.engine if run else "", trainer, root)
+        wait = f"python -m hybridrl.study.cluster await-overlays {root} && " if run or trainer == "megatron" else ""
+        return f"{wait}export PYTHONPATH={':'.join([*paths, SRC])}${{PYTHONPATH:+:$PYTHONPATH}}; "
     return ""
 
 

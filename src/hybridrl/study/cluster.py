@@ -360,6 +360,22 @@ def job_grant(environ: MutableMapping[str, str], run: Callable[..., Any] = subpr
     return grant
 
 
+def granted_gpus(environ: Mapping[str, str], run: Callable[..., Any] = subprocess.run) -> list[dict[str, str]]:
+    """The GPUs this job may use (CUDA_VISIBLE_DEVICES, as SLURM set it), each with its NVML UUID, name and PCI bus
+    id from nvidia-smi; empty where there is none. Indices as SLURM gives them (nvidia-smi's order)."""
+    visible = [v for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if not visible or not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = run(["nvidia-smi", "--query-gpu=index,uuid,name,pci.bus_id", "--format=csv,noheader"],
+                  capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    rows = [dict(zip(("index", "uuid", "name", "pci_bus_id"), (c.strip() for c in line.split(",")), strict=False))
+            for line in out.stdout.splitlines() if line.count(",") == 3]
+    return [row for row in rows if row["index"] in visible or row["uuid"] in visible]
+
+
 def grant_cpus(grant: Mapping[str, Any] | None) -> int | None:
     if not grant:
         return None
@@ -382,6 +398,8 @@ def record_job(out: Path, environ: MutableMapping[str, str], sharing: str | None
         record["image_digest"] = environ["HYBRIDRL_IMAGE_DIGEST"]
     if sharing:
         record["node_sharing"] = sharing
+    record["gpus"] = granted_gpus(environ)
+    record["node"] = environ.get("SLURMD_NODENAME") or os.uname().nodename
     history = json.loads(out.read_text()) if out.exists() else {"jobs": []}
     key = (record.get("SLURM_JOB_ID"), record.get("SLURM_RESTART_COUNT", "0"))
     if all((j.get("SLURM_JOB_ID"), j.get("SLURM_RESTART_COUNT", "0")) != key for j in history["jobs"]):

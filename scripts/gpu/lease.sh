@@ -104,7 +104,7 @@ pack() {  # the results so far: small files only (no adapters or models), logs w
   stage=$(mktemp -d)
   (cd "$work" && { find results/runs results/bench logs -path '*/adapters' -prune -o -type f -size -20M \
      \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' -o -name '*.txt' -o -name '*.gz' \) -print
-     ls resources/models/*/warm_start.json snakemake.log command.txt; } 2> /dev/null > "$stage/.list"
+     ls resources/models/*/warm_start.json snakemake.log command.txt; } 2> /dev/null > "$stage/.list" || true
    tar cf - -T "$stage/.list" | tar xf - -C "$stage")
   rm "$stage/.list"
   find "$stage" -name '*.log' | while read -r f; do

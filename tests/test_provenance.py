@@ -1,5 +1,5 @@
-"""provenance.json names who ran a run and where (executor, SLURM job, node, GPUs by UUID); steps.csv carries them
-onto every step."""
+"""provenance.json names who ran a run and where (executor, SLURM job, node, GPUs by UUID) and every port it took;
+steps.csv carries them onto every step."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from test_nvml import _fake_pynvml
 
 from hybridrl.report.aggregate import gather, provenance_fields
-from hybridrl.run.provenance import scheduler_info
+from hybridrl.run.provenance import RunProvenance, scheduler_info
 from hybridrl.study import cluster
 
 UUID0, UUID1 = "GPU-00000000-aaaa-bbbb-cccc-dddddddddddd", "GPU-10000000-aaaa-bbbb-cccc-dddddddddddd"
@@ -81,6 +81,27 @@ def test_a_grant_that_is_not_json_is_named() -> None:
         scheduler_info("cpu", {cluster.GRANT_ENV: "[1, 2"})
     with pytest.raises(ValueError, match=cluster.GRANT_ENV):
         cluster.job_grant({cluster.GRANT_ENV: '"23"'})
+
+
+def test_the_ports_record_is_written_again_only_for_a_new_port(tmp_path: Path) -> None:
+    path = tmp_path / "provenance.json"
+    prov = RunProvenance(path)
+    prov.add_ports({"engine_http": 41000, "nccl": 41001})  # the first start comes before the first writing
+    assert not path.exists()
+    prov.write({"schema": 1})
+    assert json.loads(path.read_text())["ports"] == {"engine_http": [41000], "nccl": [41001], "trainer_rendezvous": []}
+    path.write_text("{}")  # a marker: a port already known must not write the file again
+    prov.add_ports({"engine_http": 41000, "trainer_rendezvous": None})
+    assert path.read_text() == "{}"
+    prov.add_ports({"trainer_rendezvous": 29731})
+    assert json.loads(path.read_text()) == {"schema": 1, "ports": {"engine_http": [41000], "nccl": [41001],
+                                                                   "trainer_rendezvous": [29731]}}
+    # a resumed run starts from its earlier attempt's ports
+    assert RunProvenance(path).ports["trainer_rendezvous"] == [29731]
+    path.write_text('{"ports": ')  # torn: nothing to keep
+    assert RunProvenance(path).ports == {"engine_http": [], "nccl": [], "trainer_rendezvous": []}
+    with pytest.raises(ValueError, match="unknown port kind 'http'; known: engine_http, nccl, trainer_rendezvous"):
+        prov.add_ports({"http": 1})
 
 
 def _steps(run_dir: Path, n: int) -> None:

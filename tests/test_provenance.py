@@ -33,7 +33,8 @@ def test_a_slurm_job_names_its_job_array_task_node_and_the_gpus_it_was_given(dri
     assert sched["executor"] == "slurm" and sched["node"] == "gpu-node-7"
     assert (sched["slurm_job_id"], sched["slurm_array_job_id"], sched["slurm_array_task_id"]) == ("23", "21", "2")
     assert sched["slurm_restart_count"] == "1"
-    assert sched["gpus"] == [{"index": 1, "uuid": UUID1, "name": "H200"}] and sched["gpus_reason"] is None
+    assert sched["gpus"] == [{"index": 1, "uuid": UUID1, "name": "H200", "pci_bus_id": "00000000:02:00.0"}]
+    assert sched["gpus_reason"] is None
     assert provenance_fields({"scheduler": sched})["slurm_job_id"] == "21_2"  # as scontrol and scancel name it
 
 

@@ -3,40 +3,9 @@ records right after it sleeps and wakes."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-from typing import Any
-
 from hybridrl import nvml
+from hybridrl.nvml import visible_devices
 from hybridrl.study.run_config import RunConfig
-
-
-def visible_devices(env: dict[str, str] | None = None) -> list[str] | None:
-    """The CUDA_VISIBLE_DEVICES entries, or None where it is unset (every GPU is visible)."""
-    value = (env if env is not None else os.environ).get("CUDA_VISIBLE_DEVICES")
-    if value is None:
-        return None
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
-def visible_gpus(env: Mapping[str, str] | None = None) -> tuple[list[dict[str, Any]], str | None]:
-    """The GPUs CUDA_VISIBLE_DEVICES exposes, in its order, each as NVML's index, UUID and name; and why that is
-    none or fewer than it names (None where every entry was found)."""
-    listed = nvml.identities()
-    if listed is None:
-        return [], "no NVML here (no NVIDIA driver, or no Python binding for it)"
-    entries = visible_devices(dict(env) if env is not None else None)
-    if entries is None:
-        return listed, None if listed else "NVML lists no GPU"
-    if not entries:
-        return [], "CUDA_VISIBLE_DEVICES is empty: no GPU is visible"
-    # a number is an NVML index (as nvml_indices reads it); anything else a GPU UUID or, as CUDA takes it, its start
-    found = {e: next((g for g in listed if (e == str(g["index"]) if e.isdigit() else g["uuid"].startswith(e))), None)
-             for e in entries}
-    missing = [e for e, g in found.items() if g is None]
-    reason = (f"CUDA_VISIBLE_DEVICES names {', '.join(missing)}, which NVML does not list (a MIG instance, or no "
-              "such GPU)") if missing else None
-    return [g for g in found.values() if g is not None], reason
 
 
 def split_engine_devices(run: RunConfig, env: dict[str, str] | None = None) -> dict[str, str]:

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.atomic import write_text
-from hybridrl.engines.gpus import visible_gpus
-from hybridrl.nvml import gpu_info
+from hybridrl.nvml import gpu_info, visible_gpus
 from hybridrl.study.cluster import grant_in_env
 from hybridrl.study.run_config import RunConfig
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridrl import nvml
 from hybridrl.atomic import write_text
 
 if TYPE_CHECKING:  # only types here: this glue also runs inside images, before any run
@@ -360,20 +361,10 @@ def job_grant(environ: MutableMapping[str, str], run: Callable[..., Any] = subpr
     return grant
 
 
-def granted_gpus(environ: Mapping[str, str], run: Callable[..., Any] = subprocess.run) -> list[dict[str, str]]:
-    """The GPUs this job may use (CUDA_VISIBLE_DEVICES, as SLURM set it), each with its NVML UUID, name and PCI bus
-    id from nvidia-smi; empty where there is none. Indices as SLURM gives them (nvidia-smi's order)."""
-    visible = [v for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if not visible or not shutil.which("nvidia-smi"):
-        return []
-    try:
-        out = run(["nvidia-smi", "--query-gpu=index,uuid,name,pci.bus_id", "--format=csv,noheader"],
-                  capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    rows = [dict(zip(("index", "uuid", "name", "pci_bus_id"), (c.strip() for c in line.split(",")), strict=False))
-            for line in out.stdout.splitlines() if line.count(",") == 3]
-    return [row for row in rows if row["index"] in visible or row["uuid"] in visible]
+def granted_gpus(environ: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The GPUs this job may use (CUDA_VISIBLE_DEVICES, as SLURM set it), each with its NVML index, UUID, name and
+    PCI bus id; empty where SLURM set none or NVML is absent."""
+    return nvml.visible_gpus(environ)[0] if environ.get("CUDA_VISIBLE_DEVICES") else []
 
 
 def parse_grant(text: str) -> dict[str, Any]:

@@ -3,6 +3,7 @@ and the record of what a job was granted."""
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,15 @@ def test_grant_is_read_once_and_handed_on():
     assert cluster.job_grant(nested, run=scontrol) == grant and len(calls) <= 1
     assert cluster.grant_cpus(grant) == 1
     assert cluster.job_grant({}) is None
+
+
+def test_a_job_records_the_gpus_slurm_gave_it_by_nvml_and_none_where_it_gave_none(monkeypatch):
+    from test_nvml import _fake_pynvml
+
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml({0: 0, 1: 0}, {}))
+    [gpu] = cluster.granted_gpus({"CUDA_VISIBLE_DEVICES": "1"})
+    assert gpu["uuid"].startswith("GPU-1") and gpu["index"] == 1 and gpu["pci_bus_id"] == "00000000:02:00.0"
+    assert cluster.granted_gpus({}) == []  # a job without GPUs: SLURM sets no CUDA_VISIBLE_DEVICES
 
 
 def test_record_job_appends_each_job_and_requeue(tmp_path):

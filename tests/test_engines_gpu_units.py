@@ -76,6 +76,17 @@ def test_command_has_memory_saver_and_lora(model_dir: Path, tmp_path: Path):
     assert "--lora-paths" not in cmd
 
 
+def test_sglang_listens_for_its_nccl_rendezvous_on_the_port_its_start_claimed(model_dir: Path, tmp_path: Path):
+    """Left to itself SGLang draws its NCCL port at random near --port, at any TP: two jobs on one node can meet."""
+    eng = SGLangServer(model_dir, _run(), {}, tmp_path)
+    assert eng.own_ports == ("nccl",)
+    assert "--nccl-port" not in eng.command(1234, None)  # no start, no port taken
+    eng.ports = {"engine_http": 1234, "nccl": 1299}  # what start() took
+    cmd = eng.command(1234, None)
+    assert cmd[cmd.index("--nccl-port") + 1] == "1299" and cmd[cmd.index("--port") + 1] == "1234"
+    assert "--nccl-port" in eng.describe()["command"]  # the provenance's command line names it too
+
+
 def test_release_all_always_keeps_a_cpu_backup(model_dir: Path, tmp_path: Path):
     eng = SGLangServer(model_dir, _run(sglang_release="all"), {}, tmp_path)
     assert "--enable-weights-cpu-backup" in eng.command(1, None)

@@ -27,6 +27,7 @@ class ScriptedEngine:
 
     name = "scripted"
     has_http_client = False
+    on_ports = None
 
     def __init__(self, die_at: int | None = None, corrupt_base_after: int | None = None) -> None:
         self.calls, self.rollouts, self.starts, self.up = 0, 0, 0, False
@@ -199,6 +200,37 @@ def test_records_resume_and_adapters(assets, tmp_path):
     assert [r["step"] for r in more] == [1, 2, 3]
     assert (out / "steps.jsonl").read_text().startswith(before)
     assert engine.adapters["policy"] == out / "adapters" / "step-0003"
+
+
+class Ported(ScriptedEngine):
+    """Tells the loop new ports at every start, as a server engine does."""
+
+    def __init__(self, base: int) -> None:
+        super().__init__()
+        self.base = base
+
+    def start(self, adapter=None) -> float:
+        super().start(adapter)
+        if self.on_ports is not None:
+            self.on_ports({"engine_http": self.base + self.starts, "nccl": self.base + 100 + self.starts})
+        return 0.0
+
+
+def test_provenance_names_every_port_the_engine_started_on_and_a_resume_keeps_them(assets, tmp_path):
+    out = tmp_path / "run"
+    run = _run().model_copy(update={"placement": "restart"})  # a new start, new ports, every step
+    run_loop(run, "r1", assets / "model", assets / "data", out, {}, progress=False, engine=Ported(40000))
+    prov = json.loads((out / "provenance.json").read_text())
+    # the first start, then step 1's and step 2's, both written after the provenance's first writing
+    assert prov["ports"] == {"engine_http": [40001, 40002, 40003], "nccl": [40101, 40102, 40103],
+                             "trainer_rendezvous": []}  # the HF trainer is one process: nothing to meet on
+    assert prov["scheduler"]["gpus"] == [] and "device cpu" in prov["scheduler"]["gpus_reason"]
+    engine = Ported(50000)
+    run_loop(run.model_copy(update={"steps": 3}), "r1", assets / "model", assets / "data", out, {}, progress=False,
+             engine=engine)
+    again = json.loads((out / "provenance.json").read_text())
+    assert engine.starts == 2 and again["created_unix"] > prov["created_unix"]  # the resumed attempt's provenance
+    assert again["ports"]["engine_http"] == [40001, 40002, 40003, 50001, 50002]  # with its earlier attempt's ports
 
 
 def test_train_tok_s_is_the_trainers_update_alone_and_the_phase_has_its_own_figure(assets, tmp_path):

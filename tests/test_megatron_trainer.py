@@ -60,7 +60,7 @@ def tp1_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     finally:
         trainer.close()
     return {"root": root, "model": model, "batches": batches, "results": results, "pids": pids,
-            "proc": trainer.proc, "frozen": frozen, "start_memory": trainer.start_memory}
+            "proc": trainer.proc, "frozen": frozen, "start_memory": trainer.start_memory, "ports": trainer.ports()}
 
 
 def test_steps_write_peft_adapters(tp1_run: dict[str, Any]) -> None:
@@ -108,6 +108,13 @@ def test_rank0_reports_its_gpu_memory_at_init_and_at_load(tp1_run: dict[str, Any
     assert policy.gpu_memory_of(cuda) == {"mem/trainer_reserved_gb": 2.0, "mem/trainer_residual_gb": 1.5}
     monkeypatch.setattr(policy, "_nvml_gb", lambda device: None)  # NVML cannot see the process
     assert policy.gpu_memory_of(cuda) == {"mem/trainer_reserved_gb": 2.0}
+
+
+def test_the_trainer_names_the_rendezvous_port_torchrun_took(tp1_run: dict[str, Any]) -> None:
+    """--standalone has the kernel pick torchrun's store port, not a fixed one two jobs on one node would meet on; the
+    ranks report it for the run's provenance."""
+    port = tp1_run["ports"]["trainer_rendezvous"]
+    assert isinstance(port, int) and 1024 <= port < 65536 and port != 29500  # torchrun's fixed default
 
 
 def test_close_stops_every_process(tp1_run: dict[str, Any]) -> None:

@@ -26,6 +26,8 @@ def _fake_pynvml(used: dict[int, int], procs: dict[int, list[tuple[int, int]]]) 
     m.nvmlDeviceGetComputeRunningProcesses = lambda h: [types.SimpleNamespace(pid=p, usedGpuMemory=b)
                                                          for p, b in procs.get(h, [])]
     m.nvmlDeviceGetName = lambda h: b"H200"
+    m.nvmlDeviceGetUUID = lambda h: f"GPU-{h}0000000-aaaa-bbbb-cccc-dddddddddddd"
+    m.nvmlDeviceGetPciInfo = lambda h: types.SimpleNamespace(busId=f"00000000:{h + 1:02X}:00.0".encode())
     m.nvmlSystemGetDriverVersion = lambda: "570.1"
     m.nvmlSystemGetCudaDriverVersion = lambda: 12080
     return m
@@ -54,6 +56,14 @@ def test_gpu_info_for_provenance(driver: types.ModuleType) -> None:
     assert [d["name"] for d in info["devices"]] == ["H200", "H200"] and info["devices"][0]["memory_gb"] == 80.0
 
 
+def test_identities_name_each_gpu_by_index_uuid_and_model(driver: types.ModuleType) -> None:
+    assert nvml.identities() == [{"index": i, "uuid": f"GPU-{i}0000000-aaaa-bbbb-cccc-dddddddddddd", "name": "H200",
+                                  "pci_bus_id": f"00000000:0{i + 1}:00.0"} for i in (0, 1)]
+    assert driver.inits == 0
+    del driver.nvmlDeviceGetPciInfo  # an older driver: the GPU is still named, by its UUID
+    assert [set(g) for g in nvml.identities()] == [{"index", "uuid", "name"}] * 2
+
+
 def test_without_a_driver_every_answer_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
     broken = types.ModuleType("pynvml")
 
@@ -63,6 +73,7 @@ def test_without_a_driver_every_answer_is_none(monkeypatch: pytest.MonkeyPatch) 
     broken.nvmlInit = fail
     monkeypatch.setitem(sys.modules, "pynvml", broken)
     assert nvml.used_gb() is None and nvml.process_used_gb() is None and nvml.gpu_info() is None
+    assert nvml.identities() is None
     assert nvml.device_count() == 0 and nvml.compute_pids() == set()
     assert not MemorySampler().active
 

@@ -286,3 +286,30 @@ def test_each_configuration_says_how_it_was_recorded_against_the_baseline() -> N
     df = _arms("svvssv")
     _, table = ratio_table(df, config_labels(df))
     assert table.headers[-1] == "recorded, against the baseline" and table.rows[0][-1].text == "interleaved"
+
+
+def test_the_recording_table_names_each_runs_executor_job_node_and_gpus_where_recorded(tmp_path: Path) -> None:
+    from hybridrl.report.render import render
+
+    uuid = "GPU-8932f937-0000-4000-8000-000000000000"
+    slurm = timed(headline_run("sglang-colocate-aaaa1111", "sglang"), T0).assign(
+        executor="slurm", slurm_job_id="21_2", node="gpu-node-7", gpu_uuids=uuid)
+    older = timed(headline_run("vllm-colocate-bbbb2222", "vllm"), T0 + 600)  # recorded before the scheduler block
+    gpuless = timed(headline_run("vllm-colocate-bbbb2222-r2", "vllm"), T0 + 1200).assign(executor="local",
+                                                                                         node="laptop")
+
+    def section(*runs: pd.DataFrame) -> str:
+        md = tmp_path / "report.md"
+        render(headline_study(*runs), md, tmp_path / "report.html", {}, "study", tmp_path / "runs")
+        return md.read_text().split("## When each run was recorded")[1].split("\n## ")[0]
+
+    text = section(slurm, older, gpuless)
+    header = next(line for line in text.splitlines() if line.startswith("| #"))
+    assert "| executor | SLURM job | node | GPUs (UUID) | beside it |" in header
+    rows = {line.split("|")[2].strip(): [c.strip() for c in line.split("|")[8:12]]
+            for line in text.splitlines() if line.startswith(("| 1 ", "| 2 ", "| 3 "))}
+    assert sorted(rows.values()) == [["local", "–", "laptop", "none"], ["slurm", "21_2", "gpu-node-7", "GPU-8932f937"],
+                                     ["–", "–", "–", "–"]]
+    assert "SLURM job" in text.split("\n|")[0]  # the note says what the columns are
+    # a study recorded before any run named its scheduler keeps the table it was rendered with
+    assert "executor" not in section(older)

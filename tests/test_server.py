@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from hybridrl.engines import server
-from hybridrl.engines.base import EngineError
+from hybridrl.engines.base import Completion, EngineError
 from hybridrl.engines.server import ServerProcess, first_error_line, free_port, log_tail, port_in_use
 
 # a tiny HTTP server that forks a grandchild, like engines that spawn workers
@@ -212,3 +212,89 @@ def test_first_error_line_reads_only_this_starts_part_of_an_appended_log(tmp_pat
         f.write("loading\nValueError: this start's root cause\n")
     assert first_error_line(log) == "RuntimeError: an earlier start's shutdown noise"
     assert first_error_line(log, start) == "ValueError: this start's root cause"
+
+
+# -- ports: jobs on one node share its network namespace, so no two engines may meet on one ----------------------
+class ToyEngine(server.HTTPEngine):
+    """An HTTP engine whose server is SERVE, with an NCCL port of its own as SGLang has."""
+
+    name = "toy"
+    own_ports = ("nccl",)
+
+    def command(self, port, adapter):
+        return [sys.executable, "-c", SERVE, str(port)]
+
+    def environment(self):
+        return dict(os.environ)
+
+    def generate(self, requests, progress=False, shared_pool=False):
+        return [Completion() for _ in requests]  # the warm-up request, answered
+
+
+def _toy(log_dir) -> ToyEngine:
+    from hybridrl.study.run_config import RunConfig
+
+    run = RunConfig.model_validate({"engine": "vllm", "placement": "split", "device": "cpu", "model": "m",
+                                    "startup_timeout_s": 30})
+    return ToyEngine(log_dir / "model", run, {}, log_dir)
+
+
+def test_engines_started_side_by_side_take_distinct_ports_and_tell_each_start(tmp_path):
+    told: list[dict[str, int]] = []
+    a, b = _toy(tmp_path / "a"), _toy(tmp_path / "b")
+    a.on_ports = b.on_ports = told.append
+    try:
+        a.start()
+        b.start()  # while a's server listens and a holds its NCCL port's claim
+        assert set(a.ports) == set(b.ports) == {"engine_http", "nccl"}
+        assert len({*a.ports.values(), *b.ports.values()}) == 4
+        assert told == [a.ports, b.ports]
+        a.stop()
+        a.start()  # every start takes ports afresh and says so
+        assert len(told) == 3 and told[-1] == a.ports
+        assert not set(a.ports.values()) & set(b.ports.values())
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_free_ports_taken_at_once_differ():
+    for _ in range(20):
+        ports = server.free_ports(8)
+        assert len(set(ports)) == 8
+
+
+CLAIMER = """
+import sys
+from hybridrl.engines.server import PortClaims
+claims = PortClaims(2)
+print(*claims.ports, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_port_another_job_has_claimed_is_drawn_again_until_that_job_ends(tmp_path, monkeypatch):
+    import subprocess
+    from pathlib import Path
+
+    src = str(Path(server.__file__).resolve().parents[2])
+    other = subprocess.Popen([sys.executable, "-c", CLAIMER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": src})
+    try:
+        taken = [int(p) for p in other.stdout.readline().split()]
+        assert len(taken) == 2
+        real = server.free_ports
+        draws = iter([[taken[0]], [taken[1]]])  # the kernel hands out the other job's ports first
+        monkeypatch.setattr(server, "free_ports", lambda n: next(draws, None) or real(n))
+        mine = server.PortClaims(1)
+        assert mine.ports and mine.ports[0] not in taken
+        mine.release()
+    finally:
+        other.stdin.close()
+        other.wait(10)
+    monkeypatch.setattr(server, "free_ports", lambda n: [taken[0]])
+    held = server.PortClaims(1, draws=1)
+    assert held.ports == [taken[0]]  # its claims ended with it
+    with pytest.raises(EngineError, match="found no 1 free port"):
+        server.PortClaims(1, draws=1)  # held here now: the one port drawn is never free
+    held.release()

@@ -263,3 +263,33 @@ def test_study_completed_with_logs_and_archive(study):
     assert verify.returncode == 0, verify.stderr
     members = subprocess.run(["tar", "tzf", str(archive)], capture_output=True, text=True).stdout
     assert members.count("/slurm.json") == 3
+
+
+def test_concurrent_jobs_used_distinct_ports(study):
+    """Jobs on one node share its ports: runs whose SLURM jobs overlapped in time never took the same one, and each
+    run's provenance names the SLURM job it ran in."""
+    from datetime import datetime
+    from itertools import combinations
+
+    def window(run_dir: Path) -> tuple[float, float]:
+        """From the first job's start (scontrol's local time, as this host reads it) to the run's end."""
+        starts = [datetime.fromisoformat(j["scontrol"]["StartTime"]).timestamp() for j in _jobs(run_dir)]
+        steps = [r["time_unix"] for r in _records(run_dir / "steps.jsonl")]
+        return min(starts), max([(run_dir / "done.json").stat().st_mtime, *steps])
+
+    def ports(run_dir: Path) -> set[int]:
+        taken = json.loads((run_dir / "provenance.json").read_text())["ports"]
+        assert taken["engine_http"], (run_dir.name, taken)  # every run took one: an empty set would prove nothing
+        return {p for kind in taken.values() for p in kind}
+
+    runs = [study["workdir"] / "results" / "runs" / rid for rid in study["runs"]]
+    for run_dir in runs:
+        sched = json.loads((run_dir / "provenance.json").read_text())["scheduler"]
+        assert sched["executor"] == "slurm", sched
+        assert sched["slurm_job_id"] == _jobs(run_dir)[-1]["SLURM_JOB_ID"], (sched, _jobs(run_dir))
+    spans = {r: window(r) for r in runs}
+    overlapped = [(a, b) for a, b in combinations(runs, 2)
+                  if spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]]
+    assert overlapped, {r.name: spans[r] for r in runs}
+    for a, b in overlapped:
+        assert not ports(a) & ports(b), (a.name, b.name, ports(a) & ports(b))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +148,52 @@ def _limits(nvml: Any, handle: Any) -> dict[str, float]:
     with contextlib.suppress(Exception):
         out["power_limit_w"] = nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0
     return out
+
+
+def identities() -> list[dict[str, Any]] | None:
+    """Every GPU the driver sees, by NVML index, UUID, name and PCI bus id: which physical GPUs a job was given; None
+    without NVML. A GPU that fails to answer is left out."""
+    with devices() as session:
+        if session is None:
+            return None
+        nvml, out = session._nvml, []
+        for i, handle in session.handles:
+            with contextlib.suppress(Exception):
+                gpu = {"index": i, "uuid": _text(nvml.nvmlDeviceGetUUID(handle)),
+                       "name": _text(nvml.nvmlDeviceGetName(handle))}
+                with contextlib.suppress(Exception):  # nice to have: the UUID already names the GPU
+                    gpu["pci_bus_id"] = _text(nvml.nvmlDeviceGetPciInfo(handle).busId)
+                out.append(gpu)
+        return out
+
+
+def visible_devices(env: Mapping[str, str] | None = None) -> list[str] | None:
+    """The CUDA_VISIBLE_DEVICES entries, or None where it is unset (every GPU is visible)."""
+    value = (env if env is not None else os.environ).get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def visible_gpus(env: Mapping[str, str] | None = None) -> tuple[list[dict[str, Any]], str | None]:
+    """The GPUs CUDA_VISIBLE_DEVICES exposes, in its order, as identities() gives them; and why that is none or fewer
+    than it names (None where every entry was found)."""
+    listed = identities()
+    if listed is None:
+        return [], "no NVML here (no NVIDIA driver, or no Python binding for it)"
+    entries = visible_devices(env)
+    if entries is None:
+        return listed, None if listed else "NVML lists no GPU"
+    if not entries:
+        return [], "CUDA_VISIBLE_DEVICES is empty: no GPU is visible"
+    # a number is an NVML index (as engines.gpus.nvml_indices reads it); anything else a GPU UUID or, as CUDA
+    # takes it, its start
+    found = {e: next((g for g in listed if (e == str(g["index"]) if e.isdigit() else g["uuid"].startswith(e))), None)
+             for e in entries}
+    missing = [e for e, g in found.items() if g is None]
+    reason = (f"CUDA_VISIBLE_DEVICES names {', '.join(missing)}, which NVML does not list (a MIG instance, or no "
+              "such GPU)") if missing else None
+    return [g for g in found.values() if g is not None], reason
 
 
 def gpu_info() -> dict[str, Any] | None:

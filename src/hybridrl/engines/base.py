@@ -110,6 +110,9 @@ class Engine(Protocol):
     name: str
     # requests go through the HTTP rollout client: only then is there an old shared-pool client to measure
     has_http_client: bool
+    # told the ports (by kind: engine_http, nccl) of every start, as the server's processes start on them; an
+    # engine without ports of its own never calls it
+    on_ports: Callable[[dict[str, int]], None] | None
 
     def preflight(self) -> str | None:
         """The engine's installed version, asked before the trainer is built (which can take minutes); EngineError

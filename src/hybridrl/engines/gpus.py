@@ -3,18 +3,9 @@ records right after it sleeps and wakes."""
 
 from __future__ import annotations
 
-import os
-
 from hybridrl import nvml
+from hybridrl.nvml import visible_devices
 from hybridrl.study.run_config import RunConfig
-
-
-def visible_devices(env: dict[str, str] | None = None) -> list[str] | None:
-    """The CUDA_VISIBLE_DEVICES entries, or None where it is unset (every GPU is visible)."""
-    value = (env if env is not None else os.environ).get("CUDA_VISIBLE_DEVICES")
-    if value is None:
-        return None
-    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def split_engine_devices(run: RunConfig, env: dict[str, str] | None = None) -> dict[str, str]:

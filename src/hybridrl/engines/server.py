@@ -31,9 +31,52 @@ FATAL_GRACE_S = 30.0  # after a fatal startup line, how long the server gets to 
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports that no process on this host listens on now: the kernel picks each (port 0), and all are
+    held until every one is picked, so that none comes back twice. Jobs on one node share its ports; a fixed number
+    would collide with the same number in the job beside."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(n):
+            s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+        return ports
+
+
+class PortClaims:
+    """`n` free ports, claimed on this node until release(). The kernel hands out a port free now; a job beside may
+    draw the same one before the engine binds it. So each port is also claimed by name, as an abstract unix socket,
+    which every job of the node's network namespace sees and which ends with its process; a port another job has
+    claimed is drawn again."""
+
+    def __init__(self, n: int, draws: int = 50) -> None:
+        self.ports: list[int] = []
+        self._held: list[socket.socket] = []
+        for _ in range(draws):
+            self.ports += [port for port in free_ports(n - len(self.ports)) if self._claim(port)]
+            if len(self.ports) == n:
+                return
+        self.release()
+        raise EngineError(f"found no {n} free port(s) on this node that no other job had claimed in {draws} draws")
+
+    def _claim(self, port: int) -> bool:
+        claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            claim.bind(f"\0hybridrl-port-{port}")
+        except OSError:  # claimed already, by another job or by this one
+            claim.close()
+            return False
+        self._held.append(claim)
+        return True
+
+    def release(self) -> None:
+        for claim in self._held:
+            claim.close()
+        self._held = []
 
 
 def port_in_use(port: int) -> bool:
@@ -439,6 +482,9 @@ class HTTPEngine:
     stream_cls: type[RolloutClient] = RolloutClient
     health_path = "/health"
     fatal_markers: tuple[str, ...] = ()  # startup log lines after which the server never gets healthy
+    # ports the server's own processes listen on besides its HTTP port, each taken free at every start
+    own_ports: tuple[str, ...] = ()
+    on_ports: Callable[[dict[str, int]], None] | None = None  # engines.base.Engine.on_ports
 
     def __init__(self, model: Path, run: RunConfig, env_spec: dict[str, Any], log_dir: Path) -> None:
         self.model, self.run, self.log_dir = model, run, log_dir
@@ -449,6 +495,8 @@ class HTTPEngine:
         self._loaded: set[str] = set()
         self._metrics: dict[str, float | None] = {}
         self._version: str | None = None
+        self.ports: dict[str, int] = {}  # the last start's, by kind (provenance.PORT_KINDS)
+        self._claims: PortClaims | None = None
         # rollout_process: the client runs in a worker process, away from the trainer's interpreter lock
         self._client_process = ClientProcess() if run.rollout_process else None
 
@@ -494,10 +542,16 @@ class HTTPEngine:
     def start(self, adapter: tuple[str, Path] | None = None) -> float:
         from hybridrl.engines.base import Sampling
 
-        port = free_port()
+        self._release_ports()  # a start that failed kept its claims
+        kinds = ("engine_http", *self.own_ports)
+        self._claims = PortClaims(len(kinds))
+        self.ports = dict(zip(kinds, self._claims.ports, strict=True))
+        port = self.ports["engine_http"]
         self.server = ServerProcess(self.name, self.command(port, adapter), self.environment(),
                                     self.log_dir / "engine.log", port, self.fatal_markers)
         self.server.start()
+        if self.on_ports is not None:
+            self.on_ports(dict(self.ports))
         elapsed = self.server.wait_healthy(self.run.startup_timeout_s, health_path=self.health_path)
         self.stream = self.stream_cls(self.server, self.run.request_timeout_s, self.run.max_concurrency,
                                       shared_pool=self.run.shared_pool)
@@ -524,6 +578,12 @@ class HTTPEngine:
         if self.server:
             self.server.stop()
         self.server = None
+        self._release_ports()
+
+    def _release_ports(self) -> None:
+        if self._claims is not None:
+            self._claims.release()
+        self._claims = None
 
     def alive(self) -> bool:
         return bool(self.server and self.server.alive())

@@ -126,6 +126,9 @@ class SGLangServer(HTTPEngine):
     packages = ("sglang",)
     stream_cls = _SGLangClient
     fatal_markers = ("Scheduler hit an exception",)
+    # its torch.distributed rendezvous, at any TP: left to SGLang it is a random port near --port, which two
+    # servers on one node can both draw
+    own_ports = ("nccl",)
 
     def __init__(self, model: Path, run: RunConfig, env_spec: dict[str, Any], log_dir: Path) -> None:
         if run.device != "cuda":
@@ -152,6 +155,8 @@ class SGLangServer(HTTPEngine):
             # each event carries only its new tokens (parse_chunk also reads cumulative events)
             "--incremental-streaming-output",
         ]
+        if "nccl" in self.ports:  # taken at start(); a command line asked for before it has none to give
+            cmd += ["--nccl-port", str(self.ports["nccl"])]
         if run.sglang_release == "all":
             cmd.append("--enable-weights-cpu-backup")
         if run.engine_timing:  # per-request timestamps in each answer's meta_info (answer_timing)

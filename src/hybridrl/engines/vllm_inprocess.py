@@ -16,6 +16,7 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,8 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
 class VLLMInProcess:
     name = "vllm-inprocess"
     has_http_client = False
+    # no server, so no port of its own to report (vLLM takes its workers' rendezvous port itself, a free one)
+    on_ports: Callable[[dict[str, int]], None] | None = None
 
     def __init__(self, model: Path, run: RunConfig, env_spec: dict[str, Any], log_dir: Path) -> None:
         self.model, self.run, self.log_dir = model, run, log_dir

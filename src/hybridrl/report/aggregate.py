@@ -19,6 +19,9 @@ from hybridrl.study.run_config import split_replicate
 # the share of each GPU the engine was given, which sets most of its memory, and what a colocated engine gives
 # back while the trainer runs (SGLang: kv_cache keeps the weights resident; vLLM level 1 moves them to CPU)
 PROVENANCE = ["git_commit", "gpu", "machine", "sglang_release", "device"]
+# and who ran it: the executor (slurm or local), the SLURM job (<array job>_<task> for an array task), the node and
+# the UUIDs of the GPUs it was given; none for runs recorded before provenance named them
+SCHEDULER = ["executor", "slurm_job_id", "node", "gpu_uuids"]
 # how many GPUs the run could see: a split run that saw fewer than it asks for put its engine on the trainer's GPU
 SEEN = ["gpu_count"]
 # the GPUs a run held (train_tp, train_gpus), its rollouts per step, its warm-up and its rollout client (which
@@ -35,8 +38,8 @@ DERIVED_STRINGS = ["config_id", "release", "client"]
 COST = ["cost/gpus", "cost/tok_s_per_gpu", "cost/gpu_s_per_step", "cost/gpu_h_per_1k_rollouts"]
 DERIVED = [*DERIVED_STRINGS, "replicate", *COST, "perf/rollout_s"]
 # The record's keys (hybridrl.run.record), then what each run's provenance adds, then what is derived from both
-KNOWN = [*record.RECORD_KEYS, *PROVENANCE, *SEEN, *CONFIGURED, *DERIVED]
-STRINGS = [*record.STRINGS, *PROVENANCE, *DERIVED_STRINGS]
+KNOWN = [*record.RECORD_KEYS, *PROVENANCE, *SCHEDULER, *SEEN, *CONFIGURED, *DERIVED]
+STRINGS = [*record.STRINGS, *PROVENANCE, *SCHEDULER, *DERIVED_STRINGS]
 BOOLS = list(record.BOOLS)
 NUMBERS = [c for c in KNOWN if c not in STRINGS and c not in BOOLS]
 # Two rows compare as the same configuration when these match; config_id keeps seeds and parameters apart
@@ -84,14 +87,25 @@ def provenance_fields(prov: dict[str, Any] | None) -> dict[str, Any]:
     """The commit, the GPU name, the machine (its boot id's start) and the engine's memory settings a run
     recorded; None where unknown."""
     if prov is None:
-        return dict.fromkeys(PROVENANCE + SEEN + CONFIGURED)
+        return dict.fromkeys(PROVENANCE + SCHEDULER + SEEN + CONFIGURED)
     devices = (prov.get("gpu") or {}).get("devices") or []
     names = sorted({d.get("name") for d in devices if d.get("name")})
     recorded = prov.get("run_config") or {}  # as that run wrote it: older runs may lack a key
     boot = (prov.get("host") or {}).get("boot_id")  # recorded since 2026-11-23: which machine (and boot) ran it
     return {"git_commit": commit_label(prov.get("git") or {}), "gpu": " + ".join(names) or None,
             "machine": boot[:8] if isinstance(boot, str) and boot else None, "gpu_count": len(devices) or None,
+            **scheduler_fields(prov.get("scheduler")),
             **{k: recorded.get(k) for k in ["sglang_release", "device"] + CONFIGURED}}
+
+
+def scheduler_fields(sched: dict[str, Any] | None) -> dict[str, Any]:
+    """The SCHEDULER columns from provenance's scheduler block; None where the run recorded none (or no GPU)."""
+    if not sched:
+        return dict.fromkeys(SCHEDULER)
+    job, array, task = (sched.get(k) for k in ("slurm_job_id", "slurm_array_job_id", "slurm_array_task_id"))
+    uuids = ",".join(g["uuid"] for g in sched.get("gpus") or [] if g.get("uuid"))
+    return {"executor": sched.get("executor"), "slurm_job_id": f"{array}_{task}" if array and task else job,
+            "node": sched.get("node"), "gpu_uuids": uuids or None}
 
 
 def release_arm(engine: Any, placement: Any, sglang_release: Any, vllm_sleep_level: Any,

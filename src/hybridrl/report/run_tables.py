@@ -32,6 +32,20 @@ BOOL_CHECKS = [
 ]
 
 
+# Who ran each run (provenance's scheduler block): columns shown where any run of the study recorded one
+SCHEDULER_COLUMNS = ["executor", "SLURM job", "node", "GPUs (UUID)"]
+
+
+def _scheduler_cells(run: pd.Series) -> list[Cell]:
+    """A run's executor, SLURM job, node and GPUs; – for a run that recorded none, 'none' for a run given no GPU."""
+    if pd.isna(run["executor"]):
+        return [Cell("–", "na") for _ in SCHEDULER_COLUMNS]
+    # a UUID's first 8 hex digits tell the GPUs of one machine apart
+    uuids = "" if pd.isna(run["gpu_uuids"]) else ", ".join(u[:12] for u in str(run["gpu_uuids"]).split(","))
+    return [Cell(fmt_field(run["executor"])), Cell(fmt_field(run["slurm_job_id"])), Cell(fmt_field(run["node"])),
+            Cell(uuids or "none")]
+
+
 def recording(df: pd.DataFrame, labels: dict[str, str]) -> dict[str, Any] | None:
     """The runs in the order they were recorded: when, on which GPU, machine and commit, and what shared the host
     meanwhile: other runs of the study (their windows overlapped, engine start-up included) and GPU processes of
@@ -43,7 +57,9 @@ def recording(df: pd.DataFrame, labels: dict[str, str]) -> dict[str, Any] | None
     first = df.drop_duplicates("run_id").set_index("run_id")
     seen = pd.to_numeric(df["host/foreign_gpu_procs"], errors="coerce")
     outside = seen.gt(0).groupby(df["run_id"]).sum()
-    table = Table(["#", "run", "recorded", "minutes", "GPU", "machine (boot id)", "code", "beside it"])
+    named = bool(first["executor"].notna().any())  # older studies keep the table they were rendered with
+    table = Table(["#", "run", "recorded", "minutes", "GPU", "machine (boot id)", "code",
+                   *(SCHEDULER_COLUMNS if named else []), "beside it"])
     for i, w in enumerate(wins, 1):
         others = [labels[o] for o in near[w.run_id]]
         if outside.get(w.run_id, 0):
@@ -52,6 +68,7 @@ def recording(df: pd.DataFrame, labels: dict[str, str]) -> dict[str, Any] | None
                            Cell(f"{(w.stop - w.start) / 60:.1f}", "num"), Cell(fmt_field(first.at[w.run_id, "gpu"])),
                            Cell(fmt_field(first.at[w.run_id, "machine"])),
                            Cell(fmt_field(first.at[w.run_id, "git_commit"])),
+                           *(_scheduler_cells(first.loc[w.run_id]) if named else []),
                            Cell(", ".join(others) or "none", "fail" if others else "ok")])
     shared = sum(bool(v) for v in near.values())
     note = ("No run shared the host with another run of this study: each one's window (its engine's start to its "
@@ -62,6 +79,9 @@ def recording(df: pd.DataFrame, labels: dict[str, str]) -> dict[str, Any] | None
         note += f" {int((outside > 0).sum())} run(s) saw another job's process on their GPUs."
     elif seen.notna().any():
         note += " No run saw another job's process on its GPUs."
+    if named:
+        note += (" Executor, SLURM job (array job_task for an array task), node and GPUs (each UUID's start) say "
+                 "who ran each run on what; – where a run did not record them.")
     return {"table": table, "note": note}
 
 

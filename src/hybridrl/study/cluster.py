@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridrl import nvml
 from hybridrl.atomic import write_text
 
 if TYPE_CHECKING:  # only types here: this glue also runs inside images, before any run
@@ -352,7 +353,7 @@ def job_grant(environ: MutableMapping[str, str], run: Callable[..., Any] = subpr
     the nested srun and the container has no scontrol.
     """
     if GRANT_ENV in environ:
-        return json.loads(environ[GRANT_ENV])
+        return parse_grant(environ[GRANT_ENV])
     if "SLURM_JOB_ID" not in environ:
         return None
     grant = capture_grant(environ, run)
@@ -360,20 +361,31 @@ def job_grant(environ: MutableMapping[str, str], run: Callable[..., Any] = subpr
     return grant
 
 
-def granted_gpus(environ: Mapping[str, str], run: Callable[..., Any] = subprocess.run) -> list[dict[str, str]]:
-    """The GPUs this job may use (CUDA_VISIBLE_DEVICES, as SLURM set it), each with its NVML UUID, name and PCI bus
-    id from nvidia-smi; empty where there is none. Indices as SLURM gives them (nvidia-smi's order)."""
-    visible = [v for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if not visible or not shutil.which("nvidia-smi"):
-        return []
+def granted_gpus(environ: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The GPUs this job may use (CUDA_VISIBLE_DEVICES, as SLURM set it), each with its NVML index, UUID, name and
+    PCI bus id; empty where SLURM set none or NVML is absent."""
+    return nvml.visible_gpus(environ)[0] if environ.get("CUDA_VISIBLE_DEVICES") else []
+
+
+def parse_grant(text: str) -> dict[str, Any]:
+    """The grant as job_grant handed it on in HYBRIDRL_SLURM_GRANT; ValueError naming the variable where it is not."""
     try:
-        out = run(["nvidia-smi", "--query-gpu=index,uuid,name,pci.bus_id", "--format=csv,noheader"],
-                  capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    rows = [dict(zip(("index", "uuid", "name", "pci_bus_id"), (c.strip() for c in line.split(",")), strict=False))
-            for line in out.stdout.splitlines() if line.count(",") == 3]
-    return [row for row in rows if row["index"] in visible or row["uuid"] in visible]
+        grant = json.loads(text)
+    except ValueError:
+        grant = None
+    if not isinstance(grant, dict):
+        raise ValueError(f"{GRANT_ENV} is not the JSON object of a SLURM grant (record-job writes one): {text[:200]!r}")
+    return grant
+
+
+def grant_in_env(environ: Mapping[str, str]) -> dict[str, Any] | None:
+    """The current job's grant as far as the environment tells it, without scontrol and without changing it: the
+    SLURM_* variables where they are set, over the grant handed on in HYBRIDRL_SLURM_GRANT (a job step's inner
+    srun has lost most of SLURM_*); None outside SLURM."""
+    handed = parse_grant(environ[GRANT_ENV]) if GRANT_ENV in environ else None
+    if handed is None and "SLURM_JOB_ID" not in environ:
+        return None
+    return {**(handed or {}), **{key: environ[key] for key in JOB_ENV if key in environ}}
 
 
 def grant_cpus(grant: Mapping[str, Any] | None) -> int | None:

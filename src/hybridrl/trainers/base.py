@@ -56,4 +56,7 @@ class Trainer(Protocol):
     def resume(self, adapter_dir: Path) -> None:
         """Continue from an adapter dir that step() wrote (adapter weights and optimizer.pt)."""
 
+    def ports(self) -> dict[str, int]:
+        """The ports the trainer's processes listen on, by kind (trainer_rendezvous); empty where it has none."""
+
     def close(self) -> None: ...

@@ -253,6 +253,9 @@ class HFTrainer:
     def gpu_pids(self) -> list[int]:
         return [os.getpid()]  # the HF trainer lives in the controller
 
+    def ports(self) -> dict[str, int]:
+        return {}  # one process: nothing to meet on
+
     def close(self) -> None:
         self.state_writer.close()
         self.offload()

@@ -110,6 +110,7 @@ class MegatronTrainer:
         self.moe_permute: str | None = info.get("moe_permute")  # gathers, megatron, or None (dense)
         # objects the workers keep out of Python's collections (worker.freeze_long_lived): after startup, then step 1
         self.gc_frozen: int | None = info.get("gc_frozen")
+        self.rendezvous_port: int | None = info.get("rendezvous_port")
 
     # -- process group ---------------------------------------------------------------------------------
     def _launch(self, extra_env: dict[str, str] | None) -> subprocess.Popen:
@@ -121,6 +122,8 @@ class MegatronTrainer:
         env.update({k: v for k, v in SMALL_NCCL_BUFFERS.items() if k not in env})
         if extra_env:
             env.update(extra_env)
+        # --standalone: a c10d store on localhost:0, a port the kernel picks free, so that trainers of jobs on one
+        # node never meet on a fixed one (torchrun's default is 29500); the workers report it (rendezvous_port)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.tp}",
                "-m", "hybridrl.trainers.megatron.worker", str(self.workdir)]
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing to it
@@ -215,6 +218,9 @@ class MegatronTrainer:
 
     def gpu_pids(self) -> list[int]:
         return self._rank_pids()
+
+    def ports(self) -> dict[str, int]:
+        return {"trainer_rendezvous": self.rendezvous_port} if self.rendezvous_port else {}
 
     def close(self) -> None:
         """Stop the whole process group: ask nicely, then SIGTERM, then SIGKILL. Safe to call twice."""

@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         write_json(job_dir / f"startup.error-rank{rank}.json", _error(exc))
         raise
     policy.ready_info["gc_frozen"] = freeze_long_lived()
+    # torchrun's rendezvous store, which --standalone lets the kernel pick: the run records it
+    policy.ready_info["rendezvous_port"] = int(os.environ["MASTER_PORT"])
     if rank == 0:
         write_json(job_dir / "ready.json", {"ok": True, **policy.ready_info})
     seq, stepped = 1, False

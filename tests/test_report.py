@@ -719,6 +719,32 @@ def test_steps_whose_adapter_was_still_the_identity_stay_in_the_statistics() -> 
     assert steady_state(normed)["step"].tolist() == [3]
 
 
+def test_a_recorded_not_judged_step_counts_and_an_identity_recorded_as_not_applied_is_read_again() -> None:
+    from hybridrl.report.run_tables import correctness_table
+
+    def run(rid: str, applied: list, why: list, grads: list[float], lora: list[float | None]) -> pd.DataFrame:
+        rows = [record(rid, "vllm", "split", s, np.random.default_rng(s), 1.0) for s in range(1, 7)]
+        return pd.DataFrame(rows).assign(**{"check/adapter_applied": applied, "check/adapter_not_judged": why,
+                                            "train/grad_norm": grads, "train/lora_norm": lora})
+
+    ident = "identity adapter"
+    today = run("vllm-split-aaaa", [None] * 3 + [True] * 3, [ident] * 3 + [None] * 3, [0.0] * 3 + [1.0] * 3,
+                [0.0] * 3 + [0.5] * 3)
+    # recorded before identity steps were told apart: False, no LoRA norm, and no gradient yet
+    before = run("vllm-split-bbbb", [False] * 3 + [True] * 3, [None] * 6, [0.0] * 3 + [1.0] * 3, [None] * 6)
+    dropped = run("vllm-split-cccc", [True, True, False, True, True, True], [None] * 6, [1.0] * 6, [0.5] * 6)
+    df = headline_study(today, before, dropped)
+    kept = steady_state(df).groupby("run_id")["step"].apply(list).to_dict()
+    assert kept == {"vllm-split-aaaa": [3, 4, 5, 6], "vllm-split-bbbb": [3, 4, 5, 6], "vllm-split-cccc": [4, 5, 6]}
+    labels = {r: r for r in df["run_id"].unique()}
+    cells = {row[0].text: row[2] for row in correctness_table(df, labels).rows}
+    assert cells["vllm-split-aaaa"].text == "3/3 ok; 3 with the identity adapter, not judged"
+    assert cells["vllm-split-bbbb"].text == ("3/3 ok; 3 with the identity adapter, not judged (3 recorded as not "
+                                             "applied, before identity adapters were told apart: read again as not "
+                                             "judged)")
+    assert cells["vllm-split-cccc"].cls == "fail" and cells["vllm-split-cccc"].text == "5/6 ok (failed at step 3)"
+
+
 def test_the_gap_section_gives_the_other_mismatch_metrics_and_plots_them_per_step(study: list[Path],
                                                                                    tmp_path: Path) -> None:
     df = gather(study)

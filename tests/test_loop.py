@@ -502,6 +502,9 @@ def test_the_named_phases_add_up_to_the_step(assets, tmp_path, placement):
         assert (r["timing_s/wake"] is not None) == (placement == "colocate")
         assert r["timing_s/recover"] is None
         assert r["timing_s/eval"] > 0 and "timing_s/eval" not in PHASE_KEYS
+        # the step studies compare leaves out the instrument's checks; the wall-clock step keeps them
+        assert r["timing_s/step_compared"] == pytest.approx(r["timing_s/step"] - r["timing_s/check"], abs=1e-12)
+        assert 0 < r["timing_s/step_compared"] < r["timing_s/step"]
 
 
 class AnsweringEngine(ScriptedEngine):

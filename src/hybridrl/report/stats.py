@@ -19,6 +19,13 @@ from hybridrl.run.record import IDENTITY_ADAPTER, PHASE_KEYS
 from hybridrl.study.run_config import split_replicate
 
 WARMUP_STEPS = 2  # where a run recorded none: step 1 rolls out the base model, step 2 the first adapter
+# What comparisons call the step they compare (record.COMPARED_STEP: the wall-clock step less the instrument's
+# checks) and the figures taken over it (aggregate.derive), and the whole wall-clock step shown beside it
+STEP_COMPARED = "Step time, checks excluded"
+STEP_WHOLE = "Step time, checks included"
+TOK_S_PER_GPU = "Tokens/s per GPU, checks excluded"
+GPU_S_PER_STEP = "GPU-seconds per step, checks excluded"
+GPU_H_PER_1K = "GPU-hours per 1,000 rollouts, checks excluded"
 N_BOOT = 5000
 SEED = 0
 

@@ -21,7 +21,12 @@ IDENTITY = ("run_id", "engine", "placement", "trainer", "model", "tp", "seed", "
 PHASES = ("prepare", "gen", "reward", "sleep", "trainer_onload", "update_actor", "save_adapter", "trainer_offload",
           "await_rollout", "wake", "restart", "update_weights", "check", "save_state", "recover")
 PHASE_KEYS = tuple(f"timing_s/{p}" for p in PHASES)
-TIMING = (*PHASE_KEYS, "timing_s/step")
+# The instrument's own phases: the canary probes (base unchanged, adapter applied, KV capacity), which cost engines
+# differently and which no production step runs. The step that studies compare leaves them out; timing_s/step
+# stays the whole wall-clock step. (The logprob gap needs no phase: it is read from the update's own forward.)
+INSTRUMENT_PHASES = ("check",)
+COMPARED_STEP = "timing_s/step_compared"
+TIMING = (*PHASE_KEYS, "timing_s/step", COMPARED_STEP)
 # overlap: seconds of the step in which engine and trainer both worked, and each one's idle time (not phases:
 # the overlapped part is counted in both sides' time)
 CONCURRENCY = ("timing_s/overlap", "timing_s/engine_idle", "timing_s/trainer_idle")

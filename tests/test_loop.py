@@ -7,13 +7,14 @@ import gc
 import json
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
 from hybridrl.engines.base import Completion, EngineError, SleepVariant
-from hybridrl.run.loop import RunFailed, run_loop, step_requests
+from hybridrl.run.loop import AdapterNotApplied, RunFailed, run_loop, step_requests
 from hybridrl.study import models
 from hybridrl.study.config import resolve
 from hybridrl.study.run_config import RunConfig
@@ -533,6 +534,9 @@ def test_the_named_phases_add_up_to_the_step(assets, tmp_path, placement):
         assert (r["timing_s/wake"] is not None) == (placement == "colocate")
         assert r["timing_s/recover"] is None
         assert r["timing_s/eval"] > 0 and "timing_s/eval" not in PHASE_KEYS
+        # the step studies compare leaves out the instrument's checks; the wall-clock step keeps them
+        assert r["timing_s/step_compared"] == pytest.approx(r["timing_s/step"] - r["timing_s/check"], abs=1e-12)
+        assert 0 < r["timing_s/step_compared"] < r["timing_s/step"]
 
 
 class AnsweringEngine(ScriptedEngine):
@@ -772,7 +776,7 @@ def test_the_run_keeps_its_step_and_phase_in_phase_json(assets, tmp_path):
 
 def test_an_identity_adapter_is_judged_neither_applied_nor_not(assets, tmp_path):
     # a step whose advantages were all zero leaves LoRA's B at zero: the adapter is the identity, and no engine can
-    # show it applied (the vLLM server's 48-layer run read "not applied" for six such steps, 2026-11-24)
+    # show it applied; the record says so (null, with the reason), never False, which would stop the run
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer
@@ -788,9 +792,68 @@ def test_an_identity_adapter_is_judged_neither_applied_nor_not(assets, tmp_path)
     ctx = SimpleNamespace(canary=canary, engine=engine, sampler=None, run_id="r")
     identity = check(ctx, 1, Trained(tmp_path / "a1", {"train/lora_norm": 0.0}), Timings())
     moved = check(ctx, 2, Trained(tmp_path / "a2", {"train/lora_norm": 0.25}), Timings())
-    assert identity["check/adapter_applied"] is None and moved["check/adapter_applied"] is True
-    # a trainer that reports no norm is judged as before
+    assert identity["check/adapter_applied"] is None
+    assert identity["check/adapter_not_judged"] == "identity adapter"
+    assert moved["check/adapter_applied"] is True and moved["check/adapter_not_judged"] is None
+    # a trainer that reports no norm is judged as before; no trainer (no adapter) is not judged, for its own reason
     assert check(ctx, 3, Trained(tmp_path / "a3", {}), Timings())["check/adapter_applied"] is True
+    untrained = check(ctx, 4, Trained(None, {}), Timings())
+    assert untrained["check/adapter_applied"] is None and untrained["check/adapter_not_judged"] == "no adapter"
+
+
+class DropsAdapterAfterWake(ScriptedEngine):
+    """From its `drop_at`-th wake on, it answers requests that name the adapter as the base model (an engine whose
+    wake lost its LoRA weights)."""
+
+    def __init__(self, drop_at: int) -> None:
+        super().__init__()
+        self.drop_at, self.wakes = drop_at, 0
+
+    def wake(self):
+        self.wakes += 1
+
+    def generate(self, requests, progress=False, shared_pool=False):
+        if self.wakes >= self.drop_at:
+            requests = [replace(r, adapter=None) for r in requests]
+        return super().generate(requests, progress)
+
+
+def _colocated(steps: int) -> RunConfig:
+    return _run(steps=steps).model_copy(update={"placement": "colocate"})  # the study refuses colocate on a CPU
+
+
+def test_an_engine_that_drops_the_adapter_after_a_wake_stops_the_run_and_keeps_the_steps(assets, tmp_path):
+    out = tmp_path / "dropped"
+    with pytest.raises(AdapterNotApplied) as failed:
+        run_loop(_colocated(3), "r-drop", assets / "model", assets / "data", out, {}, progress=False,
+                 engine=DropsAdapterAfterWake(drop_at=2))
+    line = str(failed.value)
+    assert "\n" not in line
+    assert line.startswith("r-drop step 2: scripted did not apply the adapter: the greedy canary through it matched "
+                           "the base model's tokens and logprobs"), line
+    assert isinstance(failed.value, RunFailed)  # the CLI prints a RunFailed as one line and exits non-zero
+    kept = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in kept] == [1, 2]  # the step before, and the failing step's record as evidence
+    assert [r["check/adapter_applied"] for r in kept] == [True, False]
+    assert kept[1]["train/lora_norm"] > 0 and kept[1]["check/adapter_not_judged"] is None
+
+
+def test_the_cli_prints_a_dropped_adapter_as_one_line_and_exits_non_zero(assets, tmp_path, monkeypatch, capsys):
+    from hybridrl import cli
+    from hybridrl.run import loop
+    from hybridrl.study.run_config import RunSpec
+
+    real = loop.run_loop
+    monkeypatch.setattr(loop, "run_loop", lambda *a, **k: real(*a, **k, engine=DropsAdapterAfterWake(drop_at=1)))
+    spec = tmp_path / "config.json"
+    spec.write_text(RunSpec(run_id="r-cli", run=_colocated(2), study="s").model_dump_json())
+    out = tmp_path / "run"
+    code = cli.main(["train", "--run-config", str(spec), "--model", str(assets / "model"), "--data",
+                     str(assets / "data"), "--out", str(out), "--done", str(tmp_path / "done.json"), "--no-progress"])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("hybridrl:")]
+    assert code == 1 and not (tmp_path / "done.json").exists()
+    assert err == [err[0]] and err[0].startswith("hybridrl: AdapterNotApplied: r-cli step 1: scripted did not apply")
+    assert len((out / "steps.jsonl").read_text().splitlines()) == 1
 
 
 def test_a_run_without_a_trainer_rolls_out_the_base_model_and_nothing_is_stale():

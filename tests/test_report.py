@@ -325,7 +325,7 @@ def test_headline_ratios_point_sglang_ahead_with_intervals() -> None:
         "colocate", "vllm", "sglang-colocate-aaaa", "vllm-colocate-bbbb")
     rows = {r.metric.name: r for r in h.rows}
     assert list(rows) == ["Rollout throughput", "ITL, mean", "TTFT p50", "p99 latency", "Peak GPU memory",
-                          "Tokens/s per GPU, whole step", "Engine startup"]  # GPU-hours: no rollouts per step
+                          "Tokens/s per GPU, checks excluded", "Engine startup"]  # GPU-hours: no rollouts per step
     tput = rows["Rollout throughput"]
     assert tput.column == "perf/throughput" and tput.metric.claimed == "3.9x"
     assert tput.est.value == pytest.approx(tput.sglang / tput.vllm)  # SGLang / vLLM
@@ -350,7 +350,7 @@ def test_headline_leaves_out_missing_metrics() -> None:
     df["mem/peak_gb"] = np.nan  # a CPU run: no NVML
     [h] = headlines(df)
     assert [r.metric.name for r in h.rows] == ["Rollout throughput", "TTFT p50", "p99 latency",
-                                               "Tokens/s per GPU, whole step"]
+                                               "Tokens/s per GPU, checks excluded"]
     from hybridrl.report.headline import METRICS
 
     gone = {c for m in METRICS for c in m.columns} & set(df.columns)
@@ -719,6 +719,32 @@ def test_steps_whose_adapter_was_still_the_identity_stay_in_the_statistics() -> 
     assert steady_state(normed)["step"].tolist() == [3]
 
 
+def test_a_recorded_not_judged_step_counts_and_an_identity_recorded_as_not_applied_is_read_again() -> None:
+    from hybridrl.report.run_tables import correctness_table
+
+    def run(rid: str, applied: list, why: list, grads: list[float], lora: list[float | None]) -> pd.DataFrame:
+        rows = [record(rid, "vllm", "split", s, np.random.default_rng(s), 1.0) for s in range(1, 7)]
+        return pd.DataFrame(rows).assign(**{"check/adapter_applied": applied, "check/adapter_not_judged": why,
+                                            "train/grad_norm": grads, "train/lora_norm": lora})
+
+    ident = "identity adapter"
+    today = run("vllm-split-aaaa", [None] * 3 + [True] * 3, [ident] * 3 + [None] * 3, [0.0] * 3 + [1.0] * 3,
+                [0.0] * 3 + [0.5] * 3)
+    # recorded before identity steps were told apart: False, no LoRA norm, and no gradient yet
+    before = run("vllm-split-bbbb", [False] * 3 + [True] * 3, [None] * 6, [0.0] * 3 + [1.0] * 3, [None] * 6)
+    dropped = run("vllm-split-cccc", [True, True, False, True, True, True], [None] * 6, [1.0] * 6, [0.5] * 6)
+    df = headline_study(today, before, dropped)
+    kept = steady_state(df).groupby("run_id")["step"].apply(list).to_dict()
+    assert kept == {"vllm-split-aaaa": [3, 4, 5, 6], "vllm-split-bbbb": [3, 4, 5, 6], "vllm-split-cccc": [4, 5, 6]}
+    labels = {r: r for r in df["run_id"].unique()}
+    cells = {row[0].text: row[2] for row in correctness_table(df, labels).rows}
+    assert cells["vllm-split-aaaa"].text == "3/3 ok; 3 with the identity adapter, not judged"
+    assert cells["vllm-split-bbbb"].text == ("3/3 ok; 3 with the identity adapter, not judged (3 recorded as not "
+                                             "applied, before identity adapters were told apart: read again as not "
+                                             "judged)")
+    assert cells["vllm-split-cccc"].cls == "fail" and cells["vllm-split-cccc"].text == "5/6 ok (failed at step 3)"
+
+
 def test_the_gap_section_gives_the_other_mismatch_metrics_and_plots_them_per_step(study: list[Path],
                                                                                    tmp_path: Path) -> None:
     df = gather(study)
@@ -773,3 +799,50 @@ def test_a_warning_of_hybridrls_own_is_one_line_on_the_console(tmp_path: Path) -
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stderr == f"hybridrl: warning: {tmp_path / 'empty'}: steps.jsonl holds no steps; run left out\n"
+
+
+# -- the compared step: the wall-clock step less the instrument's checks ----------------------------------------
+
+def _checked(run: pd.DataFrame, check_s: float) -> pd.DataFrame:
+    """The run with a check phase of check_s seconds inside each of its steps."""
+    return run.assign(**{"timing_s/check": check_s, "timing_s/step": run["timing_s/step"] + check_s})
+
+
+def test_comparisons_compare_the_step_less_its_checks_and_say_so() -> None:
+    from hybridrl.report.comparisons import comparison_table, ratio_table, summary
+
+    # alike but for the checks: SGLang's canary took 3 s a step, vLLM's 0.1 s
+    df = headline_study(_checked(headline_run("sglang-colocate-aaaa", "sglang"), 3.0),
+                        _checked(headline_run("vllm-colocate-bbbb", "vllm"), 0.1))
+    sg, vl = sorted(configs(df), key=lambda c: c[0] != "sglang")
+    assert compare(df, "timing_s/step", sg, vl).excludes(1.0)  # the whole step holds the instrument's cost
+    compared = compare(df, "timing_s/step_compared", sg, vl)
+    assert compared.contains(1.0) and compared.value == pytest.approx(1.0, abs=0.02)
+    step = pd.to_numeric(df["timing_s/step"]) - pd.to_numeric(df["timing_s/check"])
+    assert np.allclose(df["timing_s/step_compared"], step)
+    assert np.allclose(df["cost/tok_s_per_gpu"], df["perf/gen_tokens"] / step / df["cost/gpus"])
+    labels = {c[-1]: c[0] for c in configs(df)}
+    _, ratios = ratio_table(df, labels)
+    at = ratios.headers.index("Step time, checks excluded ratio [95% CI]")
+    assert float(ratios.rows[0][at].text.split()[0]) == pytest.approx(1.0, abs=0.03)  # the whole step's: about 1.5
+    rows = {r[0].text: r for r in comparison_table(df, labels).rows}
+    assert {"Step time, checks excluded (s)", "Step time, checks included (s)"} <= set(rows)
+    assert summary(df, "t")["checks_untimed"] == ""  # every step timed its checks
+
+
+def test_records_without_a_check_phase_compare_the_whole_step_and_the_report_says_so(tmp_path: Path) -> None:
+    from hybridrl.report.comparisons import summary
+
+    old = headline_run("vllm-colocate-bbbb", "vllm")  # recorded before the check phase was timed
+    df = headline_study(old, _checked(headline_run("sglang-colocate-aaaa", "sglang"), 0.5))
+    untimed = df["run_id"] == "vllm-colocate-bbbb"
+    assert np.allclose(df.loc[untimed, "timing_s/step_compared"], df.loc[untimed, "timing_s/step"])
+    note = summary(df, "t")["checks_untimed"]
+    assert note.startswith("10 step record(s) of 1 run(s) predate the check phase's timing") and "whole step" in note
+    table = tmp_path / "steps.csv"
+    df.to_csv(table, index=False)
+    report_main(table, tmp_path / "r.md", tmp_path / "r.html", tmp_path / "plots", "t")
+    md = (tmp_path / "r.md").read_text()
+    assert "- Step time compared: the wall-clock step less the instrument's own checks" in md
+    assert f"**{note}.**" in md
+

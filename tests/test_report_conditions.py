@@ -191,7 +191,9 @@ def test_readme_verdict_and_bench_figures_come_from_the_committed_data() -> None
     said = evaluate(f"verdict {study} sglang-full vllm-server perf/throughput")
     assert said.startswith("Rollout throughput: sglang-full is ") and "(3 runs, 24 steps vs 3 runs, 24 steps)" in said
     step = evaluate(f"verdict {study} sglang-full vllm-server timing_s/step time")
-    assert step.startswith("Step time: sglang-full is ") or "could not be told apart" in step
+    assert step.startswith("Step time, checks included: sglang-full is ") or "could not be told apart" in step
+    compared = evaluate(f"verdict {study} sglang-full vllm-server timing_s/step_compared time")
+    assert compared.startswith("Step time, checks excluded: sglang-full ") and compared != step
     with pytest.raises(ValueError, match="unknown verdict mode"):
         evaluate(f"verdict {study} sglang-full vllm-server timing_s/step quick")
     bench = evaluate(f"bench_ratio {study}/bench/sglang-full.json {study}/bench/vllm-server.json raw")

@@ -59,11 +59,12 @@ def test_each_engine_sets_its_placements_beside_its_colocated_arm_with_intervals
         assert gpu_s.value == pytest.approx(1.2, rel=0.05) and gpu_s.excludes(1.0)
         assert overlap.recorded == "interleaved"
         said = dict(zip([m.name for m in placements.METRICS], overlap.conclusions, strict=True))
-        assert said["Step time"].startswith("Step time: overlapped split is faster than colocate, overlapped split "
-                                            "/ colocate 0.6")
-        assert said["Tokens/s per GPU, whole step"].startswith(
-            "Tokens/s per GPU, whole step: overlapped split is lower than colocate")
-        assert said["GPU-seconds per step"].startswith("GPU-seconds per step: overlapped split is higher than colocate")
+        assert said["Step time, checks excluded"].startswith(
+            "Step time, checks excluded: overlapped split is faster than colocate, overlapped split / colocate 0.6")
+        assert said["Tokens/s per GPU, checks excluded"].startswith(
+            "Tokens/s per GPU, checks excluded: overlapped split is lower than colocate")
+        assert said["GPU-seconds per step, checks excluded"].startswith(
+            "GPU-seconds per step, checks excluded: overlapped split is higher than colocate")
         assert not g.caveats  # own GPUs, one engine share, interleaved, one commit
 
 
@@ -105,7 +106,8 @@ def test_split_and_overlap_both_pair_and_nothing_pairs_across_engines_seeds_or_w
     # and the overlap against the split that takes turns on the same GPUs
     [(est, said)] = g.against_split
     assert est.value == pytest.approx(0.75, rel=0.05) and est.excludes(1.0)
-    assert said.startswith("Step time: overlapped split is faster than split, overlapped split / split 0.7")
+    assert said.startswith("Step time, checks excluded: overlapped split is faster than split, overlapped split / "
+                           "split 0.7")
     assert not placements.groups(_study(overlap_s=6.0))[0].against_split  # no plain split to set it beside
     df = _study(overlap_s=6.0)
     assert not placements.groups(df[df["placement"] != "colocate"])  # nothing to compare against
@@ -119,7 +121,7 @@ def test_the_report_table_shows_values_ratios_and_sentences_per_engine() -> None
     [sg, vl] = placement_tables(_study(overlap_s=6.0))
     assert sg["title"] == "SGLang: placements against colocate" and vl["title"].startswith("vLLM server")
     table = sg["table"]
-    assert table.headers[0] == "placement" and "Step time / colocate [95% CI]" in table.headers
+    assert table.headers[0] == "placement" and "Step time, checks excluded / colocate [95% CI]" in table.headers
     base, overlap = table.rows
     assert [c.text for c in base][4:7] == ["–", "–", "–"] and base[-2].text == "2 × 16"
     assert overlap[4].text.startswith("0.6") and overlap[4].text.endswith("]")

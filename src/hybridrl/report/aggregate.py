@@ -187,8 +187,9 @@ def placement_name(row: Any) -> str:
 def derive(df: pd.DataFrame) -> pd.DataFrame:
     """The DERIVED columns: configuration id and replicate (from the run id), release arm, cost per GPU.
 
-    tokens/s per GPU is the step's generated tokens over its whole time and every GPU the run held, so that
-    placements that hold more GPUs, or idle some during training, pay for them."""
+    tokens/s per GPU is the step's generated tokens over its time (the compared step: the instrument's checks left
+    out) and every GPU the run held, so that placements that hold more GPUs, or idle some during training, pay for
+    them."""
     df = df.copy()
     split = df["run_id"].astype(str).map(split_replicate)
     df["config_id"] = split.map(lambda t: t[0])
@@ -198,7 +199,8 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     df["client"] = [rollout_client(*r) for r in
                     df[["engine", "stream_fraction", "shared_pool", "rollout_process"]].itertuples(index=False)]
     gpus = df.apply(run_gpus, axis=1) if len(df) else pd.Series(dtype=float)
-    step = pd.to_numeric(df["timing_s/step"], errors="coerce")
+    df[record.COMPARED_STEP] = compared_step(df)
+    step = df[record.COMPARED_STEP]  # what a step costs leaves out the instrument's checks, as its time does
     rollouts = pd.to_numeric(df["prompts_per_step"], errors="coerce") * pd.to_numeric(df["group_size"], errors="coerce")
     df["cost/gpus"] = gpus
     df["cost/tok_s_per_gpu"] = pd.to_numeric(df["perf/gen_tokens"], errors="coerce") / step / gpus
@@ -207,6 +209,23 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     df["perf/rollout_s"] = pd.to_numeric(df["perf/gen_tokens"], errors="coerce") / pd.to_numeric(
         df["perf/throughput"], errors="coerce")
     return mask_ahead_readings(df)
+
+
+def compared_step(df: pd.DataFrame) -> pd.Series:
+    """The step studies compare (record.COMPARED_STEP) as recorded; for records from before the key, the step less
+    its instrument phases, which is the whole step where those were not timed (checks_untimed)."""
+    step = pd.to_numeric(df["timing_s/step"], errors="coerce")
+    instrument = sum(pd.to_numeric(df[f"timing_s/{p}"], errors="coerce").fillna(0.0) for p in record.INSTRUMENT_PHASES)
+    return pd.to_numeric(df[record.COMPARED_STEP], errors="coerce").fillna(step - instrument)
+
+
+def checks_untimed(df: pd.DataFrame) -> pd.Series:
+    """Rows whose checks ran inside the step but untimed (records from before the check phase): their compared step
+    is the whole step."""
+    step = pd.to_numeric(df["timing_s/step"], errors="coerce")
+    timed = pd.concat([pd.to_numeric(df[f"timing_s/{p}"], errors="coerce") for p in record.INSTRUMENT_PHASES],
+                      axis=1).notna().any(axis=1)
+    return (step.notna() & ~timed).astype(bool)
 
 
 def ran_ahead(df: pd.DataFrame) -> pd.Series:

@@ -10,13 +10,15 @@ from typing import Any
 import pandas as pd
 
 from hybridrl.report import client_paths, conditions, headline, placements, stats, wording
-from hybridrl.report.aggregate import CONFIG_KEY
+from hybridrl.report.aggregate import CONFIG_KEY, checks_untimed
 from hybridrl.report.cells import Cell, Table, fmt, fmt_est, fmt_field, fmt_n, has_data
+from hybridrl.run.record import COMPARED_STEP
 
 # (column, heading, unit); the comparison table shows those with data, the detail table all of these.
 KEY_METRICS = [
     ("perf/throughput", "Rollout throughput", "tok/s"),
-    ("timing_s/step", "Step time", "s"),
+    (COMPARED_STEP, stats.STEP_COMPARED, "s"),
+    ("timing_s/step", stats.STEP_WHOLE, "s"),
     # in overlap the rollout runs beside training: gen is then the step's wait for it, perf/rollout_s its length
     ("timing_s/gen", "Generation, on the step's path", "s"),
     ("perf/rollout_s", "Rollout, the engine's own time", "s"),
@@ -31,15 +33,15 @@ KEY_METRICS = [
     ("perf/engine_ttft_s_p50", "TTFT p50, engine-timed", "s"),
     ("perf/engine_tpot_ms_p50", "TPOT p50, engine-timed", "ms"),
     ("perf/latency_s_p50", "End-to-end latency p50", "s"),
-    ("cost/tok_s_per_gpu", "Tokens/s per GPU, whole step", "tok/s"),
-    ("cost/gpu_s_per_step", "GPU-seconds per step", "GPU-s"),
-    ("cost/gpu_h_per_1k_rollouts", "GPU-hours per 1,000 rollouts", "GPU-h"),
+    ("cost/tok_s_per_gpu", stats.TOK_S_PER_GPU, "tok/s"),
+    ("cost/gpu_s_per_step", stats.GPU_S_PER_STEP, "GPU-s"),
+    ("cost/gpu_h_per_1k_rollouts", stats.GPU_H_PER_1K, "GPU-h"),
     ("reward/mean", "Reward mean", ""),
     ("host/cpu_busy_pct_gen", "Host CPU busy in rollout", "%"),
 ]
 
-RATIO_METRICS = [("perf/throughput", "Rollout throughput"), ("timing_s/step", "Step time"),
-                 ("timing_s/gen", "Generation time on the step's path"), ("cost/tok_s_per_gpu", "Tokens/s per GPU")]
+RATIO_METRICS = [("perf/throughput", "Rollout throughput"), (COMPARED_STEP, stats.STEP_COMPARED),
+                 ("timing_s/gen", "Generation time on the step's path"), ("cost/tok_s_per_gpu", stats.TOK_S_PER_GPU)]
 
 # sleep and wake move what the engine releases: compared only between arms that move the same bytes
 TRANSITIONS = [("timing_s/sleep", "sleep"), ("timing_s/wake", "wake")]
@@ -77,7 +79,18 @@ def summary(df: pd.DataFrame, title: str) -> dict[str, Any]:
         "n_boot": stats.N_BOOT,
         "excluded_adapter": excluded,
         "drain": drained,
+        "checks_untimed": compared_step_note(df),
     }
+
+
+def compared_step_note(df: pd.DataFrame) -> str:
+    """Which runs' compared step is the whole step after all: their records predate the check phase's timing."""
+    untimed = checks_untimed(df)
+    if not untimed.any():
+        return ""
+    runs = df.loc[untimed, "run_id"].nunique()
+    return (f"{int(untimed.sum())} step record(s) of {runs} run(s) predate the check phase's timing: their checks "
+            "ran inside the step untimed, so for them the compared step is the whole step, checks included")
 
 
 def comparison_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:

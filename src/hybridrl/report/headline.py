@@ -53,10 +53,9 @@ METRICS = (
     Metric("TTFT p50", ("perf/ttft_s_p50",), "s", "inv", "–"),
     Metric("p99 latency", ("perf/latency_s_p99",), "s", "pct", "-52%"),
     Metric("Peak GPU memory", ("mem/peak_gb",), "GB", "pct", "-29%", better="lower", worse="higher"),
-    # cost per GPU: the whole step's tokens over every GPU the run held (aggregate.derive)
-    Metric("Tokens/s per GPU, whole step", ("cost/tok_s_per_gpu",), "tok/s", "x", "–", better="higher",
-           worse="lower"),
-    Metric("GPU-hours per 1,000 rollouts", ("cost/gpu_h_per_1k_rollouts",), "GPU-h", "pct", "–", better="lower",
+    # cost per GPU: the step's tokens over every GPU the run held, the instrument's checks left out (aggregate.derive)
+    Metric(stats.TOK_S_PER_GPU, ("cost/tok_s_per_gpu",), "tok/s", "x", "–", better="higher", worse="lower"),
+    Metric(stats.GPU_H_PER_1K, ("cost/gpu_h_per_1k_rollouts",), "GPU-h", "pct", "–", better="lower",
            worse="higher"),
     Metric("Engine startup", ("timing_s/engine_start",), "s", "inv", "3.4x", steady=False),
 )

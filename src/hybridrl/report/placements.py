@@ -2,7 +2,7 @@
 
 The headline tables compare engines within a placement; this compares placements within an engine, which is the
 other half of the study's question. A placement pays for every GPU it holds, so besides step time it is judged by
-the whole step's tokens per GPU and the GPU-seconds a step costs (aggregate.derive), each a ratio of medians with
+the step's tokens per GPU and the GPU-seconds a step costs (aggregate.derive), each a ratio of medians with
 its two-level interval over runs and steps (stats.compare). Arms pair only where the engine, trainer, model, seed
 and rollout client match, as the headline's pairs do.
 """
@@ -17,6 +17,7 @@ import pandas as pd
 from hybridrl.report import conditions, stats, wording
 from hybridrl.report.aggregate import overlap_steps, placement_name, shared_split
 from hybridrl.report.headline import pairable
+from hybridrl.run.record import COMPARED_STEP
 
 BASE = "colocate"
 PAIR_KEY = ("engine", "trainer", "model", "seed", "client")
@@ -34,9 +35,9 @@ class Metric:
 
 
 METRICS = (
-    Metric("timing_s/step", "Step time", "s", False, "faster", "slower"),
-    Metric("cost/tok_s_per_gpu", "Tokens/s per GPU, whole step", "tok/s", True, "higher", "lower"),
-    Metric("cost/gpu_s_per_step", "GPU-seconds per step", "GPU-s", False, "lower", "higher"),
+    Metric(COMPARED_STEP, stats.STEP_COMPARED, "s", False, "faster", "slower"),
+    Metric("cost/tok_s_per_gpu", stats.TOK_S_PER_GPU, "tok/s", True, "higher", "lower"),
+    Metric("cost/gpu_s_per_step", stats.GPU_S_PER_STEP, "GPU-s", False, "lower", "higher"),
 )
 
 
@@ -119,10 +120,10 @@ def _against_split(steady: pd.DataFrame, runs: pd.DataFrame,
     for a in ahead:
         for b in plain:
             sides = [steady[steady["config_id"] == c] for c in (a, b)]
-            est = _ratio(*sides, "timing_s/step")
+            est = _ratio(*sides, COMPARED_STEP)
             n = [(stats.n_runs(x), len(x)) for x in sides]
-            out.append((est, wording.conclusion("Step time", "overlapped split", "split", est, n[0], n[1], False,
-                                                "faster", "slower")))
+            out.append((est, wording.conclusion(stats.STEP_COMPARED, "overlapped split", "split", est, n[0], n[1],
+                                                False, "faster", "slower")))
     return tuple(out)
 
 

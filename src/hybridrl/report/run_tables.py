@@ -102,11 +102,15 @@ def warmup_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
 
 
 def _adapter_cell(run: pd.DataFrame) -> Cell:
-    """The adapter gate over the steps it could judge: an identity adapter (no gradient yet) changes nothing."""
-    identity = stats.identity_adapter(run)
-    cell = bool_cell(run["check/adapter_applied"].astype("boolean").mask(identity), run["step"])
+    """The adapter gate over the steps it could judge: an identity adapter (no gradient yet) changes nothing. Steps
+    recorded as not applied whose adapter was the identity say that they were read again."""
+    identity, relabelled = stats.identity_adapter(run), stats.relabelled_identity(run)
+    cell = bool_cell(stats.adapter_gate(run), run["step"])
     if identity.any():
         cell.text += f"; {int(identity.sum())} with the identity adapter, not judged"
+    if relabelled.any():
+        cell.text += (f" ({int(relabelled.sum())} recorded as not applied, before identity adapters were told apart: "
+                      "read again as not judged)")
     return cell
 
 

@@ -15,10 +15,17 @@ import numpy as np
 import pandas as pd
 
 from hybridrl.report.aggregate import CONFIG_KEY, ran_ahead
-from hybridrl.run.record import PHASE_KEYS
+from hybridrl.run.record import IDENTITY_ADAPTER, PHASE_KEYS
 from hybridrl.study.run_config import split_replicate
 
 WARMUP_STEPS = 2  # where a run recorded none: step 1 rolls out the base model, step 2 the first adapter
+# What comparisons call the step they compare (record.COMPARED_STEP: the wall-clock step less the instrument's
+# checks) and the figures taken over it (aggregate.derive), and the whole wall-clock step shown beside it
+STEP_COMPARED = "Step time, checks excluded"
+STEP_WHOLE = "Step time, checks included"
+TOK_S_PER_GPU = "Tokens/s per GPU, checks excluded"
+GPU_S_PER_STEP = "GPU-seconds per step, checks excluded"
+GPU_H_PER_1K = "GPU-hours per 1,000 rollouts, checks excluded"
 N_BOOT = 5000
 SEED = 0
 
@@ -192,18 +199,30 @@ def unattributed_s(df: pd.DataFrame) -> pd.Series:
 
 
 def identity_adapter(df: pd.DataFrame) -> pd.Series:
-    """Rows whose adapter was still the identity (LoRA's B all zero), which no engine can show applied: its
-    `train/lora_norm` is 0, or, in records without that norm (the Megatron trainer's before 2026-11-24), no step of
-    its run up to this one had a gradient (AdamW moves nothing before a first nonzero gradient). Pass every step of
-    the runs, warm-up too: a gradient in step 1 moves every adapter after it."""
+    """Rows whose adapter was still the identity (LoRA's B all zero), which no engine can show applied: the record
+    says so (check/adapter_not_judged), its `train/lora_norm` is 0, or, in records without that norm (the Megatron
+    trainer's before 2026-11-24), no step of its run up to this one had a gradient (AdamW moves nothing before a first
+    nonzero gradient). Pass every step of the runs, warm-up too: a gradient in step 1 moves every adapter after it."""
     norm = pd.to_numeric(df.get("train/lora_norm", pd.Series(float("nan"), index=df.index)), errors="coerce")
-    out = (norm == 0).fillna(False)
+    said = df.get("check/adapter_not_judged", pd.Series(pd.NA, index=df.index, dtype="string"))
+    out = (norm == 0).fillna(False) | (said.astype("string") == IDENTITY_ADAPTER).fillna(False)
     if "train/grad_norm" in df.columns and "run_id" in df.columns:
         grads = pd.to_numeric(df["train/grad_norm"], errors="coerce").fillna(0.0).abs()
         ordered = grads[df.sort_values("step").index]
         so_far = ordered.groupby(df.loc[ordered.index, "run_id"]).cummax().reindex(df.index)
         out |= norm.isna() & (so_far == 0)
     return out
+
+
+def adapter_gate(df: pd.DataFrame) -> pd.Series:
+    """check/adapter_applied where the check could judge, NA where it could not: an identity adapter is not judged,
+    including steps recorded as not applied before the loop told identity adapters apart (relabelled_identity)."""
+    return df["check/adapter_applied"].astype("boolean").mask(identity_adapter(df))
+
+
+def relabelled_identity(df: pd.DataFrame) -> pd.Series:
+    """Rows recorded as adapter not applied (False) whose adapter was the identity: read as not judged."""
+    return (identity_adapter(df) & df["check/adapter_applied"].astype("boolean").eq(False)).fillna(False)
 
 
 def steady_state(df: pd.DataFrame) -> pd.DataFrame:
@@ -213,8 +232,7 @@ def steady_state(df: pd.DataFrame) -> pd.DataFrame:
     after = after_warmup(df)
     after = after[~drain(df).loc[after.index].to_numpy(dtype=bool)]
     if "check/adapter_applied" in after.columns:
-        identity = identity_adapter(df).loc[after.index]
-        applied = after["check/adapter_applied"].astype("boolean").mask(identity)
+        applied = adapter_gate(df).loc[after.index]
         after = after[applied.fillna(True).astype(bool)]
     return after
 

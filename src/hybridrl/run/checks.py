@@ -10,6 +10,7 @@ from typing import Any
 from hybridrl.atomic import write_text
 from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling
 from hybridrl.run.placement import ADAPTER_NAME
+from hybridrl.run.record import IDENTITY_ADAPTER, NO_ADAPTER
 from hybridrl.study.run_config import RunConfig
 from hybridrl.task import data as gsm8k
 
@@ -52,10 +53,12 @@ class Canary:
         transitions keep an engine's own capacity."""
         self.kv_capacity = engine.kv_capacity_tokens()
 
-    def check(self, engine: Engine, adapter_loaded: bool) -> dict[str, Any]:
+    def check(self, engine: Engine, not_judged: str | None) -> dict[str, Any]:
+        """The gates after a transition; the adapter is probed unless `not_judged` says why it cannot be."""
         base_now = self._probe(engine, None)
-        out: dict[str, Any] = {"check/base_canary_ok": base_now.token_ids == self.base.token_ids}
-        if adapter_loaded:
+        out: dict[str, Any] = {"check/base_canary_ok": base_now.token_ids == self.base.token_ids,
+                               "check/adapter_not_judged": not_judged}
+        if not_judged is None:
             tuned = self._probe(engine, ADAPTER_NAME)
             # a small update may keep the greedy tokens, but it must move their logprobs
             shared = min(len(tuned.logprobs), len(base_now.logprobs))
@@ -70,6 +73,14 @@ class Canary:
         out["check/kv_capacity_ok"] = (None if kv is None or not self.kv_capacity
                                        else abs(kv - self.kv_capacity) <= KV_TOLERANCE * self.kv_capacity)
         return out
+
+
+def adapter_not_judged(adapter: Path | None, lora_norm: float | None) -> str | None:
+    """Why the adapter gate cannot judge this adapter, or None where it can. A trainer that reports no norm
+    (train/lora_norm) is judged."""
+    if adapter is None:
+        return NO_ADAPTER
+    return IDENTITY_ADAPTER if lora_norm is not None and lora_norm <= 0 else None
 
 
 # Per model family: (warn above, fail above) for the mean trainer-vs-engine gap per token. Published bf16 gaps are

@@ -35,7 +35,7 @@ from hybridrl.engines.client_ceiling import client_headroom_ok, run_ceiling
 from hybridrl.nvml import process_used_gb
 from hybridrl.run import request_records
 from hybridrl.run.barrier import StartBarrier
-from hybridrl.run.checks import Canary, asleep_memory_gate, gap_limits, logprob_gate, model_family
+from hybridrl.run.checks import Canary, adapter_not_judged, asleep_memory_gate, gap_limits, logprob_gate, model_family
 from hybridrl.run.overlap import AheadRollouts, InFlight, overlap_s
 from hybridrl.run.phase_file import PhaseFile
 from hybridrl.run.placement import ADAPTER_NAME, Placement, make_placement
@@ -53,6 +53,11 @@ console = Console(stderr=True, soft_wrap=True)  # one line per step, also in log
 
 class RunFailed(RuntimeError):
     """A correctness gate failed or the engine could not be brought back; the run stops loudly."""
+
+
+class AdapterNotApplied(RunFailed):
+    """The engine served a non-identity adapter's requests as the base model: no LoRA figure of the run would
+    count."""
 
 
 @dataclass
@@ -212,6 +217,7 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
                                     f"{record['check/rollout_logprob_abs_diff']:.4f} a token on average, above the "
                                     f"fail limit {limits[1]} (logprob_gap_fail): the engine did not sample with the "
                                     "weights the trainer holds (a stale or wrong adapter, or corrupted weights)")
+                stop_if_adapter_dropped(run_id, step, engine.name, record)
                 if record["check/asleep_memory_ok"] is False:
                     raise RunFailed(f"{run_id} step {step}: {engine.name} holds "
                                     f"{record['check/asleep_growth_gb']:.2f} GB more GPU memory asleep than at its "
@@ -388,15 +394,31 @@ def train(ctx: RunContext, step: int, scored: Scored, t: Timings) -> Trained:
 
 
 def check(ctx: RunContext, step: int, trained: Trained, t: Timings) -> dict[str, Any]:
-    """checks: the canary after the transition; a changed base model stops the run."""
-    # a zero adapter (e.g. all advantages zero so far) cannot change anything: the check does not apply
-    nonzero = trained.adapter is not None and trained.metrics.get("train/lora_norm", 1.0) > 0
+    """checks: the canary after the transition; a changed base model stops the run. An adapter the engine did not
+    apply stops it too, once its step is recorded (stop_if_adapter_dropped)."""
+    # a zero adapter (e.g. all advantages zero so far) cannot change anything: not judged, and the record says why
+    not_judged = adapter_not_judged(trained.adapter, trained.metrics.get("train/lora_norm"))
     with t.phase("check", ctx.sampler):
-        checks = ctx.canary.check(ctx.engine, adapter_loaded=nonzero)
+        checks = ctx.canary.check(ctx.engine, not_judged)
     if checks["check/base_canary_ok"] is False:
         raise RunFailed(f"{ctx.run_id} step {step}: the base model's greedy canary changed after the transition: "
                         "base weights were corrupted (e.g. SGLang released weights without a CPU backup)")
     return checks
+
+
+def stop_if_adapter_dropped(run_id: str, step: int, engine: str, record: dict[str, Any]) -> None:
+    """The adapter gate, after the step is recorded (its record is the evidence): False means the engine answered
+    the canary through a non-identity adapter exactly as the base model."""
+    if record["check/adapter_applied"] is False:
+        raise AdapterNotApplied(
+            f"{run_id} step {step}: {engine} did not apply the adapter: the greedy canary through it matched the base "
+            f"model's tokens and logprobs (largest shift {record['check/adapter_logprob_shift']:.1e}), although "
+            f"training moved it (train/lora_norm {_norm_text(record.get('train/lora_norm'))}); this step's record and "
+            "the ones before are kept in steps.jsonl")
+
+
+def _norm_text(norm: float | None) -> str:
+    return "not reported" if norm is None else f"{norm:.3g}"
 
 
 def save_state(ctx: RunContext, t: Timings) -> None:
@@ -573,5 +595,10 @@ def _summary(r: dict[str, Any]) -> str:
             f"train {f('timing_s/update_actor')} s, step {f('timing_s/step')} s, reward {f('reward/mean')}, "
             f"EOS {f('response/stop_ratio', '.0%')}, eval accuracy {f('eval/accuracy')}, "
             f"|dlogp| {f('check/rollout_logprob_abs_diff', '.2e')}, gates: canary {r.get('check/base_canary_ok')}, "
-            f"adapter {r.get('check/adapter_applied')}, kv {r.get('check/kv_capacity_ok')} "
+            f"adapter {_adapter_text(r)}, kv {r.get('check/kv_capacity_ok')} "
             f"({f('mem/kv_capacity_tokens', '.0f')} tokens), logprobs {r.get('check/logprob_agreement_ok')}")
+
+
+def _adapter_text(r: dict[str, Any]) -> str:
+    why = r.get("check/adapter_not_judged")
+    return f"not judged ({why})" if why else str(r.get("check/adapter_applied"))

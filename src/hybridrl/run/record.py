@@ -21,7 +21,12 @@ IDENTITY = ("run_id", "engine", "placement", "trainer", "model", "tp", "seed", "
 PHASES = ("prepare", "gen", "reward", "sleep", "trainer_onload", "update_actor", "save_adapter", "trainer_offload",
           "await_rollout", "wake", "restart", "update_weights", "check", "save_state", "recover")
 PHASE_KEYS = tuple(f"timing_s/{p}" for p in PHASES)
-TIMING = (*PHASE_KEYS, "timing_s/step")
+# The instrument's own phases: the canary probes (base unchanged, adapter applied, KV capacity), which cost engines
+# differently and which no production step runs. The step that studies compare leaves them out; timing_s/step
+# stays the whole wall-clock step. (The logprob gap needs no phase: it is read from the update's own forward.)
+INSTRUMENT_PHASES = ("check",)
+COMPARED_STEP = "timing_s/step_compared"
+TIMING = (*PHASE_KEYS, "timing_s/step", COMPARED_STEP)
 # overlap: seconds of the step in which engine and trainer both worked, and each one's idle time (not phases:
 # the overlapped part is counted in both sides' time)
 CONCURRENCY = ("timing_s/overlap", "timing_s/engine_idle", "timing_s/trainer_idle")
@@ -90,10 +95,14 @@ MEMORY = ("mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacit
 # ended at EOS (finish reason "stop"); the rest failed or gave no reason
 LEARNING = ("reward/mean", "reward/accuracy", "response_length/mean", "response_length/clip_ratio",
             "response/stop_ratio")
+# check/adapter_applied is null where the canary cannot judge the adapter, and check/adapter_not_judged says why
+# (one of these); False is only ever a non-identity adapter the engine did not apply, and it stops the run
+IDENTITY_ADAPTER = "identity adapter"  # LoRA's B all zero (no gradient yet): it changes nothing any engine can show
+NO_ADAPTER = "no adapter"  # nothing trained (trainer: none): the engine serves the base model
 CHECKS = (
     "check/rollout_logprob_abs_diff", "check/logprob_gap_sample_max", "check/logprob_gap_token_max",
     "check/logprob_gap_max", "check/logprob_gap_fail_at", "check/logprob_gap_tier",
-    "check/base_canary_ok", "check/adapter_applied", "check/adapter_logprob_shift",
+    "check/base_canary_ok", "check/adapter_applied", "check/adapter_not_judged", "check/adapter_logprob_shift",
     "check/kv_capacity_ok", "check/logprob_agreement_ok", "check/client_headroom_ok",
     "check/asleep_growth_gb", "check/asleep_memory_ok", "errors/engine_restarts",
 )
@@ -101,7 +110,8 @@ BOOLS = ("check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok"
          "check/client_headroom_ok", "check/asleep_memory_ok")
 # engine-vs-trainer mismatch per token over the batch (hybridrl.task.rl.LogprobGaps), verl's rollout_is metrics
 MISMATCH = ("mismatch/kl_k3", "mismatch/is_weight_mean", "mismatch/ess", "mismatch/is_capped_frac")
-STRINGS = ("run_id", "engine", "placement", "trainer", "model", "check/logprob_gap_tier", "train/experts_impl",
+STRINGS = ("run_id", "engine", "placement", "trainer", "model", "check/logprob_gap_tier", "check/adapter_not_judged",
+           "train/experts_impl",
            *(f"host/busiest_thread_{p}" for p in CONTROLLER_CPU_PHASES))
 RECORD_KEYS = (*IDENTITY, *TIMING, *CONCURRENCY, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *GPU, *CHECKS,
                *MISMATCH, *RUN_START, *EVAL, "time_unix")

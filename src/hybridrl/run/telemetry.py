@@ -20,7 +20,14 @@ from hybridrl.atomic import write_bytes
 from hybridrl.engines.base import Completion
 from hybridrl.engines.gpus import nvml_indices
 from hybridrl.proc import descendants, stat_fields, thread_cpu_ticks
-from hybridrl.run.record import CONTROLLER_CPU_PHASES, GPU_LOAD_PHASES, HOST_LOAD_PHASES, PHASES
+from hybridrl.run.record import (
+    COMPARED_STEP,
+    CONTROLLER_CPU_PHASES,
+    GPU_LOAD_PHASES,
+    HOST_LOAD_PHASES,
+    INSTRUMENT_PHASES,
+    PHASES,
+)
 
 
 def host_cpu_jiffies(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
@@ -163,9 +170,17 @@ class Timings:
         self.s[source] = self.s.get(source, 0.0) - seconds
         self.s[to] = self.s.get(to, 0.0) + seconds
 
+    def compared_step(self) -> float | None:
+        """The step less the instrument's own phases (record.INSTRUMENT_PHASES); None before the step is timed."""
+        if "step" not in self.s:
+            return None
+        return self.s["step"] - sum(self.s.get(p, 0.0) for p in INSTRUMENT_PHASES)
+
     def record(self) -> dict[str, float | None]:
-        """timing_s/* of every phase and the step (null where this step had no such phase), host CPU load."""
+        """timing_s/* of every phase, the step and the compared step (null where this step had no such phase), host
+        CPU load."""
         out: dict[str, float | None] = {f"timing_s/{k}": self.s.get(k) for k in (*PHASES, "step")}
+        out[COMPARED_STEP] = self.compared_step()
         out.update({f"host/cpu_busy_pct_{k}": self.busy.get(k) for k in HOST_LOAD_PHASES})
         out.update({f"host/controller_cpu_pct_{k}": self.own.get(k) for k in CONTROLLER_CPU_PHASES})
         out.update({f"host/{key}_{k}": self.threads.get(k, {}).get(key) for k in CONTROLLER_CPU_PHASES

@@ -25,6 +25,20 @@ def _validate(args: argparse.Namespace) -> None:
         print(f"{rid}\t{run.engine}\t{run.placement}\t{run.trainer}\t{run.model}\t{run.steps} steps")
 
 
+def _status(args: argparse.Namespace) -> None:
+    from hybridrl.report import status
+
+    results = Path(args.results)
+    rows = status.study_status(load_study(args.config), results,
+                               Path(args.logs) if args.logs else results.parent / "logs")
+    if args.json:
+        print(status.as_json(rows))
+    elif sys.stdout.isatty():
+        status.print_rich(rows)
+    else:
+        print(status.as_text(rows))
+
+
 def _schema(args: argparse.Namespace) -> None:
     from hybridrl.study.config import SCHEMA, schema_text
 
@@ -312,6 +326,14 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("validate", help="check a study config and list its runs")
     s.add_argument("--config", required=True)
     s.set_defaults(fn=_validate)
+
+    s = sub.add_parser("status", help="each run of a study: steps done of planned, state, the last step's time and "
+                       "gates, its log")
+    s.add_argument("--config", required=True)
+    s.add_argument("--results", default="results", help="the study's results folder (runs/<run id>/ in it)")
+    s.add_argument("--logs", help="the logs folder (train/<run id>.log in it; default: logs/ beside --results)")
+    s.add_argument("--json", action="store_true", help="print the rows as JSON, for scripts")
+    s.set_defaults(fn=_status)
 
     s = sub.add_parser("schema", help="write the run part of workflow/schemas/config.schema.yaml from RunConfig")
     s.add_argument("--check", action="store_true", help="fail if the committed schema differs, write nothing")

@@ -20,7 +20,10 @@ from hybridrl.study.config import ConfigError, load_study, read_run_spec
 
 
 def _validate(args: argparse.Namespace) -> None:
+    from hybridrl.task.lengths import check_study
+
     study = load_study(args.config)
+    check_study(study, Path(args.resources), args.config)
     for rid, run in study.runs.items():
         print(f"{rid}\t{run.engine}\t{run.placement}\t{run.trainer}\t{run.model}\t{run.steps} steps")
 
@@ -325,6 +328,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("validate", help="check a study config and list its runs")
     s.add_argument("--config", required=True)
+    s.add_argument("--resources", default="resources",
+                   help="where the workflow builds data/ and models/: the prompts' lengths are checked once built")
     s.set_defaults(fn=_validate)
 
     s = sub.add_parser("status", help="each run of a study: steps done of planned, state, the last step's time and "

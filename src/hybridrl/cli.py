@@ -295,6 +295,24 @@ def _reports(args: argparse.Namespace) -> None:
     print(f"hybridrl reports: all {len(dirs)} reports read as today's code renders them")
 
 
+def _results_index(args: argparse.Namespace) -> None:
+    from hybridrl.report import results_index
+
+    out = Path(args.out)
+    try:
+        wanted = results_index.render(results_index.studies(Path(args.reference)))
+    except results_index.StudyIndexError as exc:
+        raise SystemExit(f"hybridrl results-index: {exc}") from None
+    current = out.read_text() if out.exists() else None
+    if args.check:
+        if wanted != current:
+            raise SystemExit(f"{out} is out of date with {args.reference}: run `python -m hybridrl results-index`")
+        print(f"{out}: up to date")
+        return
+    write_text(out, wanted)
+    print(f"{out}: {'unchanged' if wanted == current else 'written'}")
+
+
 def _archive(args: argparse.Namespace) -> None:
     from hybridrl.tools.archive import pack
 
@@ -522,6 +540,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("dirs", nargs="+", help="study folders (steps.csv, report.md, plots/); others are passed over")
     s.add_argument("--fix", action="store_true", help="render report.md and the plots again")
     s.set_defaults(fn=_reports)
+
+    s = sub.add_parser("results-index", help="write results/README.md: every committed study, newest first, with its "
+                       "machine, question, finding and status, from each study's README")
+    s.add_argument("--reference", default="results/reference", help="the folder of committed studies")
+    s.add_argument("--out", default="results/README.md")
+    s.add_argument("--check", action="store_true", help="fail if OUT differs from what would be written, write nothing")
+    s.set_defaults(fn=_results_index)
 
     s = sub.add_parser("archive", help="pack results, configs, locks and provenance with a sha256 manifest")
     s.add_argument("--results", required=True)

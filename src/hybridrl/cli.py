@@ -298,19 +298,10 @@ def _reports(args: argparse.Namespace) -> None:
 def _results_index(args: argparse.Namespace) -> None:
     from hybridrl.report import results_index
 
-    out = Path(args.out)
     try:
-        wanted = results_index.render(results_index.studies(Path(args.reference)))
+        print(results_index.write(Path(args.reference), Path(args.out), check=args.check))
     except results_index.StudyIndexError as exc:
         raise SystemExit(f"hybridrl results-index: {exc}") from None
-    current = out.read_text() if out.exists() else None
-    if args.check:
-        if wanted != current:
-            raise SystemExit(f"{out} is out of date with {args.reference}: run `python -m hybridrl results-index`")
-        print(f"{out}: up to date")
-        return
-    write_text(out, wanted)
-    print(f"{out}: {'unchanged' if wanted == current else 'written'}")
 
 
 def _archive(args: argparse.Namespace) -> None:

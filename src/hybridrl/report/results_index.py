@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridrl.atomic import write_text
+
 MARKER = re.compile(r"<!--\s*(finding|question|supersedes):\s*(.*?)\s*-->", re.S)
 # YYYY-MM-DD-<machine>[-<name>]: the machine is cpu, or a GPU kind with an optional count (h200, 2xh200, h100)
 FOLDER = re.compile(r"^(?P<date>\d{4}-\d{2}-\d{2})-(?:(?P<count>\d+)x)?(?P<kind>cpu|[a-z]\d+)(?:-|$)")
@@ -128,3 +130,16 @@ def render(found: list[Study]) -> str:
         rows.append(f"| {s.date} | {s.machine} | {_cell(s.question)} | {_cell(s.finding)} | {status} | "
                     f"[{s.folder}](reference/{s.folder}/README.md) |\n")
     return HEADER + "".join(rows)
+
+
+def write(reference: Path, out: Path, check: bool = False) -> str:
+    """Write the index of `reference` to `out` and say whether it changed; with check, write nothing and raise
+    StudyIndexError where `out` differs from what would be written."""
+    wanted = render(studies(reference))
+    current = out.read_text(encoding="utf-8") if out.exists() else None
+    if check:
+        if wanted != current:
+            raise StudyIndexError(f"{out} is out of date with {reference}: run `python -m hybridrl results-index`")
+        return f"{out}: up to date"
+    write_text(out, wanted)
+    return f"{out}: {'unchanged' if wanted == current else 'written'}"

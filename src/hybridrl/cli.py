@@ -341,14 +341,6 @@ def parser() -> argparse.ArgumentParser:
                    help="where the workflow builds data/ and models/: the prompts' lengths are checked once built")
     s.set_defaults(fn=_validate)
 
-    s = sub.add_parser("status", help="each run of a study: steps done of planned, state, the last step's time and "
-                       "gates, its log")
-    s.add_argument("--config", required=True)
-    s.add_argument("--results", default="results", help="the study's results folder (runs/<run id>/ in it)")
-    s.add_argument("--logs", help="the logs folder (train/<run id>.log in it; default: logs/ beside --results)")
-    s.add_argument("--json", action="store_true", help="print the rows as JSON, for scripts")
-    s.set_defaults(fn=_status)
-
     s = sub.add_parser("schema", help="write the run part of workflow/schemas/config.schema.yaml from RunConfig")
     s.add_argument("--check", action="store_true", help="fail if the committed schema differs, write nothing")
     s.set_defaults(fn=_schema)
@@ -531,6 +523,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("dirs", nargs="+", help="study folders (steps.csv, report.md, plots/); others are passed over")
     s.add_argument("--fix", action="store_true", help="render report.md and the plots again")
     s.set_defaults(fn=_reports)
+
+    s = sub.add_parser("status", help="each run of a study: steps done of planned, state, the last step's time and "
+                       "gates, its log")
+    s.add_argument("--config", required=True)
+    s.add_argument("--results", default="results", help="the study's results folder (runs/<run id>/ in it)")
+    s.add_argument("--logs", help="the logs folder (train/<run id>.log in it; default: logs/ beside --results)")
+    s.add_argument("--json", action="store_true", help="print the rows as JSON, for scripts")
+    s.set_defaults(fn=_status)
 
     s = sub.add_parser("results-index", help="write results/README.md: every committed study, newest first, with its "
                        "machine, question, finding and status, from each study's README")

@@ -1,6 +1,8 @@
 import hashlib
 import json
+import re
 import socket
+import warnings
 from pathlib import Path
 
 import pytest
@@ -203,18 +205,48 @@ def test_synthetic_data_refuses_an_empty_split_and_writes_nothing(tmp_path, n_tr
     assert not (tmp_path / "d").exists()
 
 
-def test_a_run_on_an_empty_train_split_stops_before_the_trainer_and_engine(tmp_path):
+def test_a_record_without_question_or_answer_text_names_its_file_and_line(tmp_path):
+    split = tmp_path / "train.jsonl"
+    good = '{"question": "q", "answer": "#### 1"}\n'
+    for record, what in [({"question": "q"}, "no 'answer' text (missing; keys: question)"),
+                         ({"question": "q", "answer": 42}, "no 'answer' text (42, not text; keys: question, answer)"),
+                         ({"answer": "#### 2"}, "no 'question' text (missing; keys: answer)")]:
+        split.write_text(good + "\n" + json.dumps(record) + "\n" + good)  # a blank line: line 3, not row 2
+        with pytest.raises(data.DataError, match=rf"^{split}:3: problem record has {re.escape(what)}") as exc:
+            data.read_jsonl(split)
+        assert "\n" not in str(exc.value)
+
+
+def test_answers_without_a_number_pass_with_one_warning_that_counts_them(tmp_path):
+    split = tmp_path / "train.jsonl"
+    rows = [{"question": "q", "answer": a} for a in ("#### 1", "no idea", "#### 2", "#### none")]
+    split.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.warns(UserWarning) as caught:
+        assert data.read_jsonl(split) == rows
+    assert [str(w.message) for w in caught] == [
+        f"{split}: 2 of 4 answers hold no number (first at {split}:2): no completion can be right on those problems"]
+    split.write_text(json.dumps(rows[0]) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        data.read_jsonl(split)  # every answer has its number: no warning
+
+
+@pytest.mark.parametrize(("train", "said"), [
+    ("", "train.jsonl: holds no problems"),
+    ('{"question": "q", "answer": "#### 1"}\n{"question": "q2"}\n', r"train.jsonl:2: problem record has no 'answer'"),
+])
+def test_a_run_on_a_bad_train_split_stops_before_the_trainer_and_engine(tmp_path, train, said):
     from hybridrl.run.loop import run_loop
     from hybridrl.study.run_config import RunConfig
 
     class NoEngine:  # any use of the engine (preflight, start) would mean the run went on
         def __getattr__(self, name):
-            raise AssertionError(f"the engine was used ({name}) on an empty train split")
+            raise AssertionError(f"the engine was used ({name}) on a bad train split")
 
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "train.jsonl").write_text("")
+    (tmp_path / "data" / "train.jsonl").write_text(train)
     (tmp_path / "data" / "test.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
-    with pytest.raises(data.DataError, match="train.jsonl: holds no problems"):
+    with pytest.raises(data.DataError, match=said):
         run_loop(RunConfig(model="tiny", engine="vllm", eval_every=0), "r-empty", tmp_path / "model",
                  tmp_path / "data", tmp_path / "run", {}, progress=False, engine=NoEngine())
 

@@ -555,6 +555,54 @@ def test_report_shows_the_logprob_gap_floor_tiers_and_drift(study: list[Path], t
     assert "| 0.00400 |" in split and "6 pass, 2 warn" in split and "grows +0.003 a step" in split
     restart = next(line for line in section.splitlines() if line.startswith("| restart |"))
     assert "not tiered (recorded before the tiers)" in restart and "no trend shown" in restart
+def test_stale_steps_gaps_read_not_judged_and_stay_out_of_the_median_drift_and_tiers(study: list[Path],
+                                                                                     tmp_path: Path) -> None:
+    df = gather(study)
+    ahead = ((df["run_id"] == "vllm-split-aaaa1111") & (df["step"] > 1)).to_numpy()  # rolled out one step ahead
+    df["rollout/staleness"] = np.where(ahead, 1, 0)
+    df["check/rollout_logprob_abs_diff"] = np.where(ahead, 0.12, 0.004)  # above the fail tier, by design
+    df["check/logprob_gap_tier"] = np.where(ahead, None, "pass")
+    table = tmp_path / "steps.parquet"
+    df.to_parquet(table, index=False)
+    report_main(table, tmp_path / "r.md", tmp_path / "r.html", tmp_path / "plots", "t")
+    md = (tmp_path / "r.md").read_text()
+    correctness = md.split("## Correctness")[1].split("### ")[0]
+    split = next(line for line in correctness.splitlines() if line.startswith("| split |"))
+    assert "| 0.00400 [n/a] | 0.00400; 0.120 not judged (stale) |" in split, split
+    gap = md.split("### The trainer-vs-engine logprob gap")[1].split("## ")[0]
+    split = next(line for line in gap.splitlines() if line.startswith("| split |"))
+    assert split.startswith("| split | 0.00400 | – | 0.00400; 0.120 not judged (stale) | "
+                            "1 pass, 7 not judged (stale) | too few readings"), split
+    restart = next(line for line in gap.splitlines() if line.startswith("| restart |"))
+    assert "stale" not in restart and "| 0.00400 [0.00400, 0.00400] | 0.00400 | 8 pass |" in restart, restart
+    detail = next(line for line in md.splitlines() if line.startswith("| check/rollout_logprob_abs_diff |"))
+    assert detail.count("not judged (stale)") == 1, detail
+
+
+def test_the_chance_line_counts_only_intervals_that_exist(tmp_path: Path) -> None:
+    from hybridrl.report.comparisons import ratio_table
+    from hybridrl.report.plots import config_labels
+
+    def md_of(steps: int) -> tuple[str, int]:
+        results = tmp_path / f"s{steps}"
+        runs = [write_run(results, "vllm-split-aaaa1111", "vllm", "split", steps=steps, seed=1),
+                write_run(results, "vllm-restart-bbbb2222", "vllm", "restart", steps=steps, speed=0.5, seed=2)]
+        df = gather(runs)
+        table = results / "steps.parquet"
+        df.to_parquet(table, index=False)
+        report_main(table, results / "r.md", results / "r.html", results / "plots", "t")
+        _, ratios = ratio_table(df, config_labels(df))
+        return (results / "r.md").read_text(), ratios.intervals
+
+    # one steady step a run: every ratio is shown, none has an interval, and none can exclude 1 by chance
+    md, intervals = md_of(3)
+    assert intervals == 0 and "[n/a]" in md.split("### Ratios against")[1]
+    assert "- No comparisons with intervals were made." in md and "by chance" not in md
+    md, intervals = md_of(8)
+    assert intervals > 0 and "[n/a]" not in md.split("### Ratios against")[1]
+    assert f"- {intervals} comparisons with 95% intervals: " in md
+
+
 def test_transition_times_are_compared_only_between_releases_that_move_the_same_bytes() -> None:
     from hybridrl.report.comparisons import NO_VLLM_KV_ONLY, transitions
     from hybridrl.report.plots import run_labels

@@ -20,9 +20,26 @@ from hybridrl.study.config import ConfigError, load_study, read_run_spec
 
 
 def _validate(args: argparse.Namespace) -> None:
+    from hybridrl.task.lengths import check_study
+
     study = load_study(args.config)
+    check_study(study, Path(args.resources), args.config)
     for rid, run in study.runs.items():
         print(f"{rid}\t{run.engine}\t{run.placement}\t{run.trainer}\t{run.model}\t{run.steps} steps")
+
+
+def _status(args: argparse.Namespace) -> None:
+    from hybridrl.report import status
+
+    results = Path(args.results)
+    rows = status.study_status(load_study(args.config), results,
+                               Path(args.logs) if args.logs else results.parent / "logs")
+    if args.json:
+        print(status.as_json(rows))
+    elif sys.stdout.isatty():
+        status.print_rich(rows)
+    else:
+        print(status.as_text(rows))
 
 
 def _schema(args: argparse.Namespace) -> None:
@@ -273,6 +290,15 @@ def _reports(args: argparse.Namespace) -> None:
     print(f"hybridrl reports: all {len(dirs)} reports read as today's code renders them")
 
 
+def _results_index(args: argparse.Namespace) -> None:
+    from hybridrl.report import results_index
+
+    try:
+        print(results_index.write(Path(args.reference), Path(args.out), check=args.check))
+    except results_index.StudyIndexError as exc:
+        raise SystemExit(f"hybridrl results-index: {exc}") from None
+
+
 def _archive(args: argparse.Namespace) -> None:
     from hybridrl.tools.archive import pack
 
@@ -306,6 +332,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("validate", help="check a study config and list its runs")
     s.add_argument("--config", required=True)
+    s.add_argument("--resources", default="resources",
+                   help="where the workflow builds data/ and models/: the prompts' lengths are checked once built")
     s.set_defaults(fn=_validate)
 
     s = sub.add_parser("schema", help="write workflow/schemas/config.schema.yaml from the typed study "
@@ -481,6 +509,21 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("dirs", nargs="+", help="study folders (steps.csv, report.md, plots/); others are passed over")
     s.add_argument("--fix", action="store_true", help="render report.md and the plots again")
     s.set_defaults(fn=_reports)
+
+    s = sub.add_parser("status", help="each run of a study: steps done of planned, state, the last step's time and "
+                       "gates, its log")
+    s.add_argument("--config", required=True)
+    s.add_argument("--results", default="results", help="the study's results folder (runs/<run id>/ in it)")
+    s.add_argument("--logs", help="the logs folder (train/<run id>.log in it; default: logs/ beside --results)")
+    s.add_argument("--json", action="store_true", help="print the rows as JSON, for scripts")
+    s.set_defaults(fn=_status)
+
+    s = sub.add_parser("results-index", help="write results/README.md: every committed study, newest first, with its "
+                       "machine, question, finding and status, from each study's README")
+    s.add_argument("--reference", default="results/reference", help="the folder of committed studies")
+    s.add_argument("--out", default="results/README.md")
+    s.add_argument("--check", action="store_true", help="fail if OUT differs from what would be written, write nothing")
+    s.set_defaults(fn=_results_index)
 
     s = sub.add_parser("archive", help="pack results, configs, locks and provenance with a sha256 manifest")
     s.add_argument("--results", required=True)

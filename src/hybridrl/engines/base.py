@@ -8,6 +8,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+# The engines run a checkpoint with a context of at most this many tokens, whatever its positions allow
+CONTEXT_CAP = 4096
+
+
+def context_length(config: dict[str, Any]) -> int:
+    """The context the engines run a checkpoint with (its config.json as a dict): its positions, capped."""
+    return min(int(config.get("max_position_embeddings", CONTEXT_CAP)), CONTEXT_CAP)
+
+
 # The rollout paths `python -m hybridrl bench` measures an engine through (tools/engine_bench.py says what each is)
 ROLLOUT_PATHS = ("raw", "client", "whole", "stream_all", "old_client")
 

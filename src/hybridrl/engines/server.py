@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import httpx
 
 from hybridrl.atomic import naming
-from hybridrl.engines.base import Completion, EngineError, Request, SleepVariant
+from hybridrl.engines.base import Completion, EngineError, Request, SleepVariant, context_length
 from hybridrl.engines.client_process import ClientProcess
 from hybridrl.engines.gpus import nvml_indices
 from hybridrl.study.run_config import RunConfig
@@ -459,9 +459,8 @@ def package_version(python: str, packages: list[str], env: dict[str, str] | None
 
 
 def max_model_len(model: Path) -> int:
-    """The checkpoint's context length, at most 4096 tokens."""
-    cfg = json.loads((model / "config.json").read_text())
-    return min(int(cfg.get("max_position_embeddings", 4096)), 4096)
+    """The checkpoint's context length, capped (base.context_length)."""
+    return context_length(json.loads((model / "config.json").read_text()))
 
 
 def model_dtype(model: Path) -> str:

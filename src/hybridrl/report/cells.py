@@ -21,6 +21,8 @@ class Cell:
 class Table:
     headers: list[str]
     rows: list[list[Cell]] = field(default_factory=list)
+    # comparisons shown with a finite 95% interval: what the report's "by chance" count is made of
+    intervals: int = 0
 
 
 def fmt(x: Any) -> str:

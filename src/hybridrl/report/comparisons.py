@@ -133,7 +133,9 @@ def ratio_table(df: pd.DataFrame, labels: dict[str, str]) -> tuple[str, Table] |
     steady = stats.steady_state(df)
     wins = conditions.windows(df)
     for config in configs[1:]:
-        cells = [Cell(fmt_est(stats.compare(df, m, config, base)), "num") for m, _ in metrics]
+        ests = [stats.compare(df, m, config, base) for m, _ in metrics]
+        table.intervals += sum(math.isfinite(e.lo) for e in ests)
+        cells = [Cell(fmt_est(e), "num") for e in ests]
         a, b = stats.select(steady, config), stats.select(steady, base)
         n_pair = f"{stats.n_runs(a)} × {len(a)} / {stats.n_runs(b)} × {len(b)}"
         table.rows.append([Cell(labels[config[-1]]), Cell(labels[base[-1]]), *cells, Cell(n_pair, "num"),
@@ -255,6 +257,7 @@ def client_paths_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None
     steady = stats.steady_state(df)
     for p in found:
         a, b = stats.select(steady, p.other), stats.select(steady, p.baseline)
+        table.intervals += sum(math.isfinite(r.lo) for r in p.ratios)
         table.rows.append([Cell(labels[p.other[-1]]), Cell(fmt_field(p.other[at])), Cell(labels[p.baseline[-1]]),
                            Cell(fmt_field(p.baseline[at])), *(Cell(fmt_est(r), "num") for r in p.ratios),
                            Cell(f"{fmt(p.cpu[1])} / {fmt(p.cpu[0])}", "num"),

@@ -11,7 +11,7 @@ import jinja2
 import pandas as pd
 
 from hybridrl.engines.client_ceiling import HEADROOM
-from hybridrl.report import client_paths, comparisons, run_tables, stats, wording
+from hybridrl.report import comparisons, run_tables, stats, wording
 from hybridrl.report.aggregate import atomic_path
 from hybridrl.report.plots import PLOTS, config_labels, run_labels
 from hybridrl.run.checks import GAP_LIMITS
@@ -33,11 +33,11 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
     heads = comparisons.headline_tables(df)
     moves = comparisons.transitions(df, by_config)
     places = comparisons.placement_tables(df)
-    n_ratio = (len(ratios[1].rows) * sum(h.endswith("[95% CI]") for h in ratios[1].headers)) if ratios else 0
     paths = comparisons.client_paths_table(df, by_config)
-    n_paths = len(paths.rows) * len(client_paths.METRICS) if paths else 0
-    n_comparisons = (sum(h["n_comparisons"] for h in heads) + (moves["n_comparisons"] if moves else 0) + n_ratio
-                     + n_paths + sum(p["n_comparisons"] for p in places))
+    # only intervals that exist can exclude 1 by chance: an n/a interval counts for nothing
+    n_comparisons = (sum(h["n_comparisons"] for h in heads) + (moves["n_comparisons"] if moves else 0)
+                     + (ratios[1].intervals if ratios else 0) + (paths.intervals if paths else 0)
+                     + sum(p["n_comparisons"] for p in places))
     return {
         "summary": comparisons.summary(df, title),
         "runs": [{"label": labels[r], "run_id": r} for r in stats.run_order(df)],

@@ -13,7 +13,7 @@ import pandas as pd
 
 from hybridrl.engines.client_ceiling import HEADROOM
 from hybridrl.report import conditions, learning, machine, stats, trend
-from hybridrl.report.aggregate import commit_label, read_provenance
+from hybridrl.report.aggregate import commit_label, ran_ahead, read_provenance
 from hybridrl.report.cells import Cell, Table, bool_cell, fmt, fmt_est, fmt_field, has_data, run_rows
 from hybridrl.run.record import CHECKS, HOST, LEARNING, MEMORY, MISMATCH, ROLLOUT, TIMING, TRAINING
 
@@ -23,6 +23,10 @@ WARMUP_METRICS = ["timing_s/step", "timing_s/gen", "timing_s/restart", "timing_s
 DETAIL_METRICS = [c for c in (*TIMING, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *CHECKS, *MISMATCH)
                   if not c.startswith("check/") or (c.startswith(("check/rollout_logprob", "check/logprob_gap_"))
                                                      and c != "check/logprob_gap_max")]  # a setting, not a reading
+
+# the trainer-vs-engine gaps, which a rollout from an older adapter (overlap) shows by design: never judged there
+GAP_READINGS = ("check/rollout_logprob_abs_diff", "check/logprob_gap_sample_max", "check/logprob_gap_token_max")
+STALE = "not judged (stale)"
 
 BOOL_CHECKS = [
     ("check/base_canary_ok", "Base canary unchanged"),
@@ -114,12 +118,29 @@ def _adapter_cell(run: pd.DataFrame) -> Cell:
     return cell
 
 
+def stale_steps(run: pd.DataFrame) -> pd.Series:
+    """Steps whose rollout ran ahead on an older adapter (overlap); tables recorded before staleness have none."""
+    if "rollout/staleness" not in run.columns or "trainer" not in run.columns:
+        return pd.Series(False, index=run.index)
+    return ran_ahead(run)
+
+
+def gap_max_cell(values: pd.Series, stale: pd.Series) -> Cell:
+    """The largest gap of the judged steps, and apart from it, marked unjudged, the stale steps' largest."""
+    judged, ahead = values[~stale], values[stale]
+    text = fmt(judged.max()) if judged.notna().any() else "–"
+    if ahead.notna().any():
+        text += f"; {fmt(ahead.max())} {STALE}"
+    return Cell(text, "num")
+
+
 def correctness_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     table = Table(["run"] + [h for _, h in BOOL_CHECKS] +
                   ["|Δ logprob| median [95% CI]", "|Δ logprob| max", "worst sample's |Δ logprob|", "failed requests",
                    "engine restarts"])
     for run_id in stats.run_order(df):
         run = run_rows(df, run_id)
+        stale = stale_steps(run)
         diff = pd.to_numeric(run["check/rollout_logprob_abs_diff"], errors="coerce")
         # recorded since 2026-11-23: a sample far above the mean points at whole requests, not stray tokens
         worst = pd.to_numeric(run["check/logprob_gap_sample_max"], errors="coerce")
@@ -129,9 +150,9 @@ def correctness_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
             Cell(labels[run_id]),
             *(_adapter_cell(run) if c == "check/adapter_applied" else bool_cell(run[c], run["step"])
               for c, _ in BOOL_CHECKS),
-            Cell(fmt_est(stats.bootstrap_median(diff)), "num"),
-            Cell(fmt(diff.max()), "num"),
-            Cell(fmt(worst.max()) if worst.notna().any() else "–", "num"),
+            Cell(fmt_est(stats.bootstrap_median(diff[~stale])), "num"),
+            gap_max_cell(diff, stale),
+            gap_max_cell(worst, stale),
             Cell(fmt(failed.sum()) if failed.notna().any() else "–", "fail" if failed.sum() > 0 else "num"),
             Cell(fmt(restarts.sum()) if restarts.notna().any() else "–", "num"),
         ])
@@ -196,7 +217,8 @@ MISMATCH_COLUMNS = [("mismatch/kl_k3", "k3 KL, later steps"), ("mismatch/ess", "
 
 def gap_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
     """Per run: the trainer-vs-engine logprob gap at step 1 (identical weights: the numeric noise floor), its
-    tiers over the run, its drift over the steps after the first, and the other mismatch metrics where recorded."""
+    tiers over the run, its drift over the steps after the first, and the other mismatch metrics where recorded.
+    A stale step's gap (a rollout from an older adapter) is shown apart and not judged: no median, drift or tier."""
     mismatch = [(m, head) for m, head in MISMATCH_COLUMNS if has_data(df, m)]
     table = Table(["run", "step 1: identical weights", "later steps: median [95% CI]", "max", "tiers",
                    "drift over steps (a step, 95% CI)", *(head for _, head in mismatch)])
@@ -206,16 +228,21 @@ def gap_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
         if not gap.notna().any():
             continue
         first = gap[run["step"] == 1]
-        later = run["step"] > 1
+        stale = stale_steps(run)
+        later = (run["step"] > 1) & ~stale  # the median and the drift are the judged steps'
         tiers = run["check/logprob_gap_tier"].dropna() if "check/logprob_gap_tier" in run.columns else []
         counts = ", ".join(f"{n} {t}" for t in ("pass", "warn", "fail") if (n := int((tiers == t).sum())))
+        tiered = counts or "not tiered (recorded before the tiers)"
+        if stale.any():
+            tiered += f", {int(stale.sum())} {STALE}"
         drift = trend.bootstrap_slope(run.loc[later, "step"], gap[later])
+        # the other mismatch metrics over every later step: on a stale rollout they are what importance sampling meets
+        after_first = run.loc[run["step"] > 1]
         table.rows.append([Cell(labels[run_id]), Cell(fmt(first.iloc[0]) if first.notna().any() else "–", "num"),
-                           Cell(fmt_est(stats.bootstrap_median(gap[later])), "num"), Cell(fmt(gap.max()), "num"),
-                           Cell(counts or "not tiered (recorded before the tiers)",
-                                "fail" if "fail" in counts else "na" if not counts else "num"),
+                           Cell(fmt_est(stats.bootstrap_median(gap[later])), "num"), gap_max_cell(gap, stale),
+                           Cell(tiered, "fail" if "fail" in counts else "na" if not counts else "num"),
                            Cell(trend.trend_words(drift, ""), "num"),
-                           *(Cell(fmt_est(stats.bootstrap_median(pd.to_numeric(run.loc[later, m], errors="coerce")
+                           *(Cell(fmt_est(stats.bootstrap_median(pd.to_numeric(after_first[m], errors="coerce")
                                                                  .dropna())), "num") for m, _ in mismatch)])
     return table if table.rows else None
 
@@ -279,7 +306,9 @@ def detail_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
     long = stats.summarise(df, metrics)
     cfgs = stats.configs(df)
     table = Table(["metric", *(labels[c[-1]] for c in cfgs)])
-    n_steps = stats.steady_state(df).groupby("config_id")["step"].count()
+    steady = stats.steady_state(df)
+    n_steps = steady.groupby("config_id")["step"].count()
+    n_stale = stale_steps(steady).groupby(steady["config_id"]).sum()
     for metric, rows in long.groupby("metric", sort=False):
         by_run = rows.set_index("config_id")
         cells = [Cell(str(metric), "key")]
@@ -287,6 +316,9 @@ def detail_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
             row = by_run.loc[config[-1]]
             est = stats.Estimate(row["median"], row["ci_lo"], row["ci_hi"], int(row["n"]), int(row["n_runs"]))
             note = f" (n={est.n})" if 0 < est.n != n_steps.get(config[-1], 0) else ""
+            if metric in GAP_READINGS and (k := int(n_stale.get(config[-1], 0))):
+                n = int(n_steps.get(config[-1], 0))
+                note += f", {STALE}" if k == n else f"; {k} of its {n} steps {STALE}"
             cells.append(Cell(fmt_est(est) + note, "num"))
         table.rows.append(cells)
     return table

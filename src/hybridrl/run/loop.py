@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import signal
 import time
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hybridrl.engines import make_engine
-from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling, stream_flags
+from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling, context_length, stream_flags
 from hybridrl.engines.client_ceiling import client_headroom_ok, run_ceiling
 from hybridrl.nvml import process_used_gb
 from hybridrl.run import request_records
@@ -44,6 +43,7 @@ from hybridrl.run.record import ROLLOUT_READINGS, new_record
 from hybridrl.run.telemetry import MemorySampler, Timings, append_record, read_records, rollout_stats
 from hybridrl.study.run_config import RunConfig, split_replicate
 from hybridrl.task import data as gsm8k
+from hybridrl.task.lengths import check_prompts
 from hybridrl.task.rl import group_advantages
 from hybridrl.trainers import make_trainer
 from hybridrl.trainers.base import Sample, Trainer
@@ -121,9 +121,8 @@ def step_requests(problems: list[dict[str, Any]], run: RunConfig, step: int, tok
     replicate_seeds the sampling seeds on the replicate too. The requests name the policy adapter once there is
     one: the engine holds step `adapter_step`'s (default: the last step's)."""
     has_adapter = (step - 1 if adapter_step is None else adapter_step) > 0
-    rng = random.Random(run.seed * 1_000_003 + step)
     draw = (replicate - 1) * 7_368_787 if run.replicate_seeds else 0  # replicate 1 keeps the seeds it always had
-    picked = rng.sample(range(len(problems)), min(run.prompts_per_step, len(problems)))
+    picked = gsm8k.step_problems(len(problems), run.seed, step, run.prompts_per_step)
     s = run.sampling
     requests, answers = [], []
     streamed = iter(stream_flags(len(picked) * run.group_size, run.stream_fraction))
@@ -166,7 +165,10 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
     problems = gsm8k.read_jsonl(data_dir / "train.jsonl")
     test_problems = gsm8k.read_jsonl(data_dir / "test.jsonl")[:run.eval_problems] if run.eval_every else None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    limits = gap_limits(run, model_family(json.loads((model_dir / "config.json").read_text())))
+    model_config = json.loads((model_dir / "config.json").read_text())
+    check_prompts(run_id, run, problems, test_problems, tokenizer, context_length(model_config),
+                  "at data load, before any engine starts")
+    limits = gap_limits(run, model_family(model_config))
     barrier = StartBarrier.from_env()
     sampler = MemorySampler().start()
     engine = engine or make_engine(run, model_dir, env_spec, paths.logs)

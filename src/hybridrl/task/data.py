@@ -10,6 +10,7 @@ import random
 import shutil
 import urllib.error
 import urllib.request
+import warnings
 from collections.abc import Iterable
 from decimal import Decimal
 from fractions import Fraction
@@ -55,7 +56,33 @@ def read_jsonl(path: Path) -> list[dict]:
     rows = jsonl.objects(text, path, "problem record", DataError)
     if not rows:
         raise DataError(f"{path}: holds no problems (an empty split); write it again with python -m hybridrl data")
+    # objects() keeps every non-blank line or raises, so the i-th row sits on the i-th non-blank line
+    lines = [n for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    check_problems(rows, [f"{path}:{n}" for n in lines], path)
     return rows
+
+
+def check_problems(rows: list[dict], places: list[str], path: Path) -> None:
+    """A problem without a question or an answer text stops the run here, naming its FILE:LINE, not with a KeyError
+    once the engine is up; answers that hold no number are let through with one warning: every completion of
+    theirs scores 0, so a split full of them trains on the format reward alone."""
+    for row, place in zip(rows, places, strict=True):
+        for key in ("question", "answer"):
+            if not isinstance(row.get(key), str):
+                got = "missing" if key not in row else f"{json.dumps(row[key])[:40]}, not text"
+                raise DataError(f"{place}: problem record has no {key!r} text ({got}; keys: "
+                                f"{', '.join(map(str, row)) or 'none'})")
+    numberless = [place for row, place in zip(rows, places, strict=True) if answer_value(row["answer"]) is None]
+    if numberless:
+        warnings.warn(f"{path}: {len(numberless)} of {len(rows)} answers hold no number (first at "
+                      f"{numberless[0]}): no completion can be right on those problems", stacklevel=2)
+
+
+def step_problems(n_problems: int, seed: int, step: int, prompts_per_step: int) -> list[int]:
+    """The indices of the problems step `step` of a run asks, the same for every engine: they depend only on
+    (seed, step)."""
+    rng = random.Random(seed * 1_000_003 + step)
+    return rng.sample(range(n_problems), min(prompts_per_step, n_problems))
 
 
 def reward(completion: str, reference_answer: str) -> float:

@@ -20,9 +20,11 @@ smoke: setup
 test: setup
 	python -m pytest -ra --durations=15
 
+# what CI checks before the tests: Python style, the workflow's lint and its formatting
 lint: setup
 	ruff check src tests
 	snakemake --lint --configfile config/smoke.yaml
+	snakefmt --check Snakefile workflow
 
 clean-results:
 	rm -rf results/runs results/plots results/steps.* results/report.* results/archive .snakemake/metadata

@@ -34,13 +34,20 @@ include: "workflow/rules/cluster.smk"
 
 
 # data and model download on the submit host: compute nodes often have no network
-localrules: all, data, model_download, run_config, aggregate, report, archive
+localrules:
+    all,
+    data,
+    model_download,
+    run_config,
+    aggregate,
+    report,
+    archive,
 
 
 rule all:
+    default_target: True
     input:
         "results/report.html",
         "results/report.md",
         f"results/archive/{STUDY.name}.tar.gz",
         [job.output for job in MEASUREMENTS.values()],
-    default_target: True

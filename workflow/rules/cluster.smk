@@ -15,13 +15,21 @@ def _gpu_limit() -> int | None:
 
 
 def _parse_time_problems() -> list[str]:
-    problems = cluster.check_gpu_limit({rid: cluster.job_gpus(run, fake=FAKE_GPUS) for rid, run in RUNS.items()},
-                                       _gpu_limit())
+    problems = cluster.check_gpu_limit(
+        {rid: cluster.job_gpus(run, fake=FAKE_GPUS) for rid, run in RUNS.items()},
+        _gpu_limit(),
+    )
     if DEPLOY == "apptainer":
         problems += cluster.check_apptainer(CONTAINER_RUNS, SDM_APPTAINER)
     elif DEPLOY == "venv":
-        problems += cluster.check_venvs(Path(workflow.basedir),
-                                        {cluster.backend(r["engine"]) for r in RUNS.values() if r["device"] == "cuda"})
+        problems += cluster.check_venvs(
+            Path(workflow.basedir),
+            {
+                cluster.backend(r["engine"])
+                for r in RUNS.values()
+                if r["device"] == "cuda"
+            },
+        )
     return problems
 
 
@@ -37,24 +45,38 @@ if workflow.is_main_process:
         for _p in _problems + _profile_problems():
             logger.warning(f"hybridrl (dry run; a real run stops here): {_p}")
     elif _problems:
-        raise WorkflowError("hybridrl: nothing was submitted:\n" + "\n".join(f"  - {p}" for p in _problems))
+        raise WorkflowError(
+            "hybridrl: nothing was submitted:\n"
+            + "\n".join(f"  - {p}" for p in _problems)
+        )
 
 
 def slurm_preflight() -> list[str]:
     """Problems of the jobs that would go to sbatch, judged on their evaluated resources."""
     settings = workflow.executor_settings
-    problems = cluster.check_status_source(cluster.slurm_config(), getattr(settings, "status_command", None),
-                                           getattr(settings, "init_seconds_before_status_checks", 40) or 40)
+    problems = cluster.check_status_source(
+        cluster.slurm_config(),
+        getattr(settings, "status_command", None),
+        getattr(settings, "init_seconds_before_status_checks", 40) or 40,
+    )
     partitions = cluster.cluster_partitions()
     by_rule = {}
     for job in workflow.dag.needrun_jobs():
         if not job.is_local:
-            by_rule.setdefault(job.rule.name, []).extend(cluster.check_job_resources(job.resources, partitions))
+            by_rule.setdefault(job.rule.name, []).extend(
+                cluster.check_job_resources(job.resources, partitions)
+            )
     return problems + cluster.group_problems(by_rule)
 
 
 onstart:
-    if workflow.is_main_process and getattr(workflow.executor_plugin, "name", None) == "slurm":
+    if (
+        workflow.is_main_process
+        and getattr(workflow.executor_plugin, "name", None) == "slurm"
+    ):
         _problems = slurm_preflight()
         if _problems:
-            raise WorkflowError("hybridrl: nothing was submitted:\n" + "\n".join(f"  - {p}" for p in _problems))
+            raise WorkflowError(
+                "hybridrl: nothing was submitted:\n"
+                + "\n".join(f"  - {p}" for p in _problems)
+            )

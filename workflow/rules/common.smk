@@ -12,12 +12,17 @@ sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from hybridrl.study import cluster  # noqa: E402
 from hybridrl.study.config import ConfigError, dataset_name, resolve  # noqa: E402
 from hybridrl.study.measurements import Inputs, fault_runs, measure_argv  # noqa: E402
-from hybridrl.study.rule_params import data_params, model_spec, run_spec_json  # noqa: E402
+from hybridrl.study.rule_params import (
+    data_params,
+    model_spec,
+    run_spec_json,
+)  # noqa: E402
 
 # the file the study came from, for the message (several --configfile files merge into one config)
 # (--configfile files are merged into Snakemake's overwrite_config too, so --config is read off the command line)
-_SOURCE = ", ".join(str(f) for f in workflow.overwrite_configfiles or ["config/config.yaml"]) + (
-    " with --config" if {"--config", "-C"} & set(sys.argv) else "")
+_SOURCE = ", ".join(
+    str(f) for f in workflow.overwrite_configfiles or ["config/config.yaml"]
+) + (" with --config" if {"--config", "-C"} & set(sys.argv) else "")
 try:
     STUDY = resolve(config, source=_SOURCE)
 except ConfigError as exc:
@@ -36,7 +41,9 @@ def run_spec(wildcards) -> str:
     """The resolved run as JSON: a params change reruns exactly that run."""
     rid = wildcards.run_id
     if rid not in RUNS:
-        raise WorkflowError(f"run {rid} is not in this study; known runs: {', '.join(RUNS)}")
+        raise WorkflowError(
+            f"run {rid} is not in this study; known runs: {', '.join(RUNS)}"
+        )
     return run_spec_json(STUDY, rid)
 
 
@@ -58,7 +65,11 @@ def run_priority(wildcards) -> int:
 def run_done(rid: str) -> str:
     """What says a run has finished: its done.json, or its fault run's judgement for a run trained only there."""
     if rid in FAULT_RUNS:
-        return next(job.output for job in MEASUREMENTS.values() if job.kind == "fault_run" and job.run_id == rid)
+        return next(
+            job.output
+            for job in MEASUREMENTS.values()
+            if job.kind == "fault_run" and job.run_id == rid
+        )
     return f"results/runs/{rid}/done.json"
 
 
@@ -67,7 +78,11 @@ def run_done(rid: str) -> str:
 SHARING = STUDY.node.sharing
 SLURM_EXTRA = "--dependency=singleton" if SHARING == "one_at_a_time" else ""
 # a run's time limit from the study, where it sets one; otherwise the profile's runtime
-RUN_LIMITS = {"runtime": lambda wildcards, attempt: STUDY.run_minutes * attempt} if STUDY.run_minutes else {}
+RUN_LIMITS = (
+    {"runtime": lambda wildcards, attempt: STUDY.run_minutes * attempt}
+    if STUDY.run_minutes
+    else {}
+)
 
 
 def run_model(wildcards) -> str:
@@ -76,15 +91,25 @@ def run_model(wildcards) -> str:
 
 # --- resources, deployment and containers (SLURM: slurm/config.v8+.yaml, docs/cluster.md) ---
 # The logic is in hybridrl.study.cluster, where it is unit-tested; these wrappers take wildcards.
-FAKE_GPUS = os.environ.get(cluster.ENV_FAKE_GPUS) == "1"  # CI only: fake GRES, see scripts/slurm-ci-cluster.sh
-SDM_APPTAINER = DeploymentMethod.APPTAINER in workflow.deployment_settings.deployment_method
+FAKE_GPUS = (
+    os.environ.get(cluster.ENV_FAKE_GPUS) == "1"
+)  # CI only: fake GRES, see scripts/slurm-ci-cluster.sh
+SDM_APPTAINER = (
+    DeploymentMethod.APPTAINER in workflow.deployment_settings.deployment_method
+)
 try:
     DEPLOY = cluster.deployment(SDM_APPTAINER, os.environ)
 except ValueError as exc:
     raise WorkflowError(str(exc)) from None
-CONTAINER_RUNS = {rid for rid, run in RUNS.items() if DEPLOY == "apptainer" and cluster.uses_container(run)}
+CONTAINER_RUNS = {
+    rid
+    for rid, run in RUNS.items()
+    if DEPLOY == "apptainer" and cluster.uses_container(run)
+}
 APPTAINER = cluster.apptainer_binary()
-SRC = os.path.relpath(Path(workflow.basedir) / "src")  # the checkout's code, also inside an image
+SRC = os.path.relpath(
+    Path(workflow.basedir) / "src"
+)  # the checkout's code, also inside an image
 # Threads of a CPU run: --cores where given (local), else one. A SLURM job step re-reads this file
 # with --cores all, so there the job's grant decides, keeping the step's srun within the allocation.
 GRANT = cluster.job_grant(os.environ) if workflow.remote_exec else None
@@ -140,20 +165,32 @@ def prelude(rid: str | None, trainer: str | None = None) -> str:
     run = RUNS[rid] if rid else None
     image = image_of(rid) if rid else None
     if image:
-        return (f"export PYTHONPATH={SRC}${{PYTHONPATH:+:$PYTHONPATH}}; "
-                f"export HYBRIDRL_IMAGE_DIGEST=$(python -m hybridrl.study.cluster digest {image}.json); ")
+        return (
+            f"export PYTHONPATH={SRC}${{PYTHONPATH:+:$PYTHONPATH}}; "
+            f"export HYBRIDRL_IMAGE_DIGEST=$(python -m hybridrl.study.cluster digest {image}.json); "
+        )
     if DEPLOY == "venv" and run and run.device == "cuda":
-        venv = cluster.venv_python(Path(workflow.basedir), cluster.backend(run.engine)).parent
-        return f"export PATH={venv}:$PATH PYTHONPATH={SRC}${{PYTHONPATH:+:$PYTHONPATH}}; "
+        venv = cluster.venv_python(
+            Path(workflow.basedir), cluster.backend(run.engine)
+        ).parent
+        return (
+            f"export PATH={venv}:$PATH PYTHONPATH={SRC}${{PYTHONPATH:+:$PYTHONPATH}}; "
+        )
     if DEPLOY == "overlay":
         root = os.environ.get(cluster.ENV_OVERLAYS, cluster.DEFAULT_OVERLAYS)
         trainer = trainer or (run.trainer if run else "")
         paths = cluster.controller_overlays(run.engine if run else "", trainer, root)
-        wait = f"python -m hybridrl.study.cluster await-overlays {root} && " if run or trainer == "megatron" else ""
+        wait = (
+            f"python -m hybridrl.study.cluster await-overlays {root} && "
+            if run or trainer == "megatron"
+            else ""
+        )
         return f"{wait}export PYTHONPATH={':'.join([*paths, SRC])}${{PYTHONPATH:+:$PYTHONPATH}}; "
     return ""
 
 
 # Train rules by job shape, with their run ids: the SLURM plugin gives all tasks of an array the
 # first task's resources, so runs that need different GPU counts must not share a rule.
-TRAIN_RULES = cluster.shapes({rid: run for rid, run in RUNS.items() if rid not in FAULT_RUNS}, fake=FAKE_GPUS)
+TRAIN_RULES = cluster.shapes(
+    {rid: run for rid, run in RUNS.items() if rid not in FAULT_RUNS}, fake=FAKE_GPUS
+)

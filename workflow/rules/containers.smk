@@ -9,17 +9,22 @@ localrules:
 
 
 rule container:
+    # `run` rather than `shell`: this rule makes a software environment, it cannot run in one
     input:
         definition="containers/{backend}.def",
-        pins=lambda wildcards: [f"containers/pins/{name}.txt" for name in ("base", wildcards.backend, "trainer")],
+        pins=lambda wildcards: [
+            f"containers/pins/{name}.txt"
+            for name in ("base", wildcards.backend, "trainer")
+        ],
     output:
         image="resources/containers/{backend}.sif",
         digest="resources/containers/{backend}.sif.json",
-    wildcard_constraints:
-        backend="sglang|vllm",
     log:
         "logs/containers/{backend}.log",
-    # `run` rather than `shell`: this rule makes a software environment, it cannot run in one
+    wildcard_constraints:
+        backend="sglang|vllm",
     run:
         script = Path(workflow.basedir) / "scripts" / "build-container.sh"
-        shell(f"bash {script} {{wildcards.backend}} {{output.image}} {{output.digest}} > {{log}} 2>&1")
+        shell(
+            f"bash {script} {{wildcards.backend}} {{output.image}} {{output.digest}} > {{log}} 2>&1"
+        )

@@ -2,6 +2,10 @@ rule data:
     output:
         train=f"{DATA_DIR}/train.jsonl",
         test=f"{DATA_DIR}/test.jsonl",
+    log:
+        f"logs/data/{DATASET}.log",
+    conda:
+        "../envs/hybridrl.yaml"
     params:
         source=DATA["source"],
         n_train=DATA["n_train"],
@@ -9,10 +13,6 @@ rule data:
         seed=DATA["seed"],
         steps=DATA["steps"],
         out=lambda wildcards, output: Path(output.train).parent,
-    log:
-        f"logs/data/{DATASET}.log",
-    conda:
-        "../envs/hybridrl.yaml"
     # tee: a failure's cause (no network, a checksum) shows on the console, not only in the log
     shell:
         "python -m hybridrl data --source {params.source} --n-train {params.n_train}"

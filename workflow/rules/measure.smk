@@ -9,8 +9,11 @@ def measure_inputs(wildcards) -> dict[str, str]:
     if job.run_id is None:
         return {}
     run = RUNS[job.run_id]
-    inputs = {"config": f"results/runs/{job.run_id}/config.json", "model": f"resources/models/{run.model}",
-              "data": f"{DATA_DIR}/train.jsonl"}
+    inputs = {
+        "config": f"results/runs/{job.run_id}/config.json",
+        "model": f"resources/models/{run.model}",
+        "data": f"{DATA_DIR}/train.jsonl",
+    }
     if job.kind == "engine_bench":
         inputs["done"] = f"results/runs/{job.run_id}/done.json"
     return inputs
@@ -20,8 +23,16 @@ def measure_command(wildcards) -> str:
     job = MEASUREMENTS[wildcards.name]
     rid = job.run_id
     run = RUNS[rid] if rid else None
-    at = Inputs(run_dir=f"results/runs/{rid}", run_config=f"results/runs/{rid}/config.json",
-                model=f"resources/models/{run.model}", data=DATA_DIR) if run else Inputs()
+    at = (
+        Inputs(
+            run_dir=f"results/runs/{rid}",
+            run_config=f"results/runs/{rid}/config.json",
+            model=f"resources/models/{run.model}",
+            data=DATA_DIR,
+        )
+        if run
+        else Inputs()
+    )
     trainer = getattr(job.spec, "trainer", None)
     record = f"python -m hybridrl.study.cluster record-job results/bench/{job.name}.slurm.json --sharing {SHARING}"
     command = shlex.join(["python", "-m", "hybridrl", *measure_argv(job, at)])
@@ -40,18 +51,25 @@ for _rule, _names in cluster.measure_shapes(MEASUREMENTS, fake=FAKE_GPUS).items(
         input:
             unpack(measure_inputs),
         output:
-            ("results/bench/{name}.txt" if _rule.startswith("trainer_profile") else "results/bench/{name}.json"),
-        wildcard_constraints:
-            name="|".join(re.escape(name) for name in _names),
-        params:
-            command=measure_command,
+            (
+                "results/bench/{name}.txt"
+                if _rule.startswith("trainer_profile")
+                else "results/bench/{name}.json"
+            ),
         log:
             "logs/measure/{name}.log",
-        threads: lambda wildcards: cluster.measure_threads(MEASUREMENTS[wildcards.name], CORES)
+        wildcard_constraints:
+            name="|".join(re.escape(name) for name in _names),
         priority: 0
+        threads: lambda wildcards: cluster.measure_threads(MEASUREMENTS[wildcards.name], CORES)
         resources:
             gpu=measure_gpus,
             slurm_extra=SLURM_EXTRA,
-            runtime=lambda wildcards, attempt: MEASUREMENTS[wildcards.name].spec.minutes * attempt,
+            runtime=lambda wildcards, attempt: MEASUREMENTS[
+                wildcards.name
+            ].spec.minutes
+            * attempt,
+        params:
+            command=measure_command,
         shell:
             "{params.command} > {log} 2>&1"

@@ -22,20 +22,20 @@ for _name, _models in MODEL_RULES.items():
             test=f"{DATA_DIR}/test.jsonl",  # a warm-started model's base accuracy is measured on it
         output:
             directory("resources/models/{model}"),
-        wildcard_constraints:
-            model="|".join(re.escape(m) for m in _models) or "(?!)",  # (?!) matches nothing
-        params:
-            spec=run_model_spec,
-            prelude=lambda wildcards: prelude(None),
         log:
             "logs/model/{model}.log",
+        wildcard_constraints:
+            model="|".join(re.escape(m) for m in _models) or "(?!)",  # (?!) matches nothing
+        conda:
+            "../envs/hybridrl.yaml"
         # a warm start trains on the CPU's cores where there is no GPU; nothing else runs before the models anyway
         threads: CORES
         resources:
             gpu=model_gpus,
             slurm_extra=SLURM_EXTRA,
-        conda:
-            "../envs/hybridrl.yaml"
+        params:
+            spec=run_model_spec,
+            prelude=lambda wildcards: prelude(None),
         shell:
             "{params.prelude}python -m hybridrl model --spec {params.spec:q} --corpus {input.corpus}"
             " --test {input.test} --out {output} > {log} 2>&1"

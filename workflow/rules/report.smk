@@ -4,12 +4,12 @@ rule aggregate:
     output:
         csv="results/steps.csv",
         parquet="results/steps.parquet",
-    params:
-        runs=expand("results/runs/{run_id}", run_id=RUNS),
     log:
         "logs/aggregate.log",
     conda:
         "../envs/hybridrl.yaml"
+    params:
+        runs=expand("results/runs/{run_id}", run_id=RUNS),
     shell:
         "python -m hybridrl aggregate --runs {params.runs} --csv {output.csv}"
         " --parquet {output.parquet} > {log} 2>&1"
@@ -22,12 +22,12 @@ rule report:
         md="results/report.md",
         html="results/report.html",
         plots=directory("results/plots"),
-    params:
-        title=f"hybridrl: {STUDY.name}",
     log:
         "logs/report.log",
     conda:
         "../envs/hybridrl.yaml"
+    params:
+        title=f"hybridrl: {STUDY.name}",
     shell:
         "python -m hybridrl report --table {input.table} --md {output.md} --html {output.html}"
         " --plots {output.plots} --title {params.title:q} > {log} 2>&1"
@@ -42,18 +42,24 @@ rule archive:
         [job.output for job in MEASUREMENTS.values()],
     output:
         f"results/archive/{STUDY.name}.tar.gz",
-    params:
-        root=workflow.basedir,
-        extra=[
-            f"{workflow.basedir}/{p}"
-            for p in ["config", "requirements", "containers", "workflow/schemas", "Snakefile"]
-            if Path(workflow.basedir, p).exists()
-        ],
-        runs=list(RUNS),
     log:
         f"logs/archive/{STUDY.name}.log",
     conda:
         "../envs/hybridrl.yaml"
+    params:
+        root=workflow.basedir,
+        extra=[
+            f"{workflow.basedir}/{p}"
+            for p in [
+                "config",
+                "requirements",
+                "containers",
+                "workflow/schemas",
+                "Snakefile",
+            ]
+            if Path(workflow.basedir, p).exists()
+        ],
+        runs=list(RUNS),
     shell:
         "python -m hybridrl archive --results results --extra {params.extra} --runs {params.runs}"
         " --root {params.root}"

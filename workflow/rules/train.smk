@@ -1,10 +1,10 @@
 rule run_config:
     output:
         "results/runs/{run_id}/config.json",
-    params:
-        spec=run_spec,
     log:
         "logs/run_config/{run_id}.log",
+    params:
+        spec=run_spec,
     run:
         Path(output[0]).write_text(params.spec)
 
@@ -24,24 +24,24 @@ for _name, _run_ids in TRAIN_RULES.items():
             image=run_image,
         output:
             done="results/runs/{run_id}/done.json",
+        log:
+            "logs/train/{run_id}.log",
         wildcard_constraints:
             run_id="|".join(re.escape(rid) for rid in _run_ids),
+        priority: run_priority
+        container:
+            run_container
+        threads: run_threads
+        resources:
+            **RUN_LIMITS,
+            gpu=run_gpus,
+            gpu_model=run_gpu_model,
+            slurm_extra=SLURM_EXTRA,
         params:
             out=lambda wildcards, output: Path(output.done).parent,
             data=lambda wildcards, input: Path(input.data).parent,
             prelude=run_prelude,
             sharing=SHARING,
-        log:
-            "logs/train/{run_id}.log",
-        threads: run_threads
-        priority: run_priority
-        resources:
-            gpu=run_gpus,
-            gpu_model=run_gpu_model,
-            slurm_extra=SLURM_EXTRA,
-            **RUN_LIMITS,
-        container:
-            run_container
         shell:
             "{params.prelude}python -m hybridrl.study.cluster record-job {params.out}/slurm.json"
             " --sharing {params.sharing} && python -m hybridrl train --run-config {input.config} --model {input.model} --data {params.data}"

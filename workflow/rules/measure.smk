@@ -39,6 +39,15 @@ def measure_command(wildcards) -> str:
     return f"{prelude(rid, trainer)}{record} && {command}"
 
 
+def measure_container(wildcards) -> str | None:
+    """A measurement of a run (engine bench, fault run) runs in that run's image; the trainer tools and the
+    client's ceiling on the host, as the model builds do."""
+    rid = MEASUREMENTS[wildcards.name].run_id
+    if rid and (APPTAINER or not workflow.is_main_process):
+        return image_of(rid)
+    return None
+
+
 def measure_gpus(wildcards) -> int:
     return cluster.measure_gpus(MEASUREMENTS[wildcards.name], fake=FAKE_GPUS)
 
@@ -61,6 +70,10 @@ for _rule, _names in cluster.measure_shapes(MEASUREMENTS, fake=FAKE_GPUS).items(
         wildcard_constraints:
             name="|".join(re.escape(name) for name in _names),
         priority: 0
+        conda:
+            "../envs/hybridrl.yaml"
+        container:
+            measure_container
         threads: lambda wildcards: cluster.measure_threads(MEASUREMENTS[wildcards.name], CORES)
         resources:
             gpu=measure_gpus,

@@ -516,7 +516,7 @@ class HTTPEngine:
             where = f" with PYTHONPATH={pythonpath}" if pythonpath else ""
             raise EngineError(f"{self.name} is not installed for {self.python}{where}: none of "
                               f"{', '.join(self.packages)} is importable there; install the engine's environment "
-                              "(on the leased GPU machine: its overlay, scripts/gpu/prepare-transfer.sh)")
+                              "(on the leased GPU machine: its overlay, scripts/gpu/lease.sh prepare)")
         return version
 
     def installed_version(self) -> str | None:

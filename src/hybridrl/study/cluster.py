@@ -229,6 +229,38 @@ def check_gpu_limit(gpus: Mapping[str, int], limit: int | None, source: str = PR
     ]
 
 
+def check_gpu_profile(limit: int | None, scope: str | None, gpu_jobs: int, source: str = PROFILE) -> list[str]:
+    """A study with GPU jobs needs the profile's GPU settings: `resources: gpu` (the most one job may ask for) and
+    scope local (a per-job pool: SLURM, not Snakemake, decides how many run at once)."""
+    if not gpu_jobs:
+        return []
+    problems = []
+    if limit is None:
+        problems.append(f"the profile has no `resources: gpu` (the most GPUs one job may ask for, e.g. `gpu: 8`), "
+                        f"and {gpu_jobs} job(s) ask for GPUs: add it as {source} has it")
+    if scope != "local":
+        problems.append(f"the profile's GPUs are not a per-job pool (`set-resource-scopes: gpu: local` is missing; "
+                        f"scope {scope or 'global'}): Snakemake would hold GPU jobs back itself instead of SLURM; "
+                        f"add it as {source} has it")
+    return problems
+
+
+def check_controller(run: Callable[..., Any] = subprocess.run) -> list[str]:
+    """The SLURM controller must answer before anything is submitted; on the leased GPU machine the kit starts it."""
+    try:
+        out = run(["scontrol", "ping"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        answer = f"{type(exc).__name__}: {exc}"
+    else:
+        if "UP" in out.stdout:
+            return []
+        answer = (out.stdout + out.stderr).strip().splitlines()[-1:] or ["no answer"]
+        answer = answer[0]
+    return [f"no SLURM controller answers `scontrol ping` ({answer}): start one (on the leased GPU machine, "
+            "`bash shared/gpu/slurm/slurm-lease start DEBDIR`, which `scripts/gpu/lease.sh start` runs), or check "
+            "SLURM_CONF"]
+
+
 def _missing(value: Any) -> bool:
     # an unset variable in a profile value stays literally "$NAME"; YAML null arrives as None or "None"
     return value is None or str(value).strip() in ("", "None") or "$" in str(value)

@@ -1,0 +1,197 @@
+"""The typed study (StudyConfig): its schema, its measurements as jobs, the node it runs on, the order of its runs,
+and the cluster checks that stop a study before anything is submitted."""
+
+import copy
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridrl.study import cluster
+from hybridrl.study.config import REPO, ConfigError, load_study, resolve
+from hybridrl.study.measurements import Inputs, fault_runs, measure_argv
+from hybridrl.study.study_config import study_schema
+
+
+@pytest.fixture
+def smoke() -> dict:
+    return yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+
+
+def _keys(node: dict, where: str = ""):
+    """Every property of the study's own part of the schema (the run part has tests of its own)."""
+    for option in node.get("oneOf", []):
+        yield from _keys(option, where)
+    for name, child in node.get("properties", {}).items():
+        yield f"{where}{name}", child
+        yield from _keys(child, f"{where}{name}.")
+    for child in (node.get("additionalProperties"), node.get("items")):
+        if isinstance(child, dict) and "$ref" not in child:
+            yield from _keys(child, f"{where}*.")
+
+
+def test_every_key_of_a_study_has_a_description():
+    keys = dict(_keys(study_schema()))
+    assert {"node.sharing", "order", "run_minutes", "measurements.*.repeats", "models.*.warm_start.tokens"} <= set(keys)
+    assert [k for k, node in keys.items() if not node.get("description")] == []
+
+
+def test_measurements_resolve_to_jobs_with_their_results(smoke):
+    study = resolve(smoke)
+    split = next(rid for rid, run in study.runs.items() if run.placement == "split" and not run.overlap)
+    jobs = study.measurements
+    assert [j.output for j in jobs.values()] == [
+        "results/bench/vllm-split.json", "results/bench/client-ceiling.json",
+        "results/bench/trainer-tiny-hf-mb4-device-cpu.json"]
+    assert jobs["vllm-split"].run_id == split and jobs["vllm-split"].gpus == 1
+    assert jobs["client-ceiling"].run_id is None and jobs["client-ceiling"].gpus == 0
+
+
+def test_trainer_replicates_and_profiles_name_their_results(smoke):
+    smoke["measurements"] = [{"kind": "trainer_bench", "shape": "qwen3-0.6b", "trainer": "megatron",
+                              "micro_batch": 32, "flags": ["vocab=151936"], "replicates": 2},
+                             {"kind": "trainer_profile", "shape": "tiny", "trainer": "hf", "micro_batch": 4}]
+    jobs = resolve(smoke).measurements
+    assert [j.output for j in jobs.values()] == [
+        "results/bench/trainer-qwen3-0.6b-megatron-mb32-vocab-151936.json",
+        "results/bench/trainer-qwen3-0.6b-megatron-mb32-vocab-151936-r2.json",
+        "results/bench/profile-tiny-hf-mb4.txt"]
+    argv = measure_argv(jobs["trainer-qwen3-0.6b-megatron-mb32-vocab-151936-r2"], Inputs())
+    assert argv[:3] == ["trainer-bench", "--shape", "qwen3-0.6b"] and "--vocab=151936" in argv
+    assert argv[-2:] == ["--out", "results/bench/trainer-qwen3-0.6b-megatron-mb32-vocab-151936-r2.json"]
+
+
+def test_a_fault_run_trains_its_run_and_the_engine_bench_replays_one(smoke):
+    smoke["measurements"] = [{"kind": "fault_run", "run": "vllm-restart", "kill_engine_at": 2, "term_at": 3},
+                             {"kind": "engine_bench", "run": "vllm-split", "step": 2, "repeats": 4}]
+    study = resolve(smoke)
+    restart = next(rid for rid, run in study.runs.items() if run.placement == "restart")
+    assert fault_runs(study.measurements) == {restart}
+    at = Inputs(run_dir="results/runs/R", run_config="results/runs/R/config.json", model="m", data="d")
+    fault = measure_argv(study.measurements["fault-vllm-restart"], at)
+    assert fault[:7] == ["fault-run", "--kill-engine-at", "2", "--term-at", "3", "--out",
+                         "results/bench/fault-vllm-restart.json"]
+    assert fault[fault.index("--") + 1:][:4] == ["python", "-m", "hybridrl", "train"]
+    bench = measure_argv(study.measurements["vllm-split"], at)
+    assert bench[bench.index("--step") + 1] == "2" and bench[bench.index("--repeats") + 1] == "4"
+    assert bench[bench.index("--run-dir") + 1] == "results/runs/R"
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"kind": "engine_bench", "run": "nope"}, r"measurements\[0\]\.run: 'nope' is not a run of this study"),
+    ({"kind": "engine_bench", "run": "vllm-split", "repeats": 0}, r"measurements\.0\.repeats: .*greater than"),
+    ({"kind": "trainer_bench", "shape": "huge", "trainer": "hf", "micro_batch": 1}, r"measurements\.0\.shape: "),
+    ({"kind": "engine_bench", "run": "vllm-split", "steps": 2}, r"measurements\.0\.steps: Extra inputs"),
+    ({"kind": "benchmark"}, r"measurements\.0: .*tag 'benchmark'"),
+])
+def test_a_bad_measurement_is_one_line_naming_its_key(smoke, entry, message):
+    smoke["measurements"] = [entry]
+    with pytest.raises(ConfigError, match=message) as err:
+        resolve(smoke, "study.yaml")
+    assert "\n" not in str(err.value) and str(err.value).startswith("study.yaml: ")
+
+
+def test_two_measurements_writing_one_result_are_refused(smoke):
+    smoke["measurements"] = [{"kind": "client_ceiling"}, {"kind": "client_ceiling", "args": ["--seconds", "1"]}]
+    with pytest.raises(ConfigError, match=r"measurements\[1\]: its result results/bench/client-ceiling.json is also"):
+        resolve(smoke)
+
+
+def test_a_run_or_measurement_needing_more_gpus_than_the_node_is_refused_at_validation(smoke):
+    gpu = copy.deepcopy(smoke)
+    gpu["defaults"]["device"] = "cuda"
+    gpu["node"] = {"gpus": 1}
+    with pytest.raises(ConfigError, match=r"run vllm-split-\S+ needs 2 GPUs but node.gpus is 1"):
+        resolve(gpu)
+    gpu["node"] = {"gpus": 2}
+    assert resolve(gpu).node.gpus == 2
+    gpu["measurements"] = [{"kind": "fault_run", "run": "vllm-split", "kill_engine_at": 1, "term_at": 2}]
+    gpu["runs"] = [{"placement": "split", "tp": 2, "train_gpus": 1}]
+    gpu["node"] = {"gpus": 2}
+    with pytest.raises(ConfigError, match="needs 3 GPUs but node.gpus is 2"):
+        resolve(gpu)
+
+
+def test_validate_refuses_a_study_larger_than_its_node_in_one_line(smoke, tmp_path):
+    smoke["defaults"]["device"] = "cuda"
+    smoke["node"] = {"gpus": 1}
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(smoke))
+    done = subprocess.run(["python", "-m", "hybridrl", "validate", "--config", str(path)], capture_output=True,
+                          text=True, cwd=REPO, env={"PATH": str(Path(__import__("sys").executable).parent),
+                                                    "PYTHONPATH": str(REPO / "src")})
+    assert done.returncode != 0 and "needs 2 GPUs but node.gpus is 1" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_balanced_rounds_reverse_every_second_round(smoke):
+    smoke["defaults"]["replicates"] = 3
+    smoke["runs"] = [{"placement": "split"}, {"placement": "restart"}]
+    plain = [run.placement[0] + rid[-2:] for rid, run in resolve(smoke).runs.items()]
+    smoke["order"] = "balanced"
+    balanced = [run.placement[0] + rid[-2:] for rid, run in resolve(smoke).runs.items()]
+    assert [p[0] for p in plain] == list("srsrsr")
+    assert [p[0] for p in balanced] == list("srrssr")
+    assert sorted(plain) == sorted(balanced)  # the same runs, the same ids
+
+
+def test_the_lease_study_declares_what_the_issue_asks():
+    study = load_study(REPO / "config" / "gpu-verdict.yaml")
+    assert study.node.gpus == 1 and study.node.sharing == "one_at_a_time"
+    assert sorted({(r.engine, r.steps) for r in study.runs.values()}) == [("sglang", 10), ("vllm", 10)]
+    assert len(study.runs) == 4
+    assert {j.kind for j in study.measurements.values()} == {"engine_bench", "trainer_bench"}
+
+
+# -- the cluster's side ----------------------------------------------------------------------------------------
+
+def test_measurement_rules_split_by_kind_and_gpus(smoke):
+    jobs = resolve(smoke).measurements
+    assert cluster.measure_shapes(jobs) == {"engine_bench_cpu": ["vllm-split"], "client_ceiling_cpu": [
+        "client-ceiling"], "trainer_bench_cpu": ["trainer-tiny-hf-mb4-device-cpu"]}
+    assert cluster.measure_shapes(jobs, fake=True)["engine_bench_gpu1"] == ["vllm-split"]
+
+
+def test_the_controller_takes_the_overlays_it_runs_in_its_own_process():
+    assert cluster.controller_overlays("vllm-inprocess", "megatron", "/o") == ["/o/vllm", "/o/trainer"]
+    assert cluster.controller_overlays("sglang", "hf", "/o") == []  # an HTTP engine gets its own from engine_envs
+
+
+def test_jobs_wait_for_the_overlays_and_give_up_in_one_line(tmp_path):
+    slept = []
+    (tmp_path / "later").mkdir()
+
+    def arrive(s: float) -> None:
+        slept.append(s)
+        if len(slept) == 3:
+            (tmp_path / "later" / cluster.OVERLAYS_READY).touch()
+
+    cluster.await_overlays(tmp_path / "later", timeout_s=10, sleep=arrive)
+    assert len(slept) == 3
+    with pytest.raises(SystemExit, match=r"not installed within 2 s .*gpu-env install"):
+        cluster.await_overlays(tmp_path / "never", timeout_s=2, sleep=lambda s: None)
+
+
+def test_a_profile_without_its_gpu_settings_is_named():
+    assert cluster.check_gpu_profile(8, "local", gpu_jobs=3) == []
+    assert cluster.check_gpu_profile(None, None, gpu_jobs=0) == []  # a CPU study needs neither
+    missing = cluster.check_gpu_profile(None, "local", gpu_jobs=3)
+    assert len(missing) == 1 and "no `resources: gpu`" in missing[0]
+    scope = cluster.check_gpu_profile(8, "global", gpu_jobs=1)
+    assert len(scope) == 1 and "set-resource-scopes: gpu: local" in scope[0]
+
+
+def test_a_cluster_whose_controller_does_not_answer_names_the_kit():
+    def down(*args, **kwargs):
+        return subprocess.CompletedProcess(args, 1, "", "slurm_load_ctl_conf error: Unable to contact slurm controller")
+
+    (problem,) = cluster.check_controller(down)
+    assert "Unable to contact slurm controller" in problem and "slurm-lease start" in problem
+    up = lambda *a, **k: subprocess.CompletedProcess(a, 0, "Slurmctld(primary) at vm is UP\n", "")  # noqa: E731
+    assert cluster.check_controller(up) == []
+
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("scontrol")
+
+    assert "FileNotFoundError" in cluster.check_controller(missing)[0]

@@ -40,7 +40,7 @@ def test_no_target_is_swallowed_by_an_option(path):
 
 
 def test_readme_example_run_id_is_a_run_of_the_smoke_study():
-    ids = re.findall(r"`(vllm-\w+-hf-tiny-qwen3-[0-9a-f]{8})`", (REPO / "README.md").read_text())
+    ids = [rid for doc in DOCS for rid in re.findall(r"`(vllm-\w+-hf-tiny-qwen3-[0-9a-f]{8})`", doc.read_text())]
     assert ids
     runs = load_study(REPO / "config" / "smoke.yaml").runs
     for rid in ids:

@@ -144,6 +144,25 @@ def verdict(study: str, a: str, b: str, column: str, mode: str = "rate") -> str:
     return wording.conclusion(what, a, b, est, n[0], n[1], higher, better, worse)
 
 
+def finding(study: str, a: str, b: str, column: str, mode: str, label_a: str, label_b: str, what: str) -> str:
+    """verdict's rule in few plain words, for the README's answer: 'SGLang faster than the vLLM server in rollout,
+    1.10x [1.01, 1.25]', or '... could not be told apart in step time, 0.97x [0.87, 1.05]'. Labels and `what` write
+    '_' for a space (a marker's arguments are words)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown finding mode {mode!r} (known: {', '.join(MODES)})")
+    la, lb, w = (x.replace("_", " ") for x in (label_a, label_b, what))
+    sa, sb = _steady(study, a, column), _steady(study, b)
+    est = stats.hierarchical_ratio(stats.per_run(sa, column), stats.per_run(sb, column))
+    if not (est.lo > 0 and est.hi > 0):
+        return f"{la} / {lb}, {w}: {est.value:.2f}x with no interval"
+    if not est.excludes(1.0):
+        return f"{la} and {lb} could not be told apart in {w}, {wording.ratio_text(est)}"
+    higher, better, worse = MODES[mode]
+    word = better if (est.value > 1) == higher else worse
+    few = " (one run a side: these runs only)" if min(stats.n_runs(sa), stats.n_runs(sb)) < 2 else ""
+    return f"{la} {word} than {lb} in {w}, {wording.ratio_text(est)}{few}"
+
+
 def bench_ratio(path_a: str, path_b: str, which: str, field: str = "perf/throughput") -> str:
     """a / b of two bench JSONs' medians over the repeats of one path, with a bootstrap 95% interval over those
     repeats (one engine start a side: repeat-to-repeat noise only): '1.05x [0.98, 1.21]'."""
@@ -516,7 +535,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "median": median, "total": total, "interval": interval, "ratio": ratio, "change": change, "steps": steady_steps,
     "runs": steady_runs,
     "records": records, "span": span, "between": between, "tiers": tiers, "value": value,
-    "repeats": repeats, "verdict": verdict, "bench_ratio": bench_ratio, "path_ratio": path_ratio,
+    "repeats": repeats, "verdict": verdict, "finding": finding, "bench_ratio": bench_ratio, "path_ratio": path_ratio,
     "update_ratio": update_ratio, "process_ratio": process_ratio, "process_medians": process_medians,
     "profile_total": profile_total, "profile_op": profile_op, "profile_wall": profile_wall,
     "profile_waits": profile_waits,

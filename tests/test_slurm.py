@@ -56,8 +56,9 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _workdir(path: Path) -> Path:
-    """The runs above and none of the smoke study's measurements: the pipeline test covers those."""
-    return study_dir(path, runs=RUNS, measurements=[])
+    """The runs above, side by side (so that two of one shape go out as an array), and none of the smoke study's
+    measurements: the pipeline test covers those and the one-at-a-time order."""
+    return study_dir(path, runs=RUNS, measurements=[], node={"sharing": "side_by_side"})
 
 
 def _cmd(*extra: str) -> list[str]:

@@ -195,3 +195,14 @@ def test_a_cluster_whose_controller_does_not_answer_names_the_kit():
         raise FileNotFoundError("scontrol")
 
     assert "FileNotFoundError" in cluster.check_controller(missing)[0]
+
+
+def test_a_study_run_one_job_at_a_time_keeps_its_order_on_slurm():
+    assert cluster.sbatch_order(3, one_at_a_time=False) == ""
+    flags = [cluster.sbatch_order(rank, one_at_a_time=True) for rank in (0, 1, 2)]
+    assert all(f.endswith(" --exclusive") for f in flags)
+    nice = [int(f.split()[0].removeprefix("--nice=")) for f in flags]
+    assert nice == sorted(nice) and min(b - a for a, b in zip(nice, nice[1:], strict=False)) > 100
+    # each job a rule of its own: no array gives one job's flags to another
+    assert cluster.one_rule_a_job({"train_gpu1": ["a", "b"], "train_gpu2": ["c"]}) == {
+        "train_gpu1_1": ["a"], "train_gpu1_2": ["b"], "train_gpu2_1": ["c"]}

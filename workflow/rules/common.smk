@@ -73,10 +73,24 @@ def run_done(rid: str) -> str:
     return f"results/runs/{rid}/done.json"
 
 
-# sbatch flags from the study's node: one job of this workflow at a time on SLURM (singleton: jobs share the
-# plugin's job name, the workflow's run id), so that no run is measured beside another
+# The study's order on SLURM: every job's --nice is its rank (the model builds first, then the runs in the study's
+# order, then the measurements); with node.sharing one_at_a_time each job has the node alone (--exclusive) and is a
+# rule of its own (an array would give every task the first task's flags).
 SHARING = STUDY.node.sharing
-SLURM_EXTRA = "--dependency=singleton" if SHARING == "one_at_a_time" else ""
+ONE_AT_A_TIME = SHARING == "one_at_a_time"
+RUN_RANK = {rid: i for i, rid in enumerate(RUNS, 1)}
+MEASURE_RANK = {name: len(RUNS) + i for i, name in enumerate(MEASUREMENTS, 1)}
+
+
+def run_sbatch(wildcards) -> str:
+    return cluster.sbatch_order(RUN_RANK[wildcards.run_id], ONE_AT_A_TIME)
+
+
+def measure_sbatch(wildcards) -> str:
+    return cluster.sbatch_order(MEASURE_RANK[wildcards.name], ONE_AT_A_TIME)
+
+
+MODEL_SBATCH = cluster.sbatch_order(0, ONE_AT_A_TIME)
 # a run's time limit from the study, where it sets one; otherwise the profile's runtime
 RUN_LIMITS = (
     {"runtime": lambda wildcards, attempt: STUDY.run_minutes * attempt}
@@ -194,3 +208,5 @@ def prelude(rid: str | None, trainer: str | None = None) -> str:
 TRAIN_RULES = cluster.shapes(
     {rid: run for rid, run in RUNS.items() if rid not in FAULT_RUNS}, fake=FAKE_GPUS
 )
+if ONE_AT_A_TIME:
+    TRAIN_RULES = cluster.one_rule_a_job(TRAIN_RULES)

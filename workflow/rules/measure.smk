@@ -52,7 +52,12 @@ def measure_gpus(wildcards) -> int:
     return cluster.measure_gpus(MEASUREMENTS[wildcards.name], fake=FAKE_GPUS)
 
 
-for _rule, _names in cluster.measure_shapes(MEASUREMENTS, fake=FAKE_GPUS).items():
+MEASURE_RULES = cluster.measure_shapes(MEASUREMENTS, fake=FAKE_GPUS)
+if ONE_AT_A_TIME:
+    MEASURE_RULES = cluster.one_rule_a_job(MEASURE_RULES)
+
+
+for _rule, _names in MEASURE_RULES.items():
 
     rule:
         name:
@@ -77,7 +82,7 @@ for _rule, _names in cluster.measure_shapes(MEASUREMENTS, fake=FAKE_GPUS).items(
         threads: lambda wildcards: cluster.measure_threads(MEASUREMENTS[wildcards.name], CORES)
         resources:
             gpu=measure_gpus,
-            slurm_extra=SLURM_EXTRA,
+            slurm_extra=measure_sbatch,
             runtime=lambda wildcards, attempt: MEASUREMENTS[
                 wildcards.name
             ].spec.minutes

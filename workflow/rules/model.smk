@@ -32,7 +32,7 @@ for _name, _models in MODEL_RULES.items():
         threads: CORES
         resources:
             gpu=model_gpus,
-            slurm_extra=SLURM_EXTRA,
+            slurm_extra=MODEL_SBATCH,
         params:
             spec=run_model_spec,
             prelude=lambda wildcards: prelude(None),

@@ -36,7 +36,7 @@ for _name, _run_ids in TRAIN_RULES.items():
             **RUN_LIMITS,
             gpu=run_gpus,
             gpu_model=run_gpu_model,
-            slurm_extra=SLURM_EXTRA,
+            slurm_extra=run_sbatch,
         params:
             out=lambda wildcards, output: Path(output.done).parent,
             data=lambda wildcards, input: Path(input.data).parent,

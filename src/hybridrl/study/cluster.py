@@ -44,7 +44,7 @@ JOB_ENV = (
 SCONTROL_KEYS = (
     "JobId", "ArrayJobId", "ArrayTaskId", "Account", "Partition", "QOS", "TimeLimit", "NumNodes", "NumCPUs",
     "CPUs/Task", "MinMemoryNode", "MinMemoryCPU", "TRES", "TresPerJob", "TresPerNode", "Requeue", "Restarts",
-    "NodeList", "SubmitTime", "StartTime", "Comment",
+    "NodeList", "SubmitTime", "StartTime", "Comment", "Nice", "OverSubscribe",
 )
 GRANT_ENV = "HYBRIDRL_SLURM_GRANT"
 # What the profile reads from the environment; named in messages so the fix is obvious.
@@ -111,6 +111,25 @@ def shapes(runs: Mapping[str, RunConfig], fake: bool = False) -> dict[str, list[
     for rid, run in sorted(runs.items()):
         out.setdefault(rule_name(job_gpus(run, fake), run.device), []).append(rid)
     return out
+
+
+def one_rule_a_job(shapes: Mapping[str, list[str]]) -> dict[str, list[str]]:
+    """Each job a rule of its own (RULE_1, RULE_2, ...): no job array, so that every job keeps its own sbatch
+    flags (an array gives every task the first task's, its --nice included)."""
+    return {f"{rule}_{i}": [name] for rule, names in shapes.items() for i, name in enumerate(names, 1)}
+
+
+# --nice a rank apart: more than the 1 a job's later submission costs it under priority/basic, so that the
+# study's order wins over the order in which Snakemake happens to submit a batch of ready jobs
+NICE_STEP = 1000
+
+
+def sbatch_order(rank: int, one_at_a_time: bool) -> str:
+    """The sbatch flags of a study that runs one job at a time: --exclusive (the node alone for each job) and
+    --nice=RANK * NICE_STEP, so that of the jobs waiting for the node the lowest rank starts first (a singleton
+    dependency would serialise them too, but releases them in submission order, whatever their priority). Nothing
+    where jobs may run side by side: there the order within an array is Snakemake's."""
+    return f"--nice={rank * NICE_STEP} --exclusive" if one_at_a_time else ""
 
 
 def measure_gpus(job: MeasureJob, fake: bool = False) -> int:

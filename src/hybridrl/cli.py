@@ -306,7 +306,7 @@ def _archive(args: argparse.Namespace) -> None:
     from hybridrl.tools.archive import pack
 
     pack(Path(args.results), [Path(p) for p in args.extra], Path(args.out), root=Path(args.root),
-         run_ids=args.runs)
+         run_ids=args.runs, bench=args.bench)
 
 
 def _compact(args: argparse.Namespace) -> None:
@@ -528,10 +528,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--check", action="store_true", help="fail if OUT differs from what would be written, write nothing")
     s.set_defaults(fn=_results_index)
 
-    s = sub.add_parser("archive", help="pack results, configs, locks and provenance with a sha256 manifest")
+    s = sub.add_parser("archive", help="pack one study's results, configs, locks and provenance with a sha256 "
+                       "manifest")
     s.add_argument("--results", required=True)
     s.add_argument("--extra", nargs="*", default=[])
-    s.add_argument("--runs", nargs="*", default=None, help="run ids to include (default: every run)")
+    s.add_argument("--runs", nargs="*", default=None, help="the study's run ids (default: every run under runs/)")
+    s.add_argument("--bench", nargs="*", default=None, metavar="NAME",
+                   help="the study's measurements, by name (results/bench/NAME.json|txt and NAME.slurm.json; an "
+                        "engine bench's bench-logs-RUN_ID/ comes with its run); default: every file under bench/")
     s.add_argument("--root", default=".", help="repository root: extra files are named relative to it")
     s.add_argument("--out", required=True)
     s.set_defaults(fn=_archive)

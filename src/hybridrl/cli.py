@@ -243,12 +243,13 @@ def _bench_parse(args: argparse.Namespace) -> None:
 
 
 def _interval_coverage(args: argparse.Namespace) -> None:
+    from hybridrl.report.coverage import REFERENCE, summary
     from hybridrl.report.coverage import main as coverage_main
-    from hybridrl.report.coverage import summary
 
     check_writable(Path(args.out))
-    print(summary(coverage_main(Path(args.out), sims=args.sims, seed=args.seed, n_boot=args.n_boot,
-                                split_n_boot=args.split_n_boot)))
+    reference = Path(args.reference) if args.reference else REFERENCE
+    print(summary(coverage_main(Path(args.out), args.noise_studies, sims=args.sims, seed=args.seed,
+                                n_boot=args.n_boot, split_n_boot=args.split_n_boot, reference=reference)))
 
 
 def _aggregate(args: argparse.Namespace) -> None:
@@ -448,7 +449,7 @@ def parser() -> argparse.ArgumentParser:
                    help="per setting: batches until this much time passed (0: one batch)")
     s.add_argument("--procs", type=_at_least_one, default=1, help="fake engine processes")
     s.add_argument("--no-old-client", action="store_true",
-                   help="leave out the client before 2026-11-23 (one shared pool, every request streamed)")
+                   help="leave out the earlier client (one shared pool, every request streamed)")
     s.add_argument("--out", help="JSON with every setting's figures")
     s.set_defaults(fn=_client_ceiling)
 
@@ -482,6 +483,11 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("interval-coverage", help="how often the reports' 95%% intervals hold the truth: simulated "
                        "arms with the studies' run and step noise, and 3-vs-3 splits of replicated configurations")
     s.add_argument("--out", required=True, help="JSON with every design's coverage and the null splits")
+    s.add_argument("--noise-studies", nargs="+", required=True, metavar="STUDY",
+                   help="the committed verdict studies (folders under --reference) whose run and step noise the "
+                        "simulation takes, each one lease of like arms with several runs")
+    s.add_argument("--reference", help="the folder of committed studies, the noise studies' and every null "
+                   "split's (default: the repository's results/reference)")
     s.add_argument("--sims", type=_at_least_one, default=1500, help="simulated pairs per design and ratio")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--n-boot", type=_at_least_one, default=2000,

@@ -6,7 +6,7 @@ engine: no trainer, no sleep/wake, no checks. Each repeat measures the paths of 
 bypasses the rollout client (`Engine.generate_raw`); `client`, the run's own rollout client with its share of
 streamed requests; `whole`, the same client with nothing streamed (so `client` against `whole` is the price of
 the streamed share, `whole` against `raw` the client's own); `stream_all`, the client streaming every request;
-and `old_client`, every request streamed through one shared pool (the path before 2026-11-23). The in-loop
+and `old_client`, every request streamed through one shared pool (the older results' path). The in-loop
 rollout of a run should reach at least 95% of the raw throughput.
 
     python -m hybridrl bench --run-config results/runs/R/config.json --model M --data D \\
@@ -81,8 +81,8 @@ def probe_engine(engine: Engine, prompt: list[int], adapter: Path | None) -> dic
 
 # the paths a rollout can take, measured interleaved on one engine start so that a drift hits them alike:
 # raw (no rollout client), the run's own client and mix of streamed requests, the same client streaming every
-# request, and the client every committed result before 2026-11-23 went through (one shared connection pool,
-# every request streamed; server engines only)
+# request, and the earlier client the older committed results went through (one shared connection pool, every
+# request streamed; server engines only)
 PATHS = ROLLOUT_PATHS
 
 

@@ -34,11 +34,9 @@ class MegatronWorkerError(RuntimeError):
 
 # NCCL's communicator buffers stay on the GPU while the engine runs (offload cannot move them). On two
 # H200s at TP 2 these cut the trainer's residual from 1.57 to 1.13 GiB (1.68 to 1.21 GB) at the same throughput
-# (4,630 vs 4,637 tok/s); one channel of 256 KB gave 1.10 GiB but cost 28% (results/reference/2026-11-22-h200-megatron,
-# recorded when mem/trainer_*_gb were GiB).
+# (4,630 vs 4,637 tok/s); one channel of 256 KB gave 1.10 GiB but cost 28%.
 # Megatron's groups stay lazily made, one communicator each: starting the world's at once (device_id) so that torch
-# splits the groups from it left 1.55 GB (1.44 with NCCL_COMM_SPLIT_SHARE_RESOURCES=1) against 1.19 GB
-# (results/reference/2026-11-27-2xh200-tp2residual).
+# splits the groups from it left 1.55 GB (1.44 with NCCL_COMM_SPLIT_SHARE_RESOURCES=1) against 1.19 GB.
 # Set either variable to override.
 SMALL_NCCL_BUFFERS = {"NCCL_BUFFSIZE": str(1 << 20), "NCCL_MAX_NCHANNELS": "2"}
 

@@ -77,6 +77,7 @@ def _model(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
+    from hybridrl.run.cores import apply_trainer_threads, job_cores, split_cores
     from hybridrl.run.loop import run_loop
 
     spec = read_run_spec(Path(args.run_config))
@@ -84,8 +85,10 @@ def _train(args: argparse.Namespace) -> None:
     for what, path in (("model", model_dir), ("data", data_dir)):
         if not path.exists():
             raise FileNotFoundError(f"{what} directory {path} does not exist")
+    cores = split_cores(spec.run, job_cores())
+    apply_trainer_threads(spec.run, cores)  # here, not in run_loop: it sets the whole process's thread pools
     records = run_loop(spec.run, spec.run_id, model_dir, data_dir, out, spec.engine_env,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, cores=cores)
     summary = {"run_id": spec.run_id, "steps": len(records)}
     write_text(Path(args.done), json.dumps(summary))
 

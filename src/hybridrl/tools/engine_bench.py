@@ -26,6 +26,7 @@ from hybridrl.atomic import write_text
 from hybridrl.engines import make_engine
 from hybridrl.engines.base import ROLLOUT_PATHS, Engine, EngineError, Request, Sampling
 from hybridrl.nvml import used_gb
+from hybridrl.run.cores import engine_env_spec, job_cores, split_cores
 from hybridrl.run.loop import step_requests
 from hybridrl.run.placement import ADAPTER_NAME
 from hybridrl.run.telemetry import read_records, rollout_stats
@@ -113,7 +114,9 @@ def run_bench(spec: RunSpec, model_dir: Path, data_dir: Path, run_dir: Path, ste
         adapter = run_dir / "adapters" / f"step-{step - 1:04d}"
         if not adapter.exists():
             raise FileNotFoundError(f"adapter {adapter} (written by step {step - 1} of the run)")
-    engine = make_engine(run, model_dir, spec.engine_env, log_dir)
+    # the engine on the cores it had in its run, so that its raw throughput and the run's in-loop one compare
+    cores = split_cores(run, job_cores())
+    engine = make_engine(run, model_dir, engine_env_spec(run, spec.engine_env, cores), log_dir)
     if not engine.has_http_client:  # in-process vLLM has no HTTP client, old or new
         paths = tuple(p for p in paths if p != "old_client")
     reps: list[dict[str, Any]] = []
@@ -149,7 +152,7 @@ def run_bench(spec: RunSpec, model_dir: Path, data_dir: Path, run_dir: Path, ste
         "engine_start_s": start_s, "tok_s_median": medians, "raw_tok_s_median": raw,
         "over_raw": {p: (m / raw if m and raw else None) for p, m in medians.items()},
         "in_loop_tok_s": in_loop, "in_loop_over_raw": (in_loop / raw) if in_loop and raw else None,
-        "goal": 0.95, "probe": probed,
+        "goal": 0.95, "probe": probed, "cores": cores.record(),
     }
 
 

@@ -19,6 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from hybridrl.run.cores import rank_threads
 from hybridrl.run.record import STRINGS
 from hybridrl.study.run_config import RunConfig
 from hybridrl.trainers.base import Sample, TrainResult
@@ -114,8 +115,12 @@ class MegatronTrainer:
     def _launch(self, extra_env: dict[str, str] | None) -> subprocess.Popen:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SRC), env.get("PYTHONPATH", "")) if p)
-        # torchrun pins OMP_NUM_THREADS=1 when unset; on CPU share the cores between ranks instead
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.tp)))
+        # torchrun pins OMP_NUM_THREADS=1 when unset; on CPU the ranks share the trainer's threads instead (the
+        # controller's OMP_NUM_THREADS: hybridrl.run.cores sizes it to the trainer's cores)
+        if self.device == "cpu":
+            env["OMP_NUM_THREADS"] = str(rank_threads(env.get("OMP_NUM_THREADS"), self.tp))
+        else:
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.tp)))
         env.setdefault("PYTHONWARNINGS", "ignore")
         env.update({k: v for k, v in SMALL_NCCL_BUFFERS.items() if k not in env})
         if extra_env:

@@ -170,6 +170,81 @@ def test_pack_refuses_a_run_that_is_not_there(repo: Path, tmp_path: Path) -> Non
     assert f"runs/{RUN.rsplit('/', 1)[1]}" in " ".join(_names(out))
 
 
+OTHER_RUN = "results/runs/sglang-split-bbbb2222"
+STUDY_BENCH = {  # the study's measurements: an engine bench of its run with its logs, and a trainer bench
+    "results/bench/vllm-split.json": "{}",
+    "results/bench/vllm-split.slurm.json": "{}",
+    "results/bench/bench-logs-vllm-split-aaaa1111/engine.log": "ready",
+    "results/bench/trainer-tiny-hf-mb4.json": "{}",
+}
+NOT_THE_STUDY = {  # what a repository's results/ also holds: committed studies, their index, another study's work
+    "results/README.md": "# every study\n",
+    "results/reference/2026-11-23-cpu-smoke/steps.csv": "run_id,step\n",
+    "results/reference/2026-11-23-cpu-smoke/runs/x/steps.jsonl": "{}\n",
+    f"{OTHER_RUN}/steps.jsonl": "{}\n",
+    "results/bench/sglang-split.json": "{}",
+    "results/bench/sglang-split.slurm.json": "{}",
+    "results/bench/bench-logs-sglang-split-bbbb2222/engine.log": "ready",
+    "results/notes.txt": "someone's notes",
+}
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def _rel_names(tar_path: Path) -> set[str]:
+    return {n.split("/", 1)[1] for n in _names(tar_path)}
+
+
+def test_a_study_archive_holds_that_study_and_nothing_else(repo: Path, tmp_path: Path) -> None:
+    _write(repo, {**STUDY_BENCH, **NOT_THE_STUDY})
+    out = pack(repo / "results", [repo / "config" / "smoke.yaml"], tmp_path / "smoke.tar.gz", root=repo,
+               run_ids=["vllm-split-aaaa1111"], bench=["vllm-split", "trainer-tiny-hf-mb4"])
+    assert _rel_names(out) == {f"{RUN}/steps.jsonl", f"{RUN}/provenance.json", f"{RUN}/config.json",
+                               f"{RUN}/logs/engine.log", "results/steps.csv", "results/report.md",
+                               "results/plots/throughput.png", "config/smoke.yaml", "requirements/cpu.txt", MANIFEST,
+                               *STUDY_BENCH}
+    assert verify(out) == []
+
+
+def test_an_archive_of_every_run_still_leaves_out_what_is_no_studys(repo: Path, tmp_path: Path) -> None:
+    _write(repo, {**STUDY_BENCH, **NOT_THE_STUDY})
+    names = _rel_names(_pack(repo, tmp_path / "all.tar.gz"))
+    assert f"{OTHER_RUN}/steps.jsonl" in names and "results/bench/sglang-split.json" in names  # every run, bench
+    assert not [n for n in names if n.startswith("results/reference/")]
+    assert "results/README.md" not in names and "results/notes.txt" not in names
+
+
+def test_the_cli_packs_the_runs_and_measurements_it_is_given(repo: Path, tmp_path: Path) -> None:
+    from hybridrl.cli import main
+
+    _write(repo, {**STUDY_BENCH, **NOT_THE_STUDY})
+    out = tmp_path / "cli.tar.gz"
+    assert main(["archive", "--results", str(repo / "results"), "--runs", "vllm-split-aaaa1111", "--bench",
+                 "vllm-split", "--root", str(repo), "--out", str(out)]) == 0
+    bench = {n for n in _rel_names(out) if n.startswith("results/bench/")}
+    assert bench == {n for n in STUDY_BENCH if "trainer-" not in n}
+
+
+def test_pack_refuses_a_measurement_that_is_not_there(repo: Path, tmp_path: Path) -> None:
+    _write(repo, STUDY_BENCH)
+    with pytest.raises(ArchiveError, match=r"^--bench vllm-splt: no such measurement in .*/results/bench "
+                                           r"\(results there: trainer-tiny-hf-mb4, vllm-split\)$"):
+        pack(repo / "results", [], tmp_path / "b.tar.gz", root=repo, bench=["vllm-split", "vllm-splt"])
+    assert not list(tmp_path.glob("b.*"))
+
+
+def test_verify_fails_on_an_extra_file_alone(repo: Path, tmp_path: Path) -> None:
+    out = _pack(repo, tmp_path / "s.tar.gz")
+    bad = tmp_path / "extra.tar.gz"
+    _rewrite(out, bad, {}, add={"results/reference/2026-11-23-cpu-smoke/steps.csv": b"run_id,step\n"})
+    assert verify(bad) == ["extra: results/reference/2026-11-23-cpu-smoke/steps.csv is in the archive but not in "
+                           "the manifest"]
+
+
 # -- provenance ---------------------------------------------------------------------------------------
 
 def test_provenance_collect_and_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

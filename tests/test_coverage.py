@@ -10,6 +10,10 @@ import pytest
 from hybridrl import cli
 from hybridrl.report import coverage, stats
 
+# the verdict studies results/reference/2026-11-27-cpu-coverage/README.md's command names (one lease each,
+# 2 arms x 3 runs x 8 steady steps)
+README_STUDIES = ["2026-11-27-h200-verdictdraws", "2026-11-24-h200-verdictpin", "2026-11-24-h200-verdictpin2"]
+
 
 def test_coverage_is_near_nominal_without_run_to_run_noise() -> None:
     """With no run effect, every step is independent: the bootstrap's interval of a ratio of medians over many
@@ -66,10 +70,10 @@ def test_noise_estimates_separate_runs_from_steps() -> None:
 
 def test_the_command_writes_the_keys_the_readme_quotes(tmp_path: Path) -> None:
     out = tmp_path / "coverage.json"
-    assert cli.main(["interval-coverage", "--out", str(out), "--sims", "3", "--n-boot", "50",
-                     "--split-n-boot", "50"]) == 0
+    assert cli.main(["interval-coverage", "--noise-studies", *README_STUDIES, "--out", str(out), "--sims", "3",
+                     "--n-boot", "50", "--split-n-boot", "50"]) == 0
     result = json.loads(out.read_text())
-    assert result["sims"] == 3 and result["n_boot"] == 50
+    assert result["sims"] == 3 and result["n_boot"] == 50 and result["noise_studies"] == README_STUDIES
     for metric in coverage.METRICS:
         assert {"sd_run", "sd_step"} <= set(result["noise_used"][metric])
         for runs, steps in coverage.DESIGNS:
@@ -91,8 +95,27 @@ def test_the_command_s_help_prints(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_command_defaults_are_the_module_s() -> None:
-    args = cli.parser().parse_args(["interval-coverage", "--out", "x.json"])
+    args = cli.parser().parse_args(["interval-coverage", "--noise-studies", "s", "--out", "x.json"])
     assert (args.sims, args.n_boot, args.split_n_boot) == (coverage.SIMS, coverage.SIM_N_BOOT, stats.N_BOOT)
+
+
+def test_the_noise_comes_from_the_studies_named_and_the_command_needs_them(capsys: pytest.CaptureFixture[str]
+                                                                            ) -> None:
+    committed = json.loads((coverage.REFERENCE / "2026-11-27-cpu-coverage" / "coverage.json").read_text())
+    noise = coverage.noise_from_studies(README_STUDIES)
+    assert noise.keys() == committed["noise"].keys()
+    for metric, estimate in committed["noise"].items():  # the committed output, reproduced
+        assert noise[metric] == pytest.approx(estimate)
+    one = coverage.noise_from_studies(README_STUDIES[:1])
+    assert one["timing_s/step"]["sd_run"] != pytest.approx(committed["noise"]["timing_s/step"]["sd_run"])
+    with pytest.raises(SystemExit):
+        cli.parser().parse_args(["interval-coverage", "--out", "x.json"])
+    assert "--noise-studies" in capsys.readouterr().err
+
+
+def test_the_readme_s_command_names_the_noise_studies() -> None:
+    readme = (coverage.REFERENCE / "2026-11-27-cpu-coverage" / "README.md").read_text()
+    assert f"interval-coverage --noise-studies {' '.join(README_STUDIES)} --out" in readme
 
 
 def _keys(x: object) -> list[str]:

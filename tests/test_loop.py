@@ -474,6 +474,22 @@ def test_a_run_that_fails_to_start_releases_the_start_barrier(assets, tmp_path, 
     assert (tmp_path / "barrier" / "r10.gone").exists()
 
 
+def test_the_engine_is_bound_to_its_cores_and_provenance_records_the_split(assets, tmp_path, monkeypatch):
+    import torch
+
+    import hybridrl.run.loop as loop
+    from hybridrl.run.cores import CoreSplit
+
+    specs = []
+    monkeypatch.setattr(loop, "make_engine", lambda run, model, spec, logs: specs.append(spec) or ScriptedEngine())
+    split = CoreSplit((0, 1, 2, 3), (0, 1), (2, 3), "split: the engine stays up beside the trainer")
+    run_loop(_run(steps=1), "r-cores", assets / "model", assets / "data", tmp_path, {"python": "py"},
+             progress=False, cores=split)
+    assert specs == [{"python": "py", "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}]
+    prov = json.loads((tmp_path / "provenance.json").read_text())
+    assert prov["cores"] == split.record(torch.get_num_threads())
+
+
 def test_a_missing_engine_fails_before_the_trainer_is_built(assets, tmp_path, monkeypatch):
     class NotInstalled(ScriptedEngine):
         def preflight(self):

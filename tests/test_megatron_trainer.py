@@ -160,8 +160,21 @@ def test_ranks_get_small_nccl_buffers_unless_the_user_set_them(tmp_path, monkeyp
     seen: list[dict[str, str]] = []
     monkeypatch.setattr(mt.subprocess, "Popen", lambda cmd, **kw: seen.append(kw["env"]))
     bare = object.__new__(MegatronTrainer)  # only what _launch reads
-    bare.tp, bare.workdir, bare.log_path = 2, tmp_path, tmp_path / "trainer.log"
+    bare.tp, bare.workdir, bare.log_path, bare.device = 2, tmp_path, tmp_path / "trainer.log", "cuda"
     monkeypatch.delenv("NCCL_BUFFSIZE", raising=False)
     monkeypatch.setenv("NCCL_MAX_NCHANNELS", "8")
     bare._launch(None)
     assert seen[0]["NCCL_BUFFSIZE"] == str(1 << 20) and seen[0]["NCCL_MAX_NCHANNELS"] == "8"
+
+
+def test_ranks_on_cpu_share_the_trainer_s_threads_and_on_cuda_keep_the_job_s(tmp_path, monkeypatch) -> None:
+    import hybridrl.trainers.megatron.trainer as mt
+
+    seen: list[dict[str, str]] = []
+    monkeypatch.setattr(mt.subprocess, "Popen", lambda cmd, **kw: seen.append(kw["env"]))
+    bare = object.__new__(MegatronTrainer)  # only what _launch reads
+    bare.tp, bare.workdir, bare.log_path = 2, tmp_path, tmp_path / "trainer.log"
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the trainer's cores (hybridrl.run.cores)
+    for bare.device in ("cpu", "cuda"):
+        bare._launch(None)
+    assert [env["OMP_NUM_THREADS"] for env in seen] == ["2", "4"]

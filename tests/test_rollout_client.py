@@ -214,7 +214,9 @@ def test_bench_measures_every_path_on_one_engine_start(tmp_path, monkeypatch):
         def flush_cache(self):
             pass
 
-    monkeypatch.setattr(bench, "make_engine", lambda run, model, env, logs: OnFakeEngine(model, run, env, logs))
+    envs = []
+    monkeypatch.setattr(bench, "make_engine",
+                        lambda run, model, env, logs: envs.append(env) or OnFakeEngine(model, run, env, logs))
     with FakeEngine("vllm") as fake:
         result = bench.run_bench(RunSpec(run_id=run_id, run=run, study="s"), tmp_path / "model", tmp_path / "data",
                                  tmp_path / "run", step=1, repeats=2, log_dir=tmp_path / "logs")
@@ -232,6 +234,11 @@ def test_bench_measures_every_path_on_one_engine_start(tmp_path, monkeypatch):
     assert streamed == {"raw": 0, "client": 2, "whole": 0, "stream_all": 8, "old_client": 8}
     assert all(r["perf/gen_tokens"] == 8 * 5 and r["errors/requests_failed"] == 0 for r in result["repeats"])
     assert result["over_raw"]["raw"] == 1.0 and result["in_loop_over_raw"] is None  # no run recorded here
+    # the engine on the cores its run gave it, so that the run's in-loop throughput compares with its raw one
+    from hybridrl.run.cores import job_cores, split_cores
+
+    assert result["cores"] == split_cores(run, job_cores()).record()
+    assert envs[0]["env"] == {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, result["cores"]["engine_pool"]))}
 
 
 @pytest.mark.parametrize("argv,said", [

@@ -77,6 +77,7 @@ def _model(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
+    from hybridrl.run.cores import apply_trainer_threads, job_cores, split_cores
     from hybridrl.run.loop import run_loop
 
     spec = read_run_spec(Path(args.run_config))
@@ -84,8 +85,10 @@ def _train(args: argparse.Namespace) -> None:
     for what, path in (("model", model_dir), ("data", data_dir)):
         if not path.exists():
             raise FileNotFoundError(f"{what} directory {path} does not exist")
+    cores = split_cores(spec.run, job_cores())
+    apply_trainer_threads(spec.run, cores)  # here, not in run_loop: it sets the whole process's thread pools
     records = run_loop(spec.run, spec.run_id, model_dir, data_dir, out, spec.engine_env,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, cores=cores)
     summary = {"run_id": spec.run_id, "steps": len(records)}
     write_text(Path(args.done), json.dumps(summary))
 
@@ -243,12 +246,13 @@ def _bench_parse(args: argparse.Namespace) -> None:
 
 
 def _interval_coverage(args: argparse.Namespace) -> None:
+    from hybridrl.report.coverage import REFERENCE, summary
     from hybridrl.report.coverage import main as coverage_main
-    from hybridrl.report.coverage import summary
 
     check_writable(Path(args.out))
-    print(summary(coverage_main(Path(args.out), sims=args.sims, seed=args.seed, n_boot=args.n_boot,
-                                split_n_boot=args.split_n_boot)))
+    reference = Path(args.reference) if args.reference else REFERENCE
+    print(summary(coverage_main(Path(args.out), args.noise_studies, sims=args.sims, seed=args.seed,
+                                n_boot=args.n_boot, split_n_boot=args.split_n_boot, reference=reference)))
 
 
 def _aggregate(args: argparse.Namespace) -> None:
@@ -306,7 +310,7 @@ def _archive(args: argparse.Namespace) -> None:
     from hybridrl.tools.archive import pack
 
     pack(Path(args.results), [Path(p) for p in args.extra], Path(args.out), root=Path(args.root),
-         run_ids=args.runs)
+         run_ids=args.runs, bench=args.bench)
 
 
 def _compact(args: argparse.Namespace) -> None:
@@ -448,7 +452,7 @@ def parser() -> argparse.ArgumentParser:
                    help="per setting: batches until this much time passed (0: one batch)")
     s.add_argument("--procs", type=_at_least_one, default=1, help="fake engine processes")
     s.add_argument("--no-old-client", action="store_true",
-                   help="leave out the client before 2026-11-23 (one shared pool, every request streamed)")
+                   help="leave out the earlier client (one shared pool, every request streamed)")
     s.add_argument("--out", help="JSON with every setting's figures")
     s.set_defaults(fn=_client_ceiling)
 
@@ -482,6 +486,11 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("interval-coverage", help="how often the reports' 95%% intervals hold the truth: simulated "
                        "arms with the studies' run and step noise, and 3-vs-3 splits of replicated configurations")
     s.add_argument("--out", required=True, help="JSON with every design's coverage and the null splits")
+    s.add_argument("--noise-studies", nargs="+", required=True, metavar="STUDY",
+                   help="the committed verdict studies (folders under --reference) whose run and step noise the "
+                        "simulation takes, each one lease of like arms with several runs")
+    s.add_argument("--reference", help="the folder of committed studies, the noise studies' and every null "
+                   "split's (default: the repository's results/reference)")
     s.add_argument("--sims", type=_at_least_one, default=1500, help="simulated pairs per design and ratio")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--n-boot", type=_at_least_one, default=2000,
@@ -528,10 +537,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--check", action="store_true", help="fail if OUT differs from what would be written, write nothing")
     s.set_defaults(fn=_results_index)
 
-    s = sub.add_parser("archive", help="pack results, configs, locks and provenance with a sha256 manifest")
+    s = sub.add_parser("archive", help="pack one study's results, configs, locks and provenance with a sha256 "
+                       "manifest")
     s.add_argument("--results", required=True)
     s.add_argument("--extra", nargs="*", default=[])
-    s.add_argument("--runs", nargs="*", default=None, help="run ids to include (default: every run)")
+    s.add_argument("--runs", nargs="*", default=None, help="the study's run ids (default: every run under runs/)")
+    s.add_argument("--bench", nargs="*", default=None, metavar="NAME",
+                   help="the study's measurements, by name (results/bench/NAME.json|txt and NAME.slurm.json; an "
+                        "engine bench's bench-logs-RUN_ID/ comes with its run); default: every file under bench/")
     s.add_argument("--root", default=".", help="repository root: extra files are named relative to it")
     s.add_argument("--out", required=True)
     s.set_defaults(fn=_archive)

@@ -138,8 +138,8 @@ class Engine(Protocol):
     def generate(self, requests: list[Request], progress: bool = False, shared_pool: bool = False) -> list[Completion]:
         """Run all requests concurrently and return them in order (those with `stream` set token by token).
 
-        shared_pool: through the rollout client every result before 2026-11-23 was recorded with (one connection
-        pool for all requests), for the benchmark; only where has_http_client."""
+        shared_pool: through the earlier rollout client (one connection pool for all requests), which the older
+        committed results were recorded with, for the benchmark; only where has_http_client."""
 
     def generate_raw(self, requests: list[Request]) -> list[Completion]:
         """The same requests by the shortest path the engine has, none streamed: the raw throughput that

@@ -211,7 +211,7 @@ def measure(fmt: str, requests: int = 128, tokens: int = 256, concurrency: int =
             tokens_per_event: int = 1, event_interval_s: float = 0.0, seconds: float = 3.0, procs: int = 1,
             max_batches: int = 50, shared_pool: bool = False) -> dict[str, Any]:
     """Batches of the same request set against the fake engine until `seconds` pass; the best batch's figures.
-    `shared_pool`: the client as it was before 2026-11-23 (one connection pool for all requests)."""
+    `shared_pool`: the earlier client (one connection pool for all requests), which older results went through."""
     reqs = fake_requests(requests, tokens, stream_fraction)
     batches = []
     with FakeEngine(fmt, tokens_per_event, event_interval_s, procs) as server:

@@ -5,7 +5,7 @@ overlapped split run, with the trainer's thread that launches the update's kerne
 the lock to a torch call, the client's parsing of a streamed event can take it for up to the interpreter's switch
 interval (5 ms). `python -m hybridrl client-gil` measures it: beside the client's thread a loop of torch operators
 ran slower on the CPU machine and on an H200 host, and so did the HF update itself with vLLM-style answers; beside
-its worker they ran at their own speed (results/reference/2026-11-26-cpu-client-gil and -h200-client-gil).
+its worker they ran at their own speed.
 
 A spawned worker (no fork of a controller that runs threads and CUDA) takes each batch of requests and the
 client's address, and sends back the completions; it starts on the first rollout (the engine's warm-up request,

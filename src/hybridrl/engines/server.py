@@ -257,8 +257,8 @@ async def cancel_others(timeout_s: float = CANCEL_GRACE_S) -> int:
 def run_bounded(main: Coroutine[Any, Any, T], grace_s: float = CANCEL_GRACE_S) -> T:
     """asyncio.run, but an interrupted run gives its pending tasks `grace_s` to take their cancellation, then
     closes the loop anyway. asyncio.run waits for them without bound: a train process that SLURM's scancel
-    interrupted mid-rollout spun in that wait at 76% of a core for 15 minutes after its job had ended (CI, the
-    SLURM test cluster, 2026-11-27), its vLLM server already dead."""
+    interrupted mid-rollout spun in that wait at 76% of a core for 15 minutes after its job had ended (on the CI's
+    SLURM test cluster), its vLLM server already dead."""
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
@@ -290,8 +290,8 @@ class RolloutClient:
     def __init__(self, server: ServerProcess, timeout_s: float, max_concurrency: int,
                  shared_pool: bool = False) -> None:
         self.server, self.timeout_s, self.max_concurrency = server, timeout_s, max_concurrency
-        # the client before 2026-11-23 (one pool for every connection), kept so that the benchmarks can
-        # measure what the committed results were recorded through
+        # the earlier client (one pool for every connection), kept so that the benchmarks can measure what the
+        # older committed results were recorded through
         self.shared_pool = shared_pool
 
     def body(self, req: Request) -> dict[str, Any]:

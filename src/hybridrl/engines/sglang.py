@@ -90,8 +90,8 @@ def answer_timing(answer: dict[str, Any]) -> tuple[float, float]:
     """(TTFT, TPOT) in seconds from a finished /generate answer (whole, or a stream's last event) of a server
     started with --enable-metrics. From the request's arrival at the server (request_received_ts) to its first
     token, then per later token until it finished (request_finished_ts). The first token is the scheduler's end
-    of prefill (prefill_finished_time) where the answer has it; SGLang 0.5.16 on the H200 sent none
-    (results/reference/2026-11-24-h200-timed), so otherwise the API server's own first-token stamp, which its
+    of prefill (prefill_finished_time) where the answer has it; SGLang 0.5.16 on the H200 sent none, so
+    otherwise the API server's own first-token stamp, which its
     decode_throughput gives: (tokens - 1) / (finished - first token). Wall-clock seconds; NaN where a field is
     missing."""
     meta = answer.get("meta_info") or {}

@@ -153,8 +153,8 @@ class VLLMServer(HTTPEngine):
     def load_adapter(self, name: str, path: Path) -> None:
         # A reused name is unloaded and loaded again rather than sent with load_inplace: vLLM 0.26 keeps
         # load_inplace=True on the request it stores for that name, so every later rollout request
-        # reloads the adapter from disk. On the H200 reference run that cut rollout throughput from
-        # ~9.6k to ~2.5k tok/s from the first in-place reload on (results/reference/2026-11-22-h200).
+        # reloads the adapter from disk. On an H200 that cut rollout throughput from
+        # ~9.6k to ~2.5k tok/s from the first in-place reload on.
         self._swap_adapter(name, path, "/v1/unload_lora_adapter", "/v1/load_lora_adapter")
 
     # -- sleep mode (GPU) ------------------------------------------------------------------------

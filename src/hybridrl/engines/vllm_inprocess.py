@@ -173,7 +173,7 @@ class VLLMInProcess:
         """Cancel what still runs on the private loop and wait for it (CANCEL_GRACE_S at most) before the loop
         stops. vLLM's shutdown, called from this thread, only schedules the cancel of its output-queue task; a loop
         stopped at once left that task pending, and Python printed "Task was destroyed but it is pending!" as the
-        last line of every in-process run (H200, 2026-11-22 to -27)."""
+        last line of every in-process run on the H200."""
         try:
             self._call(cancel_others(CANCEL_GRACE_S), timeout_s=2 * CANCEL_GRACE_S)
         except Exception:  # stopping goes on: a task that will not end is left to the loop's stop
@@ -181,7 +181,7 @@ class VLLMInProcess:
 
     def _cancel_output_handler(self) -> None:
         """vLLM's shutdown stops the engine core before it cancels the task that reads the core's outputs, so that
-        task sees a dead core and logs EngineDeadError at every clean stop (seen on the H200, 2026-11-23). Cancel
+        task sees a dead core and logs EngineDeadError at every clean stop (seen on the H200). Cancel
         it first, on its own loop; where vLLM names it otherwise, its shutdown does as before."""
         handler = getattr(self.llm, "output_handler", None)
         if not isinstance(handler, asyncio.Task) or self._loop is None:

@@ -91,7 +91,7 @@ def provenance_fields(prov: dict[str, Any] | None) -> dict[str, Any]:
     devices = (prov.get("gpu") or {}).get("devices") or []
     names = sorted({d.get("name") for d in devices if d.get("name")})
     recorded = prov.get("run_config") or {}  # as that run wrote it: older runs may lack a key
-    boot = (prov.get("host") or {}).get("boot_id")  # recorded since 2026-11-23: which machine (and boot) ran it
+    boot = (prov.get("host") or {}).get("boot_id")  # which machine (and boot) ran it; older runs lack it
     return {"git_commit": commit_label(prov.get("git") or {}), "gpu": " + ".join(names) or None,
             "machine": boot[:8] if isinstance(boot, str) and boot else None, "gpu_count": len(devices) or None,
             **scheduler_fields(prov.get("scheduler")),
@@ -129,7 +129,7 @@ def release_arm(engine: Any, placement: Any, sglang_release: Any, vllm_sleep_lev
 
 
 def rollout_client(engine: Any, stream_fraction: Any, shared_pool: Any, rollout_process: Any = None) -> str | None:
-    """Which rollout path a run took (issue 20): the share of requests streamed token by token and, for an HTTP
+    """Which rollout path a run took: the share of requests streamed token by token and, for an HTTP
     engine, whether they share one connection pool (the old client) or get a connection per concurrency slot, and
     whether the client ran in a worker process (rollout_process; runs before it, and with it off, in a thread).
     None for runs recorded before the choice existed; those streamed every request through one shared pool."""
@@ -230,15 +230,15 @@ def checks_untimed(df: pd.DataFrame) -> pd.Series:
 
 def ran_ahead(df: pd.DataFrame) -> pd.Series:
     """Rows whose rollout ran ahead, during the last step's training (overlap): a stale rollout of a run with a
-    trainer. Runs without one (trainer: none) recorded their steps since the base model as staleness until
-    2026-11-26, and never ran ahead."""
+    trainer. Runs without one (trainer: none) never ran ahead, though older ones recorded their steps since the base
+    model as staleness."""
     stale = pd.to_numeric(df["rollout/staleness"], errors="coerce") > 0
     return (stale & (df["trainer"].astype(str) != "none")).astype(bool)
 
 
 def mask_ahead_readings(df: pd.DataFrame) -> pd.DataFrame:
     """Null the gen phase's host and GPU readings (record.ROLLOUT_READINGS) of steps whose rollout ran ahead:
-    their gen phase was the wait for it. Runs record null there since 2026-11-26; older tables kept the wait's
+    their gen phase was the wait for it. Runs now record null there; older tables kept the wait's
     readings (over a few ms: a thread at 1,200% of a core) and are masked here."""
     ahead = ran_ahead(df)
     if ahead.any():

@@ -1,4 +1,4 @@
-"""One engine through two rollout clients (issue 20): configurations alike in every field but the client.
+"""One engine through two rollout clients: configurations alike in every field but the client.
 
 The baseline of a pair is the path that streams more (the old client: every request streamed through one shared
 pool); the ratio is the other path over it, so above 1 means the lighter client let more of the engine through.

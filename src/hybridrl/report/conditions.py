@@ -1,4 +1,4 @@
-"""When each run was recorded, and what else ran beside it (issue 16: fair comparisons need runs recorded close
+"""When each run was recorded, and what else ran beside it (fair comparisons need runs recorded close
 in time, interleaved between arms, with nothing else on the host).
 
 A run's window runs from its engine's start (step 1's `timing_s/engine_start`, before that step began) to its
@@ -52,7 +52,7 @@ def utc(t: float) -> str:
 
 
 def span(start: float, stop: float) -> str:
-    """'2026-11-23 21:42–21:58 UTC', the date once where both ends share it."""
+    """'YYYY-MM-DD hh:mm–hh:mm UTC', the date once where both ends share it."""
     a, b = utc(start), utc(stop)
     return f"{a}–{b[11:] if a[:10] == b[:10] else b} UTC"
 

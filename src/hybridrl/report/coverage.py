@@ -4,9 +4,9 @@ A percentile bootstrap that draws runs with replacement sees only the runs it ha
 can understate run-to-run variance, and its interval is then narrower than 95% would need. Two checks:
 
 - simulation: two arms of R runs x S steps, log value = log(mu) + run effect N(0, sd_run) + step noise
-  N(0, sd_step), with sd_run and sd_step estimated from committed verdict studies; the fraction of pairs whose
-  `stats.hierarchical_ratio` interval holds the true ratio (coverage) and excludes 1 (false positives at ratio 1,
-  power above it);
+  N(0, sd_step), with sd_run and sd_step estimated from the committed verdict studies the caller names; the
+  fraction of pairs whose `stats.hierarchical_ratio` interval holds the true ratio (coverage) and excludes 1 (false
+  positives at ratio 1, power above it);
 - null splits of real data: every configuration with 6 or more committed runs, split 3 against 3 in every way;
   the halves ran the same configuration, so an interval that excludes 1 is a false positive (or a real drift
   between leases, which the reports' intervals would meet too).
@@ -34,8 +34,6 @@ from hybridrl.study.run_config import split_replicate
 REPO = Path(__file__).resolve().parents[3]
 REFERENCE = REPO / "results" / "reference"
 METRICS = ("timing_s/step", "perf/throughput")
-# the verdict studies whose noise the simulation takes: one lease each, 2 arms x 3 runs x 8 steady steps
-NOISE_STUDIES = ("2026-11-27-h200-verdictdraws", "2026-11-24-h200-verdictpin", "2026-11-24-h200-verdictpin2")
 DESIGNS = ((2, 8), (3, 8), (6, 8))  # (runs, steps) a side, as the studies have them
 RATIOS = (1.0, 1.05, 1.10, 1.20)
 SIMS = 1500  # 4 to 6 minutes on 2 busy cores; Monte-Carlo error of a 95% coverage about 0.006
@@ -70,10 +68,10 @@ def _log_runs(df: pd.DataFrame, metric: str) -> list[np.ndarray]:
     return out
 
 
-def study_steady(folder: str) -> pd.DataFrame:
+def study_steady(folder: str, reference: Path = REFERENCE) -> pd.DataFrame:
     """One committed study's steady-state steps, run ids prefixed with its folder's name as figures.py pools
     folders joined by '+', so that replicates of one configuration from several leases stay apart."""
-    df = stats.with_ids(read_table(REFERENCE / folder / "steps.csv"))
+    df = stats.with_ids(read_table(reference / folder / "steps.csv"))
     return stats.steady_state(df).assign(run_id=lambda d: folder + "/" + d["run_id"].astype(str))
 
 
@@ -97,10 +95,11 @@ def estimate_noise(groups: Sequence[Sequence[np.ndarray]], steps: int = 8) -> di
             "groups": len(medians), "runs": sum(len(g) for g in groups)}
 
 
-def noise_from_studies(folders: Iterable[str] = NOISE_STUDIES, metrics: Iterable[str] = METRICS
+def noise_from_studies(folders: Iterable[str], metrics: Iterable[str] = METRICS, reference: Path = REFERENCE
                        ) -> dict[str, dict[str, Any]]:
-    """estimate_noise per metric over every configuration of the folders, one group per configuration and lease."""
-    frames = [study_steady(f) for f in folders]
+    """estimate_noise per metric over every configuration of the study folders (under `reference`), one group per
+    configuration and lease."""
+    frames = [study_steady(f, reference) for f in folders]
     out: dict[str, dict[str, Any]] = {}
     for metric in metrics:
         groups = [_log_runs(g, metric) for df in frames for _, g in df.groupby("config_id", sort=True)]
@@ -168,20 +167,20 @@ def null_split(runs: Sequence[np.ndarray], leases: Sequence[str], n_boot: int = 
             "lease_against_lease": by_lease}
 
 
-def replicated_configs(min_runs: int = 2 * SPLIT_RUNS) -> dict[str, pd.DataFrame]:
-    """Every configuration (full config id) with at least min_runs committed runs, pooled over the leases that
-    ran it, as steady-state steps."""
-    folders = sorted(p.parent.name for p in REFERENCE.glob("*/steps.csv"))
+def replicated_configs(min_runs: int = 2 * SPLIT_RUNS, reference: Path = REFERENCE) -> dict[str, pd.DataFrame]:
+    """Every configuration (full config id) with at least min_runs committed runs under `reference`, pooled over
+    the leases that ran it, as steady-state steps."""
+    folders = sorted(p.parent.name for p in reference.glob("*/steps.csv"))
     counts: dict[str, list[str]] = {}
     for folder in folders:  # the run ids alone first (as aggregate.derive names configurations): reading and
         # normalising every committed table would take most of the command's time outside the simulation
-        run_ids = pd.read_csv(REFERENCE / folder / "steps.csv", usecols=["run_id"], dtype=str)["run_id"].unique()
+        run_ids = pd.read_csv(reference / folder / "steps.csv", usecols=["run_id"], dtype=str)["run_id"].unique()
         for run_id in run_ids:
             counts.setdefault(split_replicate(str(run_id))[0], []).append(folder)
     keep = {c: sorted(set(f)) for c, f in counts.items() if len(f) >= min_runs}
     out = {}
     for cid, where in sorted(keep.items()):
-        frames = [study_steady(f) for f in where]
+        frames = [study_steady(f, reference) for f in where]
         out[cid] = pd.concat([df[df["config_id"] == cid] for df in frames], ignore_index=True)
     return out
 
@@ -234,17 +233,19 @@ def _key(runs: int, steps: int) -> str:
     return f"runs{runs}_steps{steps}"
 
 
-def main(out: Path | None, sims: int = SIMS, seed: int = 0, n_boot: int = SIM_N_BOOT,
-         split_n_boot: int = stats.N_BOOT, progress: bool = True) -> dict[str, Any]:
-    """Both checks, written to `out` as JSON (keys without dots, so README figures can address them)."""
+def main(out: Path | None, noise_studies: Sequence[str], sims: int = SIMS, seed: int = 0, n_boot: int = SIM_N_BOOT,
+         split_n_boot: int = stats.N_BOOT, progress: bool = True, reference: Path = REFERENCE) -> dict[str, Any]:
+    """Both checks, written to `out` as JSON (keys without dots, so README figures can address them): the
+    simulation with the noise of `noise_studies` (study folders under `reference`), the null splits over every
+    study there."""
     from rich.progress import Progress
 
     started, load_before = time.perf_counter(), os.getloadavg()
-    noise = noise_from_studies()
+    noise = noise_from_studies(noise_studies, reference=reference)
     models = {m: Noise(v["sd_run"], v["sd_step"]) for m, v in noise.items()}
     alternatives = {"net": lambda v: Noise(v["sd_run_net"], v["sd_step"]),
                     "robust": lambda v: Noise(v["sd_run_net_mad"], v["sd_step_mad"])}
-    replicated = replicated_configs()
+    replicated = replicated_configs(reference=reference)
     work = sims * len(METRICS) * (len(DESIGNS) * (1 + len(alternatives)) + len(SCALES)) + len(replicated) * len(METRICS)
     simulation: dict[str, Any] = {}
     calibrations: dict[str, Any] = {}
@@ -282,7 +283,7 @@ def main(out: Path | None, sims: int = SIMS, seed: int = 0, n_boot: int = SIM_N_
                        f"{stats.N_BOOT}); the null splits draw {split_n_boot}",
         "common_random_numbers": "the true ratios of one design share each simulated pair's noise (arm a scaled), "
                                  "so coverage is the same at every ratio; only power differs",
-        "noise_studies": list(NOISE_STUDIES), "noise": noise,
+        "noise_studies": list(noise_studies), "noise": noise,
         "noise_model": "log value = log(mu) + N(0, sd_run) per run + N(0, sd_step) per step; the simulation uses "
                        "sd_run (spread of run medians) and sd_step (within-run SD); calibrations: net takes the "
                        "step noise out of sd_run, robust uses median absolute deviations",

@@ -2,7 +2,7 @@
 
 A README figure that comes from data is written between two comments, invisible once rendered:
 
-    <!--fig ratio results/reference/2026-11-22-h200
+    <!--fig ratio results/reference/<study>
     sglang-colocate-hf vllm-colocate-hf perf/throughput-->0.77x [0.72, 0.89]<!--/fig-->
 
 The expression names a function of FIGURES, a study folder holding steps.csv (relative to the repository; folders

@@ -1,4 +1,4 @@
-"""The write-up's headline table (issue 6): SGLang against each vLLM variant, per placement.
+"""The write-up's headline table: SGLang against each vLLM variant, per placement.
 
 A public write-up claims that SGLang + Megatron beats vLLM + Megatron on Qwen3-30B-A3B (GSM8K, 64 requests
 a step, TP 2, 4 x A100, 10 steps) by the figures in each Metric's `claimed`. Here every claim sits next to
@@ -21,7 +21,7 @@ SGLANG = "sglang"
 VLLM_VARIANTS = {"vllm": "vLLM server", "vllm-inprocess": "vLLM in-process"}
 PLACEMENTS = ("colocate", "split", "restart")
 # Two runs are compared only where these match; the request set depends on the seed, the rollout client sets how
-# much of an engine's throughput the controller can take in (issue 20), and a split whose rollouts run ahead
+# much of an engine's throughput the controller can take in, and a split whose rollouts run ahead
 # (overlap) is a placement of its own
 PAIR_KEY = ("trainer", "model", "tp", "seed", "client", "overlap")
 APART_S = 3600.0  # two runs' first steps further apart than this get a caveat

@@ -1,4 +1,4 @@
-"""Placements compared within one engine (issue 18): each placement of an engine against its colocated arm.
+"""Placements compared within one engine: each placement of an engine against its colocated arm.
 
 The headline tables compare engines within a placement; this compares placements within an engine, which is the
 other half of the study's question. A placement pays for every GPU it holds, so besides step time it is judged by

@@ -67,7 +67,7 @@ def _markers(text: str) -> dict[str, str]:
 
 def title_question(title: str) -> str:
     """A README title as its question's topic: no issue numbers or dates, nor what a title says after a date and
-    a colon, which is its finding ('..., 2026-11-25: no faster')."""
+    a colon, which is its finding ('..., YYYY-MM-DD: no faster')."""
     text = _ISSUE.sub("", title)
     if m := re.match(r"(?P<head>.*?\S),?\s*\d{4}-\d{2}-\d{2}:\s", text):
         text = m["head"]

@@ -142,7 +142,7 @@ def correctness_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
         run = run_rows(df, run_id)
         stale = stale_steps(run)
         diff = pd.to_numeric(run["check/rollout_logprob_abs_diff"], errors="coerce")
-        # recorded since 2026-11-23: a sample far above the mean points at whole requests, not stray tokens
+        # the worst single sample (older runs lack it): far above the mean it points at whole requests, not stray tokens
         worst = pd.to_numeric(run["check/logprob_gap_sample_max"], errors="coerce")
         failed = pd.to_numeric(run["errors/requests_failed"], errors="coerce")
         restarts = pd.to_numeric(run["errors/engine_restarts"], errors="coerce")
@@ -189,7 +189,7 @@ def client_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
 
 def machine_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
     """Per run, over its steady steps: the GPUs' clock, power, temperature and slowdowns, the run's CPU and its
-    busiest thread in rollout; None where no run recorded them (records before 2026-11-24)."""
+    busiest thread in rollout; None where no run recorded them (older records)."""
     runs = machine.per_run(df)
     if not runs:
         return None

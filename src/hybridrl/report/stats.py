@@ -201,7 +201,7 @@ def unattributed_s(df: pd.DataFrame) -> pd.Series:
 def identity_adapter(df: pd.DataFrame) -> pd.Series:
     """Rows whose adapter was still the identity (LoRA's B all zero), which no engine can show applied: the record
     says so (check/adapter_not_judged), its `train/lora_norm` is 0, or, in records without that norm (the Megatron
-    trainer's before 2026-11-24), no step of its run up to this one had a gradient (AdamW moves nothing before a first
+    trainer's older records), no step of its run up to this one had a gradient (AdamW moves nothing before a first
     nonzero gradient). Pass every step of the runs, warm-up too: a gradient in step 1 moves every adapter after it."""
     norm = pd.to_numeric(df.get("train/lora_norm", pd.Series(float("nan"), index=df.index)), errors="coerce")
     said = df.get("check/adapter_not_judged", pd.Series(pd.NA, index=df.index, dtype="string"))

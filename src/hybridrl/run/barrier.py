@@ -2,7 +2,7 @@
 
 A run's start (weights load, torch.compile, CUDA graphs, the HF-to-Megatron conversion) keeps many CPU
 cores and the disk busy for minutes. On 4 x H200, runs whose steps overlapped another run's start rolled
-out at 3-6k tok/s instead of 10-14k, which widened every interval (results/reference/2026-11-22-4xh200-moe).
+out at 3-6k tok/s instead of 10-14k, which widened every interval.
 Runs started side by side therefore meet here once they are ready, and step from then on together.
 
 The driver names the barrier in HYBRIDRL_START_BARRIER as "DIR:N": N runs meet in DIR, each leaving

@@ -48,8 +48,8 @@ class Canary:
     def engine_started(self, engine: Engine) -> None:
         """The KV capacity of an engine process right after its start, which its later readings are held to.
         An engine started again (a restart, a resume) sizes its cache from the memory it finds free then: on a GPU
-        shared with the trainer, SGLang restarted beside the trainer's optimizer state got 23% less
-        (results/reference/2026-11-25-h200-overlap1). That shows in mem/kv_capacity_tokens; the gate asks whether
+        shared with the trainer, SGLang restarted beside the trainer's optimizer state got 23% less on an H200.
+        That shows in mem/kv_capacity_tokens; the gate asks whether
         transitions keep an engine's own capacity."""
         self.kv_capacity = engine.kv_capacity_tokens()
 

@@ -35,6 +35,7 @@ from hybridrl.nvml import process_used_gb
 from hybridrl.run import request_records
 from hybridrl.run.barrier import StartBarrier
 from hybridrl.run.checks import Canary, adapter_not_judged, asleep_memory_gate, gap_limits, logprob_gate, model_family
+from hybridrl.run.cores import CoreSplit, engine_env_spec, job_cores, split_cores
 from hybridrl.run.overlap import AheadRollouts, InFlight, overlap_s
 from hybridrl.run.phase_file import PhaseFile
 from hybridrl.run.placement import ADAPTER_NAME, Placement, make_placement
@@ -147,11 +148,14 @@ def _install_sigterm() -> None:
 
 
 def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_dir: Path,
-             env_spec: dict[str, Any], progress: bool = True, engine: Engine | None = None) -> list[dict[str, Any]]:
+             env_spec: dict[str, Any], progress: bool = True, engine: Engine | None = None,
+             cores: CoreSplit | None = None) -> list[dict[str, Any]]:
     """Run (or resume) all steps of one configuration; returns the records of every step.
 
-    `engine` is for tests of the loop itself; runs build theirs from the config.
+    `engine` is for tests of the loop itself; runs build theirs from the config. `cores`: which of the job's cores
+    the engine and the trainer use (hybridrl.run.cores; by default split from the job's), recorded in provenance.
     """
+    import torch
     from transformers import AutoTokenizer
 
     _install_sigterm()
@@ -171,7 +175,8 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
     limits = gap_limits(run, model_family(model_config))
     barrier = StartBarrier.from_env()
     sampler = MemorySampler().start()
-    engine = engine or make_engine(run, model_dir, env_spec, paths.logs)
+    cores = cores or split_cores(run, job_cores())
+    engine = engine or make_engine(run, model_dir, engine_env_spec(run, env_spec, cores), paths.logs)
     provenance = RunProvenance(paths.root / "provenance.json")
     engine.on_ports = provenance.add_ports  # every start's, restarts included
     trainer, ctx = None, None
@@ -192,7 +197,7 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
                               run.max_concurrency, run.stream_fraction, run.client_ceiling_s, run.shared_pool)
         placement = make_placement(run.placement, engine, trainer, sampler)
         startup_s = placement.start_engine(adapter)
-        provenance.write(collect(run, engine.describe()))
+        provenance.write(collect(run, engine.describe(), cores.record(torch.get_num_threads())))
         canary = Canary(tokenizer, paths.canary)
         canary.record_baseline(engine)
         ctx = RunContext(run, run_id, problems, tokenizer, engine, trainer, placement, canary, sampler, paths,

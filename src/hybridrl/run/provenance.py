@@ -139,8 +139,9 @@ def scheduler_info(device: str, environ: Mapping[str, str] = os.environ) -> dict
             "visible_devices": environ.get("CUDA_VISIBLE_DEVICES"), "gpus": gpus, "gpus_reason": reason}
 
 
-def collect(run: RunConfig, engine_desc: dict[str, Any] | None) -> dict[str, Any]:
-    """Everything needed to say what this run ran on and to run it again (the run resolved, every key)."""
+def collect(run: RunConfig, engine_desc: dict[str, Any] | None, cores: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything needed to say what this run ran on and to run it again (the run resolved, every key); `cores`:
+    which of the job's CPU cores its engine and trainer used, and their threads (hybridrl.run.cores)."""
     return {
         "schema": SCHEMA_VERSION,
         "created_unix": time.time(),
@@ -154,6 +155,7 @@ def collect(run: RunConfig, engine_desc: dict[str, Any] | None) -> dict[str, Any
         "container": container_info(),
         "engine": engine_desc,
         "scheduler": scheduler_info(run.device),
+        "cores": cores,
     }
 
 

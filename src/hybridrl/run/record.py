@@ -74,7 +74,7 @@ ROLLOUT = (
 # perf/train_tok_s is the trainer's, over its update alone (as perf/mfu); perf/update_actor_tok_s is the loop's, over
 # the whole update_actor phase (the trainer's step as the loop times it: the update and the trainer's overheads around
 # it, such as a worker's round trip; onload, adapter export and the optimizer state handed on are phases of their
-# own). Runs before commit 763d544 (2026-11-27 02:52 UTC) recorded the phase's figure as perf/train_tok_s.
+# own). Older runs recorded the phase's figure as perf/train_tok_s.
 TRAINING = ("perf/train_tokens", "perf/train_tok_s", "perf/update_actor_tok_s", "train/loss", "train/grad_norm",
             "train/kl", "train/clipfrac",
             # the policy's mean entropy over the completion tokens in the update's forward (verl's actor/entropy)

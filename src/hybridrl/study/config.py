@@ -188,7 +188,7 @@ def _check_run(run: RunConfig, where: str) -> None:
     if run.trainer == "none" and run.placement != "colocate":
         raise ConfigError(f"{where}.trainer: 'none' (memory ballast) only makes sense with placement: colocate")
     if run.engine in ("vllm", "vllm-inprocess") and run.vllm_sleep_level == 2:
-        # seen on the H200 (results/reference/2026-11-22-h200, bench probe): reload_weights looks up
+        # seen on the H200 (bench --probe): reload_weights looks up
         # checkpoint names that LoRA wrapping moved under base_layer (vllm-project/vllm#39934)
         raise ConfigError(f"{where}.vllm_sleep_level: 2 does not work with LoRA in vLLM 0.26: waking from it "
                           "reloads the weights, which fails on LoRA-wrapped layers (vllm-project/vllm#39934); "

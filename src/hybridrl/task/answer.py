@@ -6,7 +6,7 @@ The rule, also in the README beside the reward:
 - A number token starts at a digit (or `.` then a digit) that is not glued to a preceding letter or `_`
   (`x2`, `Qwen3`, `v1.2` are words, not numbers), and runs on over digits, letters, and single
   joiners (`,` `.` `/` `:` `'` `_` `^`, dashes and signs, one space) that stand before a digit. So
-  `3,4`, `1.2.3`, `2024-01-05`, `3:45`, `10k` and `0x1F` are each one token, read whole or not at all.
+  `3,4`, `1.2.3`, `1-2-3`, `3:45`, `10k` and `0x1F` are each one token, read whole or not at all.
 - A token counts when it is, in digits of one script (ASCII, Arabic-Indic, Devanagari, fullwidth, ...):
   an integer (`1234`, or thousands in groups of three all split by commas or all by one kind of space:
   `1,234`, `1 234`), a decimal (`0.5`, `.5`, `1,234.50`), a fraction of two integers (`3/4`), or

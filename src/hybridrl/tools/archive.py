@@ -1,4 +1,9 @@
-"""A reproducible artifact archive: results, configs, lock files and a sha256 manifest, with a verifier.
+"""A study's reproducible archive: its results, configs, lock files and a sha256 manifest, with a verifier.
+
+The archive holds one study: its report, plots and steps table, its runs (by run id), its measurements' results
+under results/bench/ (by measurement name), its configs and the lock files. What else lies under results/ (the
+committed studies in results/reference/, results/README.md, other studies' runs and measurements, earlier archives)
+stays out, however much of it the tree holds.
 
 Everything sits under one top directory named after the tarball, so unpacking never spills into
 the current directory. MANIFEST.sha256 uses `sha256sum` format: `cd <top> && sha256sum -c MANIFEST.sha256`
@@ -20,16 +25,25 @@ from typing import BinaryIO
 from hybridrl.atomic import atomic_path
 
 MANIFEST = "MANIFEST.sha256"
-# Fixed metadata so the same inputs give the same bytes (2000-01-01; GNU tar frowns on epoch 0).
+# Fixed metadata so the same inputs give the same bytes (946684800 is the first second of the year 2000; GNU tar
+# frowns on epoch 0).
 MTIME = 946684800
-# Under results/: where archives themselves go, and adapter weights (large; opt in with include_adapters).
-SKIP_TOP = {"archive"}
+# What one study writes under results/ (workflow/rules/report.smk and measure.smk); anything else there belongs to
+# no one study: an allow-list, so that a folder someone adds beside them never rides along unasked.
+STUDY_TOP = {"report.md", "report.html", "steps.csv", "steps.parquet", "plots", "runs", "bench"}
+# Adapter weights are large (opt in with include_adapters); the others are tools' caches.
 SKIP_DIRS = {"adapters", "__pycache__", ".snakemake"}
+# A measurement's files in results/bench/: its result (.json, or .txt for a profile) and its job's SLURM grant
+# (.slurm.json); an engine bench's engine logs lie in bench-logs-<run id>/.
+RESULT_SUFFIXES = (".json", ".txt")
+BENCH_SUFFIXES = (*RESULT_SUFFIXES, ".slurm.json")
+BENCH_LOGS = "bench-logs-"
 _LINE = re.compile(r"^([0-9a-f]{64})  (.+)$")
 
 
 class ArchiveError(RuntimeError):
-    """A file `verify` cannot open as an archive at all, or a run `pack` was asked for that is not there."""
+    """A file `verify` cannot open as an archive at all, or a run or measurement `pack` was asked for that is not
+    there."""
 
 
 def _archive_stem(out_tar: Path) -> str:
@@ -48,24 +62,41 @@ def _walk(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file())
 
 
-def results_members(results_dir: Path, out_tar: Path, include_adapters: bool = False,
-                    run_ids: Collection[str] | None = None) -> dict[str, Path]:
-    """results/<relative path> -> file, leaving out archives, temp files and (by default) adapter weights.
+def _in_bench(name: str, is_dir: bool, bench: Collection[str] | None, run_ids: Collection[str] | None) -> bool:
+    """Whether results/bench/<name> (a file, or the folder the path lies in) is one of the study's measurements'."""
+    if is_dir:
+        return name.startswith(BENCH_LOGS) and (run_ids is None or name[len(BENCH_LOGS):] in run_ids)
+    return bench is None or any(name == f"{b}{suffix}" for b in bench for suffix in BENCH_SUFFIXES)
 
-    With run_ids, only those runs' folders under runs/ go in (results/ may hold other studies' runs).
-    """
+
+def _in_study(rel: PurePosixPath, run_ids: Collection[str] | None, bench: Collection[str] | None) -> bool:
+    """Whether results/<rel> is the study's: a top-level output of STUDY_TOP, one of its runs, or one of its
+    measurements' files (None: every run, every measurement)."""
+    top = rel.parts[0]
+    if top not in STUDY_TOP or (len(rel.parts) == 1 and top in ("runs", "bench")):
+        return False
+    if top == "runs":
+        return run_ids is None or rel.parts[1] in run_ids
+    if top == "bench":
+        return _in_bench(rel.parts[1], len(rel.parts) > 2, bench, run_ids)
+    return True
+
+
+def results_members(results_dir: Path, out_tar: Path, include_adapters: bool = False,
+                    run_ids: Collection[str] | None = None,
+                    bench: Collection[str] | None = None) -> dict[str, Path]:
+    """results/<relative path> -> file for the study's files only (`_in_study`), leaving out temp files and (by
+    default) adapter weights. run_ids and bench name the study's runs and measurements; None takes every one."""
     members: dict[str, Path] = {}
     out = out_tar.resolve()
+    skip_dirs = SKIP_DIRS - ({"adapters"} if include_adapters else set())
     for path in _walk(results_dir):
-        rel = path.relative_to(results_dir)
-        skip_dirs = SKIP_DIRS - ({"adapters"} if include_adapters else set())
-        if rel.parts[0] in SKIP_TOP or skip_dirs & set(rel.parts[:-1]) or _is_temp(path):
+        rel = PurePosixPath(path.relative_to(results_dir).as_posix())
+        if not _in_study(rel, run_ids, bench) or skip_dirs & set(rel.parts[:-1]) or _is_temp(path):
             continue
         if path.resolve() == out:
             continue
-        if run_ids is not None and rel.parts[0] == "runs" and len(rel.parts) > 2 and rel.parts[1] not in run_ids:
-            continue
-        members[f"results/{rel.as_posix()}"] = path
+        members[f"results/{rel}"] = path
     return members
 
 
@@ -134,8 +165,10 @@ def _open_out(tmp: Path, compress: bool) -> tuple[BinaryIO, BinaryIO]:
 
 
 def pack(results_dir: Path, extra_files: Iterable[Path], out_tar: Path, root: Path | None = None,
-         include_adapters: bool = False, run_ids: Collection[str] | None = None) -> Path:
-    """Write out_tar (atomically): results, extra files, requirements/*.txt under root, and MANIFEST.sha256.
+         include_adapters: bool = False, run_ids: Collection[str] | None = None,
+         bench: Collection[str] | None = None) -> Path:
+    """Write out_tar (atomically): the study's results (`results_members`), extra files, requirements/*.txt under
+    root, and MANIFEST.sha256.
 
     Members are sorted and carry fixed metadata, so the same inputs give the same bytes.
     """
@@ -145,7 +178,9 @@ def pack(results_dir: Path, extra_files: Iterable[Path], out_tar: Path, root: Pa
         raise FileNotFoundError(f"{results_dir}: results directory does not exist")
     stem = _archive_stem(out_tar)
     _check_runs(results_dir, run_ids)
-    members = {**extra_members(extra_files, root), **results_members(results_dir, out_tar, include_adapters, run_ids)}
+    _check_bench(results_dir, bench)
+    members = {**extra_members(extra_files, root),
+               **results_members(results_dir, out_tar, include_adapters, run_ids, bench)}
     with atomic_path(out_tar, fsync=True) as tmp:
         raw, stream = _open_out(tmp, compress=not out_tar.name.endswith(".tar"))
         try:
@@ -160,13 +195,29 @@ def pack(results_dir: Path, extra_files: Iterable[Path], out_tar: Path, root: Pa
     return out_tar
 
 
+def _listed(names: list[str]) -> str:
+    """At most ten names, then how many more; 'none' for none."""
+    return ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "") or "none"
+
+
 def _check_runs(results_dir: Path, run_ids: Collection[str] | None) -> None:
     """Every run asked for is a folder under results/runs/: a misspelt id would pack an archive without it."""
     missing = [rid for rid in run_ids or () if not (results_dir / "runs" / rid).is_dir()]
     if missing:
         there = sorted(p.name for p in (results_dir / "runs").glob("*") if p.is_dir())
-        listed = ", ".join(there[:10]) + (f" and {len(there) - 10} more" if len(there) > 10 else "") or "none"
-        raise ArchiveError(f"--runs {' '.join(missing)}: no such run in {results_dir}/runs (runs there: {listed})")
+        raise ArchiveError(f"--runs {' '.join(missing)}: no such run in {results_dir}/runs (runs there: "
+                           f"{_listed(there)})")
+
+
+def _check_bench(results_dir: Path, bench: Collection[str] | None) -> None:
+    """Every measurement asked for has its result in results/bench/, for the same reason."""
+    where = results_dir / "bench"
+    missing = [b for b in bench or () if not any((where / f"{b}{s}").is_file() for s in RESULT_SUFFIXES)]
+    if missing:
+        there = sorted({p.name.removesuffix(".slurm.json").removesuffix(".json").removesuffix(".txt")
+                        for p in where.glob("*") if p.is_file()})
+        raise ArchiveError(f"--bench {' '.join(missing)}: no such measurement in {where} (results there: "
+                           f"{_listed(there)})")
 
 
 def _parse_manifest(text: str) -> tuple[dict[str, str], list[str]]:

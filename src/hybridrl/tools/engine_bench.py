@@ -6,7 +6,7 @@ engine: no trainer, no sleep/wake, no checks. Each repeat measures the paths of 
 bypasses the rollout client (`Engine.generate_raw`); `client`, the run's own rollout client with its share of
 streamed requests; `whole`, the same client with nothing streamed (so `client` against `whole` is the price of
 the streamed share, `whole` against `raw` the client's own); `stream_all`, the client streaming every request;
-and `old_client`, every request streamed through one shared pool (the path before 2026-11-23). The in-loop
+and `old_client`, every request streamed through one shared pool (the older results' path). The in-loop
 rollout of a run should reach at least 95% of the raw throughput.
 
     python -m hybridrl bench --run-config results/runs/R/config.json --model M --data D \\
@@ -26,6 +26,7 @@ from hybridrl.atomic import write_text
 from hybridrl.engines import make_engine
 from hybridrl.engines.base import ROLLOUT_PATHS, Engine, EngineError, Request, Sampling
 from hybridrl.nvml import used_gb
+from hybridrl.run.cores import engine_env_spec, job_cores, split_cores
 from hybridrl.run.loop import step_requests
 from hybridrl.run.placement import ADAPTER_NAME
 from hybridrl.run.telemetry import read_records, rollout_stats
@@ -81,8 +82,8 @@ def probe_engine(engine: Engine, prompt: list[int], adapter: Path | None) -> dic
 
 # the paths a rollout can take, measured interleaved on one engine start so that a drift hits them alike:
 # raw (no rollout client), the run's own client and mix of streamed requests, the same client streaming every
-# request, and the client every committed result before 2026-11-23 went through (one shared connection pool,
-# every request streamed; server engines only)
+# request, and the earlier client the older committed results went through (one shared connection pool, every
+# request streamed; server engines only)
 PATHS = ROLLOUT_PATHS
 
 
@@ -113,7 +114,9 @@ def run_bench(spec: RunSpec, model_dir: Path, data_dir: Path, run_dir: Path, ste
         adapter = run_dir / "adapters" / f"step-{step - 1:04d}"
         if not adapter.exists():
             raise FileNotFoundError(f"adapter {adapter} (written by step {step - 1} of the run)")
-    engine = make_engine(run, model_dir, spec.engine_env, log_dir)
+    # the engine on the cores it had in its run, so that its raw throughput and the run's in-loop one compare
+    cores = split_cores(run, job_cores())
+    engine = make_engine(run, model_dir, engine_env_spec(run, spec.engine_env, cores), log_dir)
     if not engine.has_http_client:  # in-process vLLM has no HTTP client, old or new
         paths = tuple(p for p in paths if p != "old_client")
     reps: list[dict[str, Any]] = []
@@ -149,7 +152,7 @@ def run_bench(spec: RunSpec, model_dir: Path, data_dir: Path, run_dir: Path, ste
         "engine_start_s": start_s, "tok_s_median": medians, "raw_tok_s_median": raw,
         "over_raw": {p: (m / raw if m and raw else None) for p, m in medians.items()},
         "in_loop_tok_s": in_loop, "in_loop_over_raw": (in_loop / raw) if in_loop and raw else None,
-        "goal": 0.95, "probe": probed,
+        "goal": 0.95, "probe": probed, "cores": cores.record(),
     }
 
 

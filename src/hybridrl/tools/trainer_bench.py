@@ -10,7 +10,7 @@ the optimizer state (the loop's save_state phase): written on a thread, it overl
 run, but nothing here, so the next update starts only once it is on disk. The first update is a warm-up and is left
 out. Peak memory is NVML's reading of the GPUs (sampled every 50 ms during the updates), torch's peak where NVML is
 absent, None on CPU. The model is a random-init checkpoint of the shape (no download), built once under --workdir;
---vocab gives it another vocabulary (151936: Qwen3's, as the study models have since issue 17; the shapes keep the
+--vocab gives it another vocabulary (151936: Qwen3's, as the study models have; the shapes keep the
 768 their first results were measured with).
 Micro-batches are packed (pack_sequences) unless --no-pack; --varied draws each completion's length, where padding
 would cost.
@@ -49,8 +49,8 @@ class Shape:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-# The issue's two shapes, as the study configs build them (config/gpu-h200.yaml qwen3-0.6b-random-v768 and
-# config/gpu-4xh200-moe.yaml qwen3-30b-a3b-random: their tokenizer gives a vocab of 768), with the issue's
+# The studies' two shapes, as the study configs build them (config/gpu-h200.yaml qwen3-0.6b-random-v768 and
+# config/gpu-4xh200-moe.yaml qwen3-30b-a3b-random: their tokenizer gives a vocab of 768), with their
 # batches (128 x 256 and 64 x 256 completion tokens after a 128-token prompt); `tiny` is for CPU tests.
 SHAPES: dict[str, Shape] = {
     "qwen3-0.6b": Shape("qwen3", dict(
@@ -99,7 +99,7 @@ def random_model(path: Path, shape: Shape, dtype: str, isolate: bool | None = No
 
     isolate (default: where there is a GPU, whose shapes are the large ones) builds it in a child process, whose
     memory the host gets back before a trainer loads it: the 61 GB MoE build and a trainer in one process passed
-    the host's 128 GiB twice (2026-11-24). Written to a temporary directory and renamed when whole: a write that
+    the host's 128 GiB twice. Written to a temporary directory and renamed when whole: a write that
     failed half way (the disk filled at that shape) leaves no config.json a later call would take for a checkpoint.
     """
     if (path / "config.json").exists():
@@ -323,7 +323,7 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
         "updates": updates, "micro_batch": micro_batch, "micro_batch_tokens": micro_batch_tokens,
         "pack_sequences": pack, "peft_lora": peft_lora, "megatron_permute": megatron_permute,
         "device": device_name(device) or "cpu", "torch": torch.__version__, "lora_targets": list(shape.lora_targets),
-        # the same code's update moved by tens of percent between two leases' hosts (2026-11-24): say which ran it
+        # the same code's update moved by tens of percent between two leases' hosts: say which ran it
         "host": host_info(), "git": git_info(),
     }
     for kind in trainers:

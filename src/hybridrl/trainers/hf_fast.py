@@ -1,5 +1,5 @@
 """Changes to the HF + PEFT model that keep its math and drop launches and copies the profiles showed
-(trainer-profile, H200, 2026-11-24): adapter inputs stay in the activations' dtype, each adapter's output is added
+(trainer-profile on an H200): adapter inputs stay in the activations' dtype, each adapter's output is added
 inside its last matmul, and transformers' RMSNorms run through torch's fused kernel."""
 
 from __future__ import annotations

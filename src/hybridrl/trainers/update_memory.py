@@ -1,6 +1,6 @@
 """What a trainer's update held on its GPU by torch's allocator: the peak of live tensors during the update, and what
 the allocator's cache keeps after it. A trainer on a GPU of its own (split) never empties that cache, so NVML's
-figure for its GPU (46 GB in the 2026-11-26 placement study's split HF runs, where the colocated twins' GPU, the
+figure for its GPU (46 GB in a placement study's split HF runs on an H200, where the colocated twins' GPU, the
 engine asleep beside the trainer, peaked at 33 GB in the update) reads the cache, not what the update needs; these
 two say which."""
 

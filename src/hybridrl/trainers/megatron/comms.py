@@ -1,10 +1,10 @@
 """The Megatron workers' process groups torn down at offload and made again at onload (run.release_comms).
 
 At TP > 1 each NCCL communicator keeps its buffers on the GPU for as long as it lives, and a colocated trainer
-leaves more than its CUDA context beside the engine (1.19 GB a rank at TP 2 against 0.74 GB at TP 1,
-results/reference/2026-11-27-2xh200-tp2residual). torch 2.11 has no way to suspend a communicator (NCCL 2.29.7's
+leaves more than its CUDA context beside the engine (1.19 GB a rank at TP 2 against 0.74 GB at TP 1 on two
+H200s). torch 2.11 has no way to suspend a communicator (NCCL 2.29.7's
 ncclCommSuspend reaches torch in 2.12), so the groups are destroyed and made again, as slime's reloadable process
-groups do. Measured, that gave back a few tens of MB a rank (results/reference/2026-11-27-2xh200-tp2release):
+groups do. Measured, that gave back a few tens of MB a rank:
 with the small buffers the trainer asks for, the rest of the excess lives outside the communicators. Megatron's
 layers keep the groups they were built with, so after the new groups exist every reference to an old one, in the
 model's modules and the objects they hold, is pointed at its successor.

@@ -3,7 +3,7 @@
 Without TE's fused permute, megatron's `permute` gathers each token's copies into expert order (index_select),
 whose backward is an atomic `index_add_` of 6144 x 8 rows, and its `unpermute` sums the experts' outputs back with
 an atomic `scatter_add_`. On one H200 these two took about 15% of a 48-layer Qwen3-30B-A3B-shaped update's GPU time
-(results/reference/2026-11-25-h200-moerounds, profile). Where every token has exactly top-k local experts (one
+(trainer-profile). Where every token has exactly top-k local experts (one
 expert-parallel rank, no capacity dropping), the copies of a token are the rows t*k .. t*k+k-1 of a token-major
 layout, so both directions become a gather with a permutation and a sum over k: no atomics, and a sum that rounds
 once instead of once per expert. Several expert-parallel ranks or a capacity fall back to megatron's own code; a

@@ -4,7 +4,7 @@ forward hook.
 The adapters of one base linear (q/k/v on linear_qkv, gate/up on linear_fc1) run as one site: one matmul for
 their stacked A, and one addmm that adds h @ B^T, with B the adapters' block diagonal arranged in the fused
 layout and scaled, into the base output. Per-adapter matmuls, a scaled copy and a concatenation of each delta
-and a separate add cost the host more launches than the GPU work they did (trainer-profile, H200, 2026-11-24).
+and a separate add cost the host more launches than the GPU work they did (trainer-profile on an H200).
 TP ranks hold these shards (the collectives are megatron's autograd mappings, plus _GatherLastDim):
   column-parallel base (x full, output split):
       A split on r: h = gather(x @ A^T), full r      B split on out, like the base output

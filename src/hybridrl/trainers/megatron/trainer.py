@@ -19,6 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from hybridrl.run.cores import rank_threads
 from hybridrl.run.record import STRINGS
 from hybridrl.study.run_config import RunConfig
 from hybridrl.trainers.base import Sample, TrainResult
@@ -34,11 +35,9 @@ class MegatronWorkerError(RuntimeError):
 
 # NCCL's communicator buffers stay on the GPU while the engine runs (offload cannot move them). On two
 # H200s at TP 2 these cut the trainer's residual from 1.57 to 1.13 GiB (1.68 to 1.21 GB) at the same throughput
-# (4,630 vs 4,637 tok/s); one channel of 256 KB gave 1.10 GiB but cost 28% (results/reference/2026-11-22-h200-megatron,
-# recorded when mem/trainer_*_gb were GiB).
+# (4,630 vs 4,637 tok/s); one channel of 256 KB gave 1.10 GiB but cost 28%.
 # Megatron's groups stay lazily made, one communicator each: starting the world's at once (device_id) so that torch
-# splits the groups from it left 1.55 GB (1.44 with NCCL_COMM_SPLIT_SHARE_RESOURCES=1) against 1.19 GB
-# (results/reference/2026-11-27-2xh200-tp2residual).
+# splits the groups from it left 1.55 GB (1.44 with NCCL_COMM_SPLIT_SHARE_RESOURCES=1) against 1.19 GB.
 # Set either variable to override.
 SMALL_NCCL_BUFFERS = {"NCCL_BUFFSIZE": str(1 << 20), "NCCL_MAX_NCHANNELS": "2"}
 
@@ -116,8 +115,12 @@ class MegatronTrainer:
     def _launch(self, extra_env: dict[str, str] | None) -> subprocess.Popen:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SRC), env.get("PYTHONPATH", "")) if p)
-        # torchrun pins OMP_NUM_THREADS=1 when unset; on CPU share the cores between ranks instead
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.tp)))
+        # torchrun pins OMP_NUM_THREADS=1 when unset; on CPU the ranks share the trainer's threads instead (the
+        # controller's OMP_NUM_THREADS: hybridrl.run.cores sizes it to the trainer's cores)
+        if self.device == "cpu":
+            env["OMP_NUM_THREADS"] = str(rank_threads(env.get("OMP_NUM_THREADS"), self.tp))
+        else:
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.tp)))
         env.setdefault("PYTHONWARNINGS", "ignore")
         env.update({k: v for k, v in SMALL_NCCL_BUFFERS.items() if k not in env})
         if extra_env:

@@ -57,7 +57,7 @@ def pid_alive(pid: int) -> bool:
 
 
 # the longest sleep between two looks for a job or a result file: each side's wait adds up to this to every job, and
-# at 50 ms an update's wall time came in 50 ms steps (48-layer benchmarks, 2026-11-25); a stat every 5 ms costs nothing
+# at 50 ms an update's wall time came in 50 ms steps (48-layer benchmarks); a stat every 5 ms costs nothing
 POLL_MAX_S = 0.005
 
 
@@ -80,7 +80,7 @@ def freeze_long_lived() -> int:
     A worker holds hundreds of thousands of objects (torch, megatron, the model's modules); Python's full
     collection walks them all (0.23 s for a tiny MoE model's worker on a CPU), and one such pass fell inside an
     early update: the second timed 48-layer Megatron update was 0.25 to 0.6 s slower than the others in every
-    process of four leases on 2026-11-25, HF's never. Frozen objects are still freed by reference counting.
+    process of four leases, HF's never. Frozen objects are still freed by reference counting.
     """
     gc.collect()
     gc.freeze()

@@ -208,9 +208,9 @@ def test_a_key_added_later_keeps_recorded_ids_at_its_default_and_changes_them_wh
     recorded = {p.name for p in (config.REPO / "results/reference/2026-11-26-2xh200-placement/runs").iterdir()}
     ids = set(load_study(study).runs)
     assert recorded and recorded <= ids
-    for key in ("rollout_process", "replicate_seeds"):
+    for key, value in (("rollout_process", True), ("replicate_seeds", True), ("chunked_head", False)):
         raw = yaml.safe_load(study.read_text())
-        raw["runs"][0][key] = True
+        raw["runs"][0][key] = value
         changed = set(resolve(raw).runs) - ids
         assert len(changed) == 3 and all(rid.startswith("sglang-colocate-") for rid in changed), key  # 3 replicates
 

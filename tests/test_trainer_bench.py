@@ -72,6 +72,20 @@ def test_trainer_bench_vocab_builds_a_model_of_its_own_with_that_many_rows(tmp_p
     assert rep["hf"]["update_flops"] > base["hf"]["update_flops"]
 
 
+def test_chunked_head_runs_both_trainers_to_the_full_logits_loss(tmp_path: Path) -> None:
+    from hybridrl.tools.trainer_bench import main as bench
+
+    full = bench("tiny", ["hf", "megatron"], 1, "cpu", tmp_path, None)
+    out = tmp_path / "chunked.json"
+    assert main(["trainer-bench", "--shape", "tiny", "--device", "cpu", "--updates", "1", "--chunked-head",
+                 "--workdir", str(tmp_path), "--out", str(out)]) == 0
+    chunked = json.loads(out.read_text())
+    assert chunked["chunked_head"] is True and full["chunked_head"] is False
+    for kind in ("hf", "megatron"):  # what each trainer ran, as its update reported it
+        assert chunked[kind]["chunked_head"] is True and full[kind]["chunked_head"] is False
+        assert full[kind]["last_loss"] == pytest.approx(chunked[kind]["last_loss"], abs=1e-6)
+
+
 def test_trainer_bench_megatron_permute_is_the_same_update_through_megatrons_dispatcher(tmp_path: Path) -> None:
     from hybridrl.tools.trainer_bench import main as bench
 

@@ -18,6 +18,9 @@ from hybridrl.atomic import check_writable, write_text
 from hybridrl.engines.base import ROLLOUT_PATHS as BENCH_PATHS
 from hybridrl.study.config import ConfigError, load_study, read_run_spec
 
+# the trainer tools' switch to the model's full logits: the output head's before-and-after within one lease
+CHUNKED_HEAD = "the trainers with the chunked output head (chunked_head true), not the model's full logits"
+
 
 def _validate(args: argparse.Namespace) -> None:
     from hybridrl.task.lengths import check_study
@@ -172,7 +175,7 @@ def _trainer_bench(args: argparse.Namespace) -> None:
                        Path(args.out) if args.out else None, micro_batch=args.micro_batch,
                        micro_batch_tokens=args.micro_batch_tokens, samples=args.samples, pack=not args.no_pack,
                        varied=args.varied, peft_lora=args.peft_lora, megatron_permute=args.megatron_permute,
-                       vocab=args.vocab)
+                       vocab=args.vocab, chunked_head=args.chunked_head)
 
 
 def _trainer_profile(args: argparse.Namespace) -> None:
@@ -186,7 +189,8 @@ def _trainer_profile(args: argparse.Namespace) -> None:
     check_writable(Path(args.out))
     profile_main(args.shape, args.trainer, args.device, Path(args.workdir), Path(args.out),
                  micro_batch=args.micro_batch, pack=not args.no_pack, varied=args.varied,
-                 megatron_permute=args.megatron_permute, export=args.export, vocab=args.vocab)
+                 megatron_permute=args.megatron_permute, export=args.export, vocab=args.vocab,
+                 chunked_head=args.chunked_head)
 
 
 def _client_ceiling(args: argparse.Namespace) -> None:
@@ -409,6 +413,7 @@ def parser() -> argparse.ArgumentParser:
                    "hybridrl's gathers")
     s.add_argument("--vocab", type=int, help="output rows of the model (default: the shape's 768, or 64 for the "
                    "tiny shapes); 151936 is Qwen3's")
+    s.add_argument("--chunked-head", action="store_true", help=CHUNKED_HEAD)
     s.add_argument("--workdir", required=True, help="the random-init model and the adapters go here")
     s.add_argument("--out", help="JSON result")
     s.set_defaults(fn=_trainer_bench)
@@ -427,6 +432,7 @@ def parser() -> argparse.ArgumentParser:
                    help="profile the adapter export and the optimizer state's write after the update too")
     s.add_argument("--vocab", type=int, help="output rows of the model (default: the shape's 768, or 64 for the "
                    "tiny shapes); 151936 is Qwen3's")
+    s.add_argument("--chunked-head", action="store_true", help=CHUNKED_HEAD)
     s.add_argument("--workdir", required=True, help="the random-init model goes here")
     s.add_argument("--out", required=True, help="the operator table (text)")
     s.set_defaults(fn=_trainer_profile)

@@ -84,9 +84,10 @@ TRAINING = ("perf/train_tokens", "perf/train_tok_s", "perf/update_actor_tok_s", 
             # trainer GPU, the update's model FLOPs, and whether the frozen base stayed on the GPU during rollout;
             # which kernel ran the MoE experts (grouped_mm, or loop / eager per expert; null for a dense model);
             # how many times the Megatron ranks' process groups were made again after an offload freed them
-            # (release_comms; null where they are never freed)
+            # (release_comms; null where they are never freed); whether the output head ran chunk by chunk over the
+            # completion tokens (chunked_head) rather than as the model's full logits
             "perf/mfu", "perf/train_tok_s_per_gpu", "perf/update_flops", "train/keep_base_on_gpu",
-            "train/experts_impl", "train/comms_remade")
+            "train/experts_impl", "train/comms_remade", "train/chunked_head")
 # mem/used_gb_train is the sampler's update_actor phase; mem/trainer_gb_gen is NVML over the trainer's processes
 MEMORY = ("mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacity_tokens", "mem/trainer_gb_gen",
           # NVML on the engine's GPUs right after its sleep and its wake, and what the controller holds there

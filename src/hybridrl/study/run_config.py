@@ -101,6 +101,14 @@ class RunConfig(_Frozen):
         "bound (results/reference/2026-11-27-2xh200-tp2release)")
     train_dtype: Literal["bf16", "fp32"] | None = Field(
         None, description="megatron trainer: dtype of the base weights (default bf16 on cuda, fp32 on cpu)")
+    chunked_head: bool = Field(
+        False, description="the trainers run the output head chunk by chunk over the completion tokens, keeping only "
+        "each token's logprob and entropy and recomputing a chunk's logits in the backward, so that no [tokens, "
+        "vocabulary] logits are held (src/hybridrl/trainers/chunked_head.py; the full path's values and gradients "
+        "to fp32 rounding); false (until a GPU lease has measured it): the model's logits at every position, then the "
+        "log-softmax. The HF trainer "
+        "takes it for llama, qwen2, qwen3 and qwen3_moe checkpoints and the full logits otherwise; recorded as "
+        "train/chunked_head")
     rollout_is: Literal["off", "truncate", "mask"] = Field(
         "off", description="importance-sampling correction for samples the engine drew from an older adapter "
         "(overlap), with its rollout logprobs as the behaviour policy: truncate caps each token's weight at "
@@ -188,7 +196,7 @@ class RunSpec(_Frozen):
 
 # keys added after reference results were recorded: out of the hash while they hold their default, so that those
 # results keep their ids (and a study's later rounds join its earlier ones); a run that sets one gets an id of its own
-_LATE_KEYS = {"rollout_process": False, "release_comms": False, "replicate_seeds": False}
+_LATE_KEYS = {"rollout_process": False, "release_comms": False, "replicate_seeds": False, "chunked_head": False}
 
 # a replicate's suffix: after the 8-hex hash, so no readable prefix (`name`) can look like one
 _REPLICATE = re.compile(r"^(?P<config>.+-[0-9a-f]{8})(?:-r(?P<k>[0-9]+))?$")

@@ -13,7 +13,9 @@ absent, None on CPU. The model is a random-init checkpoint of the shape (no down
 --vocab gives it another vocabulary (151936: Qwen3's, as the study models have; the shapes keep the
 768 their first results were measured with).
 Micro-batches are packed (pack_sequences) unless --no-pack; --varied draws each completion's length, where padding
-would cost.
+would cost. --chunked-head runs the trainers with the chunked output head (chunked_head true) instead of the
+model's full logits, the output head's
+before-and-after within one lease.
 """
 
 from __future__ import annotations
@@ -181,10 +183,10 @@ class PeakMemory:
 
 
 def bench_run(shape: Shape, trainer: str, device: str, micro_batch: int, micro_batch_tokens: int | None,
-              pack: bool = True) -> RunConfig:
+              pack: bool = True, chunked_head: bool = False) -> RunConfig:
     return RunConfig(model="bench", trainer=trainer, device=device, seed=0, lr=1e-5, weight_decay=0.0,
                      clip_eps=0.2, kl_coef=0.0, grad_clip=1.0, micro_batch=micro_batch,
-                     micro_batch_tokens=micro_batch_tokens, pack_sequences=pack,
+                     micro_batch_tokens=micro_batch_tokens, pack_sequences=pack, chunked_head=chunked_head,
                      lora=RunLora(rank=8, alpha=16.0, dropout=0.0, target_modules=shape.lora_targets))
 
 
@@ -241,6 +243,8 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
         "mfu_median": None if any(math.isnan(m) for m in mfu) else statistics.median(mfu),
         "update_flops": metrics["perf/update_flops"], "peak_gb": mem.peak_gb, "last_loss": metrics["train/loss"],
         "experts_impl": metrics.get("train/experts_impl"), "moe_permute": getattr(trainer, "moe_permute", None),
+        # whether the output head ran chunked (the HF trainer keeps the full logits for a head it does not know)
+        "chunked_head": metrics.get("train/chunked_head"),
         "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg(),
     }
 
@@ -257,9 +261,10 @@ def summary_table(report: dict[str, Any], trainers: list[str]) -> Any:
     """A rich table of each trainer's medians: the update and its parts, completion tokens/s, MFU, peak memory."""
     from rich.table import Table
 
-    table = Table(title=f"trainer-bench {report['shape']} (vocab {report.get('vocab', '?')}): {report['samples']} "
-                        f"samples, micro-batch {report['micro_batch']}, {report['updates']} timed updates, "
-                        f"{report['device']}")
+    head = ", chunked head" if report.get("chunked_head") else ""
+    table = Table(title=f"trainer-bench {report['shape']} (vocab {report.get('vocab', '?')}{head}): "
+                        f"{report['samples']} samples, micro-batch {report['micro_batch']}, {report['updates']} "
+                        f"timed updates, {report['device']}")
     # seconds (medians), completion tokens/s over the compute
     for col in ("trainer", "update s", "compute s", "export s", "rest s", "state s", "tok/s", "MFU", "peak GB"):
         table.add_column(col, justify="right")
@@ -302,7 +307,7 @@ def check_options(shape_name: str, trainers: list[str], peft_lora: bool, megatro
 def main(shape_name: str, trainers: list[str], updates: int, device: str, workdir: Path, out: Path | None,
          micro_batch: int = 8, micro_batch_tokens: int | None = None, samples: int | None = None,
          pack: bool = True, varied: bool = False, peft_lora: bool = False,
-         megatron_permute: bool = False, vocab: int | None = None) -> dict[str, Any]:
+         megatron_permute: bool = False, vocab: int | None = None, chunked_head: bool = False) -> dict[str, Any]:
     """Benchmark the trainers on the shape's fixed batch; prints and returns one JSON object (and writes it)."""
     import torch
 
@@ -322,12 +327,13 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
         "completion_tokens": sum(len(x.completion_ids) for x in batch),
         "updates": updates, "micro_batch": micro_batch, "micro_batch_tokens": micro_batch_tokens,
         "pack_sequences": pack, "peft_lora": peft_lora, "megatron_permute": megatron_permute,
+        "chunked_head": chunked_head,
         "device": device_name(device) or "cpu", "torch": torch.__version__, "lora_targets": list(shape.lora_targets),
         # the same code's update moved by tens of percent between two leases' hosts: say which ran it
         "host": host_info(), "git": git_info(),
     }
     for kind in trainers:
-        run = bench_run(shape, kind, device, micro_batch, micro_batch_tokens, pack)
+        run = bench_run(shape, kind, device, micro_batch, micro_batch_tokens, pack, chunked_head)
         report[kind] = bench_trainer(kind, model, run, batch, updates, workdir, peft_lora, megatron_permute)
         if device == "cuda":
             torch.cuda.empty_cache()

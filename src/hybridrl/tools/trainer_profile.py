@@ -112,7 +112,7 @@ def ranges_table(events: Any) -> str:
 
 def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, micro_batch: int = 8,
          pack: bool = True, varied: bool = False, rows: int = 40, megatron_permute: bool = False,
-         export: bool = False, vocab: int | None = None) -> str:
+         export: bool = False, vocab: int | None = None, chunked_head: bool = False) -> str:
     """Profile one update of `trainer` on the shape's fixed batch (and its export, with `export`); writes and
     returns the table."""
     import torch
@@ -123,7 +123,7 @@ def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, m
     workdir.mkdir(parents=True, exist_ok=True)
     model = shape_model(workdir, shape_name, shape, device)
     samples = fixed_batch(shape.config["vocab_size"], shape.samples, shape.prompt, shape.completion, varied=varied)
-    run = bench_run(shape, trainer, device, micro_batch, None, pack)
+    run = bench_run(shape, trainer, device, micro_batch, None, pack, chunked_head)
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     if device == "cuda":
         torch.cuda.set_device(dev)
@@ -152,7 +152,8 @@ def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, m
     finally:
         close()
     sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    flags = (" megatron-permute" if megatron_permute else "") + (" with its export" if export else "")
+    flags = ((" megatron-permute" if megatron_permute else "") + (" chunked-head" if chunked_head else "")
+             + (" with its export" if export else ""))
     head = (f"trainer-profile {shape_name} {trainer} micro_batch {micro_batch} pack {pack} "
             f"lengths {'varied' if varied else 'fixed'} device {device}{flags}: profiled update {wall:.3f} s\n")
     by_shape = prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=rows)

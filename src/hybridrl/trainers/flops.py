@@ -13,6 +13,11 @@ The count (also in README.md, "Trainer throughput and MFU"):
 - passes: 3 for the policy's forward and backward (backward = 2 x forward, the usual MFU convention, though
   LoRA skips the frozen weights' gradients), plus 1 for the reference forward when kl_coef > 0.
   LoRA's own matmuls (rank r << hidden) are left out.
+
+These are the model's FLOPs, not the kernels': the trainers' chunked head (chunked_head.py) runs the output head at
+the completion targets alone and computes its logits twice (in the forward and again in the backward), and the
+count still takes the head at every token over the three passes. So it depends on the shape and the batch alone,
+and MFU with and without the chunked head compares their update times.
 """
 
 from __future__ import annotations

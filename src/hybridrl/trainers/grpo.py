@@ -23,12 +23,15 @@ from hybridrl.trainers.packing import Packed, pack
 class Batch:
     """Prompt + completion rows, right padded: ids [B, T], attention [B, T], and the completion mask over
     the T-1 targets (target t is token t+1). With `packed`, the forward runs on the packed row instead and
-    returns its logprobs in this padded layout (Packed.unpack)."""
+    returns its logprobs in this padded layout (Packed.unpack). completion [2, M]: the (row, col) of each
+    completion target, the mask's nonzero found on the host (pad_batch), so that a forward which computes only
+    those positions never waits for the device to find them."""
 
     ids: torch.Tensor
     attention: torch.Tensor
     mask: torch.Tensor
     packed: Packed | None = None
+    completion: torch.Tensor | None = None
 
     @property
     def inputs(self) -> torch.Tensor:
@@ -41,7 +44,12 @@ class Batch:
 
     def to(self, device: torch.device | str) -> Batch:
         return Batch(self.ids.to(device), self.attention.to(device), self.mask.to(device),
-                     None if self.packed is None else self.packed.to(device))
+                     None if self.packed is None else self.packed.to(device),
+                     None if self.completion is None else self.completion.to(device))
+
+    def completion_at(self) -> torch.Tensor:
+        """completion, or the mask's nonzero where the batch was built without it (the device is waited for)."""
+        return self.completion if self.completion is not None else self.mask.nonzero().t()
 
 
 def pad_batch(samples: list[Sample], pad_id: int = 0) -> Batch:
@@ -55,7 +63,7 @@ def pad_batch(samples: list[Sample], pad_id: int = 0) -> Batch:
         attention[i, : len(seq)] = 1
         # completion targets start at len(prompt) - 1: that position predicts the first completion token
         mask[i, len(s.prompt_ids) - 1 : len(seq) - 1] = True
-    return Batch(ids, attention, mask)
+    return Batch(ids, attention, mask, completion=mask.nonzero().t())
 
 
 def micro_batches(samples: list[Sample], run: RunConfig) -> list[list[Sample]]:
@@ -80,7 +88,8 @@ def micro_batches(samples: list[Sample], run: RunConfig) -> list[list[Sample]]:
 
 
 # a trainer's forward: (batch, entropy wanted) -> per-token log p(target) [B, T-1] in fp32 and, when wanted, the
-# policy's entropy at each of those positions [B, T-1] (detached; else None)
+# policy's entropy at each of those positions [B, T-1] (detached; else None). Only the positions in batch.mask are
+# read: a forward may leave the others 0 (the trainers' chunked head computes the completion targets alone)
 LogprobFn = Callable[[Batch, bool], tuple[torch.Tensor, torch.Tensor | None]]
 
 

@@ -24,6 +24,7 @@ from hybridrl.trainers.adapter_files import (
     write_adapter_dir,
 )
 from hybridrl.trainers.base import Sample, TrainResult, lora_b_norm
+from hybridrl.trainers.chunked_head import completion_logprobs
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
 from hybridrl.trainers.hf_fast import fuse_lora_outputs, fuse_rms_norms, keep_adapter_inputs
@@ -31,6 +32,8 @@ from hybridrl.trainers.offload import optimizer_state_to, optimizer_state_to_cpu
 from hybridrl.trainers.packing import varlen_causal_attention
 
 PACKED_ATTENTION = "hybridrl_packed"  # the attention implementation registered with transformers for packed rows
+# causal LMs whose logits are their lm_head on the decoder's last hidden state, with no scaling or capping
+PLAIN_HEAD_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -68,6 +71,17 @@ def experts_implementation(model_dir: Path, device: torch.device, dtype: torch.d
     if model_family(config) != "moe":
         return {}
     return {"experts_implementation": "grouped_mm" if grouped_mm.kernel_runs(device.type, dtype) else "eager"}
+
+
+def plain_head(causal_lm: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """(decoder, output head) of a transformers causal LM whose logits are head(decoder(...).last_hidden_state)
+    alone, for the chunked head (chunked_head.py); None for any other, which keeps the model's own logits."""
+    head = causal_lm.get_output_embeddings()
+    decoder = causal_lm.base_model
+    if (causal_lm.config.model_type not in PLAIN_HEAD_TYPES or type(head) is not torch.nn.Linear
+            or head.bias is not None or decoder is causal_lm):
+        return None
+    return decoder, head
 
 
 def peft_state_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -118,6 +132,8 @@ class HFTrainer:
         if fuse_lora:
             fuse_lora_outputs(self.model)
         fuse_rms_norms(self.model)
+        # run.chunked_head: the decoder's hidden states and the head's logprobs chunk by chunk, no full logits
+        self.head = plain_head(self.model.get_base_model()) if run.chunked_head else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # adapter_config.json as PEFT's save_pretrained writes it (for inference), built once
         config = copy.deepcopy(self.model.peft_config["default"])
@@ -134,15 +150,23 @@ class HFTrainer:
 
     # -- the step --------------------------------------------------------------------------------
     def _logprobs(self, batch: Batch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """grpo.LogprobFn: per-token logprobs [B, T-1] and, if asked, the entropy at each position."""
+        """grpo.LogprobFn: per-token logprobs [B, T-1] and, if asked, the entropy at each position (with the
+        chunked head at the completion targets alone)."""
         p = batch.packed
+        # packed: no attention mask: packed_attention keeps the sequences apart; RoPE restarts in each
+        inputs = (dict(input_ids=batch.ids, attention_mask=batch.attention) if p is None else
+                  dict(input_ids=p.ids, position_ids=p.positions, cu_seq_lens_q=p.cu_seqlens,
+                       cu_seq_lens_k=p.cu_seqlens, max_length_q=p.max_len, max_length_k=p.max_len))
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            if p is None:
-                logits = self.model(input_ids=batch.ids, attention_mask=batch.attention).logits[:, :-1]
-            else:  # no attention mask: packed_attention keeps the sequences apart; RoPE restarts in each
-                logits = self.model(input_ids=p.ids, position_ids=p.positions, cu_seq_lens_q=p.cu_seqlens,
-                                    cu_seq_lens_k=p.cu_seqlens, max_length_q=p.max_len,
-                                    max_length_k=p.max_len).logits[:, :-1]
+            if self.head is not None:
+                decoder, head = self.head
+                hidden = decoder(**inputs, use_cache=False).last_hidden_state  # [B, T, H]; packed [1, N, H]
+                at = batch.completion_at()
+                # the position that predicts each completion target, in the flat [B * T] or packed [N] positions
+                index = at[1] + (at[0] * batch.ids.shape[1] if p is None else p.cu_seqlens[at[0]].long())
+                return completion_logprobs(hidden.reshape(-1, hidden.shape[-1]), index, at, batch.targets,
+                                           head.weight, entropy)
+            logits = self.model(**inputs).logits[:, :-1]
         logp, ent = token_logprobs_entropy(logits, batch.targets if p is None else p.targets, entropy=entropy)
         if p is None:
             return logp, ent
@@ -179,6 +203,7 @@ class HFTrainer:
             "train/lora_norm": lora_b_norm(self.adapter_params.items()),  # on the device: one fused norm
             "train/keep_base_on_gpu": self.run.keep_base_on_gpu,
             "train/experts_impl": self.experts_impl,
+            "train/chunked_head": self.head is not None,
             "timing_s/save_adapter": save_s,
         })
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from hybridrl.task.rl import LOGSOFTMAX_CHUNK_BYTES, logit_chunks, token_logprob
 from hybridrl.trainers import update_memory
 from hybridrl.trainers.adapter_files import HostStaging, StateWriter, write_adapter_dir
 from hybridrl.trainers.base import Sample, lora_b_norm
+from hybridrl.trainers.chunked_head import completion_logprobs
 from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward
 from hybridrl.trainers.megatron import export
@@ -60,6 +62,13 @@ def vocab_parallel_entropy(logits: torch.Tensor, chunk_bytes: int = LOGSOFTMAX_C
     dist.all_reduce(z, group=group)
     dist.all_reduce(ex, group=group)
     return z.log() - ex / z
+
+
+def hidden_and_head(hidden_states: torch.Tensor, output_layer: torch.nn.Module, output_weight: torch.Tensor | None,
+                    **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTModel's output_processor for the chunked head: the decoder's final hidden states [s, b, H] and this rank's
+    rows of the output head (the embedding's where they are tied), in place of the logits."""
+    return hidden_states, output_layer.weight if output_weight is None else output_weight
 
 
 class MegatronPolicy:
@@ -111,17 +120,29 @@ class MegatronPolicy:
     # -- forward ---------------------------------------------------------------------------------------
     def logprobs(self, batch: Batch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """grpo.LogprobFn: per-token log p(target) [B, T-1] in fp32 and, if asked, the entropy at each position,
-        from the packed row when batch.packed is set; the vocabulary may be split over TP ranks."""
+        from the packed row when batch.packed is set; the vocabulary may be split over TP ranks. With
+        run.chunked_head the head runs at the completion targets alone (chunked_head.py), no logits held."""
         p = batch.packed
         if p is None:
-            inputs, targets = batch.inputs, batch.targets
-            b, t = inputs.shape
-            pos = torch.arange(t, device=inputs.device).unsqueeze(0).expand(b, t)
-            logits = self.model(input_ids=inputs, position_ids=pos, attention_mask=None)  # [B, T, V/tp]
+            b, t = batch.inputs.shape
+            pos = torch.arange(t, device=batch.inputs.device).unsqueeze(0).expand(b, t)
+            inputs: dict[str, Any] = dict(input_ids=batch.inputs, position_ids=pos, attention_mask=None)
         else:
-            logits = self.model(input_ids=p.ids, position_ids=p.positions, attention_mask=None,
-                                packed_seq_params=PackedRows.of(p))[:, :-1]  # [1, N-1, V/tp]
-            targets = p.targets
+            inputs = dict(input_ids=p.ids, position_ids=p.positions, attention_mask=None,
+                          packed_seq_params=PackedRows.of(p))
+        if self.run.chunked_head:
+            hidden, weight = self.model(**inputs, output_processor=hidden_and_head)  # [s, b, H], [V/tp, H]
+            at = batch.completion_at()
+            # the position that predicts each completion target in the flat positions: s-major [s * b], packed [N]
+            index = at[1] * hidden.shape[1] + at[0] if p is None else p.cu_seqlens[at[0]].long() + at[1]
+            split = dict(group=parallel_state.get_tensor_model_parallel_group(),
+                         vocab_start=parallel_state.get_tensor_model_parallel_rank() * weight.shape[0])
+            return completion_logprobs(hidden.reshape(-1, hidden.shape[-1]), index, at, batch.targets, weight,
+                                       entropy, **(split if self.tp > 1 else {}))
+        logits = self.model(**inputs)  # [B, T, V/tp]; packed [1, N, V/tp]
+        targets = batch.targets if p is None else p.targets
+        if p is not None:
+            logits = logits[:, :-1]
         if self.tp == 1:
             logp, ent = token_logprobs_entropy(logits, targets, entropy=entropy)
         else:
@@ -148,6 +169,7 @@ class MegatronPolicy:
         metrics["train/keep_base_on_gpu"] = self.run.keep_base_on_gpu
         metrics["train/experts_impl"] = self.experts_impl
         metrics["train/comms_remade"] = None if self.comms is None else self.comms.generation
+        metrics["train/chunked_head"] = self.run.chunked_head
         metrics.update(update_memory.taken(self.device))
         return metrics
 

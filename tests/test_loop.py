@@ -23,6 +23,12 @@ from hybridrl.task import data
 REPO = Path(__file__).resolve().parents[1]
 
 
+def scripted_parts(n: int) -> dict:
+    """A made-up split of an engine's n-th start: its weights took n seconds, its log had no KV cache line."""
+    parts = {"import": 1.0, "weights": float(n), "kv": None, "graphs": 2.0, "ready": 0.5, "first_request": 0.25}
+    return {**parts, "unexplained": 1.0, "total": 4.75 + n}
+
+
 class ScriptedEngine:
     """Answers like an engine would; `die_at` makes that rollout fail as if the server died."""
 
@@ -35,6 +41,10 @@ class ScriptedEngine:
         self.die_at, self.corrupt_base_after = die_at, corrupt_base_after
         self.adapters: dict[str, Path] = {}
         self.events: list[str] = []
+
+    @property
+    def start_parts(self) -> list[dict]:
+        return [scripted_parts(n) for n in range(1, self.starts + 1)]
 
     def start(self, adapter=None) -> float:
         self.starts += 1
@@ -269,6 +279,28 @@ def test_a_step_whose_optimizer_state_cannot_be_written_is_not_recorded(assets, 
                        engine=ScriptedEngine())  # step 2 again, from step 1's adapter and optimizer state
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all((out / "adapters" / f"step-000{i}" / "optimizer.pt").exists() for i in (1, 2, 3))
+
+
+@pytest.mark.parametrize("placement", ["colocate", "restart"])
+def test_the_first_step_records_the_engines_start_split_and_each_step_its_restarts(assets, tmp_path, placement):
+    from hybridrl.run.record import ENGINE_RESTART, ENGINE_START_SPLIT
+
+    run = _run(steps=3).model_copy(update={"placement": placement})
+    records = run_loop(run, "r-split", assets / "model", assets / "data", tmp_path, {}, progress=False,
+                       engine=ScriptedEngine(die_at=3 if placement == "colocate" else None))
+    first = records[0]
+    assert (first["timing_s/engine_start_weights"], first["timing_s/engine_start_graphs"]) == (1.0, 2.0)
+    assert first["timing_s/engine_start_kv"] is None  # a part its log lacked stays null
+    assert (first["timing_s/engine_start_first_request"], first["timing_s/engine_start_unexplained"]) == (0.25, 1.0)
+    assert first["timing_s/engine_start"] is not None
+    assert all(r[k] is None for r in records[1:] for k in ENGINE_START_SPLIT)  # the run's first start only
+    restarted = [r["timing_s/engine_restart_weights"] for r in records]
+    if placement == "restart":  # a start after every step's training: the 2nd, 3rd and 4th
+        assert restarted == [2.0, 3.0, 4.0]
+        assert [r["timing_s/engine_restart"] for r in records] == [6.75, 7.75, 8.75]
+    else:  # the engine died in step 3's rollout and was started again there
+        assert restarted == [None, None, 2.0] and records[2]["errors/engine_restarts"] == 1
+        assert all(records[0][k] is None for k in ENGINE_RESTART)
 
 
 def test_dead_engine_is_restarted_and_counted(assets, tmp_path):

@@ -341,6 +341,27 @@ def test_headline_ratios_point_sglang_ahead_with_intervals() -> None:
     assert start.est.value == pytest.approx(2.0) and start.est.n == 1 and math.isnan(start.est.lo)
 
 
+def test_headline_table_shows_the_engine_starts_parts_under_its_row_as_each_sides_median() -> None:
+    from hybridrl.report.comparisons import headline_tables
+
+    runs = [headline_run("sglang-colocate-aaaaaaaa", "sglang", speed=2.0),
+            headline_run("sglang-colocate-aaaaaaaa-r2", "sglang", speed=2.0, seed=1),
+            headline_run("vllm-colocate-bbbbbbbb", "vllm")]
+    for i, run in enumerate(runs):  # weights 10 s and 20 s for SGLang's two runs; vLLM's log had no KV line
+        run.loc[0, ["timing_s/engine_start_weights", "timing_s/engine_start_unexplained"]] = [10.0 * (i + 1), 5.0]
+        run.loc[0, "timing_s/engine_start_kv"] = 1.0 if i < 2 else None
+    [table] = [h["table"] for h in headline_tables(headline_study(*runs))]
+    names = [row[0].text for row in table.rows]
+    at = names.index("Engine startup (vLLM / SGLang)")
+    assert names[at + 1:] == ["… weight load", "… KV cache", "… unexplained (no log line)"]  # none recorded the rest
+    weights, kv = table.rows[at + 1], table.rows[at + 2]
+    assert (weights[2].text, weights[3].text, weights[-1].text) == ("15.00 s", "30.00 s", "2 / 1 runs")
+    assert (kv[3].text, kv[-1].text) == ("–", "2 / 0 runs")
+    without = headline_tables(headline_study(headline_run("sglang-colocate-aaaa", "sglang"),
+                                             headline_run("vllm-colocate-bbbb", "vllm")))
+    assert without[0]["table"].rows[-1][0].text == "Engine startup (vLLM / SGLang)"  # runs recorded before the split
+
+
 def test_headline_leaves_out_missing_metrics() -> None:
     from hybridrl.report.headline import headlines
 

@@ -258,6 +258,54 @@ def test_engines_started_side_by_side_take_distinct_ports_and_tell_each_start(tm
         b.stop()
 
 
+SGLANG_LIKE = """
+import http.server, sys, time
+port, weights = int(sys.argv[1]), sys.argv[2]
+def log(text):
+    print(time.strftime("[%Y-%m-%d %H:%M:%S] ") + text, flush=True)
+log("Load weight begin. avail mem=1 GB")
+log(f"Load weight end. elapsed={weights} s, type=Toy")
+log("Memory pool end. avail mem=1 GB")
+log("Capture cuda graph end. elapsed=1.25 s, mem usage=0.1 GB")
+log("INFO:     Uvicorn running on http://127.0.0.1")
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+class SGLangLike(ToyEngine):
+    """Logs SGLang's start-up lines, its weights' seconds given at each start."""
+
+    name = "sglang"
+    weights = ["0.9", "0.3"]
+
+    def command(self, port, adapter):
+        return [sys.executable, "-c", SGLANG_LIKE, str(port), self.weights[len(self.start_parts)]]
+
+
+def test_each_start_is_split_from_its_own_part_of_the_log_and_the_controllers_instants(tmp_path):
+    engine = SGLangLike(tmp_path / "model", _toy(tmp_path).run, {}, tmp_path)
+    try:
+        engine.start()
+        engine.stop()
+        engine.start()  # appends to the same log
+    finally:
+        engine.stop()
+    first, second = engine.start_parts
+    assert (first["weights"], second["weights"]) == (0.9, 0.3)  # each start read from its own header on
+    for split in (first, second):
+        assert split["graphs"] == 1.25 and split["kv"] is not None and split["import"] is not None
+        assert split["ready"] is not None and split["first_request"] is not None  # the controller's instants
+        assert split["total"] >= split["first_request"] > 0
+        found = sum(split[p] for p in ("import", "weights", "kv", "graphs", "ready", "first_request"))
+        assert split["unexplained"] == pytest.approx(split["total"] - found)
+    assert (tmp_path / "engine.log").read_text().count("==== ") == 2
+
+
 def test_free_ports_taken_at_once_differ():
     for _ in range(20):
         ports = server.free_ports(8)

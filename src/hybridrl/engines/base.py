@@ -122,6 +122,9 @@ class Engine(Protocol):
     # told the ports (by kind: engine_http, nccl) of every start, as the server's processes start on them; an
     # engine without ports of its own never calls it
     on_ports: Callable[[dict[str, int]], None] | None
+    # every start's parts in seconds, in order (engines.startup.split_start): read from the engine's own log, timed
+    # from the controller's side where the log has no line for it
+    start_parts: list[dict[str, float | None]]
 
     def preflight(self) -> str | None:
         """The engine's installed version, asked before the trainer is built (which can take minutes); EngineError

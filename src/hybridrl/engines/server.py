@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,6 +25,7 @@ from hybridrl.atomic import naming
 from hybridrl.engines.base import Completion, EngineError, Request, SleepVariant, context_length
 from hybridrl.engines.client_process import ClientProcess
 from hybridrl.engines.gpus import nvml_indices
+from hybridrl.engines.startup import header, split_start
 from hybridrl.study.run_config import RunConfig
 
 LOG_TAIL_LINES = 40
@@ -130,6 +132,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self._log = None
         self.log_start = 0
+        self.spawned_at: datetime | None = None  # local time, as the engines stamp their log lines
 
     @property
     def base_url(self) -> str:
@@ -141,11 +144,12 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         try:
-            self._log.write(f"\n==== {time.strftime('%F %T')} {' '.join(self.cmd)}\n".encode())
+            self._log.write(header(" ".join(self.cmd), datetime.now()).encode())
             self._log.flush()
         except OSError as exc:  # a full disk: name the log, not 'a file'
             raise naming(exc, self.log_path) from exc
         self.log_start = self._log.tell()  # this start's output begins here (the log is appended to)
+        self.spawned_at = datetime.now()
         try:
             # own session = own process group, so stop() can take down every worker it forks
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -157,6 +161,12 @@ class ServerProcess:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def log_since_start(self) -> str:
+        """What this start has written to the log so far (the log holds every earlier start's too)."""
+        with open(self.log_path, "rb") as f:
+            f.seek(self.log_start)
+            return f.read().decode(errors="replace")
 
     def wait_healthy(self, timeout_s: float, health_path: str = "/health") -> float:
         """Poll until the server answers; on death or timeout stop it and raise with the log's tail."""
@@ -495,6 +505,7 @@ class HTTPEngine:
         self._metrics: dict[str, float | None] = {}
         self._version: str | None = None
         self.ports: dict[str, int] = {}  # the last start's, by kind (provenance.PORT_KINDS)
+        self._start_parts: list[dict[str, float | None]] = []
         self._claims: PortClaims | None = None
         # rollout_process: the client runs in a worker process, away from the trainer's interpreter lock
         self._client_process = ClientProcess() if run.rollout_process else None
@@ -541,6 +552,7 @@ class HTTPEngine:
     def start(self, adapter: tuple[str, Path] | None = None) -> float:
         from hybridrl.engines.base import Sampling
 
+        started = time.perf_counter()
         self._release_ports()  # a start that failed kept its claims
         kinds = ("engine_http", *self.own_ports)
         self._claims = PortClaims(len(kinds))
@@ -552,6 +564,7 @@ class HTTPEngine:
         if self.on_ports is not None:
             self.on_ports(dict(self.ports))
         elapsed = self.server.wait_healthy(self.run.startup_timeout_s, health_path=self.health_path)
+        healthy = datetime.now()
         self.stream = self.stream_cls(self.server, self.run.request_timeout_s, self.run.max_concurrency,
                                       shared_pool=self.run.shared_pool)
         # the first request pays one-off kernel compilation (and rollout_process's worker its start); count it as
@@ -569,7 +582,15 @@ class HTTPEngine:
             raise EngineError(f"{self.name}: warm-up request failed: {warm.error}"
                               + (f"\n  first error in {log}: {cause}" if cause else f"\n  see {log}"))
         self._loaded = {adapter[0]} if adapter else set()
-        return elapsed + time.perf_counter() - t0
+        now = time.perf_counter()
+        self._start_parts.append(split_start(self.server.log_since_start(), self.name, self.server.spawned_at,
+                                             healthy, now - started, now - t0))
+        return elapsed + now - t0
+
+    @property
+    def start_parts(self) -> list[dict[str, float | None]]:
+        """Every start's parts, in order (engines.base.Engine.start_parts)."""
+        return self._start_parts
 
     def stop(self) -> None:
         if self._client_process is not None:

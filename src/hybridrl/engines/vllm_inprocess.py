@@ -17,16 +17,20 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.base import Completion, EngineError, Request, Sampling, SleepVariant, stamp_timing
 from hybridrl.engines.gpus import asleep_readings, awake_readings, nvml_indices, split_engine_devices
+from hybridrl.engines.output_tee import OutputTee
 from hybridrl.engines.server import CANCEL_GRACE_S, cancel_others
+from hybridrl.engines.startup import header, split_start
 from hybridrl.engines.vllm import engine_flags, multicast_off_env, reset_until_done
 from hybridrl.study.run_config import RunConfig
 
 CONTROL_TIMEOUT_S = 300.0
+TEE_WAIT_S = 2.0  # at a stop, the most the engine core's last log lines are waited for (it has exited by then)
 
 
 def stats_timing(stats: Any, tokens: int) -> tuple[float, float]:
@@ -86,6 +90,8 @@ class VLLMInProcess:
         self._req_ids = itertools.count()
         self._metrics: dict[str, float | None] = {}
         self._kv_tokens: int | None = None
+        self._start_parts: list[dict[str, float | None]] = []
+        self._tee: OutputTee | None = None
 
     # -- the private event loop ------------------------------------------------------------------
     def _ensure_loop(self) -> asyncio.AbstractEventLoop:
@@ -122,7 +128,7 @@ class VLLMInProcess:
 
     def start(self, adapter: tuple[str, Path] | None = None) -> float:
         os.environ.update(self._env)
-        t0 = time.perf_counter()
+        t0, spawned = time.perf_counter(), datetime.now()
 
         async def build() -> Any:
             from vllm.engine.arg_utils import AsyncEngineArgs
@@ -133,13 +139,17 @@ class VLLMInProcess:
             args = AsyncEngineArgs.from_cli_args(parser.parse_args(self.cli_args()))
             return AsyncLLM.from_engine_args(args)
 
+        # the engine core's log, for the start's parts: it goes to this process's output, which a workflow pipes on
+        self._tee = OutputTee(self.log_dir / "engine.log")
         try:
-            self.llm = self._call(build(), timeout_s=self.run.startup_timeout_s)
+            with self._tee.capture(header(" ".join([self.name, *self.cli_args()]), spawned)):
+                self.llm = self._call(build(), timeout_s=self.run.startup_timeout_s)
         except EngineError:
             raise
         except Exception as exc:
             self.stop()
             raise EngineError(f"vllm-inprocess: engine failed to start: {type(exc).__name__}: {exc}") from exc
+        built, t_built = datetime.now(), time.perf_counter()
         cache = self.llm.vllm_config.cache_config
         self._kv_tokens = int(cache.num_gpu_blocks) * int(cache.block_size) if cache.num_gpu_blocks else None
         self._adapters.clear()
@@ -149,7 +159,14 @@ class VLLMInProcess:
         if warm.error:
             self.stop()
             raise EngineError(f"vllm-inprocess: warm-up request failed: {warm.error}")
-        return time.perf_counter() - t0
+        now = time.perf_counter()
+        self._start_parts.append(split_start(self._tee.text(), self.name, spawned, built, now - t0, now - t_built))
+        return now - t0
+
+    @property
+    def start_parts(self) -> list[dict[str, float | None]]:
+        """Every start's parts, in order (engines.base.Engine.start_parts)."""
+        return self._start_parts
 
     def stop(self) -> None:
         if self.llm is not None:
@@ -159,6 +176,9 @@ class VLLMInProcess:
             except Exception:  # already dead: nothing left to stop but the loop
                 pass
             self.llm = None
+        if self._tee is not None:
+            self._tee.wait(TEE_WAIT_S)  # the engine core's last lines, before a next start's header
+            self._tee = None
         if self._loop is not None:
             self._settle_loop()
             self._loop.call_soon_threadsafe(self._loop.stop)

@@ -12,7 +12,7 @@ import pandas as pd
 from hybridrl.report import client_paths, conditions, headline, placements, stats, wording
 from hybridrl.report.aggregate import CONFIG_KEY, checks_untimed
 from hybridrl.report.cells import Cell, Table, fmt, fmt_est, fmt_field, fmt_n, has_data
-from hybridrl.run.record import COMPARED_STEP
+from hybridrl.run.record import COMPARED_STEP, START_PARTS
 
 # (column, heading, unit); the comparison table shows those with data, the detail table all of these.
 KEY_METRICS = [
@@ -49,6 +49,11 @@ TRANSITIONS = [("timing_s/sleep", "sleep"), ("timing_s/wake", "wake")]
 MOVES = {"kv-only": "KV cache only (weights stay on the GPU)", "full release": "weights and KV cache",
          "full release, re-pinned": "weights and KV cache, pinning the CPU copy anew every sleep",
          "level 1": "weights and KV cache", "level 2": "weights and KV cache (weights discarded)"}
+
+# The engine start's parts (record.ENGINE_START_SPLIT), as the headline table names them under the start's row
+START_PART_NAMES = {"import": "process and import", "weights": "weight load", "kv": "KV cache",
+                    "graphs": "CUDA graphs, compile", "ready": "to ready (health check)",
+                    "first_request": "first request", "unexplained": "unexplained (no log line)"}
 
 NO_VLLM_KV_ONLY = ("vLLM 0.26 has no KV-only sleep: level 1 moves the weights to CPU memory and drops the KV "
                    "cache, level 2 drops both; so SGLang's KV-only release has no vLLM arm to compare with")
@@ -229,12 +234,32 @@ def headline_tables(df: pd.DataFrame) -> list[dict[str, Any]]:
             if r.metric.name == "Rollout throughput":
                 conclusions.append(wording.conclusion(
                     r.metric.name, "SGLang", vllm, est, (r.runs_sglang, r.n_sglang), (r.runs_vllm, r.n_vllm)))
+            if not r.metric.steady:  # the engine's start: its parts follow it
+                table.rows.extend(start_part_rows(df[df["config_id"] == h.sglang_run],
+                                                  df[df["config_id"] == h.vllm_run]))
         shared = ", ".join(f"{k} {fmt_field(v)}" for k, v in h.key.items())
         out.append({"title": h.title, "table": table, "shared": shared, "caveats": list(h.caveats),
                     "sglang_run": h.sglang_run, "vllm_run": h.vllm_run, "conclusions": conclusions,
                     "verdict": [headline.sentence(r, vllm) for r in h.rows],
                     "n_comparisons": sum(math.isfinite(r.est.lo) for r in h.rows)})
     return out
+
+
+def start_part_rows(sglang: pd.DataFrame, vllm: pd.DataFrame) -> list[list[Cell]]:
+    """The engine start's parts for the headline table, one row each: each side's median over its runs (one
+    value a run, on its first step), not compared: they are read as what the start's row above is made of. Parts
+    neither side recorded are left out (runs before the split was recorded have none)."""
+    rows = []
+    for part in START_PARTS:
+        col = f"timing_s/engine_start_{part}"
+        values = [pd.to_numeric(side[col], errors="coerce").dropna() if col in side.columns else pd.Series()
+                  for side in (sglang, vllm)]
+        if not any(len(v) for v in values):
+            continue
+        medians = [Cell(f"{fmt(v.median())} s" if len(v) else "–", "num" if len(v) else "na") for v in values]
+        rows.append([Cell(f"… {START_PART_NAMES[part]}", "key"), Cell("–", "na"), *medians,
+                     *(Cell("–", "na") for _ in range(3)), Cell(f"{len(values[0])} / {len(values[1])} runs", "num")])
+    return rows
 
 
 def _detectable(est: stats.Estimate, kind: str) -> str:

@@ -31,6 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from hybridrl.engines import make_engine
 from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling, context_length, stream_flags
 from hybridrl.engines.client_ceiling import client_headroom_ok, run_ceiling
+from hybridrl.engines.startup import TOTAL, combine
 from hybridrl.nvml import process_used_gb
 from hybridrl.run import request_records
 from hybridrl.run.barrier import StartBarrier
@@ -40,7 +41,7 @@ from hybridrl.run.overlap import AheadRollouts, InFlight, overlap_s
 from hybridrl.run.phase_file import PhaseFile
 from hybridrl.run.placement import ADAPTER_NAME, Placement, make_placement
 from hybridrl.run.provenance import RunProvenance, collect
-from hybridrl.run.record import ROLLOUT_READINGS, new_record
+from hybridrl.run.record import ROLLOUT_READINGS, START_PARTS, new_record
 from hybridrl.run.telemetry import MemorySampler, Timings, append_record, read_records, rollout_stats
 from hybridrl.study.run_config import RunConfig, split_replicate
 from hybridrl.task import data as gsm8k
@@ -107,6 +108,7 @@ class RunContext:
     engine_adapter_step: int = 0  # the step whose adapter the engine holds (0: the base model)
     ahead: AheadRollouts = field(init=False)  # overlap: the next step's rollout in flight, told to phase.json
     test_problems: list[dict[str, Any]] | None = None  # the fixed eval slice (eval_every > 0)
+    starts_recorded: int = 0  # how many of the engine's starts (Engine.start_parts) a record has taken in
 
     def __post_init__(self) -> None:
         self.ahead = AheadRollouts(self.phase.ahead)
@@ -201,7 +203,9 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
         canary = Canary(tokenizer, paths.canary)
         canary.record_baseline(engine)
         ctx = RunContext(run, run_id, problems, tokenizer, engine, trainer, placement, canary, sampler, paths,
-                         PhaseFile(paths.phase), test_problems=test_problems, engine_adapter_step=first_step - 1)
+                         PhaseFile(paths.phase), test_problems=test_problems, engine_adapter_step=first_step - 1,
+                         starts_recorded=len(engine.start_parts))
+        first_start = start_keys("timing_s/engine_start", engine.start_parts[-1:])
         waited_s = barrier.wait(run_id, console.print) if barrier else None
         records = list(done)
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -216,7 +220,8 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
                 fresh = record["rollout/staleness"] == 0
                 record.update(logprob_gate(record["check/rollout_logprob_abs_diff"] if fresh else None, limits))
                 if step == first_step:
-                    record.update({"timing_s/engine_start": startup_s, "timing_s/start_barrier": waited_s})
+                    record.update({"timing_s/engine_start": startup_s, "timing_s/start_barrier": waited_s,
+                                   **first_start})
                 append_record(paths.steps, record)  # kept even when the gate below stops the run: the evidence
                 records.append(record)
                 if record["check/logprob_gap_tier"] == "fail":
@@ -499,9 +504,21 @@ def make_record(ctx: RunContext, step: int, t: Timings, rollout: Rollout, scored
     record.update(mem)
     record.update(checks)
     record.update(ctx.engine.step_metrics())  # engine-side readings, e.g. NVML after sleep/wake
+    restarts_now = ctx.engine.start_parts[ctx.starts_recorded:]
+    ctx.starts_recorded += len(restarts_now)
+    record.update(start_keys("timing_s/engine_restart", restarts_now, with_total=True))
     if rollout.ran_ahead:
         record.update(dict.fromkeys(ROLLOUT_READINGS))
     return record
+
+
+def start_keys(prefix: str, starts: list[dict[str, float | None]], with_total: bool = False) -> dict[str, Any]:
+    """The record's keys for engine starts' parts (record.ENGINE_START_SPLIT, ENGINE_RESTART), summed over
+    `starts`, and with_total their whole time under `prefix`; none where there were no starts."""
+    if not starts:
+        return {}
+    parts = combine(starts)
+    return {**{f"{prefix}_{p}": parts[p] for p in START_PARTS}, **({prefix: parts[TOTAL]} if with_total else {})}
 
 
 class EngineRecovery:

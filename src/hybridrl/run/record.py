@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridrl.engines.startup import PARTS, UNEXPLAINED
+
 IDENTITY = ("run_id", "engine", "placement", "trainer", "model", "tp", "seed", "step")
 # The phases of a step, in the order they happen. Each is timed as timing_s/<phase>, and together they make up
 # timing_s/step (a test holds every step but one to 2%, CPU scheduling aside): prepare builds and tokenizes the
@@ -32,6 +34,12 @@ TIMING = (*PHASE_KEYS, "timing_s/step", COMPARED_STEP)
 CONCURRENCY = ("timing_s/overlap", "timing_s/engine_idle", "timing_s/trainer_idle")
 # A run's first step only: the engine's first start and the wait for runs beside it; not part of the step
 RUN_START = ("timing_s/engine_start", "timing_s/start_barrier")
+# An engine start's parts (hybridrl.engines.startup; null where its log has no line for one). The run's first start
+# beside timing_s/engine_start, on the same step; the starts within a step (restart placement's after training, a
+# dead engine's recovery) summed on that step, timing_s/engine_restart their whole time
+START_PARTS = (*PARTS, UNEXPLAINED)
+ENGINE_START_SPLIT = tuple(f"timing_s/engine_start_{p}" for p in START_PARTS)
+ENGINE_RESTART = ("timing_s/engine_restart", *(f"timing_s/engine_restart_{p}" for p in START_PARTS))
 # The greedy test pass of every eval_every-th step, after the step: not part of timing_s/step, so that step times
 # and rollout figures compare alike with and without it. Accuracy over wall-clock time uses timing_s/step alone.
 EVAL = ("eval/accuracy", "eval/problems", "eval/response_length_mean", "eval/stop_ratio", "timing_s/eval")
@@ -115,7 +123,7 @@ STRINGS = ("run_id", "engine", "placement", "trainer", "model", "check/logprob_g
            "train/experts_impl",
            *(f"host/busiest_thread_{p}" for p in CONTROLLER_CPU_PHASES))
 RECORD_KEYS = (*IDENTITY, *TIMING, *CONCURRENCY, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *GPU, *CHECKS,
-               *MISMATCH, *RUN_START, *EVAL, "time_unix")
+               *MISMATCH, *RUN_START, *ENGINE_START_SPLIT, *ENGINE_RESTART, *EVAL, "time_unix")
 
 
 def new_record() -> dict[str, Any]:

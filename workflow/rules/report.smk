@@ -60,8 +60,9 @@ rule archive:
             if Path(workflow.basedir, p).exists()
         ],
         runs=list(RUNS),
+        bench=list(MEASUREMENTS),
     shell:
         "python -m hybridrl archive --results results --extra {params.extra} --runs {params.runs}"
-        " --root {params.root}"
+        " --bench {params.bench} --root {params.root}"
         " --out {output} > {log} 2>&1"
         " && python -m hybridrl verify {output} >> {log} 2>&1"

@@ -179,14 +179,15 @@ def _ratio_cell(est: stats.Estimate | None) -> Cell:
     return Cell(wording.ratio_text(est) if math.isfinite(est.lo) else fmt_est(est), "num")
 
 
-def placement_tables(df: pd.DataFrame) -> list[dict[str, Any]]:
+def placement_tables(df: pd.DataFrame, found: list[placements.Group] | None = None) -> list[dict[str, Any]]:
     """Per engine, each placement against its colocated arm: medians of step time, tokens/s per GPU and
-    GPU-seconds per step, their ratios to colocate with intervals, and sentences worded from those intervals."""
+    GPU-seconds per step, their ratios to colocate with intervals, and sentences worded from those intervals.
+    found: placements.groups(df), where the caller has them already (they cost a bootstrap each)."""
     metrics = placements.METRICS
     headers = ["placement", *(f"{m.name} ({m.unit})" for m in metrics),
                *(f"{m.name} / colocate [95% CI]" for m in metrics), "runs × steps", "recorded, against colocate"]
     out = []
-    for g in placements.groups(df):
+    for g in placements.groups(df) if found is None else found:
         table = Table(list(headers))
         for arm in g.arms:
             table.rows.append([Cell(arm.label), *(Cell(fmt_est(v), "num") for v in arm.values),
@@ -207,10 +208,11 @@ def _fmt_change(x: float, kind: str) -> str:
     return f"{x:+.0f}%" if kind == "pct" else f"{x:.2f}x"
 
 
-def headline_tables(df: pd.DataFrame) -> list[dict[str, Any]]:
-    """The write-up's table per placement and vLLM variant: claimed figure next to the measured one."""
+def headline_tables(df: pd.DataFrame, found: list[headline.Headline] | None = None) -> list[dict[str, Any]]:
+    """The write-up's table per placement and vLLM variant: claimed figure next to the measured one.
+    found: headline.headlines(df), where the caller has them already."""
     out = []
-    for h in headline.headlines(df):
+    for h in headline.headlines(df) if found is None else found:
         vllm = headline.VLLM_VARIANTS[h.vllm_engine]
         table = Table(["metric", "claimed", "SGLang", vllm, "measured", "95% CI", "detectable (80% power)",
                        "runs × steps (SGLang / vLLM)"])

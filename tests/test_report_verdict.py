@@ -93,3 +93,18 @@ def test_a_study_of_one_configuration_says_nothing_is_compared(tmp_path: Path) -
     section = verdict_section(_render(df, tmp_path)[0])
     assert section.strip().endswith("One configuration, so nothing is compared: the tables below describe its runs.")
     assert not bullets(section)
+
+
+def test_a_ratio_without_an_interval_says_why_and_ranks_neither() -> None:
+    from hybridrl.report.stats import Estimate
+    from hybridrl.report.wording import conclusion
+
+    nan = float("nan")
+    said = {n: conclusion("Step time", "split", "restart", Estimate(v, nan, nan, n, min(n, 1)), (1, n), (1, 3), False)
+            for n, v in ((0, nan), (1, 0.5))}
+    assert said[0] == ("Step time: split / restart has no value: a side has nothing to compare (1 run, 0 steps vs "
+                       "1 run, 3 steps), so this ranks neither.")
+    assert said[1] == ("Step time: split / restart 0.5x, with no interval: a single value on a side is too few for "
+                       "one (1 run, 1 step vs 1 run, 3 steps), so this ranks neither.")
+    zero = conclusion("Step time", "split", "restart", Estimate(nan, nan, nan, 4, 1), (1, 4), (1, 4), False)
+    assert "split / restart has no value: restart's median is zero" in zero

@@ -77,8 +77,10 @@ def conclusion(what: str, a: str, b: str, est: Estimate, n_a: tuple[int, int], n
 
 def no_interval(est: Estimate, a: str, b: str) -> str:
     """A ratio without an interval, and why, in plain words: a bootstrap needs two values on each side."""
+    if est.n == 0:
+        return f"{a} / {b} has no value: a side has nothing to compare"
     if not math.isfinite(est.value):
-        return f"{a} / {b} has no value, {b}'s median being zero or missing"
+        return f"{a} / {b} has no value: {b}'s median is zero"
     if est.n < 2:
         return f"{a} / {b} {est.value:.3g}x, with no interval: a single value on a side is too few for one"
     return f"{a} / {b} {est.value:.3g}x, with no interval"

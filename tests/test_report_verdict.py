@@ -1,4 +1,4 @@
-"""The report opens with its verdict (report/verdict.py): one plain sentence for each pair the report compares."""
+"""The report opens with its verdict (comparisons.verdict_lines): one plain sentence for each pair it compares."""
 
 from __future__ import annotations
 

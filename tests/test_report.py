@@ -218,6 +218,56 @@ def test_plots_are_valid_pngs(study: list[Path], tmp_path: Path) -> None:
         assert height > 200 and width > 300
 
 
+def _drawn(df: pd.DataFrame, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple]:
+    """Every plot of the table, each as (its figure, its PNG's width and height)."""
+    from PIL import Image
+
+    from hybridrl.report import plots
+
+    seen, save = {}, plots._save
+
+    def keep(fig, path: Path) -> Path:
+        written = save(fig, path)
+        seen[Path(path).stem] = (fig, Image.open(written).size)
+        return written
+
+    monkeypatch.setattr(plots, "_save", keep)
+    plots.make_all(df, out)
+    return seen
+
+
+def test_every_plot_is_legible_at_the_reports_width(study: list[Path], tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """No text smaller than 10 px on screen once report.html's column scales the PNG to its width."""
+    from test_report_placements import _study as placement_study
+
+    from hybridrl.report.plots import MIN_TEXT_PX, PAGE_PX, text_px_on_page
+
+    placed = placement_study(overlap_s=6.0, split_s=8.0).assign(**{
+        "gpu/power_w_gen": 500.0, "host/busiest_thread_cpu_pct_gen": 90.0})
+    placed["eval/accuracy"] = np.where(placed["step"] % 2 == 0, 0.1 * placed["step"], np.nan)
+    drawn = {**_drawn(placed, tmp_path / "placed", monkeypatch), **_drawn(gather(study), tmp_path / "cpu", monkeypatch)}
+    assert set(drawn) == {"throughput", "step_breakdown", "latency", "reward", "learning", "memory", "mismatch",
+                          "placements", "timeline", "machine"}
+    for name, (fig, (width, _)) in drawn.items():
+        assert width <= PAGE_PX, name
+        assert text_px_on_page(fig, width) >= MIN_TEXT_PX, name
+
+
+def test_the_reward_plots_five_panels_stand_in_a_grid_not_a_row(study: list[Path], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybridrl.report.plots import REWARD, text_px_on_page
+
+    df = gather(study).assign(**{"response/stop_ratio": 1.0})
+    fig, (width, height) = _drawn(df, tmp_path, monkeypatch)["reward"]
+    panels = [ax for ax in fig.axes if ax.has_data()]
+    assert len(panels) == len(REWARD) == 5
+    assert len({ax.get_subplotspec().rowspan.start for ax in panels}) == 3  # two to a row
+    assert height > 0.8 * width  # the row of five was 2817 x 452
+    # the rule the layout keeps: the row of five, at the same size of text, would be shown at 6 px
+    assert text_px_on_page(fig, 2817) < 7
+
+
 def test_steps_hours_apart_fall_into_separate_sittings() -> None:
     from hybridrl.report.plots import sittings
 

@@ -1,10 +1,11 @@
 """The report's sections that set configurations side by side: the study summary, the comparison and ratio tables,
-sleep and wake by what the release moves, placements per engine, the write-up's headline pairs and the rollout
-client's paths."""
+sleep and wake by what the release moves, placements per engine, the write-up's headline pairs, the rollout
+client's paths, and the verdict the report opens with."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -184,14 +185,15 @@ def _ratio_cell(est: stats.Estimate | None) -> Cell:
     return Cell(wording.ratio_text(est) if math.isfinite(est.lo) else fmt_est(est), "num")
 
 
-def placement_tables(df: pd.DataFrame) -> list[dict[str, Any]]:
+def placement_tables(df: pd.DataFrame, found: list[placements.Group] | None = None) -> list[dict[str, Any]]:
     """Per engine, each placement against its colocated arm: medians of step time, tokens/s per GPU and
-    GPU-seconds per step, their ratios to colocate with intervals, and sentences worded from those intervals."""
+    GPU-seconds per step, their ratios to colocate with intervals, and sentences worded from those intervals.
+    found: placements.groups(df), where the caller has them already (they cost a bootstrap each)."""
     metrics = placements.METRICS
     headers = ["placement", *(f"{m.name} ({m.unit})" for m in metrics),
                *(f"{m.name} / colocate [95% CI]" for m in metrics), "runs × steps", "recorded, against colocate"]
     out = []
-    for g in placements.groups(df):
+    for g in placements.groups(df) if found is None else found:
         table = Table(list(headers))
         for arm in g.arms:
             table.rows.append([Cell(arm.label), *(Cell(fmt_est(v), "num") for v in arm.values),
@@ -212,10 +214,11 @@ def _fmt_change(x: float, kind: str) -> str:
     return f"{x:+.0f}%" if kind == "pct" else f"{x:.2f}x"
 
 
-def headline_tables(df: pd.DataFrame) -> list[dict[str, Any]]:
-    """The write-up's table per placement and vLLM variant: claimed figure next to the measured one."""
+def headline_tables(df: pd.DataFrame, found: list[headline.Headline] | None = None) -> list[dict[str, Any]]:
+    """The write-up's table per placement and vLLM variant: claimed figure next to the measured one.
+    found: headline.headlines(df), where the caller has them already."""
     out = []
-    for h in headline.headlines(df):
+    for h in headline.headlines(df) if found is None else found:
         vllm = headline.VLLM_VARIANTS[h.vllm_engine]
         table = Table(["metric", "claimed", "SGLang", vllm, "measured", "95% CI", "detectable (80% power)",
                        "runs × steps (SGLang / vLLM)"])
@@ -288,3 +291,79 @@ def client_paths_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None
                            Cell(f"{fmt(p.cpu[1])} / {fmt(p.cpu[0])}", "num"),
                            Cell(f"{stats.n_runs(a)} × {len(a)} / {stats.n_runs(b)} × {len(b)}", "num")])
     return table
+
+
+# -- the opening verdict -------------------------------------------------------------------------------------
+# One sentence for each pair the sections below compare: SGLang against each vLLM variant per placement (headline),
+# each placement of an engine against its colocated arm and an overlapped split against a plain one (placements).
+# A study that has neither, such as one whose arms are placements without a colocated one, gets the pairs of its
+# ratio table instead: each configuration against the first. Every sentence is wording.conclusion's, so it ranks
+# only where the interval excludes no difference and says plainly where there is no interval at all.
+
+# what an engine pair is judged by (its rollout, the engine's own work) and what a placement pair is judged by
+# (the whole step, which is what a placement changes): the first metric of each that both sides recorded
+VERDICT_ENGINE_METRIC = "Rollout throughput"
+VERDICT_STEP_METRICS = ((COMPARED_STEP, stats.STEP_COMPARED, False), ("perf/throughput", "Rollout throughput", True))
+
+
+@dataclass(frozen=True)
+class VerdictLine:
+    pair: str  # which two arms, as the section below titles them
+    sentence: str
+    caveats: int = 0  # how many caveats the section below gives for the pair
+
+
+def _engine_verdicts(found: list[headline.Headline]) -> list[VerdictLine]:
+    """Each engine pair's rollout throughput sentence (its first metric where throughput is missing)."""
+    out = []
+    for h in found:
+        row = next((r for r in h.rows if r.metric.name == VERDICT_ENGINE_METRIC), h.rows[0])
+        said = headline.sentence(row, headline.VLLM_VARIANTS[h.vllm_engine])
+        out.append(VerdictLine(h.title, said, len(h.caveats)))
+    return out
+
+
+def _placement_verdicts(found: list[placements.Group]) -> list[VerdictLine]:
+    """Each placement against its engine's colocated arm, then each overlapped split against a plain split, on
+    step time (placements.METRICS' first)."""
+    out = []
+    for g in found:
+        out += [VerdictLine(f"{g.engine}: {arm.label} vs {placements.BASE}", arm.conclusions[0], len(g.caveats))
+                for arm in g.arms[1:]]
+        out += [VerdictLine(f"{g.engine}: overlapped split vs split", said, len(g.caveats))
+                for _, said in g.against_split]
+    return out
+
+
+def _configuration_verdicts(df: pd.DataFrame, labels: dict[str, str]) -> list[VerdictLine]:
+    """Each configuration against the first, as the ratio table sets them, on step time (or rollout throughput
+    where no step time was recorded)."""
+    configs, steady = stats.configs(df), stats.steady_state(df)
+    metric = next((m for m in VERDICT_STEP_METRICS if has_data(steady, m[0])), None)
+    if len(configs) < 2 or metric is None:
+        return []
+    column, name, higher = metric
+    base = configs[0]
+    out = []
+    for config in configs[1:]:
+        sides = [stats.select(steady, c) for c in (config, base)]
+        n = [(stats.n_runs(s), len(s)) for s in sides]
+        a, b = labels[config[-1]], labels[base[-1]]
+        est = stats.compare(df, column, config, base)
+        out.append(VerdictLine(f"{a} vs {b}", wording.conclusion(name, a, b, est, n[0], n[1], higher)))
+    return out
+
+
+def verdict_lines(df: pd.DataFrame, labels: dict[str, str], heads: list[headline.Headline],
+                  groups: list[placements.Group]) -> list[VerdictLine]:
+    """The verdict's sentences: engine pairs, then placement pairs; the ratio table's pairs where there are none."""
+    return [*_engine_verdicts(heads), *_placement_verdicts(groups)] or _configuration_verdicts(df, labels)
+
+
+def nothing_compared(df: pd.DataFrame) -> str:
+    """What the verdict says where it has no pair."""
+    n = int(df["config_id"].nunique())
+    if n < 2:
+        return "One configuration, so nothing is compared: the tables below describe its runs."
+    return (f"{n} configurations, but no step time or rollout throughput recorded in two of them to set side by "
+            "side: the tables below describe each on its own.")

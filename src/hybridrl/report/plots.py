@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -42,6 +43,14 @@ LATENCY = [
     ("perf/tpot_ms_p99", "TPOT p99 over requests (ms)"), ("perf/latency_s_p99", "Latency p99 (s)"),
 ]
 MEMORY = [("mem/used_gb_gen", "during gen"), ("mem/used_gb_train", "during train"), ("mem/peak_gb", "peak")]
+
+# Every figure is drawn at most as wide as report.html's column (the body's 1,200 px less its padding and the
+# image's border), so the page shows it at the size it is drawn and no text shrinks below MIN_TEXT_PX.
+DPI = 110
+PAGE_PX = 1150
+PAD_IN = 0.1  # what savefig's tight box adds around the figure on each side
+PAGE_IN = PAGE_PX / DPI - 2 * PAD_IN
+MIN_TEXT_PX = 10.0
 
 
 def run_labels(df: pd.DataFrame) -> dict[str, str]:
@@ -83,13 +92,43 @@ def _save(fig: Figure, out: Path) -> Path:
     """The figure as a PNG of 256 colours: a quarter of the bytes of full colour for these plots, and every
     committed study's plots travel with the tree to each GPU lease (64 MiB a call, overlay parts included)."""
     raw = io.BytesIO()
-    fig.savefig(raw, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
+    fig.savefig(raw, format="png", dpi=DPI, bbox_inches="tight", pad_inches=PAD_IN,
+                metadata={"Software": None})
     plt.close(fig)
     raw.seek(0)
     image = Image.open(raw).convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE)
     with atomic_path(out) as tmp:
         image.save(tmp, format="PNG", optimize=True)
     return out
+
+
+def text_px_on_page(fig: Figure, width_px: int) -> float:
+    """The height in screen pixels of the figure's smallest visible text, once its PNG (width_px wide) is shown in
+    the report's column: images wider than the column are scaled down to it."""
+    sizes = [t.get_fontsize() for t in fig.findobj(plt.Text) if t.get_visible() and t.get_text().strip()]
+    return min(sizes, default=math.inf) * DPI / 72 * min(1.0, PAGE_PX / width_px)
+
+
+def _grid(n: int, cols: int = 2, panel_in: float = 3.2) -> tuple[Figure, list[plt.Axes]]:
+    """n panels, `cols` to a row, the figure as wide as the report's column; the slots past n are switched off
+    (the legend takes the first of them)."""
+    cols = min(cols, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(PAGE_IN, panel_in * rows), squeeze=False, layout="constrained")
+    flat = list(axes.flat)
+    for ax in flat[n:]:
+        ax.axis("off")
+    return fig, flat
+
+
+def _legend(fig: Figure, axes: list[plt.Axes], n: int) -> None:
+    """The first panel's legend in the grid's spare slot, or under the panels where there is none: on a panel it
+    would hide the lines of as many runs as it lists."""
+    handles, names = axes[0].get_legend_handles_labels()
+    if len(axes) > n:
+        axes[n].legend(handles, names, fontsize=8, loc="center")
+    else:
+        fig.legend(handles, names, fontsize=8, loc="outside lower center", ncols=min(3, len(names)))
 
 
 def _mark_warmup(ax: plt.Axes) -> None:
@@ -101,8 +140,8 @@ def _per_step(df: pd.DataFrame, metrics: list[tuple[str, str]], title: str, out:
     if not metrics:
         return None
     labels, colors = run_labels(df), run_colors(df)
-    fig, axes = plt.subplots(1, len(metrics), figsize=(6.4 * len(metrics), 4), squeeze=False)
-    for ax, (metric, ylabel) in zip(axes[0], metrics, strict=True):
+    fig, axes = _grid(len(metrics))
+    for ax, (metric, ylabel) in zip(axes, metrics, strict=False):
         for rid, run in _runs(df):
             ax.plot(run["step"], pd.to_numeric(run[metric], errors="coerce"), marker="o", ms=3,
                     color=colors[rid], label=labels[rid])
@@ -111,7 +150,7 @@ def _per_step(df: pd.DataFrame, metrics: list[tuple[str, str]], title: str, out:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
-    axes[0][0].legend(fontsize=8, loc="best")
+    _legend(fig, axes, len(metrics))
     fig.suptitle(title)
     return _save(fig, out)
 
@@ -160,7 +199,8 @@ def plot_learning(df: pd.DataFrame, out: Path) -> Path | None:
     labels, colors, timed, found = run_labels(df), run_colors(df), with_wall_clock(df), evals(df)
     pooled = replicated(df)
     by_config, config_of = config_labels(df), df.drop_duplicates("run_id").set_index("run_id")["config_id"]
-    fig, axes = plt.subplots(2, 2, figsize=(12.8, 8), squeeze=False)
+    fig, flat = _grid(4, panel_in=3.4)
+    axes = [flat[:2], flat[2:]]
     panels = [(found, "eval/accuracy", "eval accuracy (greedy, test slice)"), (timed, "reward/mean", "reward mean")]
     for row, (source, metric, ylabel) in enumerate(panels):
         for col, (x, xlabel) in enumerate([("step", "step"), ("wall_s", "training wall clock (s)")]):
@@ -183,8 +223,9 @@ def plot_learning(df: pd.DataFrame, out: Path) -> Path | None:
             ax.grid(alpha=0.3)
             if x == "step":
                 ax.xaxis.get_major_locator().set_params(integer=True)
-    axes[0][0].legend(fontsize=8, loc="best")
-    fig.suptitle("Learning against steps and wall clock (eval passes and the first engine start excluded"
+    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=8, loc="outside lower center", ncols=2)
+    # two lines: as one, the title is wider than the report's column
+    fig.suptitle("Learning against steps and wall clock\n(eval passes and the first engine start excluded"
                  + ("; replicated configurations: mean, shaded over their runs)" if pooled else ")"))
     return _save(fig, out)
 
@@ -213,7 +254,7 @@ def plot_step_breakdown(df: pd.DataFrame, out: Path) -> Path | None:
         return None
     table = step_breakdown(df)
     labels = run_labels(df)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(table) + 3), 4.5))
+    fig, ax = plt.subplots(figsize=(min(PAGE_IN, max(6.0, 1.4 * len(table) + 3)), 4.5), layout="constrained")
     x = np.arange(len(table))
     bottom = np.zeros(len(table))
     for phase in table.columns:
@@ -241,8 +282,8 @@ def plot_placements(df: pd.DataFrame, out: Path) -> Path | None:
     if not has_placements(df):
         return None
     gs, steady = placement_groups(df), steady_state(df)
-    fig, axes = plt.subplots(len(gs), len(PLACEMENT_METRICS), figsize=(4.2 * len(PLACEMENT_METRICS), 3.2 * len(gs)),
-                             squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(len(gs), len(PLACEMENT_METRICS), figsize=(PAGE_IN, 3.4 * len(gs)), squeeze=False,
+                             layout="constrained")
     for row, g in zip(axes, gs, strict=True):
         for j, (ax, m) in enumerate(zip(row, PLACEMENT_METRICS, strict=True)):
             for i, arm in enumerate(g.arms):
@@ -254,8 +295,8 @@ def plot_placements(df: pd.DataFrame, out: Path) -> Path | None:
                 medians = runs.apply(lambda x: pd.to_numeric(x, errors="coerce").median())
                 ax.scatter(np.full(len(medians), i + 0.15), medians, s=12, color="#888888", zorder=3)
             ticks = [a.label.replace(" (", "\n(").replace(", ", "\n") for a in g.arms]
-            ax.set_xticks(range(len(g.arms)), ticks, fontsize=7)
-            ax.set_title(f"{g.engine}: {m.name}", fontsize=9)
+            ax.set_xticks(range(len(g.arms)), ticks, fontsize=8)
+            ax.set_title(f"{g.engine}\n{m.name}", fontsize=9)  # two lines: three titles share the width
             ax.set_ylabel(m.unit)
             ax.grid(axis="y", alpha=0.3)
     fig.suptitle("Placements per engine: median [95% CI] over runs and steps (blue), each run's median (grey)",
@@ -272,8 +313,8 @@ def plot_latency(df: pd.DataFrame, out: Path) -> Path | None:
         steady = df
     labels, colors = run_labels(df), run_colors(df)
     runs = run_order(df)
-    fig, axes = plt.subplots(2, 3, figsize=(max(11.0, 1.6 * len(runs) * 3), 7), squeeze=False)
-    for ax, (metric, title) in zip(axes.flat, LATENCY, strict=True):
+    fig, axes = _grid(len(LATENCY), cols=2 if len(runs) <= 4 else 1, panel_in=2.8)
+    for ax, (metric, title) in zip(axes, LATENCY, strict=True):
         data = [pd.to_numeric(steady.loc[steady["run_id"] == r, metric], errors="coerce").dropna().to_numpy()
                 for r in runs]
         if not any(len(d) for d in data):
@@ -288,7 +329,6 @@ def plot_latency(df: pd.DataFrame, out: Path) -> Path | None:
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle("Request latency per step (steady-state steps)")
-    fig.tight_layout()
     return _save(fig, out)
 
 
@@ -300,7 +340,7 @@ def plot_memory(df: pd.DataFrame, out: Path) -> Path | None:
     labels = run_labels(df)
     # CPU runs have no NVML numbers: leave them out rather than draw empty slots
     runs = [rid for rid, run in _runs(df) if _has(run, [m for m, _ in metrics])]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(runs) + 3), 4.5))
+    fig, ax = plt.subplots(figsize=(min(PAGE_IN, max(6.0, 1.6 * len(runs) + 3)), 4.5), layout="constrained")
     width = 0.8 / len(metrics)
     x = np.arange(len(runs))
     for i, (metric, name) in enumerate(metrics):
@@ -354,8 +394,8 @@ def timeline_figure(df: pd.DataFrame) -> Figure | None:
     df = df.assign(_sitting=sittings(df["_start"], df["_stop"]))
     n_sit = int(df["_sitting"].max()) + 1
     labels, colors = run_labels(df), run_colors(df)
-    fig, axes = plt.subplots(len(panels), n_sit, figsize=(max(10, 5 * n_sit), 3.4 * len(panels)),
-                             sharey="row", squeeze=False)
+    fig, axes = plt.subplots(len(panels), n_sit, figsize=(PAGE_IN, 3.4 * len(panels)), sharey="row", squeeze=False,
+                             layout="constrained")
     for k in range(n_sit):
         here = df[df["_sitting"] == k]
         t0 = here["_start"].min()
@@ -398,7 +438,7 @@ def plot_machine(df: pd.DataFrame, out: Path) -> Path | None:
         return None
     panels, steady = [(c, x) for c, x in MACHINE if _has(df, [c])], steady_state(df)
     labels, colors = run_labels(df), run_colors(df)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(PAGE_IN, 4), sharey=True, squeeze=False, layout="constrained")
     for ax, (column, xlabel) in zip(axes[0], panels, strict=True):
         for rid, run in _runs(steady):
             ax.scatter(pd.to_numeric(run[column], errors="coerce"), pd.to_numeric(run["perf/throughput"],

@@ -11,7 +11,7 @@ import jinja2
 import pandas as pd
 
 from hybridrl.engines.client_ceiling import HEADROOM
-from hybridrl.report import comparisons, run_tables, stats, wording
+from hybridrl.report import comparisons, headline, placements, run_tables, stats, wording
 from hybridrl.report.aggregate import atomic_path
 from hybridrl.report.plots import PLOTS, config_labels, run_labels
 from hybridrl.run.checks import GAP_LIMITS
@@ -30,9 +30,10 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
     """Everything the templates show; plot paths are filled in per output file."""
     labels, by_config = run_labels(df), config_labels(df)
     ratios = comparisons.ratio_table(df, by_config)
-    heads = comparisons.headline_tables(df)
+    pairs, groups = headline.headlines(df), placements.groups(df)
+    heads = comparisons.headline_tables(df, pairs)
     moves = comparisons.transitions(df, by_config)
-    places = comparisons.placement_tables(df)
+    places = comparisons.placement_tables(df, groups)
     paths = comparisons.client_paths_table(df, by_config)
     # only intervals that exist can exclude 1 by chance: an n/a interval counts for nothing
     n_comparisons = (sum(h["n_comparisons"] for h in heads) + (moves["n_comparisons"] if moves else 0)
@@ -40,6 +41,8 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
                      + sum(p["n_comparisons"] for p in places))
     return {
         "summary": comparisons.summary(df, title),
+        "verdict": comparisons.verdict_lines(df, by_config, pairs, groups),
+        "nothing_compared": comparisons.nothing_compared(df),
         "runs": [{"label": labels[r], "run_id": r} for r in stats.run_order(df)],
         "headlines": heads,
         "comparisons_note": wording.comparisons_note(n_comparisons),

@@ -41,7 +41,7 @@ def detectable(est: Estimate) -> float:
 def basis(est: Estimate, n_a: tuple[int, int], n_b: tuple[int, int]) -> str:
     """'3 runs × 24 steps vs 3 runs × 24 steps': what each side rests on."""
     def side(n: tuple[int, int]) -> str:
-        return f"{n[0]} run{'s' if n[0] != 1 else ''}, {n[1]} steps"
+        return f"{n[0]} run{'s' if n[0] != 1 else ''}, {n[1]} step{'s' if n[1] != 1 else ''}"
     return f"{side(n_a)} vs {side(n_b)}"
 
 
@@ -63,7 +63,7 @@ def conclusion(what: str, a: str, b: str, est: Estimate, n_a: tuple[int, int], n
     """One sentence on `what` (a ratio a / b with its interval) by the rules above. n_a, n_b: (runs, steps)."""
     where = f"({basis(est, n_a, n_b)})"
     if not (math.isfinite(est.lo) and math.isfinite(est.hi)):
-        return f"{what}, {a} / {b}: {est.value:.2f}x with no interval {where}: nothing can be claimed."
+        return f"{what}: {no_interval(est, a, b)} {where}, so this ranks neither."
     if not est.excludes(1.0):
         return (f"{what}: {a} and {b} could not be told apart, {a} / {b} {ratio_text(est)} {where}; these data "
                 f"had 80% power for a ratio of about {detectable(est):.2f}x either way, less for a smaller one.")
@@ -73,6 +73,17 @@ def conclusion(what: str, a: str, b: str, est: Estimate, n_a: tuple[int, int], n
         return (f"{what}: {a} was {word} than {b} in these runs, {a} / {b} {ratio_text(est)} {where}; one run "
                 "on a side, so the interval holds step-to-step noise only, not run-to-run.")
     return f"{what}: {a} is {word} than {b}, {a} / {b} {ratio_text(est)} {where}."
+
+
+def no_interval(est: Estimate, a: str, b: str) -> str:
+    """A ratio without an interval, and why, in plain words: a bootstrap needs two values on each side."""
+    if est.n == 0:
+        return f"{a} / {b} has no value: a side has nothing to compare"
+    if not math.isfinite(est.value):
+        return f"{a} / {b} has no value: {b}'s median is zero"
+    if est.n < 2:
+        return f"{a} / {b} {est.value:.3g}x, with no interval: a single value on a side is too few for one"
+    return f"{a} / {b} {est.value:.3g}x, with no interval"
 
 
 def comparisons_note(n: int, level: float = 0.95) -> str:

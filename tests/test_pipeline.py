@@ -144,7 +144,10 @@ def test_killed_engine_was_restarted_and_counted(smoke_run):
         pytest.fail("the split run finished before its engine could be killed")
     table = pd.read_csv(workdir / "results" / "steps.csv")
     split = table[table["run_id"].str.startswith("vllm-split-")].sort_values("step")
-    assert split["errors/engine_restarts"].iloc[1] >= 1
+    # killed once step 1 was recorded: the first rollout after the kill (step 2's, or step 3's where the kill landed
+    # while step 2 trained) found the engine dead, restarted it and counted it; no step was lost
+    assert split["errors/engine_restarts"].iloc[1:].max() >= 1
+    assert split["step"].tolist() == [1, 2, 3]
     assert _engine_pids(workdir) == []  # and nothing is left running
 
 

@@ -121,6 +121,10 @@ def test_wording_check_refuses_what_the_intervals_do_not_say() -> None:
                               "[0.96, 1.67] split.")
     assert wording.violations("Colocated, SGLang was faster, 1.36x [1.14, 1.49]. Split, the two could not be told "
                               "apart, 1.37x [0.96, 1.67].") == []
+    # apportioning a gap from an interval that includes none (the in-process vLLM benchmark's old sentence)
+    assert wording.violations("The client kept 0.92x [0.83, 1.02] of raw, so most of the gap lies outside it.")
+    assert wording.violations("The gap is in decoding: TPOT 1.01x [0.85, 1.21].")
+    assert wording.violations("Most of the step is the update, 1.36x [1.14, 1.49] of the rollout.") == []
     # and what the rules allow
     assert wording.violations("SGLang is faster: 1.66x [1.46, 1.86].") == []
     assert wording.violations("Neither is faster here: 1.55x [0.70, 2.54].") == []

@@ -6,7 +6,9 @@ The rules (README "Reading the intervals"):
   to detect (the minimum detectable effect: the interval's standard error on the log scale times 1.96 + 0.84);
 - with one run on a side, a claim is limited to "in these runs": the interval holds step-to-step noise only;
 - text never calls two arms alike ("equally fast", "same speed", "within noise") beside an interval that
-  excludes no difference, and never ranks them ("faster", "slower", ...) from intervals that all include it.
+  excludes no difference, and never ranks them ("faster", "slower", ...) from intervals that all include it;
+- nor does it apportion a difference ("most of the gap", "mostly", "the gap is in ...") from an interval that
+  includes none: such an interval says how much, if any, only up to its width.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from hybridrl.report.stats import Estimate
 SAME = re.compile(r"equally fast|same speed|within noise|no (?:throughput )?difference|could not be told apart|"
                   r"neither engine is faster|not differ", re.I)
 RANK = re.compile(r"\b(?:faster|slower|favou?rs?|beats?|outperforms?|wins?|ahead)\b", re.I)
+APPORTION = re.compile(r"\bmost(?:ly)?\b(?! \w+ than)|\bthe (?:gap|difference) (?:is|lies) (?:in|outside|within)\b",
+                       re.I)
 NEGATION = re.compile(r"\b(?:neither|nor|not|no|nothing|without)\b", re.I)
 # "0.83x [0.74, 0.89]" and "+10% [-31%, +61%]" as the report and the READMEs write them
 RATIO = re.compile(r"(\d+(?:\.\d+)?)x \[(\d+(?:\.\d+)?), (\d+(?:\.\d+)?)\]")
@@ -129,4 +133,6 @@ def violations(text: str) -> list[str]:
         # apart: "A and B were faster: 1.36x [1.14, 1.49] and 1.37x [0.96, 1.67]" ranks the second from nothing
         if not all(excludes) and RANK.search(sentence) and not NEGATION.search(sentence):
             found.append(f"ranks arms beside an interval that includes no difference: {sentence}")
+        if not any(excludes) and APPORTION.search(sentence) and not NEGATION.search(sentence):
+            found.append(f"apportions a difference from an interval that includes none: {sentence}")
     return found

@@ -333,6 +333,28 @@ def test_engine_dead_at_the_adapter_load_is_restarted_with_the_new_adapter(asset
     assert all(r["check/adapter_applied"] for r in records)
 
 
+def test_engine_dead_at_the_checks_is_restarted_with_the_new_adapter_and_checked_again(assets, tmp_path):
+    class DiesAtFirstCheck(ScriptedEngine):
+        def kv_capacity_tokens(self):
+            self.events.append("kv")
+            if self.events.count("kv") == 2:  # the first step's check (the first read is the baseline at start)
+                self.up = False  # killed after the rollout, while the step is checked
+                raise EngineError("GET /metrics: ConnectError: [Errno 111] Connection refused")
+            return super().kv_capacity_tokens()
+
+        def start(self, adapter=None):
+            self.events.append(("start", adapter))
+            return super().start(adapter)
+
+    engine = DiesAtFirstCheck()
+    records = run_loop(_run(steps=2), "r14", assets / "model", assets / "data", tmp_path, {}, progress=False,
+                       engine=engine)
+    assert [r["errors/engine_restarts"] for r in records] == [1, 0]
+    starts = [e[1] for e in engine.events if isinstance(e, tuple)]
+    assert starts == [None, ("policy", tmp_path / "adapters" / "step-0001")]  # restarted with step 1's adapter
+    assert all(r["check/kv_capacity_ok"] for r in records)
+
+
 def test_colocated_engine_dead_at_sleep_is_restarted_and_put_to_sleep(assets, tmp_path):
     class DiesAtFirstSleep(ScriptedEngine):
         def sleep(self):

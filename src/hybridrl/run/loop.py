@@ -298,7 +298,8 @@ def one_step(ctx: RunContext, step: int) -> dict[str, Any]:
                         trained.adapter or engine_adapter(ctx), redo=False)
     if trained.adapter is not None:
         ctx.engine_adapter_step = step
-    checks = check(ctx, step, trained, t)
+    # an engine found dead by the checks is started again with the new adapter and checked again
+    checks = recovery.on_live_engine(lambda: check(ctx, step, trained, t), trained.adapter or engine_adapter(ctx))
     save_state(ctx, t)
     t.s["step"] = time.perf_counter() - t0
     record = make_record(ctx, step, t, rollout, scored, trained, checks, recovery.restarts)
@@ -556,6 +557,17 @@ class EngineRecovery:
                         raise EngineError(f"every request failed, e.g. {completions[0].error}")
                 return completions
             except EngineError as exc:
+                self.restart(adapter, exc)
+
+    def on_live_engine(self, fn: Callable[[], Any], adapter: Path | None) -> Any:
+        """fn's result on a live engine: one found dead is started again with `adapter` and fn done again on it; a
+        live engine that answers wrongly is a real error and is raised."""
+        while True:
+            try:
+                return fn()
+            except EngineError as exc:
+                if self.engine.alive():
+                    raise
                 self.restart(adapter, exc)
 
     def transition(self, change: Callable[[], None], adapter: Path | None, redo: bool) -> None:

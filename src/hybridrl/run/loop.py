@@ -566,9 +566,19 @@ class EngineRecovery:
             try:
                 return fn()
             except EngineError as exc:
-                if self.engine.alive():
+                if not self.died():
                     raise
                 self.restart(adapter, exc)
+
+    def died(self, grace_s: float = 2.0) -> bool:
+        """Whether the engine is dead, giving a process just killed time to be reaped: its connection can drop
+        (connection reset) a moment before its process reads as gone."""
+        deadline = time.perf_counter() + grace_s
+        while self.engine.alive():
+            if time.perf_counter() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def transition(self, change: Callable[[], None], adapter: Path | None, redo: bool) -> None:
         """A placement transition (sleep, wake, adapter load). An engine found dead there is started again with
@@ -579,7 +589,7 @@ class EngineRecovery:
                 change()
                 return
             except EngineError as exc:
-                if self.engine.alive():
+                if not self.died():
                     raise
                 self.restart(adapter, exc)
                 if not redo:

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from hybridrl.study import models
-from hybridrl.study.config import validate
+from hybridrl.study.config import ConfigError, validate
 from hybridrl.task import data
 
 REPO = Path(__file__).resolve().parents[1]
@@ -328,3 +328,42 @@ def test_a_local_model_path_that_is_not_there_or_not_a_checkpoint_says_which(tmp
     with pytest.raises(FileNotFoundError, match="has no config.json: not a Hugging Face checkpoint"):
         models.prepare({"path": str(tmp_path / "plain")}, tmp_path / "c.jsonl", tmp_path / "m")
     assert not (tmp_path / "m").exists()
+
+
+TINY_DENSE = {"init": "random", "arch": "qwen3", "dtype": "bfloat16", "vocab_size": 300, "hidden_size": 32,
+              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "head_dim": 16, "seed": 3}
+
+
+def test_weights_drawn_on_the_cpu_are_those_every_earlier_build_drew(tmp_path):
+    """init_device's default keeps a study's random model what it was: float32 draws under the seed, then cast."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    data.write_synthetic(tmp_path / "data", 32, 4, seed=0)
+    models.build_random(TINY_DENSE, tmp_path / "data" / "train.jsonl", tmp_path / "model")
+    built = load_file(tmp_path / "model" / "model.safetensors")
+    config = Qwen3Config.from_pretrained(tmp_path / "model")
+    torch.manual_seed(3)
+    before = Qwen3ForCausalLM(config).to(torch.bfloat16).state_dict()  # how the build drew them until now
+    assert built["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
+    for name in ("model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight"):
+        torch.testing.assert_close(built[name], before[name], rtol=0, atol=0)
+
+
+def test_weights_drawn_on_cuda_need_a_gpu_and_make_the_build_a_gpu_job(tmp_path, monkeypatch):
+    import torch
+
+    from hybridrl.study.rule_params import model_build_gpus
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    data.write_synthetic(tmp_path / "data", 32, 4, seed=0)
+    with pytest.raises(ConfigError, match="init_device: cuda, but no CUDA device"):
+        models.build_random({**TINY_DENSE, "init_device": "cuda"}, tmp_path / "data" / "train.jsonl", tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+    assert model_build_gpus({**TINY_DENSE, "init_device": "cuda"}) == 1
+    assert model_build_gpus(TINY_DENSE) == 0
+    assert model_build_gpus({**TINY_DENSE, "warm_start": {"device": "cuda"}}) == 1
+    assert model_build_gpus({**TINY_DENSE, "warm_start": {"tokens": 10}}, fake_gpus=True) == 1
+    assert model_build_gpus({**TINY_DENSE, "warm_start": {"tokens": 10}}) == 0

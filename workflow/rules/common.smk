@@ -14,6 +14,7 @@ from hybridrl.study.config import ConfigError, dataset_name, resolve  # noqa: E4
 from hybridrl.study.measurements import Inputs, fault_runs, measure_argv  # noqa: E402
 from hybridrl.study.rule_params import (
     data_params,
+    model_build_gpus,
     model_spec,
     run_spec_json,
 )  # noqa: E402

@@ -8,8 +8,7 @@ MODEL_RULES = {
 
 
 def model_gpus(wildcards) -> int:
-    warm = STUDY.models[wildcards.model].get("warm_start") or {}
-    return 1 if warm.get("device") == "cuda" or (warm and FAKE_GPUS) else 0
+    return model_build_gpus(STUDY.models[wildcards.model], FAKE_GPUS)
 
 
 for _name, _models in MODEL_RULES.items():

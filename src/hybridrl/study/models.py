@@ -129,6 +129,27 @@ def _special_ids(tokenizer: Any) -> dict[str, Any]:
             "pad_token_id": tokenizer.pad_token_id, "generation_eos": tokenizer.eos_token_id}
 
 
+def _draw(model_cls: Any, config: Any, spec: dict[str, Any], dtype: Any) -> Any:
+    """The random weights, drawn where the spec says (init_device). On the CPU they are drawn in float32 and cast
+    when saved, as every model built before init_device was; on CUDA in the model's dtype, unless a warm start
+    will train them, which it does in float32."""
+    import torch
+
+    device = spec.get("init_device") or "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("model spec has init_device: cuda, but no CUDA device is visible here: give the build a "
+                          "GPU, or draw the weights on the CPU (init_device: cpu)")
+    draw_dtype = dtype if device == "cuda" and spec.get("warm_start") is None else torch.float32
+    torch.manual_seed(spec.get("seed", 0))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(draw_dtype)
+    try:
+        with torch.device(device):
+            return model_cls(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def build_random(spec: dict[str, Any], corpus: Path, out_dir: Path, test: Path | None = None) -> None:
     """A random-init checkpoint of the given architecture with its tokenizer (see _tokenizer), warm-started on
     `corpus` (the train split) when the spec has `warm_start`, its accuracy measured on `test`."""
@@ -151,8 +172,7 @@ def build_random(spec: dict[str, Any], corpus: Path, out_dir: Path, test: Path |
         ids = _special_ids(tokenizer)
         generation_eos = ids.pop("generation_eos")
         config = config_cls(**shape, **ids, torch_dtype=dtype)
-        torch.manual_seed(spec.get("seed", 0))
-        model = model_cls(config)
+        model = _draw(model_cls, config, spec, dtype)
         model.generation_config.eos_token_id = generation_eos
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         if spec.get("warm_start") is not None:

@@ -24,3 +24,11 @@ def data_params(data: dict[str, Any]) -> dict[str, Any]:
 def model_spec(spec: dict[str, Any]) -> str:
     """A model's config entry as the `model` rule passes it to `--spec` (sorted: a reordered YAML reruns nothing)."""
     return json.dumps(spec, sort_keys=True)
+
+
+def model_build_gpus(spec: dict[str, Any], fake_gpus: bool = False) -> int:
+    """GPUs a random-init build asks for: one where its weights are drawn or warm-started on CUDA (on the CI
+    cluster's fake GPUs, one for any warm start, so that the GPU path is exercised), else none."""
+    warm = spec.get("warm_start") or {}
+    on_gpu = spec.get("init_device") == "cuda" or warm.get("device") == "cuda"
+    return 1 if on_gpu or (warm and fake_gpus) else 0

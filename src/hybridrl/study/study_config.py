@@ -86,6 +86,10 @@ class ModelSpec(_Strict):
     norm_topk_prob: bool | None = Field(None, description="qwen3_moe: renormalise the top-k router weights")
     tie_word_embeddings: bool | None = Field(None, description="share the input embedding with the LM head")
     seed: int | None = Field(None, ge=0, description="seed of the random weights")
+    init_device: Literal["cpu", "cuda"] | None = Field(
+        None, description="random model: where its weights are drawn (default cpu). cuda draws them on a GPU (the "
+                          "build becomes a GPU job), in the model's dtype where there is no warm start: seconds, not "
+                          "minutes, for the 48-layer MoE, but other weights than cpu gives for the same seed")
     warm_start: WarmStart | None = Field(
         None, description="random model: supervised training on the train split (prompt, worked answer, EOS) before "
                           "any RL; its greedy test accuracy goes to warm_start.json in the model's directory")

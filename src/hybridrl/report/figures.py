@@ -522,6 +522,18 @@ def _text(path: str) -> str:
     return (REPO / path).read_text(errors="replace")
 
 
+def setup_table(study: str) -> str:
+    """The report's set-up against measured time, run by run (report.setup_time), as a markdown table."""
+    from hybridrl.report import setup_time
+    from hybridrl.report.plots import run_labels
+
+    df = _table(study)
+    table = setup_time.setup_table(df, run_labels(df))
+    if table is None:
+        raise ValueError(f"{study}: no run recorded its engine's start")
+    return setup_time.markdown(table)
+
+
 def logged(path: str, pattern: str) -> str:
     """The first group of the first match of `pattern` (a regex without spaces: write \\s) in a committed log,
     for what a run printed but wrote to no table (the warm start's checks, for one)."""
@@ -541,7 +553,8 @@ FIGURES: dict[str, Callable[..., str]] = {
     "profile_waits": profile_waits,
     "profile_range": profile_range,
     "series": series, "logged": logged, "paired": paired,
-    "at": at, "run_medians": run_medians, "slope": slope, "share": share, "unattributed": unattributed,
+    "at": at, "setup_table": setup_table, "run_medians": run_medians, "slope": slope, "share": share,
+    "unattributed": unattributed,
     "replayed": replayed, "alike": alike,
 }
 

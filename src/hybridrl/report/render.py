@@ -11,7 +11,7 @@ import jinja2
 import pandas as pd
 
 from hybridrl.engines.client_ceiling import HEADROOM
-from hybridrl.report import comparisons, headline, placements, run_tables, stats, wording
+from hybridrl.report import comparisons, headline, placements, run_tables, setup_time, stats, wording
 from hybridrl.report.aggregate import atomic_path
 from hybridrl.report.plots import PLOTS, config_labels, run_labels
 from hybridrl.run.checks import GAP_LIMITS
@@ -53,6 +53,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "ratios": ratios[1] if ratios else None,
         "warmup": run_tables.warmup_table(df, labels),
         "recording": run_tables.recording(df, labels),
+        "setup": setup_time.setup_table(df, labels),
         "correctness": run_tables.correctness_table(df, labels),
         "accuracy": run_tables.accuracy_table(df, labels),
         "accuracy_replicates": run_tables.accuracy_replicates_table(df, by_config),

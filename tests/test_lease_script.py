@@ -56,6 +56,7 @@ def _shared(tmp: Path, gpu: Path, stream: bytes) -> dict[str, str]:
     for d in ("ctl", "slurm/debs", "slurm/whl"):
         (gpu / "start" / d).mkdir(parents=True)
     (gpu / "start" / "ctl" / "pydantic-2-py3-none-any.whl").write_bytes(b"w" * 1000)
+    (gpu / "start" / "ctl" / "trl-1-py3-none-any.whl").write_bytes(b"w" * 1000)  # TRL's set is there too
     return {"HYBRIDRL_SHARED_GPU": str(shared), "HYBRIDRL_GPU_DIR": str(gpu)}
 
 

@@ -78,12 +78,33 @@ def test_a_fault_run_trains_its_run_and_the_engine_bench_replays_one(smoke):
     assert bench[bench.index("--run-dir") + 1] == "results/runs/R"
 
 
+def test_trls_peer_mirrors_a_run_in_two_configurations(smoke):
+    smoke["measurements"] = [{"kind": "peer_trl", "run": "vllm-split", "micro_batch": 4},
+                             {"kind": "peer_trl", "run": "vllm-split", "micro_batch": 4,
+                              "gradient_checkpointing": False, "lr": 1e-3, "steps": 2}]
+    study = resolve(smoke)
+    split = next(rid for rid, run in study.runs.items() if run.placement == "split" and not run.overlap)
+    jobs = study.measurements
+    assert [j.output for j in jobs.values()] == ["results/bench/trl-vllm-split-defaults.json",
+                                                 "results/bench/trl-vllm-split-gc-off.json"]
+    assert all(j.run_id == split and j.gpus == 1 and j.device == "cpu" for j in jobs.values())
+    at = Inputs(run_dir="results/runs/R", run_config="results/runs/R/config.json", model="m", data="d")
+    default, off = (measure_argv(j, at) for j in jobs.values())
+    assert default[:3] == ["peer-trl", "--run-config", "results/runs/R/config.json"]
+    assert default[default.index("--gradient-checkpointing") + 1] == "default" and "--lr" not in default
+    assert off[off.index("--gradient-checkpointing") + 1] == "off" and off[off.index("--lr") + 1] == "0.001"
+    assert off[off.index("--steps") + 1] == "2" and off[-2:] == ["--out", "results/bench/trl-vllm-split-gc-off.json"]
+    assert set(cluster.measure_shapes(jobs)) == {"peer_trl_cpu"}
+
+
 @pytest.mark.parametrize(("entry", "message"), [
     ({"kind": "engine_bench", "run": "nope"}, r"measurements\[0\]\.run: 'nope' is not a run of this study"),
     ({"kind": "engine_bench", "run": "vllm-split", "repeats": 0}, r"measurements\.0\.repeats: .*greater than"),
     ({"kind": "trainer_bench", "shape": "huge", "trainer": "hf", "micro_batch": 1}, r"measurements\.0\.shape: "),
     ({"kind": "engine_bench", "run": "vllm-split", "steps": 2}, r"measurements\.0\.steps: Extra inputs"),
     ({"kind": "benchmark"}, r"measurements\.0: .*tag 'benchmark'"),
+    ({"kind": "peer_trl", "run": "vllm-split", "beta": 0.1}, r"measurements\.0\.beta: Extra inputs"),
+    ({"kind": "peer_trl", "run": "nope"}, r"measurements\[0\]\.run: 'nope' is not a run of this study"),
 ])
 def test_a_bad_measurement_is_one_line_naming_its_key(smoke, entry, message):
     smoke["measurements"] = [entry]

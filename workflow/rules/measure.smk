@@ -34,17 +34,23 @@ def measure_command(wildcards) -> str:
         else Inputs()
     )
     trainer = getattr(job.spec, "trainer", None)
+    # TRL's peer colocates vLLM in its own process, whatever engine the run it mirrors uses
+    engine = cluster.PEER_ENGINE if job.kind == "peer_trl" else None
     record = f"python -m hybridrl.study.cluster record-job results/bench/{job.name}.slurm.json --sharing {SHARING}"
     command = shlex.join(["python", "-m", "hybridrl", *measure_argv(job, at)])
-    return f"{prelude(rid, trainer)}{record} && {command}"
+    return f"{prelude(rid, trainer, engine)}{record} && {command}"
 
 
 def measure_container(wildcards) -> str | None:
-    """A measurement of a run (engine bench, fault run) runs in that run's image; the trainer tools and the
-    client's ceiling on the host, as the model builds do."""
-    rid = MEASUREMENTS[wildcards.name].run_id
+    """A measurement of a run (engine bench, fault run) runs in that run's image, TRL's peer in the vLLM image;
+    the trainer tools and the client's ceiling on the host, as the model builds do."""
+    job = MEASUREMENTS[wildcards.name]
+    rid = job.run_id
     if rid and (APPTAINER or not workflow.is_main_process):
-        return image_of(rid)
+        image = image_of(rid)
+        if image and job.kind == "peer_trl":
+            return f"resources/containers/{cluster.backend(cluster.PEER_ENGINE)}.sif"
+        return image
     return None
 
 

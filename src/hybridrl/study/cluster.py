@@ -28,6 +28,8 @@ if TYPE_CHECKING:  # only types here: this glue also runs inside images, before 
 
 # One image per serving stack: the in-process vLLM baseline runs in the vLLM image.
 BACKENDS = {"sglang": "sglang", "vllm": "vllm", "vllm-inprocess": "vllm"}
+# TRL's peer (measurement peer_trl) runs vLLM inside its trainer's process: its overlays and image are these
+PEER_ENGINE = "vllm-inprocess"
 # Where scripts/wheelhouse.sh installs the per-backend environments (the deployment without Apptainer).
 VENV_DIR = ".venvs"
 # Threads of a GPU run's job: the controller, the NVML sampler and the engine's CPU side.

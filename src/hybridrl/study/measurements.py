@@ -2,7 +2,7 @@
 
 The Snakefile turns each into a job (workflow/rules/measure.smk); its result lands in results/bench/<name>.<ext>,
 named as the committed studies name theirs: <run>.json (engine bench), client-ceiling.json, fault-<run>.json,
-trainer-<shape>-<trainer>-mb<N>[-flag...][-rK].json and profile-....txt.
+trainer-<shape>-<trainer>-mb<N>[-flag...][-rK].json, profile-....txt and trl-<run>-<defaults|gc-on|gc-off>.json.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hybridrl.study.run_config import RunConfig
-from hybridrl.study.study_config import ClientCeiling, EngineBench, FaultRun, Measurement, TrainerBench
+from hybridrl.study.study_config import ClientCeiling, EngineBench, FaultRun, Measurement, PeerTrl, TrainerBench
 
 BENCH_DIR = "results/bench"
 
@@ -22,7 +22,7 @@ class MeasureJob:
     trainer tools and the client's ceiling); `gpus` what it needs on CUDA; `device` where it runs."""
 
     name: str
-    spec: EngineBench | ClientCeiling | TrainerBench | FaultRun
+    spec: EngineBench | ClientCeiling | TrainerBench | FaultRun | PeerTrl
     run_id: str | None
     gpus: int
     device: str
@@ -45,7 +45,7 @@ def trainer_tool_names(spec: TrainerBench) -> list[str]:
     return [base + (f"-r{k}" if k > 1 else "") for k in range(1, spec.replicates + 1)]
 
 
-def _run_of(spec: EngineBench | FaultRun, names: Mapping[str, str], where: str) -> str:
+def _run_of(spec: EngineBench | FaultRun | PeerTrl, names: Mapping[str, str], where: str) -> str:
     if spec.run not in names:
         raise ValueError(f"{where}.run: {spec.run!r} is not a run of this study (runs: {', '.join(names)})")
     return names[spec.run]
@@ -65,6 +65,12 @@ def resolve_measurements(specs: Sequence[Measurement], runs: Mapping[str, RunCon
             run = runs[rid]
             gpus = run.tp + (run.train_gpus if run.placement == "split" else 0)
             new = [MeasureJob(f"fault-{spec.run}", spec, rid, gpus, run.device)]
+        elif isinstance(spec, PeerTrl):
+            rid = _run_of(spec, names, at)
+            run = runs[rid]
+            if run.device == "cuda" and run.tp != 1:
+                raise ValueError(f"{at}.run: {spec.run} has tp {run.tp}; TRL's peer mirrors one-GPU runs")
+            new = [MeasureJob(spec.result_name, spec, rid, 1, run.device)]
         elif isinstance(spec, ClientCeiling):
             new = [MeasureJob("client-ceiling", spec, None, 0, "cpu")]
         else:
@@ -105,6 +111,12 @@ def measure_argv(job: MeasureJob, at: Inputs) -> list[str]:
                  at.data, "--out", at.run_dir, "--done", f"{at.run_dir}/done.json", "--no-progress"]
         return ["fault-run", "--kill-engine-at", str(spec.kill_engine_at), "--term-at", str(spec.term_at), "--out",
                 job.output, "--", *train]
+    if isinstance(spec, PeerTrl):
+        gc = {None: "default", True: "on", False: "off"}[spec.gradient_checkpointing]
+        return ["peer-trl", "--run-config", at.run_config, "--model", at.model, "--data", at.data,
+                "--micro-batch", str(spec.micro_batch), "--gradient-checkpointing", gc,
+                *(["--steps", str(spec.steps)] if spec.steps else []), *(["--lr", repr(spec.lr)] if spec.lr else []),
+                "--workdir", f"resources/trl/{job.name}", "--out", job.output]
     if isinstance(spec, ClientCeiling):
         return ["client-ceiling", *spec.args, "--out", job.output]
     command = "trainer-bench" if spec.kind == "trainer_bench" else "trainer-profile"

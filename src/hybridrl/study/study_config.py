@@ -2,8 +2,8 @@
 
 A study declares everything that runs: the data and models its rules build, the runs (as partial RunConfig
 entries), the measurements that are not training runs (engine and trainer benchmarks, the rollout client's ceiling,
-fault runs) and the node they run on. workflow/schemas/config.schema.yaml is generated from these models
-(`python -m hybridrl schema`), and a test keeps the committed file equal to what they generate.
+fault runs, TRL's trainer as a peer) and the node they run on. workflow/schemas/config.schema.yaml is generated
+from these models (`python -m hybridrl schema`), and a test keeps the committed file equal to what they generate.
 """
 
 from __future__ import annotations
@@ -180,7 +180,30 @@ class FaultRun(_Measurement):
     minutes: int = Field(60, ge=1, description="the job's time limit in minutes")
 
 
-Measurement = Annotated[EngineBench | ClientCeiling | TrainerBench | FaultRun, Field(discriminator="kind")]
+class PeerTrl(_Measurement):
+    """TRL's GRPOTrainer on a run's model, prompts, reward and batch, vLLM colocated with sleep mode
+    (`hybridrl peer-trl`; the settings that differ from hybridrl's are listed in docs/study-config.md)."""
+
+    kind: Literal["peer_trl"] = Field(description="peer_trl")
+    run: str = Field(description="the run it mirrors, by name (as engine_bench's run): its model, data, prompts, "
+                                 "reward, batch, LoRA and sampling; it does not wait for that run")
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$",
+                             description="its result's stem (default trl-RUN-defaults, or -gc-on / -gc-off)")
+    gradient_checkpointing: bool | None = Field(
+        None, description="TRL's gradient checkpointing; left out: TRL's default (on)")
+    lr: float | None = Field(None, gt=0, strict=False, description="learning rate (default: the run's)")
+    steps: int | None = Field(None, ge=1, description="optimizer steps (default: the run's)")
+    micro_batch: int = Field(32, ge=1, description="completions a forward (TRL's per_device_train_batch_size); it "
+                                                   "must divide prompts_per_step x group_size, the rest accumulates "
+                                                   "into one optimizer step")
+
+    @property
+    def result_name(self) -> str:
+        gc = {None: "defaults", True: "gc-on", False: "gc-off"}[self.gradient_checkpointing]
+        return self.name or f"trl-{self.run}-{gc}"
+
+
+Measurement = Annotated[EngineBench | ClientCeiling | TrainerBench | FaultRun | PeerTrl, Field(discriminator="kind")]
 
 
 class StudyConfig(_Strict):

@@ -36,6 +36,7 @@ PHASES = (
     ("timing_s/wake", "engine wake"),
     ("timing_s/update_weights", "adapter sync"),
 )
+RECORDED = "the run's recorded model shape"
 HEADERS = ["configuration", "phase", "median (s)", "floor (s)", "median / floor", "floor from"]
 
 
@@ -55,6 +56,10 @@ class RunInputs:
     shape_source: str
     bandwidth: dict[str, Any] | None
     run_dir: Path
+
+    @property
+    def shape_recorded(self) -> bool:
+        return self.shape_source == RECORDED
 
 
 def _gb(n: float) -> str:
@@ -88,12 +93,12 @@ def run_inputs(run_dir: Path) -> RunInputs:
     shape, source = None, "no model shape recorded"
     recorded = prov.get("model_shape")
     if recorded:
-        shape, source = floor_model.shape_of(recorded), "the run's recorded model shape"
+        shape, source = floor_model.shape_of(recorded), RECORDED
     else:
         found = _study_shape(config.get("study"), run.get("model"))
         if found is not None:
             shape = floor_model.shape_of(found)
-            source = f"config/{found['_source']}'s model spec (the run recorded no shape)"
+            source = f"config/{found['_source']} (the run recorded none)"
     return RunInputs(run_dir.name, run, gpu, gpu_specs.spec(gpu) if len(names) == 1 else None, shape, source,
                      prov.get("copy_bandwidth"), run_dir)
 
@@ -160,8 +165,9 @@ def phase_floor(inputs: RunInputs, column: str, row: pd.Series) -> Floor:
         gen = floor_model.gen_floor(inputs.shape, prompts, completions, int(inputs.config.get("group_size") or 1),
                                     tp, inputs.spec.hbm_bytes_per_s, inputs.spec.peak_bf16_flops)
         moe = "; MoE: experts read per step under uniform routing" if inputs.shape.experts else ""
+        shape = "" if inputs.shape_recorded else f"; shape from {inputs.shape_source}"
         return Floor(gen.seconds, f"{gen.decode_steps} decode steps × {_gb(gen.bytes_per_step)} (weights + KV) a GPU "
-                     f"at {inputs.spec.hbm_bytes_per_s / 1e12:.3g} TB/s, TP {tp}, from {source}{moe}")
+                     f"at {inputs.spec.hbm_bytes_per_s / 1e12:.3g} TB/s, TP {tp}, from {source}{moe}{shape}")
     weights = inputs.shape.weight_params * floor_model.BF16
     lora_state = _lora_bytes(inputs, 3 * floor_model.FP32, train_tp)  # fp32 weights and AdamW's two moments
     if column == "timing_s/trainer_onload":

@@ -543,6 +543,21 @@ def logged(path: str, pattern: str) -> str:
     return found.group(1)
 
 
+def floors(study: str) -> str:
+    """The report's floor table (report.floors) of one study, as a Markdown table on lines of its own: every
+    configuration's phases, their steady-state medians, floors and ratios."""
+    from hybridrl.report.floors import floor_table, markdown
+    from hybridrl.report.plots import config_labels
+
+    if "+" in study:
+        raise ValueError(f"{study}: floors reads one study's runs, not a pooled one")
+    df = _table(study)
+    table = floor_table(df, REPO / study / "runs", config_labels(df))
+    if table is None:
+        raise ValueError(f"{study}: no phase to set against a floor")
+    return "\n\n" + markdown(table) + "\n\n"
+
+
 FIGURES: dict[str, Callable[..., str]] = {
     "median": median, "total": total, "interval": interval, "ratio": ratio, "change": change, "steps": steady_steps,
     "runs": steady_runs,
@@ -554,8 +569,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "profile_range": profile_range,
     "series": series, "logged": logged, "paired": paired,
     "at": at, "setup_table": setup_table, "run_medians": run_medians, "slope": slope, "share": share,
-    "unattributed": unattributed,
-    "replayed": replayed, "alike": alike,
+    "unattributed": unattributed, "replayed": replayed, "alike": alike, "floors": floors,
 }
 
 

@@ -33,7 +33,7 @@ from hybridrl.engines.base import Completion, Engine, EngineError, Request, Samp
 from hybridrl.engines.client_ceiling import client_headroom_ok, run_ceiling
 from hybridrl.engines.startup import TOTAL, combine
 from hybridrl.nvml import process_used_gb
-from hybridrl.run import request_records
+from hybridrl.run import copy_bandwidth, request_records
 from hybridrl.run.barrier import StartBarrier
 from hybridrl.run.checks import Canary, adapter_not_judged, asleep_memory_gate, gap_limits, logprob_gate, model_family
 from hybridrl.run.cores import CoreSplit, engine_env_spec, job_cores, split_cores
@@ -194,12 +194,14 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
             if trainer:
                 trainer.resume(adapter)
             console.print(f"{run_id}: resuming at step {first_step} from {adapter}")
-        # before the engine starts, so that nothing else loads the host while the client is measured
+        # before the engine starts, so that nothing else loads the host while the client and the link are measured
+        bandwidth = copy_bandwidth.measure(run.device)
         ceiling = run_ceiling(engine.name, run.prompts_per_step * run.group_size, run.max_new_tokens,
                               run.max_concurrency, run.stream_fraction, run.client_ceiling_s, run.shared_pool)
         placement = make_placement(run.placement, engine, trainer, sampler)
         startup_s = placement.start_engine(adapter)
-        provenance.write(collect(run, engine.describe(), cores.record(torch.get_num_threads())))
+        provenance.write(collect(run, engine.describe(), cores.record(torch.get_num_threads()), model_config,
+                                 bandwidth))
         canary = Canary(tokenizer, paths.canary)
         canary.record_baseline(engine)
         ctx = RunContext(run, run_id, problems, tokenizer, engine, trainer, placement, canary, sampler, paths,

@@ -139,9 +139,26 @@ def scheduler_info(device: str, environ: Mapping[str, str] = os.environ) -> dict
             "visible_devices": environ.get("CUDA_VISIBLE_DEVICES"), "gpus": gpus, "gpus_reason": reason}
 
 
-def collect(run: RunConfig, engine_desc: dict[str, Any] | None, cores: dict[str, Any] | None = None) -> dict[str, Any]:
+# The keys of a model's config.json that its size depends on: the report's floor table computes bytes and FLOPs
+# from them (runs recorded before 2026-11-29 kept none; their shape comes from the study's config, if at all)
+SHAPE_KEYS = ("model_type", "torch_dtype", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "num_experts",
+              "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+              "mlp_only_layers", "shared_expert_intermediate_size")
+
+
+def model_shape(model_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The shape keys a model's config.json has (SHAPE_KEYS), as it has them."""
+    return {k: model_config[k] for k in SHAPE_KEYS if k in model_config}
+
+
+def collect(run: RunConfig, engine_desc: dict[str, Any] | None, cores: dict[str, Any] | None = None,
+            model_config: Mapping[str, Any] | None = None,
+            copy_bandwidth: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything needed to say what this run ran on and to run it again (the run resolved, every key); `cores`:
-    which of the job's CPU cores its engine and trainer used, and their threads (hybridrl.run.cores)."""
+    which of the job's CPU cores its engine and trainer used, and their threads (hybridrl.run.cores); the model's
+    shape (model_shape) and the host<->device copy bandwidth measured at the run's start (run.copy_bandwidth;
+    null on CPU)."""
     return {
         "schema": SCHEMA_VERSION,
         "created_unix": time.time(),
@@ -156,6 +173,8 @@ def collect(run: RunConfig, engine_desc: dict[str, Any] | None, cores: dict[str,
         "engine": engine_desc,
         "scheduler": scheduler_info(run.device),
         "cores": cores,
+        "model_shape": model_shape(model_config) if model_config is not None else None,
+        "copy_bandwidth": copy_bandwidth,
     }
 
 

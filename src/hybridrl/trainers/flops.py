@@ -29,16 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Dense (no sparsity) bf16 tensor-core peak, FLOP/s, from NVIDIA's published data sheets (H100 SXM and H200:
-# "1,979 teraFLOPS" with 2:4 sparsity, i.e. 989.4e12 dense; A100: 312e12). Matched against the device name in
-# order: the first key found in it wins.
-PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H200", 989.4e12),
-    ("H100 PCIe", 756.0e12),
-    ("H100 NVL", 835.0e12),
-    ("H100", 989.4e12),  # SXM
-    ("A100", 312.0e12),
-)
+from hybridrl import gpu_specs
 
 
 @dataclass(frozen=True)
@@ -61,7 +52,7 @@ class FlopShape:
         return self.layers * (q_o + k_v) + sum(self.mlp_params_per_layer) + self.vocab * self.hidden
 
 
-def _moe_layers(cfg: dict[str, Any], layers: int) -> list[bool]:
+def moe_layers(cfg: dict[str, Any], layers: int) -> list[bool]:
     n_exp = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     if n_exp == 0:
         return [False] * layers
@@ -75,7 +66,7 @@ def flop_shape(cfg: dict[str, Any]) -> FlopShape:
     hidden, layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
     heads = int(cfg["num_attention_heads"])
     mlp = []
-    for moe in _moe_layers(cfg, layers):
+    for moe in moe_layers(cfg, layers):
         if moe:
             n_exp = int(cfg.get("num_experts") or cfg.get("num_local_experts"))
             routed = 3 * hidden * int(cfg["moe_intermediate_size"]) * int(cfg["num_experts_per_tok"])
@@ -103,13 +94,9 @@ def update_flops(shape: FlopShape, seq_lens: Sequence[int], kl: bool = False) ->
 
 
 def peak_flops(device_name: str | None) -> float | None:
-    """The GPU's dense bf16 peak from PEAK_BF16_FLOPS; None for a CPU or a GPU not in the table."""
-    if not device_name:
-        return None
-    for key, peak in PEAK_BF16_FLOPS:
-        if key.lower() in device_name.lower():
-            return peak
-    return None
+    """The GPU's dense bf16 peak (hybridrl.gpu_specs); None for a CPU or a GPU not in the table."""
+    found = gpu_specs.spec(device_name)
+    return found.peak_bf16_flops if found else None
 
 
 def device_name(device: Any) -> str | None:

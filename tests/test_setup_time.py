@@ -1,0 +1,49 @@
+"""Set-up against measured time: each run's engine start and its parts beside its warm-up and measured steps."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from hybridrl.report import figures, setup_time
+
+
+def _run(rid: str, start: float | None, step_s: list[float], parts: dict[str, float] | None = None) -> pd.DataFrame:
+    rows = [{"run_id": rid, "config_id": "c", "step": i, "time_unix": 1000.0 + i + (100 if rid == "b" else 0),
+             "timing_s/step": s, "warmup_steps": 2, "engine": "sglang", "placement": "colocate", "trainer": "hf",
+             "model": "m", "tp": 1} for i, s in enumerate(step_s, 1)]
+    first = rows[0]
+    first["timing_s/engine_start"] = start
+    for part, seconds in (parts or {}).items():
+        first[f"timing_s/engine_start_{part}"] = seconds
+    return pd.DataFrame(rows)
+
+
+def test_each_run_shows_its_start_and_parts_beside_its_warmup_and_measured_steps() -> None:
+    df = pd.concat([_run("a", 90.0, [5.0, 3.0, 2.0, 2.0, 2.0], {"import": 60.0, "unexplained": 1.5}),
+                    _run("b", 30.0, [4.0, 2.0, 2.0, 2.0, 2.0])], ignore_index=True)
+    table = setup_time.setup_table(df, {"a": "first", "b": "second"})
+    assert table.headers == ["run", "engine start (s)", "… process and import", "… unexplained (no log line)",
+                             "warm-up steps (s)", "measured steps (s)", "start's share"]
+    assert [[c.text for c in row] for row in table.rows] == [
+        ["first", "90.00", "60.00", "1.50", "8.00", "6.00", "87%"],   # 90 / (90 + 8 + 6)
+        ["second", "30.00", "–", "–", "6.00", "6.00", "71%"],         # 30 / (30 + 6 + 6): no parts recorded
+    ]
+
+
+def test_a_study_whose_runs_recorded_no_start_has_no_table_and_no_figure(monkeypatch: pytest.MonkeyPatch) -> None:
+    df = _run("a", None, [5.0, 3.0, 2.0])
+    assert setup_time.setup_table(df, {"a": "only"}) is None
+    monkeypatch.setattr(figures, "_table", lambda study: df)
+    with pytest.raises(ValueError, match="no run recorded its engine's start"):
+        figures.setup_table("results/reference/none")
+
+
+def test_the_figure_writes_the_table_on_lines_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    df = _run("a", 10.0, [1.0, 1.0, 1.0])
+    monkeypatch.setattr(figures, "_table", lambda study: df)
+    text = figures.setup_table("results/reference/x")
+    lines = text.strip("\n").split("\n")
+    assert text.startswith("\n") and text.endswith("\n")
+    assert lines[1].startswith("| --- |") and len(lines) == 3
+    assert lines[2].split(" | ")[1:] == ["10.00", "2.00", "1.00", "77% |"]

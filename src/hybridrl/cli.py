@@ -334,6 +334,22 @@ def _results_index(args: argparse.Namespace) -> None:
         raise SystemExit(f"hybridrl results-index: {exc}") from None
 
 
+def _targets(args: argparse.Namespace) -> None:
+    from hybridrl.report import targets
+    from hybridrl.report.aggregate import read_table
+    from hybridrl.report.plots import config_labels
+
+    try:
+        wanted = targets.load(Path(args.targets))
+    except ConfigError as exc:
+        raise SystemExit(f"hybridrl targets: {exc}") from None
+    for study in sorted(Path(args.reference).glob("*/steps.csv")):
+        df = read_table(study)
+        table = targets.table(df, config_labels(df), wanted)
+        for row in table.rows if table else []:
+            print(" | ".join([study.parent.name, *(c.text for c in row)]))
+
+
 def _archive(args: argparse.Namespace) -> None:
     from hybridrl.tools.archive import pack
 
@@ -582,6 +598,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="results/README.md")
     s.add_argument("--check", action="store_true", help="fail if OUT differs from what would be written, write nothing")
     s.set_defaults(fn=_results_index)
+
+    s = sub.add_parser("targets", help="each committed study's configurations against the speed targets "
+                       "(config/targets.yaml): met, missed or not settled, from their 95% intervals")
+    s.add_argument("--reference", default="results/reference", help="the folder of committed studies")
+    s.add_argument("--targets", default=str(Path("config") / "targets.yaml"))
+    s.set_defaults(fn=_targets)
 
     s = sub.add_parser("archive", help="pack one study's results, configs, locks and provenance with a sha256 "
                        "manifest")

@@ -11,7 +11,7 @@ import jinja2
 import pandas as pd
 
 from hybridrl.engines.client_ceiling import HEADROOM
-from hybridrl.report import comparisons, floors, headline, placements, run_tables, setup_time, stats, wording
+from hybridrl.report import comparisons, floors, headline, placements, run_tables, setup_time, stats, targets, wording
 from hybridrl.report.aggregate import atomic_path
 from hybridrl.report.plots import PLOTS, config_labels, run_labels
 from hybridrl.run.checks import GAP_LIMITS
@@ -61,6 +61,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "client": run_tables.client_table(df, labels),
         "client_paths": paths,
         "machine": run_tables.machine_table(df, labels),
+        "targets": targets.table(df, by_config),
         "floors": floors.floor_table(df, runs_dir, by_config),
         "memory_trend": run_tables.memory_trend_table(df, labels),
         "gap": run_tables.gap_table(df, labels),

@@ -1,0 +1,120 @@
+"""Speed targets (config/targets.yaml) against a study's configurations: met where the whole 95% interval of the
+configuration's steady-state median is on the target's side, missed where it is wholly on the other, not settled
+where it straddles the bound. Targets live here and in the report, never in a timed test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hybridrl.report import stats
+from hybridrl.report.cells import Cell, Table, fmt
+from hybridrl.study.config import ConfigError
+
+TARGETS = Path(__file__).resolve().parents[3] / "config" / "targets.yaml"
+
+
+class Where(BaseModel):
+    """What a configuration must be for a target to apply to it; an unset field matches anything."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    engine: str | None = Field(None, description="the engine, exactly (sglang, vllm, vllm-inprocess)")
+    placement: str | None = Field(None, description="the placement, exactly (colocate, split, restart)")
+    gpu: str | None = Field(None, description="a part of the GPU's name (H100, H200)")
+    gpu_count: int | None = Field(None, ge=1, description="how many GPUs each run held")
+    model: str | None = Field(None, description="a part of the model's name in the study (0.6b, 30b-a3b)")
+    gen_tokens: int | None = Field(None, ge=1, description="tokens generated a step (median): fixes the batch and, "
+                                                           "with ignore_eos, the length")
+
+
+class Target(BaseModel):
+    """One bound on one metric of the configurations it applies to."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = Field(description="what is targeted, in words")
+    issue: int | None = Field(None, description="the issue that set it")
+    metric: str = Field(description="a column of steps.csv (timing_s/step_compared, timing_s/update_actor, ...)")
+    at_most: float | None = Field(None, gt=0, description="the metric's median must be this or less")
+    at_least: float | None = Field(None, gt=0, description="the metric's median must be this or more")
+    where: Where = Field(Where(), description="the configurations it applies to")
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> Target:
+        if (self.at_most is None) == (self.at_least is None):
+            raise ValueError("a target needs exactly one of at_most and at_least")
+        return self
+
+
+def load(path: Path = TARGETS) -> list[Target]:
+    """The targets file, checked: one line naming the file and the first problem."""
+    try:
+        raw = yaml.safe_load(path.read_text()) or []
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    if not isinstance(raw, list):
+        raise ConfigError(f"{path}: a list of targets, not {type(raw).__name__}")
+    out = []
+    for i, entry in enumerate(raw, 1):
+        try:
+            out.append(Target.model_validate(entry))
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(map(str, err["loc"])) or "the entry"
+            raise ConfigError(f"{path}: target {i}: {where}: {err['msg']}") from None
+    return out
+
+
+def _median(config: pd.DataFrame, column: str) -> float:
+    values = pd.to_numeric(config[column], errors="coerce") if column in config.columns else pd.Series(dtype=float)
+    return float(values.median()) if values.notna().any() else float("nan")
+
+
+def applies(where: Where, config: pd.DataFrame) -> bool:
+    """Whether the configuration's steps (one config_id) are what the target is about."""
+    first = config.iloc[0]
+    exact = {"engine": where.engine, "placement": where.placement}
+    if any(v is not None and str(first.get(k)) != v for k, v in exact.items()):
+        return False
+    parts = {"gpu": where.gpu, "model": where.model}
+    if any(v is not None and v.lower() not in str(first.get(k, "")).lower() for k, v in parts.items()):
+        return False
+    if where.gpu_count is not None and _median(config, "gpu_count") != where.gpu_count:
+        return False
+    return where.gen_tokens is None or _median(config, "perf/gen_tokens") == where.gen_tokens
+
+
+def judge(target: Target, est: stats.Estimate) -> str:
+    """met, missed or not settled, from the interval: a median on the right side is not enough on its own, and
+    a configuration without an interval (one step) settles nothing."""
+    if not (pd.notna(est.lo) and pd.notna(est.hi)):
+        return "not settled: no interval"
+    bound = target.at_most if target.at_most is not None else target.at_least
+    inside = (lambda x: x <= bound) if target.at_most is not None else (lambda x: x >= bound)
+    if inside(est.lo) and inside(est.hi):
+        return "met"
+    if not inside(est.lo) and not inside(est.hi):
+        return "missed"
+    return "not settled: its interval reaches past the bound"
+
+
+def table(df: pd.DataFrame, labels: dict[str, str], targets: list[Target] | None = None) -> Table | None:
+    """One row for each target and each configuration it applies to; None where none applies."""
+    out = Table(["target", "configuration", "median [95% CI]", "bound", "verdict"])
+    steady = stats.steady_state(df)
+    for target in load() if targets is None else targets:
+        for config_id, config in df.groupby("config_id", sort=True):
+            if not applies(target.where, config):
+                continue
+            est = stats.estimate(steady[steady["config_id"] == config_id], target.metric)
+            if not pd.notna(est.value):
+                continue
+            bound = f"≤ {target.at_most:g}" if target.at_most is not None else f"≥ {target.at_least:g}"
+            verdict = judge(target, est)
+            out.rows.append([Cell(target.name), Cell(labels.get(str(config_id), str(config_id))),
+                             Cell(f"{fmt(est.value)} [{fmt(est.lo)}, {fmt(est.hi)}]", "num"),
+                             Cell(f"{target.metric} {bound}"),
+                             Cell(verdict, {"met": "ok", "missed": "fail"}.get(verdict, "na"))])
+    return out if out.rows else None

@@ -59,14 +59,21 @@ def test_a_real_vllm_server_start_is_split_and_ready_needs_the_controllers_insta
     assert split["ready"] is None  # its uvicorn line has no timestamp: the health check's instant is needed
 
 
-def test_a_real_inprocess_vllm_log_gives_the_engines_parts_and_its_post_capture_gap_stays_unexplained() -> None:
+def test_a_real_inprocess_vllm_log_gives_the_engines_parts_and_its_post_capture_gap_is_the_kernel_warmup() -> None:
     log = (INPROCESS_RUN / "train.log").read_text(errors="replace")
     total = engine_start_s(INPROCESS_RUN)
     split = split_start(log, "vllm-inprocess", total_s=total)  # no header in the controller's own output
     assert split["import"] is None and split["ready"] is None  # they need the controller's instants
-    assert_adds_up(split, ("weights", "kv", "graphs"))
-    # capture finished 12:12:34 and vLLM said it was initialised 12:14:28: none of the parts holds that gap
-    assert split[UNEXPLAINED] > 114
+    assert_adds_up(split, ("weights", "kv", "graphs", "warmup"))
+    # capture finished 12:12:34 and the kernel warm-up's JIT monitor came up 12:14:28: the first start's gap
+    assert split["warmup"] == 114
+
+
+def test_vllms_kernel_warmup_is_minutes_on_a_machines_first_start_and_seconds_on_its_second() -> None:
+    lease = REFERENCE / "2026-11-28-h100-verdict" / "runs"
+    first, second = (first_start(lease / run, "vllm") for run in ("vllm-verdict-4c49f35f", "vllm-verdict-4c49f35f-r2"))
+    assert first["warmup"] == 119 and second["warmup"] == 8  # 02:29:42 -> 02:31:41, then 02:34:38 -> 02:34:46
+    assert first[UNEXPLAINED] < 10 and second[UNEXPLAINED] < 10  # what was a two-minute gap is accounted for
 
 
 def test_a_log_cut_in_the_middle_gives_none_for_the_parts_whose_lines_are_gone() -> None:

@@ -7,6 +7,9 @@ The parts, in the order an engine goes through them:
     weights        loading the model's weights
     kv             sizing and allocating the KV cache (vLLM: its profiling run, which sizes it)
     graphs         CUDA graph capture, and vLLM's torch.compile
+    warmup         vLLM's kernel warm-up after the capture (its V2 model runner runs a prefill and a decode step to
+                   JIT-compile its Triton kernels, LoRA's among them): about 2 minutes the first time on a machine,
+                   seconds once Triton's cache holds them
     ready          the engine's "initialised" line to the controller finding it ready (the health check passing;
                    in process, the engine's constructor returning)
     first_request  the controller's warm-up request after that (in process, and the adapter's load before it)
@@ -26,7 +29,7 @@ import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-PARTS = ("import", "weights", "kv", "graphs", "ready", "first_request")
+PARTS = ("import", "weights", "kv", "graphs", "warmup", "ready", "first_request")
 UNEXPLAINED = "unexplained"
 TOTAL = "total"  # the start's whole seconds, as the controller timed it
 
@@ -64,6 +67,8 @@ _VLLM = Markers(
                Span(r"Initial profiling/warmup run took", r"GPU KV cache size")),
         "graphs": (Span(None, r"torch\.compile took (?P<s>[\d.]+) s in total"),
                    Span(None, r"Graph capturing finished in (?P<s>[\d.]+) secs")),
+        # vllm/v1/worker/gpu_worker.py (0.26): the memory line ends the capture; warmup_kernels, then the monitor
+        "warmup": (Span(r"Free memory on device", r"Kernel JIT monitor activated"),),
         "ready": (Span(r"init engine \(.*\) took", HEALTHY),),
     },
 )

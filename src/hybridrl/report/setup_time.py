@@ -11,7 +11,7 @@ from hybridrl.report.cells import Cell, Table, fmt
 from hybridrl.report.comparisons import START_PART_NAMES
 
 START = "timing_s/engine_start"
-PARTS = ("import", "weights", "kv", "graphs", "ready", "first_request", "unexplained")
+PARTS = ("import", "weights", "kv", "graphs", "warmup", "ready", "first_request", "unexplained")
 
 
 def _seconds(run: pd.DataFrame, column: str) -> float:

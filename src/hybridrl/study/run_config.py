@@ -67,6 +67,10 @@ class RunConfig(_Frozen):
     device: Literal["cpu", "cuda"] = Field("cuda", description="where the engine and the trainer run")
     tp: int = Field(1, ge=1, description="tensor parallel size of the engine")
     train_tp: int = Field(1, ge=1, description="tensor parallel size of the megatron trainer")
+    train_ep: int = Field(
+        1, ge=1, description="expert parallel size of the megatron trainer (MoE models): each of train_ep GPUs holds "
+        "num_experts / train_ep of every MoE layer's experts and a replica of everything else, and runs the whole "
+        "batch; the trainer takes train_tp x train_ep GPUs")
     train_gpus: int = Field(1, ge=0, description="GPUs of the trainer in split placement")
     steps: int = Field(5, ge=1, description="training steps of the run")
     prompts_per_step: int = Field(8, ge=1, description="distinct prompts per step")

@@ -97,8 +97,8 @@ class ReloadableGroups:
     again under a fresh prefix of torchrun's store (a second rendezvous on the same keys would read the first's)
     and rebinds what `roots` hold. Every rank calls both at the same point of the same job."""
 
-    def __init__(self, tp: int, backend: str, roots: list[Any], model: torch.nn.Module) -> None:
-        self.tp, self.backend, self.roots, self.model = tp, backend, roots, model
+    def __init__(self, tp: int, backend: str, roots: list[Any], model: torch.nn.Module, ep: int = 1) -> None:
+        self.tp, self.ep, self.backend, self.roots, self.model = tp, ep, backend, roots, model
         self.generation = 0
         self.released = False
         self._old: dict[str, dist.ProcessGroup] = {}
@@ -122,7 +122,8 @@ class ReloadableGroups:
         store = dist.PrefixStore(f"hybridrl-comms-{self.generation}", self._base_store())
         dist.init_process_group(self.backend, store=store, rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]))
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp, create_gloo_process_groups=False)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp,
+                                                 expert_model_parallel_size=self.ep, create_gloo_process_groups=False)
         new = groups_by_name()
         successors = {id(g): new[name] for name, g in self._old.items() if name in new}
         self._old = {}

@@ -20,6 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 
@@ -121,12 +125,58 @@ class GatherDispatcher(MoEAllGatherTokenDispatcher):
         return _Combine.apply(hidden_states, tokens, order, self.router_topk)
 
 
+class ReplicatedTokensDispatcher(GatherDispatcher):
+    """Expert parallelism where every EP rank already holds the same tokens (hybridrl's trainer runs the whole batch
+    on every rank; only the experts are split). Nothing moves before the experts: each rank routes all tokens, keeps
+    those of its own experts (megatron's local permutation), and the partial outputs are summed over the EP group.
+
+    Autograd, with y = sum over ranks r of f_r(x, probs):
+      forward  - all-reduce of the partial outputs (its backward hands each rank the same gradient of y);
+      backward - the gradients of x and of the routing probs that reach the experts are summed over the group
+                 (copy_to_region): each rank's own holds its experts' share only, and the router's backward
+                 and the layers below need the whole.
+    megatron's all-gather dispatcher would instead gather EP x the tokens (every rank the same ones again) and
+    reduce-scatter them: twice the expert work, and reduce-scatter, which gloo does not have."""
+
+    def _gathers_apply(self) -> bool:
+        return self.ep_size == 1 and super()._gathers_apply()
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
+                            probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_states, probs = super().dispatch_preprocess(hidden_states, routing_map, probs)
+        if self.ep_size > 1:
+            hidden_states = copy_to_tensor_model_parallel_region(hidden_states, group=self.ep_group)
+            probs = copy_to_tensor_model_parallel_region(probs, group=self.ep_group)
+        return hidden_states, probs
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.tp_size > 1:
+            raise RuntimeError("ReplicatedTokensDispatcher takes expert TP 1 (the trainer's MoE runs at train_tp 1)")
+        return hidden_states, probs
+
+    def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.ep_size == 1:
+            return hidden_states
+        # summed in the probs' dtype (fp32), as megatron's reduce-scatter does
+        summed = reduce_from_tensor_model_parallel_region(hidden_states.to(self.local_probs.dtype),
+                                                          group=self.ep_group)
+        return summed.to(hidden_states.dtype)
+
+
+class _MegatronPermuteReplicated(ReplicatedTokensDispatcher):
+    """The same communication with megatron's own local permutation throughout (megatron_permute)."""
+
+    def _gathers_apply(self) -> bool:
+        return False
+
+
 def use_gather_dispatch(model: torch.nn.Module, on: bool = True) -> int:
     """Give every MoE layer's all-gather dispatcher the gather-only permutation (on) or megatron's own (off);
     returns how many dispatchers. The dispatcher is built inside MoELayer from the config, so its class is
-    switched in place: GatherDispatcher adds no state of its own beyond a layer's indices between its dispatch
-    and its combine."""
-    cls = GatherDispatcher if on else MoEAllGatherTokenDispatcher
+    switched in place: the classes here add no state beyond a layer's indices between its dispatch and its combine.
+    At expert parallelism > 1 either way the tokens stay replicated (ReplicatedTokensDispatcher), and the local
+    permutation is megatron's (a rank's experts get a varying share of each token's k)."""
+    cls = ReplicatedTokensDispatcher if on else _MegatronPermuteReplicated
     count = 0
     for m in model.modules():
         d = getattr(m, "token_dispatcher", None)

@@ -174,13 +174,15 @@ def use_gather_dispatch(model: torch.nn.Module, on: bool = True) -> int:
     """Give every MoE layer's all-gather dispatcher the gather-only permutation (on) or megatron's own (off);
     returns how many dispatchers. The dispatcher is built inside MoELayer from the config, so its class is
     switched in place: the classes here add no state beyond a layer's indices between its dispatch and its combine.
-    At expert parallelism > 1 either way the tokens stay replicated (ReplicatedTokensDispatcher), and the local
+    At expert parallelism > 1 the tokens stay replicated either way (ReplicatedTokensDispatcher), and the local
     permutation is megatron's (a rank's experts get a varying share of each token's k)."""
-    cls = ReplicatedTokensDispatcher if on else _MegatronPermuteReplicated
     count = 0
     for m in model.modules():
         d = getattr(m, "token_dispatcher", None)
         if isinstance(d, MoEAllGatherTokenDispatcher):
-            d.__class__ = cls
+            if d.ep_size > 1:
+                d.__class__ = ReplicatedTokensDispatcher if on else _MegatronPermuteReplicated
+            else:
+                d.__class__ = GatherDispatcher if on else MoEAllGatherTokenDispatcher
             count += 1
     return count

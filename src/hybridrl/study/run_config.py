@@ -99,10 +99,10 @@ class RunConfig(_Frozen):
         False, description="colocate: the trainer's frozen base weights stay on the GPU while the engine runs "
         "(only the LoRA weights and the optimizer state are offloaded); recorded as train/keep_base_on_gpu")
     release_comms: bool = Field(
-        False, description="megatron trainer at train_tp > 1: destroy its process groups (their NCCL communicators "
-        "and buffers) at each offload and make them again at the next onload; the groups' setup then lands in every "
-        "step. Measured at TP 2 on two H200s it gave back a few tens of MB a rank, far from issue 15's 1 GB "
-        "bound (results/reference/2026-11-27-2xh200-tp2release)")
+        False, description="megatron trainer on 2 or more GPUs (train_tp x train_ep): destroy its process groups "
+        "(their NCCL communicators and buffers) at each offload and make them again at the next onload; the groups' "
+        "setup then lands in every step. Measured at TP 2 on two H200s it gave back a few tens of MB a rank, far from "
+        "issue 15's 1 GB bound (results/reference/2026-11-27-2xh200-tp2release)")
     train_dtype: Literal["bf16", "fp32"] | None = Field(
         None, description="megatron trainer: dtype of the base weights (default bf16 on cuda, fp32 on cpu)")
     chunked_head: bool = Field(

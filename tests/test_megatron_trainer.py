@@ -185,7 +185,7 @@ def test_ranks_get_small_nccl_buffers_unless_the_user_set_them(tmp_path, monkeyp
     seen: list[dict[str, str]] = []
     monkeypatch.setattr(mt.subprocess, "Popen", lambda cmd, **kw: seen.append(kw["env"]))
     bare = object.__new__(MegatronTrainer)  # only what _launch reads
-    bare.tp, bare.workdir, bare.log_path, bare.device = 2, tmp_path, tmp_path / "trainer.log", "cuda"
+    bare.tp, bare.ep, bare.workdir, bare.log_path, bare.device = 2, 1, tmp_path, tmp_path / "trainer.log", "cuda"
     monkeypatch.delenv("NCCL_BUFFSIZE", raising=False)
     monkeypatch.setenv("NCCL_MAX_NCHANNELS", "8")
     bare._launch(None)
@@ -198,8 +198,22 @@ def test_ranks_on_cpu_share_the_trainer_s_threads_and_on_cuda_keep_the_job_s(tmp
     seen: list[dict[str, str]] = []
     monkeypatch.setattr(mt.subprocess, "Popen", lambda cmd, **kw: seen.append(kw["env"]))
     bare = object.__new__(MegatronTrainer)  # only what _launch reads
-    bare.tp, bare.workdir, bare.log_path = 2, tmp_path, tmp_path / "trainer.log"
+    bare.tp, bare.ep, bare.workdir, bare.log_path = 2, 1, tmp_path, tmp_path / "trainer.log"
     monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the trainer's cores (hybridrl.run.cores)
     for bare.device in ("cpu", "cuda"):
         bare._launch(None)
     assert [env["OMP_NUM_THREADS"] for env in seen] == ["2", "4"]
+
+
+def test_expert_parallel_ranks_are_processes_of_their_own(tmp_path, monkeypatch) -> None:
+    """train_ep 2 at train_tp 1: torchrun starts two ranks, and on the CPU they share the trainer's threads."""
+    import hybridrl.trainers.megatron.trainer as mt
+
+    seen: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(mt.subprocess, "Popen", lambda cmd, **kw: seen.append((cmd, kw["env"])))
+    bare = object.__new__(MegatronTrainer)  # only what _launch reads
+    bare.tp, bare.ep, bare.workdir, bare.log_path, bare.device = 1, 2, tmp_path, tmp_path / "trainer.log", "cpu"
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    bare._launch(None)
+    [(cmd, env)] = seen
+    assert "--nproc-per-node=2" in cmd and env["OMP_NUM_THREADS"] == "2"

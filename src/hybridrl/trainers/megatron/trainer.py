@@ -61,7 +61,6 @@ class MegatronTrainer:
         self.run = run
         self.device = device or ("cuda" if run.device == "cuda" else "cpu")
         self.tp, self.ep = run.train_tp, run.train_ep
-        self.world = self.tp * self.ep  # one process (and one GPU) per TP x EP rank
         lora = run.lora
         spec = read_spec(self.model_dir)  # raises MegatronSetupError with the cause
         self.vocab_size = spec.vocab_size
@@ -111,6 +110,11 @@ class MegatronTrainer:
         # objects the workers keep out of Python's collections (worker.freeze_long_lived): after startup, then step 1
         self.gc_frozen: int | None = info.get("gc_frozen")
         self.rendezvous_port: int | None = info.get("rendezvous_port")
+
+    @property
+    def world(self) -> int:
+        """The worker processes (and GPUs): one per TP x EP rank."""
+        return self.tp * self.ep
 
     # -- process group ---------------------------------------------------------------------------------
     def _launch(self, extra_env: dict[str, str] | None) -> subprocess.Popen:

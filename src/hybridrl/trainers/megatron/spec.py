@@ -173,7 +173,8 @@ def check_parallel(spec: ArchSpec, tp: int, lora_rank: int, target_modules: list
     if spec.is_moe and tp > 1:
         raise MegatronSetupError(
             f"{spec.model_type}: mixture-of-experts models train at train_tp=1 only (megatron-core's MoE layer "
-            "needs sequence parallelism at TP>1, which its non-Transformer-Engine norms do not support)")
+            "needs sequence parallelism at TP>1, which its non-Transformer-Engine norms do not support); shard them "
+            "over GPUs with train_ep instead")
     if lora_rank < 1:
         raise MegatronSetupError(f"lora.rank must be >= 1, got {lora_rank}")
     if lora_rank % tp:

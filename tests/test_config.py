@@ -84,8 +84,31 @@ def test_vllm_level_2_sleep_is_refused_because_lora_cannot_reload(smoke):
 @pytest.mark.parametrize("over", [{"trainer": "hf"}, {"trainer": "megatron", "train_tp": 1}])
 def test_release_comms_is_refused_where_there_are_no_groups_to_release(smoke, over):
     smoke["runs"][0].update(release_comms=True, **over)
-    with pytest.raises(ConfigError, match=r"runs\[0\].release_comms: only the megatron trainer at train_tp 2"):
+    with pytest.raises(ConfigError, match=r"runs\[0\].release_comms: only the megatron trainer on 2 or more GPUs"):
         resolve(smoke)
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({"trainer": "hf"}, r"train_ep: expert parallelism is the megatron trainer's \(trainer hf\)"),
+    ({"trainer": "megatron", "train_tp": 2, "lora": {"rank": 8}}, r"train_ep: 2 with train_tp 2: .* train_tp 1"),
+    ({"trainer": "megatron", "device": "cuda", "placement": "split", "train_gpus": 1},
+     r"train_ep: 2 needs 2 GPUs, and train_gpus is 1"),
+    ({"trainer": "megatron", "device": "cuda", "placement": "colocate", "tp": 1},
+     r"train_ep: 2 needs 2 GPUs, and the engine's tp \(colocate: the trainer shares them\) is 1"),
+])
+def test_train_ep_is_refused_where_it_cannot_run(smoke, over, message):
+    smoke["runs"][0].update(train_ep=2, **over)
+    with pytest.raises(ConfigError, match=r"runs\[0\]\." + message):
+        resolve(smoke)
+
+
+def test_train_ep_runs_where_the_trainer_has_its_gpus_and_keeps_ids_at_its_default(smoke):
+    plain = resolve(copy.deepcopy(smoke)).runs
+    smoke["runs"][0]["train_ep"] = 1
+    assert list(resolve(copy.deepcopy(smoke)).runs) == list(plain)
+    smoke["runs"][0].update(train_ep=2, trainer="megatron", device="cuda", placement="split", tp=2, train_gpus=2)
+    (run,) = [r for r in resolve(smoke).runs.values() if r.train_ep == 2]
+    assert (run.train_tp, run.train_ep, run.train_gpus) == (1, 2, 2)
 
 
 def test_release_comms_at_its_default_keeps_run_ids(smoke):

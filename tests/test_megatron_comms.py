@@ -61,21 +61,30 @@ def test_stale_layers_counts_modules_left_on_a_group_that_is_not_the_current_one
     assert stale_layers(model) == 1
     model[0].tp_group = None
     assert stale_layers(model) == 0
+    # a MoE layer's expert-parallel group, on the layer or in the token dispatcher it holds (not a module)
+    model[1].ep_group = _Group()
+    assert stale_layers(model) == 1
+    model[1].ep_group = None
+    model[1].token_dispatcher = _Collection(tp=None)
+    model[1].token_dispatcher.ep_group = _Group()
+    assert stale_layers(model) == 1
 
 
 @pytest.mark.slow
-def test_tp2_update_after_releasing_and_remaking_the_groups_matches_one_without(tmp_path: Path) -> None:
-    """Two TP 2 process groups on gloo, the same batches: one releases its groups at every offload and makes them
-    again at the next onload (or step). Steps 2 and 3 agree to float precision, and each step says how often its
-    groups were made again (a trainer that keeps them says nothing)."""
+@pytest.mark.parametrize(("arch", "tp", "ep"), [("qwen2", 2, 1), ("qwen3_moe", 1, 2)])
+def test_update_after_releasing_and_remaking_the_groups_matches_one_without(tmp_path: Path, arch: str, tp: int,
+                                                                             ep: int) -> None:
+    """Two process groups of two ranks on gloo (TP 2, or the MoE at EP 2), the same batches: one releases its groups
+    at every offload and makes them again at the next onload (or step). Steps 2 and 3 agree to float precision, and
+    each step says how often its groups were made again (a trainer that keeps them says nothing)."""
     from hybridrl.tools import megatron_parity as parity
     from hybridrl.trainers.megatron import MegatronTrainer
 
-    model = parity.tiny_checkpoint("qwen2", tmp_path / "model")
+    model = parity.tiny_checkpoint(arch, tmp_path / "model")
     batches = [parity.make_samples(128, n=8, seed=s) for s in (11, 12, 13)]
     results: dict[bool, list[Any]] = {}
     for release in (False, True):
-        trainer = MegatronTrainer(model, parity.default_run(2, release_comms=release), tmp_path / f"run-{release}")
+        trainer = MegatronTrainer(model, parity.default_run(tp, ep, release_comms=release), tmp_path / f"run-{release}")
         steps = []
         try:
             for i, batch in enumerate(batches):

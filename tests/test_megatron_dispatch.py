@@ -100,6 +100,26 @@ def test_gathers_give_megatrons_rows_output_and_gradients(groups: ProcessGroupCo
         torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("local", [[0, 1], [2, 3], [3], [4], [1, 2, 3, 4]])
+def test_an_expert_parallel_rank_s_gathers_give_megatrons_rows_for_its_experts(groups: ProcessGroupCollection,
+                                                                              local: list[int]) -> None:
+    """A rank holding a contiguous block of the experts (expert 3 is chosen by no token: [3] has no rows at all)
+    gets megatron's rows, output and gradients for that block, without atomics and with one wait for the device."""
+    routing, probs = _routing(seed=4)
+    cfg = _config()
+    ours = MoEAllGatherTokenDispatcher(len(local), local, cfg, pg_collection=groups)
+    ours.__class__ = dispatch.GatherDispatcher
+    theirs = MoEAllGatherTokenDispatcher(len(local), local, cfg, pg_collection=groups)
+    (got, got_syncs), got_scatters = _counting(SCATTERS, lambda: _counting(SYNCS, lambda: _round_trip(
+        ours, routing, probs)))
+    want, want_scatters = _counting(SCATTERS, lambda: _round_trip(theirs, routing, probs))
+    assert got_scatters == 0 < want_scatters and got_syncs == 1
+    assert got["per_expert"].tolist() == want["per_expert"].tolist() == routing[:, local].sum(0).tolist()
+    assert got["rows"].shape[0] == int(routing[:, local].sum())
+    for key in ("rows", "probs", "out", "dx", "dprobs"):
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-6)
+
+
 def test_the_gathers_never_wait_for_the_device(groups: ProcessGroupCollection) -> None:
     routing, probs = _routing(seed=3)
     ours = MoEAllGatherTokenDispatcher(E, list(range(E)), _config(), pg_collection=groups)

@@ -175,6 +175,30 @@ def test_moe_needs_tp1(checkpoints: dict[str, Path]) -> None:
         check_parallel(read_spec(checkpoints["qwen3_moe"]), 2, 4, ALL_TARGETS)
 
 
+def test_expert_parallel_splits_experts_only_of_moe_models(checkpoints: dict[str, Path]) -> None:
+    check_parallel(read_spec(checkpoints["qwen3_moe"]), 1, 4, ALL_TARGETS, ep=2)  # 4 experts over 2 ranks
+    with pytest.raises(MegatronSetupError, match="train_ep=3 does not divide num_experts=4"):
+        check_parallel(read_spec(checkpoints["qwen3_moe"]), 1, 4, ALL_TARGETS, ep=3)
+    with pytest.raises(MegatronSetupError, match="train_ep=2: .* llama has none"):
+        check_parallel(read_spec(checkpoints["llama"]), 1, 4, ALL_TARGETS, ep=2)
+
+
+def test_expert_parallel_ranks_load_their_own_contiguous_experts(checkpoints: dict[str, Path]) -> None:
+    """EP rank r holds experts r*E/ep .. (r+1)*E/ep - 1 of every MoE layer (megatron's local_expert_indices), and
+    the same replica of every other tensor."""
+    spec, src = read_spec(checkpoints["qwen3_moe"]), _hf_state(checkpoints["qwen3_moe"])
+    whole = mapping.hf_to_megatron(spec, src)
+    ranks = [mapping.hf_to_megatron(spec, src, ep_rank=r, ep_size=2) for r in range(2)]
+    for name, full in whole.items():
+        if ".mlp.experts." in name:
+            assert [tuple(r[name].shape)[0] for r in ranks] == [2, 2], name
+            assert torch.equal(torch.cat([r[name] for r in ranks]), full), name
+            assert not torch.equal(ranks[0][name], ranks[1][name]), name
+        else:
+            assert all(torch.equal(r[name], full) for r in ranks), name
+    assert list(mapping.local_experts(128, 1, 2)) == list(range(64, 128))
+
+
 def test_trainer_rejects_bad_input_before_starting(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     from hybridrl.tools.megatron_parity import default_run
     from hybridrl.trainers.megatron import MegatronTrainer
@@ -184,6 +208,8 @@ def test_trainer_rejects_bad_input_before_starting(checkpoints: dict[str, Path],
         MegatronTrainer(checkpoints["llama"], default_run(2, lora={**lora, "rank": 3}), tmp_path)
     with pytest.raises(MegatronSetupError, match="dropout must be 0"):
         MegatronTrainer(checkpoints["llama"], default_run(1, lora={**lora, "dropout": 0.1}), tmp_path)
+    with pytest.raises(MegatronSetupError, match="train_ep=2: expert parallelism"):
+        MegatronTrainer(checkpoints["llama"], default_run(1, 2), tmp_path)
     assert not (tmp_path / "megatron").exists()  # nothing started, nothing written
 
 

@@ -1,5 +1,6 @@
-"""Megatron + LoRA against HF + PEFT on tiny random models, fp32 on the CPU (gloo), at TP = 1 and TP = 2:
-per-token logprobs, LoRA gradients, one AdamW step, and the exported adapter reloaded in PEFT."""
+"""Megatron + LoRA against HF + PEFT on tiny random models, fp32 on the CPU (gloo), at TP = 1 and TP = 2, and the MoE
+at expert parallelism 2: per-token logprobs, LoRA gradients, one AdamW step, and the exported adapter reloaded in
+PEFT."""
 
 from __future__ import annotations
 
@@ -66,19 +67,19 @@ def _check(case: dict[str, Any], got: dict[str, Any], export_dir: Path) -> None:
     assert gap < LOGP_TOL, (name, "exported adapter reloaded in PEFT", gap)
 
 
-def _run_group(cases: dict[str, dict[str, Any]], archs: list[str], tp: int, tmp: Path) -> dict[str, Any]:
+def _run_group(cases: dict[str, dict[str, Any]], archs: list[str], tp: int, tmp: Path, ep: int = 1) -> dict[str, Any]:
     todo = []
     for arch in archs:
         c = cases[arch]
         todo.append({k: c[k] for k in ("name", "model_dir", "adapter_dir", "samples")} |
-                    {"run": parity.default_run(tp), "export_dir": str(tmp / f"{arch}-export-tp{tp}")})
-    return parity.run_megatron_group(tp, todo, tmp / f"tp{tp}.pt")
+                    {"run": parity.default_run(tp, ep), "export_dir": str(tmp / f"{arch}-export-tp{tp}-ep{ep}")})
+    return parity.run_megatron_group(tp, todo, tmp / f"tp{tp}-ep{ep}.pt", ep=ep)
 
 
 def test_parity_tp1_all_architectures(cases: dict[str, dict[str, Any]], tmp_path: Path) -> None:
     got = _run_group(cases, list(parity.ARCHS), 1, tmp_path)
     for arch in parity.ARCHS:
-        _check(cases[arch], got[arch], tmp_path / f"{arch}-export-tp1")
+        _check(cases[arch], got[arch], tmp_path / f"{arch}-export-tp1-ep1")
     # the MoE case ran its experts through the grouped kernel, not the per-expert fallback
     assert {a: got[a]["experts_impl"] for a in parity.ARCHS} == {
         "llama": None, "qwen2": None, "qwen3": None, "qwen3_moe": "grouped_mm"}
@@ -90,7 +91,25 @@ def test_parity_tp2_dense_architectures(cases: dict[str, dict[str, Any]], tmp_pa
     archs = ["llama", "qwen2", "qwen3"]
     got = _run_group(cases, archs, 2, tmp_path)
     for arch in archs:
-        _check(cases[arch], got[arch], tmp_path / f"{arch}-export-tp2")
+        _check(cases[arch], got[arch], tmp_path / f"{arch}-export-tp2-ep1")
+
+
+@pytest.mark.slow
+def test_parity_ep2_moe(cases: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+    """Two gloo processes, each holding 2 of the tiny MoE's 4 experts (attention, router, dense layer and adapters
+    replicated), against HF + PEFT holding all 4, at the TP 1 tolerances."""
+    import torch
+
+    got = _run_group(cases, ["qwen3_moe"], 1, tmp_path, ep=2)["qwen3_moe"]
+    assert (got["ep"], got["local_experts"], got["experts_impl"]) == (2, 2, "grouped_mm")
+    _check(cases["qwen3_moe"], got, tmp_path / "qwen3_moe-export-tp1-ep2")
+    # the other rank is a replica: the same logprobs, gradients and weights after the step, to the bit
+    other = torch.load(tmp_path / "tp1-ep2.pt.rank1", weights_only=False)["qwen3_moe"]
+    assert other["local_experts"] == 2
+    for key in ("logp", "logp_after"):
+        assert all(torch.equal(a, b) for a, b in zip(got[key], other[key], strict=True)), key
+    for key in ("grads", "weights_after"):
+        assert all(torch.equal(got[key][k], other[key][k]) for k in got[key]), key
 
 
 @pytest.mark.slow

@@ -154,13 +154,38 @@ def test_tp2_resumes_tp1_adapter_and_reports_worker_errors(tp1_run: dict[str, An
     assert os.path.exists(trainer.log_path)
 
 
+@pytest.mark.slow
+def test_ep2_trains_the_moe_as_ep1_does(tmp_path) -> None:
+    """train_ep 2 through torchrun: two ranks, each holding half the experts, take the same two steps as one rank
+    holding all of them, and one rank writes the adapter."""
+    model = parity.tiny_checkpoint("qwen3_moe", tmp_path / "model")
+    batches = [parity.make_samples(128, n=8, seed=s) for s in (11, 12)]
+    out: dict[int, list[Any]] = {}
+    for ep in (1, 2):
+        trainer = MegatronTrainer(model, parity.default_run(1, ep), tmp_path / f"run-ep{ep}")
+        try:
+            assert len(_worker_pids(trainer)) == ep
+            out[ep] = [trainer.step(i + 1, b, tmp_path / f"ep{ep}/step{i + 1}") for i, b in enumerate(batches)]
+            trainer.flush()
+        finally:
+            trainer.close()
+    for r1, r2 in zip(out[1], out[2], strict=True):
+        for k in ("train/loss", "train/grad_norm", "train/kl", "train/entropy", "train/lora_norm"):
+            assert r2.metrics[k] == pytest.approx(r1.metrics[k], rel=1e-4, abs=1e-6), k
+        assert r2.metrics["train/lora_norm"] > 0
+    got, want = (load_file(str(out[ep][1].adapter_dir / "adapter_model.safetensors")) for ep in (2, 1))
+    assert set(got) == set(want)
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) < 1e-2 * parity.default_run().lr
+    assert (out[2][1].adapter_dir / "optimizer.pt").exists()
+
+
 def test_ranks_get_small_nccl_buffers_unless_the_user_set_them(tmp_path, monkeypatch) -> None:
     import hybridrl.trainers.megatron.trainer as mt
 
     seen: list[dict[str, str]] = []
     monkeypatch.setattr(mt.subprocess, "Popen", lambda cmd, **kw: seen.append(kw["env"]))
     bare = object.__new__(MegatronTrainer)  # only what _launch reads
-    bare.tp, bare.workdir, bare.log_path, bare.device = 2, tmp_path, tmp_path / "trainer.log", "cuda"
+    bare.tp, bare.ep, bare.workdir, bare.log_path, bare.device = 2, 1, tmp_path, tmp_path / "trainer.log", "cuda"
     monkeypatch.delenv("NCCL_BUFFSIZE", raising=False)
     monkeypatch.setenv("NCCL_MAX_NCHANNELS", "8")
     bare._launch(None)
@@ -173,8 +198,22 @@ def test_ranks_on_cpu_share_the_trainer_s_threads_and_on_cuda_keep_the_job_s(tmp
     seen: list[dict[str, str]] = []
     monkeypatch.setattr(mt.subprocess, "Popen", lambda cmd, **kw: seen.append(kw["env"]))
     bare = object.__new__(MegatronTrainer)  # only what _launch reads
-    bare.tp, bare.workdir, bare.log_path = 2, tmp_path, tmp_path / "trainer.log"
+    bare.tp, bare.ep, bare.workdir, bare.log_path = 2, 1, tmp_path, tmp_path / "trainer.log"
     monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the trainer's cores (hybridrl.run.cores)
     for bare.device in ("cpu", "cuda"):
         bare._launch(None)
     assert [env["OMP_NUM_THREADS"] for env in seen] == ["2", "4"]
+
+
+def test_expert_parallel_ranks_are_processes_of_their_own(tmp_path, monkeypatch) -> None:
+    """train_ep 2 at train_tp 1: torchrun starts two ranks, and on the CPU they share the trainer's threads."""
+    import hybridrl.trainers.megatron.trainer as mt
+
+    seen: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(mt.subprocess, "Popen", lambda cmd, **kw: seen.append((cmd, kw["env"])))
+    bare = object.__new__(MegatronTrainer)  # only what _launch reads
+    bare.tp, bare.ep, bare.workdir, bare.log_path, bare.device = 1, 2, tmp_path, tmp_path / "trainer.log", "cpu"
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    bare._launch(None)
+    [(cmd, env)] = seen
+    assert "--nproc-per-node=2" in cmd and env["OMP_NUM_THREADS"] == "2"

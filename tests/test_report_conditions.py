@@ -161,6 +161,18 @@ def test_a_pair_reads_every_replicate_for_its_machines_code_and_hours_apart() ->
                      f"{conditions.utc(T0 + 310)} UTC vLLM), perhaps on different machines of the same kind"]
 
 
+def test_a_colocated_megatron_trainer_holds_train_tp_x_train_ep_gpus_where_that_is_more_than_the_engine_s() -> None:
+    import pandas as pd
+
+    from hybridrl.report.aggregate import run_gpus
+
+    row = {"device": "cuda", "placement": "colocate", "tp": 1, "trainer": "megatron", "train_tp": 1}
+    assert run_gpus(pd.Series(row)) == 1.0  # recorded before train_ep existed: one rank
+    assert run_gpus(pd.Series({**row, "train_ep": 2})) == 2.0
+    assert run_gpus(pd.Series({**row, "tp": 2, "train_ep": 2})) == 2.0  # the engine's two GPUs, shared
+    assert run_gpus(pd.Series({**row, "trainer": "hf", "train_ep": 2})) == 1.0
+
+
 def test_a_split_run_that_saw_one_gpu_counts_one_and_its_pair_says_the_gpus_were_shared() -> None:
     own = [headline_run(f"{e}-split-{i}", e, placement="split").assign(tp=1, train_gpus=1, gpu_count=2)
            for e, i in (("sglang", "aaaa1111"), ("vllm", "bbbb2222"))]

@@ -62,6 +62,21 @@ def test_trainer_replicates_and_profiles_name_their_results(smoke):
     assert argv[-2:] == ["--out", "results/bench/trainer-qwen3-0.6b-megatron-mb32-vocab-151936-r2.json"]
 
 
+def test_a_trainer_bench_at_ep_2_takes_two_gpus_and_passes_the_flag_on(smoke):
+    smoke["measurements"] = [{"kind": "trainer_bench", "shape": "qwen3-30b-a3b", "trainer": "megatron",
+                              "micro_batch": 8, "flags": ["ep=2", "vocab=151936"]},
+                             {"kind": "trainer_bench", "shape": "qwen3-30b-a3b", "trainer": "megatron",
+                              "micro_batch": 8, "flags": ["vocab=151936"]}]
+    jobs = resolve(smoke).measurements
+    sharded, whole = jobs.values()
+    assert sharded.name == "trainer-qwen3-30b-a3b-megatron-mb8-ep-2-vocab-151936"
+    assert (sharded.gpus, whole.gpus) == (2, 1)
+    assert "--ep=2" in measure_argv(sharded, Inputs())
+    smoke["measurements"][0]["flags"] = ["ep=two"]
+    with pytest.raises(ConfigError, match=r"measurements\[0\]\.flags: ep=two: give ep=N once"):
+        resolve(smoke)
+
+
 def test_a_fault_run_trains_its_run_and_the_engine_bench_replays_one(smoke):
     smoke["measurements"] = [{"kind": "fault_run", "run": "vllm-restart", "kill_engine_at": 2, "term_at": 3},
                              {"kind": "engine_bench", "run": "vllm-split", "step": 2, "repeats": 4}]

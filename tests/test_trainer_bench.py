@@ -97,6 +97,20 @@ def test_trainer_bench_megatron_permute_is_the_same_update_through_megatrons_dis
     assert theirs["megatron"]["last_loss"] == pytest.approx(ours["megatron"]["last_loss"], abs=1e-5)
 
 
+@pytest.mark.slow
+def test_trainer_bench_ep_shards_the_megatron_update_over_that_many_ranks(tmp_path: Path) -> None:
+    from hybridrl.tools.trainer_bench import main as bench
+
+    one = bench("tiny-moe", ["megatron"], 1, "cpu", tmp_path, None)
+    two = bench("tiny-moe", ["megatron"], 1, "cpu", tmp_path, None, ep=2)
+    assert (one["train_ep"], one["megatron"]["ranks"]) == (1, 1)
+    assert (two["train_ep"], two["megatron"]["ranks"]) == (2, 2)  # two worker processes, half the experts each
+    assert two["megatron"]["completion_tok_s_per_gpu_median"] == pytest.approx(
+        two["megatron"]["completion_tok_s_median"] / 2)
+    # the same update, the experts' sums split over two ranks
+    assert two["megatron"]["last_loss"] == pytest.approx(one["megatron"]["last_loss"], abs=1e-5)
+
+
 def _s(n: int) -> Sample:
     return Sample(prompt_ids=[1] * 2, completion_ids=[1] * (n - 2), engine_logprobs=[0.0] * (n - 2), advantage=0.0)
 
@@ -250,6 +264,11 @@ def test_an_isolated_build_runs_in_a_child_process_and_names_its_failure(tmp_pat
     (["trainer-profile", "--shape", "qwen3-0.6b", "--trainer", "megatron", "--megatron-permute", "--out", "p.txt"],
      "and qwen3-0.6b has none"),
     (["trainer-bench", "--shape", "tiny", "--vocab", "2"], "hybridrl trainer-bench: --vocab must be at least 3, got 2"),
+    (["trainer-bench", "--shape", "tiny-moe", "--ep", "2"], "--ep shards the megatron trainer only"),
+    (["trainer-bench", "--shape", "tiny", "--trainer", "megatron", "--ep", "2"],
+     "--ep splits the experts of a MoE shape, and tiny has none"),
+    (["trainer-bench", "--shape", "tiny-moe", "--trainer", "megatron", "--ep", "3"],
+     "--ep 3 does not divide tiny-moe's 4 experts"),
 ])
 def test_trainer_tools_refuse_bad_arguments_in_one_line(argv: list[str], said: str, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,10 +24,11 @@ PROVENANCE = ["git_commit", "gpu", "machine", "sglang_release", "device"]
 SCHEDULER = ["executor", "slurm_job_id", "node", "gpu_uuids"]
 # how many GPUs the run could see: a split run that saw fewer than it asks for put its engine on the trainer's GPU
 SEEN = ["gpu_count"]
-# the GPUs a run held (train_tp, train_gpus), its rollouts per step, its warm-up and its rollout client (which
+# the GPUs a run held (train_tp, train_ep, train_gpus), its rollouts per step, its warm-up and its rollout client (which
 # requests are streamed, through which pool, in which process) and how far its rollouts may run ahead of training
 # (overlap) come from its run config too
-CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "sglang_retain_cpu_backup", "train_tp", "train_gpus",
+CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "sglang_retain_cpu_backup", "train_tp", "train_ep",
+              "train_gpus",
               "prompts_per_step", "group_size", "warmup_steps", "stream_fraction", "shared_pool", "overlap",
               "rollout_process"]
 # Made here from the columns above: which configuration a replicate belongs to, what a colocated engine
@@ -154,11 +155,14 @@ def run_gpus(row: pd.Series) -> float:
     if text("device") == "cpu" or _missing(row.get("tp")):
         return float("nan")
     tp = float(row["tp"])
-    train_tp = 1.0 if _missing(row.get("train_tp")) or text("trainer") != "megatron" else float(row["train_tp"])
+
+    def megatron(key: str) -> float:  # its ranks: train_tp x train_ep (1 each where not recorded or not megatron)
+        return 1.0 if _missing(row.get(key)) or text("trainer") != "megatron" else float(row[key])
+
     if text("placement") == "split":
         wanted = _split_gpus(row)
         return wanted if _missing(row.get("gpu_count")) else min(wanted, float(row["gpu_count"]))
-    return max(tp, train_tp)
+    return max(tp, megatron("train_tp") * megatron("train_ep"))
 
 
 def _split_gpus(row: pd.Series) -> float:

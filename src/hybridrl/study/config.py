@@ -199,11 +199,31 @@ def _check_run(run: RunConfig, where: str) -> None:
     if run.rollout_process and run.engine == "vllm-inprocess":
         raise ConfigError(f"{where}.rollout_process: vllm-inprocess has no rollout client to move (it generates in "
                           "the controller's own process); use engine vllm or sglang, or drop the key")
-    if run.release_comms and (run.trainer != "megatron" or run.train_tp < 2):
-        raise ConfigError(f"{where}.release_comms: only the megatron trainer at train_tp 2 or more has process groups "
-                          f"to release (trainer {run.trainer}, train_tp {run.train_tp}); drop the key")
+    if run.release_comms and (run.trainer != "megatron" or run.train_tp * run.train_ep < 2):
+        raise ConfigError(f"{where}.release_comms: only the megatron trainer on 2 or more GPUs (train_tp x train_ep) "
+                          f"has process groups to release (trainer {run.trainer}, train_tp {run.train_tp}, train_ep "
+                          f"{run.train_ep}); drop the key")
+    if run.train_ep > 1:
+        _check_train_ep(run, where)
     if run.trainer == "megatron" and run.lora.rank % run.train_tp:
         raise ConfigError(f"{where}.lora.rank: {run.lora.rank} is not divisible by train_tp {run.train_tp}")
+
+
+def _check_train_ep(run: RunConfig, where: str) -> None:
+    """train_ep > 1: the megatron trainer's MoE experts split over train_ep GPUs, at train_tp 1, on as many GPUs as
+    the placement gives the trainer (whether the model has experts, and how many, is checked when the trainer
+    starts: spec.check_expert_parallel)."""
+    if run.trainer != "megatron":
+        raise ConfigError(f"{where}.train_ep: expert parallelism is the megatron trainer's (trainer {run.trainer}); "
+                          "drop the key")
+    if run.train_tp > 1:
+        raise ConfigError(f"{where}.train_ep: {run.train_ep} with train_tp {run.train_tp}: mixture-of-experts models "
+                          "train at train_tp 1; shard them by train_ep alone")
+    if run.device == "cuda":
+        have = run.train_gpus if run.placement == "split" else run.tp
+        if run.train_ep > have:
+            what = "train_gpus" if run.placement == "split" else "the engine's tp (colocate: the trainer shares them)"
+            raise ConfigError(f"{where}.train_ep: {run.train_ep} needs {run.train_ep} GPUs, and {what} is {have}")
 
 
 def check_model_sources(models: dict[str, dict[str, Any]], source: str = "config") -> None:

@@ -45,6 +45,17 @@ def trainer_tool_names(spec: TrainerBench) -> list[str]:
     return [base + (f"-r{k}" if k > 1 else "") for k in range(1, spec.replicates + 1)]
 
 
+def trainer_tool_gpus(spec: TrainerBench, where: str = "measurement") -> int:
+    """The GPUs a trainer tool's job takes: one, or N for the flag ep=N (the Megatron trainer sharded by expert
+    parallelism, trainer-bench --ep N)."""
+    values = [f.removeprefix("ep=") for f in spec.flags if f.startswith("ep=")]
+    if not values:
+        return 1
+    if len(values) > 1 or not values[0].isdigit() or int(values[0]) < 1:
+        raise ValueError(f"{where}.flags: {', '.join(spec.flags)}: give ep=N once, N a whole number of GPUs")
+    return int(values[0])
+
+
 def _run_of(spec: EngineBench | FaultRun | PeerTrl, names: Mapping[str, str], where: str) -> str:
     if spec.run not in names:
         raise ValueError(f"{where}.run: {spec.run!r} is not a run of this study (runs: {', '.join(names)})")
@@ -75,7 +86,8 @@ def resolve_measurements(specs: Sequence[Measurement], runs: Mapping[str, RunCon
             new = [MeasureJob("client-ceiling", spec, None, 0, "cpu")]
         else:
             device = "cpu" if "device=cpu" in spec.flags else "cuda"
-            new = [MeasureJob(name, spec, None, 1, device) for name in trainer_tool_names(spec)]
+            gpus = trainer_tool_gpus(spec, at)
+            new = [MeasureJob(name, spec, None, gpus, device) for name in trainer_tool_names(spec)]
         for job in new:
             if job.name in jobs:
                 raise ValueError(f"{at}: its result {job.output} is also another measurement's")

@@ -67,6 +67,10 @@ class RunConfig(_Frozen):
     device: Literal["cpu", "cuda"] = Field("cuda", description="where the engine and the trainer run")
     tp: int = Field(1, ge=1, description="tensor parallel size of the engine")
     train_tp: int = Field(1, ge=1, description="tensor parallel size of the megatron trainer")
+    train_ep: int = Field(
+        1, ge=1, description="expert parallel size of the megatron trainer (MoE models): each of train_ep GPUs holds "
+        "num_experts / train_ep of every MoE layer's experts and a replica of everything else, and runs the whole "
+        "batch; the trainer takes train_tp x train_ep GPUs")
     train_gpus: int = Field(1, ge=0, description="GPUs of the trainer in split placement")
     steps: int = Field(5, ge=1, description="training steps of the run")
     prompts_per_step: int = Field(8, ge=1, description="distinct prompts per step")
@@ -95,10 +99,10 @@ class RunConfig(_Frozen):
         False, description="colocate: the trainer's frozen base weights stay on the GPU while the engine runs "
         "(only the LoRA weights and the optimizer state are offloaded); recorded as train/keep_base_on_gpu")
     release_comms: bool = Field(
-        False, description="megatron trainer at train_tp > 1: destroy its process groups (their NCCL communicators "
-        "and buffers) at each offload and make them again at the next onload; the groups' setup then lands in every "
-        "step. Measured at TP 2 on two H200s it gave back a few tens of MB a rank, far from issue 15's 1 GB "
-        "bound (results/reference/2026-11-27-2xh200-tp2release)")
+        False, description="megatron trainer on 2 or more GPUs (train_tp x train_ep): destroy its process groups "
+        "(their NCCL communicators and buffers) at each offload and make them again at the next onload; the groups' "
+        "setup then lands in every step. Measured at TP 2 on two H200s it gave back a few tens of MB a rank, far from "
+        "issue 15's 1 GB bound (results/reference/2026-11-27-2xh200-tp2release)")
     train_dtype: Literal["bf16", "fp32"] | None = Field(
         None, description="megatron trainer: dtype of the base weights (default bf16 on cuda, fp32 on cpu)")
     chunked_head: bool = Field(
@@ -196,7 +200,8 @@ class RunSpec(_Frozen):
 
 # keys added after reference results were recorded: out of the hash while they hold their default, so that those
 # results keep their ids (and a study's later rounds join its earlier ones); a run that sets one gets an id of its own
-_LATE_KEYS = {"rollout_process": False, "release_comms": False, "replicate_seeds": False, "chunked_head": False}
+_LATE_KEYS = {"rollout_process": False, "release_comms": False, "replicate_seeds": False, "chunked_head": False,
+              "train_ep": 1}
 
 # a replicate's suffix: after the 8-hex hash, so no readable prefix (`name`) can look like one
 _REPLICATE = re.compile(r"^(?P<config>.+-[0-9a-f]{8})(?:-r(?P<k>[0-9]+))?$")

@@ -166,7 +166,9 @@ class TrainerBench(_Measurement):
     trainer: Literal["hf", "megatron"] = Field(description="the trainer")
     micro_batch: int = Field(ge=1, description="samples a forward pass")
     flags: tuple[str, ...] = Field((), strict=False, description="passed on as --FLAG (no-pack, varied, peft-lora, "
-                                                                  "chunked-head, vocab=151936 as --vocab=151936)")
+                                                                  "chunked-head, vocab=151936 as --vocab=151936; "
+                                                                  "trainer_bench: ep=2 as --ep=2, the megatron "
+                                                                  "trainer on 2 GPUs by expert parallelism)")
     replicates: int = Field(1, ge=1, description="processes of their own, each a result file (-rK)")
 
 

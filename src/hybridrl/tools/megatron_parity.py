@@ -1,7 +1,8 @@
 """Megatron + LoRA against HF + PEFT on the same checkpoint, adapter and batch.
 
-Used by the CPU tests (gloo, TP = 1 and 2) and runnable on a GPU box:
+Used by the CPU tests (gloo, TP = 1 and 2, and EP = 2 for the MoE) and runnable on a GPU box:
     python -m hybridrl.tools.megatron_parity --tp 2 [--device cuda] [--archs llama,qwen3] WORKDIR
+    python -m hybridrl.tools.megatron_parity --ep 2 --archs qwen3_moe WORKDIR
 Each side reports per-token logprobs before the update, the LoRA gradients (full tensors under PEFT names),
 the weights and logprobs after one AdamW step, and (Megatron) the exported adapter, which HF + PEFT
 reloads to reproduce the logits.
@@ -62,11 +63,11 @@ def tiny_checkpoint(kind: str, path: Path, seed: int = 0, **overrides: Any) -> P
     return path
 
 
-def default_run(tp: int = 1, **over: Any) -> RunConfig:
+def default_run(tp: int = 1, ep: int = 1, **over: Any) -> RunConfig:
     return RunConfig.model_validate({
         "model": "parity", "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0}, "lr": 1e-2, "weight_decay": 0.01,
-        "clip_eps": 0.2, "kl_coef": 0.05, "grad_clip": 1.0, "seed": 0, "train_tp": tp, "device": "cpu",
-        "micro_batch": 4, **over})
+        "clip_eps": 0.2, "kl_coef": 0.05, "grad_clip": 1.0, "seed": 0, "train_tp": tp, "train_ep": ep,
+        "device": "cpu", "micro_batch": 4, **over})
 
 
 def random_adapter(model_dir: Path, adapter_dir: Path, run: RunConfig, seed: int = 1) -> Path:
@@ -204,7 +205,15 @@ def megatron_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run
     return {"logp": before, "logp_padded": before_padded, "grads": grads, "grad_norm": norm,
             "loss": metrics["train/loss"], "entropy": metrics["train/entropy"],
             "kl": metrics["train/kl"], "weights_after": export.gather_full(policy.adapters),
-            "logp_after": after, "logits_after": logits.float().cpu(), "experts_impl": policy.experts_impl}
+            "logp_after": after, "logits_after": logits.float().cpu(), "experts_impl": policy.experts_impl,
+            "ep": policy.ep, "local_experts": _local_experts(policy)}
+
+
+def _local_experts(policy: Any) -> int | None:
+    """How many experts the first MoE layer holds on this rank (None for a dense model)."""
+    from hybridrl.trainers.megatron.experts import GroupedExperts
+
+    return next((m.num_local_experts for m in policy.model.modules() if isinstance(m, GroupedExperts)), None)
 
 
 def reload_gap(model_dir: Path, adapter_dir: Path, samples: list[Sample], logits: torch.Tensor) -> float:
@@ -252,7 +261,7 @@ def weight_gaps(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, float]:
 
 
 def _group_main(rank: int, tp: int, port: int, cases: list[dict[str, Any]], out_path: str,
-                device_type: str = "cpu") -> None:
+                device_type: str = "cpu", ep: int = 1) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -263,8 +272,9 @@ def _group_main(rank: int, tp: int, port: int, cases: list[dict[str, Any]], out_
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=tp)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=tp * ep)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             create_gloo_process_groups=False)
     try:
         results = {}
         for case in cases:
@@ -272,22 +282,24 @@ def _group_main(rank: int, tp: int, port: int, cases: list[dict[str, Any]], out_
                                                   case["samples"], case["run"], Path(case["export_dir"]), device)
         if rank == 0:
             torch.save(results, out_path)
+        elif ep > 1:  # EP ranks are replicas of everything but the experts: the last one's results beside rank 0's
+            torch.save(results, f"{out_path}.rank{rank}")
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
 
 def run_megatron_group(tp: int, cases: list[dict[str, Any]], out_path: Path,
-                       device_type: str = "cpu") -> dict[str, Any]:
-    """megatron_side for each case in a fresh group of tp processes: gloo on the CPU, NCCL on GPUs
-    (CPU with tp == 1: in this process)."""
-    if tp == 1 and device_type == "cpu":
+                       device_type: str = "cpu", ep: int = 1) -> dict[str, Any]:
+    """megatron_side for each case in a fresh group of tp x ep processes: gloo on the CPU, NCCL on GPUs
+    (CPU with tp x ep == 1: in this process). At ep > 1 the other ranks' results are at out_path.rank<R>."""
+    if tp * ep == 1 and device_type == "cpu":
         _group_main(0, 1, free_port(), cases, str(out_path))
     else:
         import torch.multiprocessing as mp
 
-        mp.start_processes(_group_main, args=(tp, free_port(), cases, str(out_path), device_type), nprocs=tp,
-                           start_method="spawn", join=True)
+        mp.start_processes(_group_main, args=(tp, free_port(), cases, str(out_path), device_type, ep),
+                           nprocs=tp * ep, start_method="spawn", join=True)
     return torch.load(out_path, weights_only=False)
 
 
@@ -295,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workdir", type=Path)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE archs only; with --tp 1)")
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where Megatron runs (fp32 either way)")
     args = ap.parse_args(argv)
@@ -302,14 +315,15 @@ def main(argv: list[str] | None = None) -> int:
     cases, refs = [], {}
     for arch in args.archs.split(","):
         d = args.workdir / arch
-        run = default_run(args.tp)
+        run = default_run(args.tp, args.ep)
         tiny_checkpoint(arch, d / "model")
         random_adapter(d / "model", d / "adapter", run)
         samples = make_samples(128)
         refs[arch] = hf_side(d / "model", d / "adapter", samples, run)
         cases.append({"name": arch, "model_dir": str(d / "model"), "adapter_dir": str(d / "adapter"),
-                      "samples": samples, "run": run, "export_dir": str(d / f"export-tp{args.tp}")})
-    got = run_megatron_group(args.tp, cases, args.workdir / f"megatron-tp{args.tp}.pt", args.device)
+                      "samples": samples, "run": run, "export_dir": str(d / f"export-tp{args.tp}-ep{args.ep}")})
+    got = run_megatron_group(args.tp, cases, args.workdir / f"megatron-tp{args.tp}-ep{args.ep}.pt", args.device,
+                             args.ep)
     report = {}
     for case in cases:
         name = case["name"]

@@ -15,7 +15,8 @@ absent, None on CPU. The model is a random-init checkpoint of the shape (no down
 Micro-batches are packed (pack_sequences) unless --no-pack; --varied draws each completion's length, where padding
 would cost. --chunked-head runs the trainers with the chunked output head (chunked_head true) instead of the
 model's full logits, the output head's
-before-and-after within one lease.
+before-and-after within one lease. --ep N trains a MoE shape's Megatron update sharded over N GPUs by expert
+parallelism (train_ep N: each GPU holds 1/N of the experts); its tokens/s per GPU divides by N.
 """
 
 from __future__ import annotations
@@ -183,8 +184,8 @@ class PeakMemory:
 
 
 def bench_run(shape: Shape, trainer: str, device: str, micro_batch: int, micro_batch_tokens: int | None,
-              pack: bool = True, chunked_head: bool = False) -> RunConfig:
-    return RunConfig(model="bench", trainer=trainer, device=device, seed=0, lr=1e-5, weight_decay=0.0,
+              pack: bool = True, chunked_head: bool = False, ep: int = 1) -> RunConfig:
+    return RunConfig(model="bench", trainer=trainer, device=device, seed=0, lr=1e-5, weight_decay=0.0, train_ep=ep,
                      clip_eps=0.2, kl_coef=0.0, grad_clip=1.0, micro_batch=micro_batch,
                      micro_batch_tokens=micro_batch_tokens, pack_sequences=pack, chunked_head=chunked_head,
                      lora=RunLora(rank=8, alpha=16.0, dropout=0.0, target_modules=shape.lora_targets))
@@ -210,6 +211,7 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
     t0 = time.perf_counter()
     trainer = build_trainer(kind, model, run, workdir, peft_lora, megatron_permute)
     start_s = time.perf_counter() - t0
+    ranks = len(trainer.gpu_pids()) if kind == "megatron" else 1  # the worker processes (train_tp x train_ep)
     update_s, compute_s, save_s, state_s, mfu = [], [], [], [], []
     metrics: dict[str, Any] = {}
     try:
@@ -230,9 +232,10 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
         trainer.close()
     tokens = metrics["perf/train_tokens"]
     best, median = min(compute_s), statistics.median(compute_s)
-    gpus = run.train_tp if kind == "megatron" else 1
+    gpus = run.train_tp * run.train_ep if kind == "megatron" else 1
     return {
-        "start_s": start_s, "update_s_best": min(update_s), "update_s_median": statistics.median(update_s),
+        "start_s": start_s, "ranks": ranks,
+        "update_s_best": min(update_s), "update_s_median": statistics.median(update_s),
         "compute_s_best": best, "compute_s_median": median, "update_s_all": update_s,
         # an update = compute + adapter export + the rest (the Megatron job's round trip, the step's own Python)
         "compute_s_all": compute_s, "save_s_all": save_s, "state_s_all": state_s,
@@ -296,26 +299,47 @@ def check_device(device: str) -> None:
         raise ValueError(f"--device cuda: torch {torch.__version__} sees no CUDA GPU on this machine")
 
 
-def check_options(shape_name: str, trainers: list[str], peft_lora: bool, megatron_permute: bool = False) -> None:
+def check_ep(shape_name: str, trainers: list[str], ep: int) -> None:
+    """ValueError unless --ep N can shard the update: the Megatron trainer alone, a MoE shape whose experts N
+    divides."""
+    if ep < 1:
+        raise ValueError(f"--ep must be at least 1, got {ep}")
+    if ep == 1:
+        return
+    if trainers != ["megatron"]:
+        raise ValueError("--ep shards the megatron trainer only: give --trainer megatron")
+    experts = shape_of(shape_name).config.get("num_experts")
+    if not experts:
+        moe = ", ".join(name for name, s in SHAPES.items() if "num_experts" in s.config)
+        raise ValueError(f"--ep splits the experts of a MoE shape, and {shape_name} has none (MoE shapes: {moe})")
+    if experts % ep:
+        raise ValueError(f"--ep {ep} does not divide {shape_name}'s {experts} experts")
+
+
+def check_options(shape_name: str, trainers: list[str], peft_lora: bool, megatron_permute: bool = False,
+                  ep: int = 1) -> None:
     """ValueError for options that do not go together; checked before anything is built."""
     if peft_lora and trainers != ["hf"]:
         raise ValueError("--peft-lora changes the hf trainer only: give --trainer hf")
     if megatron_permute:
         check_megatron_permute(shape_name, trainers)
+    check_ep(shape_name, trainers, ep)
 
 
 def main(shape_name: str, trainers: list[str], updates: int, device: str, workdir: Path, out: Path | None,
          micro_batch: int = 8, micro_batch_tokens: int | None = None, samples: int | None = None,
          pack: bool = True, varied: bool = False, peft_lora: bool = False,
-         megatron_permute: bool = False, vocab: int | None = None, chunked_head: bool = False) -> dict[str, Any]:
-    """Benchmark the trainers on the shape's fixed batch; prints and returns one JSON object (and writes it)."""
+         megatron_permute: bool = False, vocab: int | None = None, chunked_head: bool = False,
+         ep: int = 1) -> dict[str, Any]:
+    """Benchmark the trainers on the shape's fixed batch; prints and returns one JSON object (and writes it).
+    ep: the Megatron trainer's expert parallelism (train_ep), on that many GPUs."""
     import torch
 
     from hybridrl.trainers.flops import device_name
 
     if updates < 1:
         raise ValueError("--updates must be at least 1")
-    check_options(shape_name, trainers, peft_lora, megatron_permute)
+    check_options(shape_name, trainers, peft_lora, megatron_permute, ep)
     shape = shape_of(shape_name, vocab)
     workdir.mkdir(parents=True, exist_ok=True)
     model = shape_model(workdir, shape_name, shape, device)
@@ -327,13 +351,13 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
         "completion_tokens": sum(len(x.completion_ids) for x in batch),
         "updates": updates, "micro_batch": micro_batch, "micro_batch_tokens": micro_batch_tokens,
         "pack_sequences": pack, "peft_lora": peft_lora, "megatron_permute": megatron_permute,
-        "chunked_head": chunked_head,
+        "chunked_head": chunked_head, "train_ep": ep,
         "device": device_name(device) or "cpu", "torch": torch.__version__, "lora_targets": list(shape.lora_targets),
         # the same code's update moved by tens of percent between two leases' hosts: say which ran it
         "host": host_info(), "git": git_info(),
     }
     for kind in trainers:
-        run = bench_run(shape, kind, device, micro_batch, micro_batch_tokens, pack, chunked_head)
+        run = bench_run(shape, kind, device, micro_batch, micro_batch_tokens, pack, chunked_head, ep)
         report[kind] = bench_trainer(kind, model, run, batch, updates, workdir, peft_lora, megatron_permute)
         if device == "cuda":
             torch.cuda.empty_cache()

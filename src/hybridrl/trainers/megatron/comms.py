@@ -86,10 +86,16 @@ def _walked(value: Any) -> bool:
 
 
 def stale_layers(model: torch.nn.Module) -> int:
-    """How many of the model's modules keep a tensor-parallel group (megatron's `tp_group`) that is not the one
-    parallel_state holds now."""
-    current = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
-    return sum(1 for m in model.modules() if getattr(m, "tp_group", None) not in (None, current))
+    """How many of the model's modules keep a tensor-parallel group (megatron's `tp_group`), or an expert-parallel
+    one (`ep_group`, in a MoE layer or its token dispatcher), that is not the one parallel_state holds now."""
+    tp = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+    ep = parallel_state.get_expert_model_parallel_group(check_initialized=False)
+    stale = 0
+    for m in model.modules():
+        held = [(getattr(m, "tp_group", None), tp), (getattr(m, "ep_group", None), ep),
+                (getattr(getattr(m, "token_dispatcher", None), "ep_group", None), ep)]
+        stale += any(group not in (None, now) for group, now in held)
+    return stale
 
 
 class ReloadableGroups:
@@ -97,8 +103,8 @@ class ReloadableGroups:
     again under a fresh prefix of torchrun's store (a second rendezvous on the same keys would read the first's)
     and rebinds what `roots` hold. Every rank calls both at the same point of the same job."""
 
-    def __init__(self, tp: int, backend: str, roots: list[Any], model: torch.nn.Module) -> None:
-        self.tp, self.backend, self.roots, self.model = tp, backend, roots, model
+    def __init__(self, tp: int, backend: str, roots: list[Any], model: torch.nn.Module, ep: int = 1) -> None:
+        self.tp, self.ep, self.backend, self.roots, self.model = tp, ep, backend, roots, model
         self.generation = 0
         self.released = False
         self._old: dict[str, dist.ProcessGroup] = {}
@@ -122,7 +128,8 @@ class ReloadableGroups:
         store = dist.PrefixStore(f"hybridrl-comms-{self.generation}", self._base_store())
         dist.init_process_group(self.backend, store=store, rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]))
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp, create_gloo_process_groups=False)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp,
+                                                 expert_model_parallel_size=self.ep, create_gloo_process_groups=False)
         new = groups_by_name()
         successors = {id(g): new[name] for name, g in self._old.items() if name in new}
         self._old = {}
@@ -130,7 +137,7 @@ class ReloadableGroups:
         changed = rebind(self.roots, successors)
         stale = stale_layers(self.model)
         if stale:  # a layer left on a destroyed NCCL group would fail (or hang) in the next collective
-            raise RuntimeError(f"release_comms: {stale} layers still hold a released tensor-parallel group after "
+            raise RuntimeError(f"release_comms: {stale} layers still hold a released process group after "
                                "the groups were made again; run without release_comms")
         return changed
 

@@ -3,16 +3,17 @@
 Without TE's fused permute, megatron's `permute` gathers each token's copies into expert order (index_select),
 whose backward is an atomic `index_add_` of 6144 x 8 rows, and its `unpermute` sums the experts' outputs back with
 an atomic `scatter_add_`. On one H200 these two took about 15% of a 48-layer Qwen3-30B-A3B-shaped update's GPU time
-(trainer-profile). Where every token has exactly top-k local experts (one
-expert-parallel rank, no capacity dropping), the copies of a token are the rows t*k .. t*k+k-1 of a token-major
-layout, so both directions become a gather with a permutation and a sum over k: no atomics, and a sum that rounds
-once instead of once per expert. Several expert-parallel ranks or a capacity fall back to megatron's own code; a
-token with other than k experts where neither is set (not what megatron's top-k router makes) stops the run with a
-device-side assert rather than permute wrongly.
+(trainer-profile). Where every token has exactly top-k experts (no capacity dropping), the copies of a token are
+the slots t*k .. t*k+k-1 of a token-major layout, so both directions become a gather with a permutation and a sum
+over k: no atomics, and a sum that rounds once instead of once per expert. A capacity falls back to megatron's own
+code; a token with other than k experts where none is set (not what megatron's top-k router makes) stops the run
+with a device-side assert rather than permute wrongly.
 
-The row count is then known (T*k), so the indices come from topk and a sort, and the expert counts stay on the GPU:
-no host synchronisation in a MoE layer. Megatron's path waits for the GPU three times a layer (the counts' .cpu(),
-two masked_selects), which drains the launch queue of an update that is bound by the host's launches.
+With every expert on the rank (EP 1) the row count is known (T*k), so the indices come from topk and a sort, and
+the expert counts stay on the GPU: no host synchronisation in a MoE layer. An expert-parallel rank keeps the
+contiguous run of expert-ordered rows that belong to its experts, whose ends it reads once from the GPU; a slot of
+another rank's expert adds zero to its token. Megatron's path waits for the GPU three times a layer (the counts'
+.cpu(), two masked_selects), which drains the launch queue of an update that is bound by the host's launches.
 """
 
 from __future__ import annotations
@@ -20,38 +21,58 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 
+def _sum_slots(rows: torch.Tensor, slot_row: torch.Tensor, valid: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Expert-ordered rows [n, H] -> [T, H]: token t's slots t*k .. t*k+k-1 summed, slot s being row slot_row[s];
+    where `valid` is given, a slot it marks False (an expert of another EP rank) adds zero. Gathers only."""
+    num_tokens = slot_row.shape[0] // k
+    if valid is None:
+        per_slot = rows.index_select(0, slot_row)
+    elif rows.shape[0] == 0:  # none of this rank's experts was chosen
+        return rows.new_zeros(num_tokens, rows.shape[-1])
+    else:
+        per_slot = rows.index_select(0, slot_row.clamp(0, rows.shape[0] - 1))
+        per_slot = torch.where(valid.unsqueeze(-1), per_slot, per_slot.new_zeros(()))
+    return per_slot.view(num_tokens, k, rows.shape[-1]).sum(1)
+
+
 class _Dispatch(torch.autograd.Function):
-    """x [T, H] -> rows [T*k, H] in expert order; backward gathers back to token order and sums each token's k."""
+    """x [T, H] -> this rank's rows [n, H] in expert order (rows[i] = x[tokens[i]]); backward sums each token's
+    rows' gradients back by gathers (_sum_slots)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tokens: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-        ctx.save_for_backward(order)
+    def forward(ctx: Any, x: torch.Tensor, tokens: torch.Tensor, slot_row: torch.Tensor,
+                valid: torch.Tensor | None, k: int) -> torch.Tensor:
+        ctx.save_for_backward(slot_row, valid)
         ctx.k = k
         return x.index_select(0, tokens)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        (order,) = ctx.saved_tensors
-        rows = grad.index_select(0, order)
-        return rows.view(-1, ctx.k, rows.shape[-1]).sum(1), None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        slot_row, valid = ctx.saved_tensors
+        return _sum_slots(grad, slot_row, valid, ctx.k), None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
-    """Expert-ordered rows [T*k, H] -> [T, H], each token's k rows summed; backward gathers into expert order."""
+    """This rank's expert-ordered rows [n, H] -> [T, H], each token's rows summed (_sum_slots); backward gathers
+    each row's token gradient."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, tokens: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    def forward(ctx: Any, rows: torch.Tensor, tokens: torch.Tensor, slot_row: torch.Tensor,
+                valid: torch.Tensor | None, k: int) -> torch.Tensor:
         ctx.save_for_backward(tokens)
-        per_token = rows.index_select(0, order)
-        return per_token.view(-1, k, rows.shape[-1]).sum(1)
+        return _sum_slots(rows, slot_row, valid, k)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         (tokens,) = ctx.saved_tensors
-        return grad.index_select(0, tokens), None, None, None
+        return grad.index_select(0, tokens), None, None, None, None
 
 
 class _Pick(torch.autograd.Function):
@@ -89,48 +110,105 @@ def expert_order(routing_map: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
 
 class GatherDispatcher(MoEAllGatherTokenDispatcher):
     """megatron's all-gather dispatcher with `_Dispatch`/`_Combine` for its local permutation where every token
-    has exactly top-k local experts; megatron's own path otherwise (several expert-parallel ranks, capacity)."""
+    has exactly top-k experts (no capacity); megatron's own path otherwise. Its experts may be all of them (EP 1) or
+    a rank's contiguous block (EP > 1): then the rows are that block's share of the expert-ordered rows, one host
+    read a layer finding where it starts and ends."""
 
     def _gathers_apply(self) -> bool:
         cfg = self.config
-        return (self.num_local_experts == cfg.num_moe_experts and cfg.moe_expert_capacity_factor is None
-                and not cfg.moe_permute_fusion)
+        return cfg.moe_expert_capacity_factor is None and not cfg.moe_permute_fusion
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> tuple[Any, Any, Any]:
         self._order = None
         if not self._gathers_apply():
             return super().dispatch_postprocess(hidden_states, probs)
-        local_map = self.routing_map  # every expert is local
+        routing = self.routing_map  # [T, E]: every token's experts, this rank's and the others'
+        num_tokens, num_experts = routing.shape
         k = self.router_topk
         # the router's top-k gives every token k experts where nothing is dropped; checked without waiting for the GPU
-        torch._assert_async(local_map.sum(dim=1).eq(k).all())
-        tokens, order, experts = expert_order(local_map, k)
+        torch._assert_async(routing.sum(dim=1).eq(k).all())
+        tokens, slot_row, experts = expert_order(routing, k)
+        counts = routing.sum(dim=0)  # on the GPU: GroupedExperts takes its offsets there
+        first, last = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
+        valid = None
+        if last - first < num_experts:
+            # this rank's experts own the expert-ordered rows lo .. hi-1: the one wait for the GPU in this layer
+            ends = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+            lo, hi = ends[[first, last]].tolist()
+            tokens, experts = tokens[lo:hi], experts[lo:hi]
+            slot_row = slot_row - lo
+            valid = (slot_row >= 0) & (slot_row < hi - lo)
         self.hidden_shape_before_permute = hidden_states.shape
-        self._tokens, self._order = tokens, order
-        tokens_per_expert = local_map.sum(dim=0)  # on the GPU: GroupedExperts takes its offsets there
-        self.local_probs = _Pick.apply(probs.reshape(-1), tokens * local_map.shape[1] + experts)
+        self._tokens, self._order, self._valid = tokens, slot_row, valid
+        self.local_probs = _Pick.apply(probs.reshape(-1), tokens * num_experts + experts)
         self.routing_map = None
-        return _Dispatch.apply(hidden_states, tokens, order, self.router_topk), tokens_per_expert, self.local_probs
+        rows = _Dispatch.apply(hidden_states, tokens, slot_row, valid, k)
+        return rows, counts[first:last], self.local_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # the indices live on in the autograd graph only: none stay on the GPU after the update (colocate offload)
         order, self._order = getattr(self, "_order", None), None
         tokens, self._tokens = getattr(self, "_tokens", None), None
+        valid, self._valid = getattr(self, "_valid", None), None
         if order is None:
             return super().combine_preprocess(hidden_states)
-        return _Combine.apply(hidden_states, tokens, order, self.router_topk)
+        return _Combine.apply(hidden_states, tokens, order, valid, self.router_topk)
+
+
+class ReplicatedTokensDispatcher(GatherDispatcher):
+    """Expert parallelism where every EP rank already holds the same tokens (hybridrl's trainer runs the whole batch
+    on every rank; only the experts are split). Nothing moves before the experts: each rank routes all tokens, keeps
+    those of its own experts (GatherDispatcher's gathers), and the partial outputs are summed over the EP group.
+
+    Autograd, with y = sum over ranks r of f_r(x, probs):
+      forward  - all-reduce of the partial outputs (its backward hands each rank the same gradient of y);
+      backward - the gradients of x and of the routing probs that reach the experts are summed over the group
+                 (copy_to_region): each rank's own holds its experts' share only, and the router's backward
+                 and the layers below need the whole.
+    megatron's all-gather dispatcher would instead gather EP x the tokens (every rank the same ones again) and
+    reduce-scatter them: twice the expert work, and reduce-scatter, which gloo does not have."""
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
+                            probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_states, probs = super().dispatch_preprocess(hidden_states, routing_map, probs)
+        if self.ep_size > 1:
+            hidden_states = copy_to_tensor_model_parallel_region(hidden_states, group=self.ep_group)
+            probs = copy_to_tensor_model_parallel_region(probs, group=self.ep_group)
+        return hidden_states, probs
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.tp_size > 1:
+            raise RuntimeError("ReplicatedTokensDispatcher takes expert TP 1 (the trainer's MoE runs at train_tp 1)")
+        return hidden_states, probs
+
+    def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.ep_size == 1:
+            return hidden_states
+        # summed in the probs' dtype (fp32), as megatron's reduce-scatter does
+        summed = reduce_from_tensor_model_parallel_region(hidden_states.to(self.local_probs.dtype),
+                                                          group=self.ep_group)
+        return summed.to(hidden_states.dtype)
+
+
+class _MegatronPermuteReplicated(ReplicatedTokensDispatcher):
+    """The same communication with megatron's own local permutation throughout (megatron_permute)."""
+
+    def _gathers_apply(self) -> bool:
+        return False
 
 
 def use_gather_dispatch(model: torch.nn.Module, on: bool = True) -> int:
     """Give every MoE layer's all-gather dispatcher the gather-only permutation (on) or megatron's own (off);
     returns how many dispatchers. The dispatcher is built inside MoELayer from the config, so its class is
-    switched in place: GatherDispatcher adds no state of its own beyond a layer's indices between its dispatch
-    and its combine."""
-    cls = GatherDispatcher if on else MoEAllGatherTokenDispatcher
+    switched in place: the classes here add no state beyond a layer's indices between its dispatch and its combine.
+    At expert parallelism > 1 the tokens stay replicated either way (ReplicatedTokensDispatcher)."""
     count = 0
     for m in model.modules():
         d = getattr(m, "token_dispatcher", None)
         if isinstance(d, MoEAllGatherTokenDispatcher):
-            d.__class__ = cls
+            if d.ep_size > 1:
+                d.__class__ = ReplicatedTokensDispatcher if on else _MegatronPermuteReplicated
+            else:
+                d.__class__ = GatherDispatcher if on else MoEAllGatherTokenDispatcher
             count += 1
     return count

@@ -88,8 +88,18 @@ def _experts(src: TensorSource, layer: int, n_experts: int) -> Callable[[int], t
     return split
 
 
-def hf_to_megatron(spec: ArchSpec, src: TensorSource, tp_rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
-    """Every Megatron parameter of this rank's shard, by Megatron name."""
+def local_experts(num_experts: int, ep_rank: int, ep_size: int) -> range:
+    """The experts EP rank ep_rank holds: a contiguous block of num_experts / ep_size, as megatron's MoELayer
+    numbers its local experts (ep_rank * num_local + i)."""
+    if num_experts % ep_size:
+        raise ValueError(f"{num_experts} experts do not split over expert parallelism {ep_size}")
+    n = num_experts // ep_size
+    return range(ep_rank * n, (ep_rank + 1) * n)
+
+
+def hf_to_megatron(spec: ArchSpec, src: TensorSource, tp_rank: int = 0, tp_size: int = 1,
+                   ep_rank: int = 0, ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """Every Megatron parameter of this rank's shard, by Megatron name (of the experts, this EP rank's only)."""
     out: dict[str, torch.Tensor] = {}
     out["embedding.word_embeddings.weight"] = shard(src.get("model.embed_tokens.weight"), 0, tp_size, tp_rank)
     for i in range(spec.num_layers):
@@ -112,7 +122,7 @@ def hf_to_megatron(spec: ArchSpec, src: TensorSource, tp_rank: int = 0, tp_size:
             out[f"{m}.mlp.router.weight"] = src.get(f"{h}.mlp.gate.weight")
             expert = _experts(src, i, spec.num_experts)
             fc1, fc2 = [], []
-            for e in range(spec.num_experts):
+            for e in local_experts(spec.num_experts, ep_rank, ep_size):
                 g, u, d = expert(e)
                 fc1.append(gate_up_to_megatron(g, u, tp_size, tp_rank))
                 fc2.append(shard(d, 1, tp_size, tp_rank))

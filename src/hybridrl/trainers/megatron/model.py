@@ -96,7 +96,8 @@ class CPUSafeTopKRouter(TopKRouter):
         return router_gating_linear(input, self.weight, self.bias, dtype)
 
 
-def transformer_config(spec: ArchSpec, tp: int, dtype: torch.dtype) -> TransformerConfig:
+def transformer_config(spec: ArchSpec, tp: int, dtype: torch.dtype, ep: int = 1) -> TransformerConfig:
+    """megatron's config for this architecture at TP tp and expert parallelism ep (MoE only)."""
     kw: dict[str, Any] = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -146,6 +147,8 @@ def transformer_config(spec: ArchSpec, tp: int, dtype: torch.dtype) -> Transform
             moe_token_dispatcher_type="allgather",
             moe_grouped_gemm=False,
             moe_permute_fusion=False,
+            # each EP rank builds num_experts / ep of the experts (MoELayer reads the EP group's size and rank)
+            expert_model_parallel_size=ep,
         )
     return TransformerConfig(**kw)
 
@@ -171,10 +174,10 @@ def _block_spec(spec: ArchSpec) -> TransformerBlockSubmodules:
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=layers[0].submodules.input_layernorm)
 
 
-def build_model(spec: ArchSpec, tp: int, dtype: torch.dtype) -> GPTModel:
-    """An uninitialised GPTModel (weights on the CPU) for this rank's TP shard."""
+def build_model(spec: ArchSpec, tp: int, dtype: torch.dtype, ep: int = 1) -> GPTModel:
+    """An uninitialised GPTModel (weights on the CPU) for this rank's TP shard and, at ep > 1, its experts."""
     rope.install()
-    config = transformer_config(spec, tp, dtype)
+    config = transformer_config(spec, tp, dtype, ep)
     model = GPTModel(
         config=config,
         transformer_layer_spec=_block_spec(spec),
@@ -236,12 +239,13 @@ class HFCheckpoint:
 
 
 @torch.no_grad()
-def load_hf_weights(model: GPTModel, spec: ArchSpec, model_dir: str | Path, tp_rank: int, tp_size: int) -> None:
+def load_hf_weights(model: GPTModel, spec: ArchSpec, model_dir: str | Path, tp_rank: int, tp_size: int,
+                    ep_rank: int = 0, ep_size: int = 1) -> None:
     """Copy this rank's shard of every checkpoint tensor into the model; every parameter must be set."""
     ckpt = HFCheckpoint(model_dir)
     try:
         wanted = dict(model.named_parameters())
-        loaded = mapping.hf_to_megatron(spec, ckpt, tp_rank, tp_size)
+        loaded = mapping.hf_to_megatron(spec, ckpt, tp_rank, tp_size, ep_rank, ep_size)
         missing = sorted(set(wanted) - set(loaded))
         extra = sorted(set(loaded) - set(wanted))
         if missing or extra:

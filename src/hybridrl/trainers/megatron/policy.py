@@ -32,15 +32,16 @@ from hybridrl.trainers.megatron.spec import MegatronSetupError, check_parallel, 
 from hybridrl.trainers.offload import optimizer_state_to, optimizer_state_to_cpu
 
 
-def init_parallel(tp: int, device: torch.device) -> None:
-    """Process group (NCCL on CUDA, gloo on CPU) from torchrun's env, then megatron's TP groups."""
+def init_parallel(tp: int, device: torch.device, ep: int = 1) -> None:
+    """Process group (NCCL on CUDA, gloo on CPU) from torchrun's env, then megatron's TP and EP groups: tp * ep
+    processes, each EP rank holding its share of the experts and a replica of everything else."""
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if dist.get_world_size() != tp:
-        raise MegatronSetupError(f"world size {dist.get_world_size()} != train_tp {tp}: the Megatron trainer "
-                                 "runs one process per TP rank and no data parallelism")
+    if dist.get_world_size() != tp * ep:
+        raise MegatronSetupError(f"world size {dist.get_world_size()} != train_tp {tp} x train_ep {ep}: the Megatron "
+                                 "trainer runs one process per TP x EP rank and no data parallelism")
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                                  create_gloo_process_groups=False)
 
 
@@ -83,19 +84,26 @@ class MegatronPolicy:
         self.device = device
         self.model_dir = str(model_dir)
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        # expert parallelism: the experts split over ep ranks, each of which runs the whole batch (ReplicatedTokens-
+        # Dispatcher); the adapters and the optimizer are replicas, kept equal by averaging their gradients
+        self.ep = parallel_state.get_expert_model_parallel_world_size()
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+        # the one rank that writes files and prints (TP rank 0 of EP rank 0)
+        self.writer = parallel_state.get_tensor_model_parallel_rank() == 0 and self.ep_rank == 0
         self.spec = read_spec(model_dir)
-        check_parallel(self.spec, self.tp, lora.rank, list(lora.target_modules))
+        check_parallel(self.spec, self.tp, lora.rank, list(lora.target_modules), self.ep)
         self.targets = effective_targets(self.spec, list(lora.target_modules))
         dropped = sorted(set(lora.target_modules) - set(self.targets))
-        if dropped and parallel_state.get_tensor_model_parallel_rank() == 0:
+        if dropped and self.writer:
             print(f"hybridrl megatron: {self.spec.model_type} is MoE; LoRA on {', '.join(self.targets)} only, "
                   f"{', '.join(dropped)} not adapted", flush=True)
         self.rank, self.alpha = lora.rank, lora.alpha
         # bf16 base on the GPU (LoRA weights stay fp32); fp32 on the CPU. train_dtype overrides (parity checks).
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
             run.train_dtype or ("bf16" if device.type == "cuda" else "fp32")]
-        self.model = build_model(self.spec, self.tp, dtype)
-        load_hf_weights(self.model, self.spec, model_dir, parallel_state.get_tensor_model_parallel_rank(), self.tp)
+        self.model = build_model(self.spec, self.tp, dtype, self.ep)
+        load_hf_weights(self.model, self.spec, model_dir, parallel_state.get_tensor_model_parallel_rank(), self.tp,
+                        self.ep_rank, self.ep)
         self.adapters = apply_lora(self.model, self.spec, self.rank, self.alpha, self.targets,
                                    seed=run.seed)
         self.model.to(device)  # after the adapters exist, so they move too
@@ -114,8 +122,9 @@ class MegatronPolicy:
         self.flop_shape = read_flop_shape(model_dir)
         self.offloaded = False
         # run.release_comms: the groups' communicators freed while offloaded (comms.py); nothing to free at TP 1
-        self.comms = (ReloadableGroups(self.tp, "nccl" if device.type == "cuda" else "gloo", [self], self.model)
-                      if run.release_comms and self.tp > 1 else None)
+        self.comms = (ReloadableGroups(self.tp, "nccl" if device.type == "cuda" else "gloo", [self], self.model,
+                                       self.ep)
+                      if run.release_comms and self.tp * self.ep > 1 else None)
 
     # -- forward ---------------------------------------------------------------------------------------
     def logprobs(self, batch: Batch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -164,7 +173,7 @@ class MegatronPolicy:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         # MFU and tokens/s over this update alone (the loop's perf/update_actor_tok_s spans the update_actor phase)
-        metrics.update(update_perf(self.flop_shape, samples, time.perf_counter() - t0, self.tp, self.device,
+        metrics.update(update_perf(self.flop_shape, samples, time.perf_counter() - t0, self.tp * self.ep, self.device,
                                    kl=self.run.kl_coef > 0))
         metrics["train/keep_base_on_gpu"] = self.run.keep_base_on_gpu
         metrics["train/experts_impl"] = self.experts_impl
@@ -185,7 +194,24 @@ class MegatronPolicy:
         # whole batch either way
         order = samples if self.run.pack_sequences else sorted(
             samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
-        return grpo_backward(order, self.run, self.device, self.logprobs, lambda: lora_disabled(self.model))
+        metrics = grpo_backward(order, self.run, self.device, self.logprobs, lambda: lora_disabled(self.model))
+        self._average_replica_grads()
+        return metrics
+
+    def _average_replica_grads(self) -> None:
+        """At EP > 1 every EP rank computed the same LoRA gradients from the same batch; their mean over the replicas
+        (one all-reduce of a flat copy) keeps the replicas' optimizer steps identical where GPU kernels round
+        differently from rank to rank."""
+        if self.ep == 1:
+            return
+        grads = [p.grad for p in self.params if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
+        flat.div_(self.ep)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def optimizer_step(self) -> float:
         """Clip by the global grad norm, one AdamW step, drop the gradients; returns the pre-clip norm."""
@@ -218,7 +244,7 @@ class MegatronPolicy:
         weights = export.gather_full(self.adapters, staging=self.staging)
         self.state_writer.wait()  # the last state's write reads the staging buffers the moments go to next
         opt = export.optimizer_state(self.adapters, self.optimizer, self.staging)
-        if parallel_state.get_tensor_model_parallel_rank() == 0:
+        if self.writer:  # EP ranks hold the same adapter: one of them writes it
             write_adapter_dir(Path(out_dir), weights, self.adapter_config)
             self.state_writer.submit(Path(out_dir), opt)
         if self.tp > 1:

@@ -129,6 +129,20 @@ def read_spec(model_dir: str | Path) -> ArchSpec:
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
+def check_expert_parallel(spec: ArchSpec, ep: int) -> None:
+    """train_ep: each of ep ranks holds num_experts / ep experts; everything else is replicated on every rank."""
+    if ep < 1:
+        raise MegatronSetupError(f"train_ep must be >= 1, got {ep}")
+    if ep == 1:
+        return
+    if not spec.is_moe:
+        raise MegatronSetupError(f"train_ep={ep}: expert parallelism splits the experts of a mixture-of-experts "
+                                 f"model, and {spec.model_type} has none; use train_ep 1")
+    if spec.num_experts % ep:
+        raise MegatronSetupError(f"train_ep={ep} does not divide num_experts={spec.num_experts}; choose an EP size "
+                                 "that does")
+
+
 def effective_targets(spec: ArchSpec, targets: list[str] | tuple[str, ...]) -> list[str]:
     """The projections that actually get an adapter.
 
@@ -145,10 +159,13 @@ def effective_targets(spec: ArchSpec, targets: list[str] | tuple[str, ...]) -> l
     return kept
 
 
-def check_parallel(spec: ArchSpec, tp: int, lora_rank: int, target_modules: list[str] | tuple[str, ...]) -> None:
-    """The sizes a TP degree must divide, and the LoRA settings this trainer supports."""
+def check_parallel(spec: ArchSpec, tp: int, lora_rank: int, target_modules: list[str] | tuple[str, ...],
+                   ep: int = 1) -> None:
+    """The sizes a TP degree and an expert-parallel degree must divide, and the LoRA settings this trainer
+    supports."""
     if tp < 1:
         raise MegatronSetupError(f"train_tp must be >= 1, got {tp}")
+    check_expert_parallel(spec, ep)
     for what, n in (("num_attention_heads", spec.num_heads), ("num_key_value_heads", spec.num_kv_heads),
                     ("vocab_size", spec.vocab_size), ("intermediate_size", spec.ffn_hidden_size)):
         if n % tp:
@@ -156,7 +173,8 @@ def check_parallel(spec: ArchSpec, tp: int, lora_rank: int, target_modules: list
     if spec.is_moe and tp > 1:
         raise MegatronSetupError(
             f"{spec.model_type}: mixture-of-experts models train at train_tp=1 only (megatron-core's MoE layer "
-            "needs sequence parallelism at TP>1, which its non-Transformer-Engine norms do not support)")
+            "needs sequence parallelism at TP>1, which its non-Transformer-Engine norms do not support); shard them "
+            "over GPUs with train_ep instead")
     if lora_rank < 1:
         raise MegatronSetupError(f"lora.rank must be >= 1, got {lora_rank}")
     if lora_rank % tp:

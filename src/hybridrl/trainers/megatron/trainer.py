@@ -43,10 +43,10 @@ SMALL_NCCL_BUFFERS = {"NCCL_BUFFSIZE": str(1 << 20), "NCCL_MAX_NCHANNELS": "2"}
 
 
 class MegatronTrainer:
-    """GRPO + LoRA on megatron-core, TP = run.train_tp processes under torchrun.
+    """GRPO + LoRA on megatron-core, run.train_tp x run.train_ep processes under torchrun.
 
     run: the run's config (the workers read lora, lr, weight_decay, clip_eps, kl_coef, grad_clip, seed, train_tp,
-    micro_batch, train_dtype; this side device and startup_timeout_s). work_dir: the run's directory;
+    train_ep, micro_batch, train_dtype; this side device and startup_timeout_s). work_dir: the run's directory;
     the job protocol files and worker.log go to work_dir/megatron (a temp dir if not given).
     offload_after_step: move weights and optimizer state to pinned CPU memory at the end of every step
     (colocate) without a separate offload() call. env: extra environment for the workers. megatron_permute: MoE
@@ -60,18 +60,18 @@ class MegatronTrainer:
         self.model_dir = Path(model_dir)
         self.run = run
         self.device = device or ("cuda" if run.device == "cuda" else "cpu")
-        self.tp = run.train_tp
+        self.tp, self.ep = run.train_tp, run.train_ep
         lora = run.lora
         spec = read_spec(self.model_dir)  # raises MegatronSetupError with the cause
         self.vocab_size = spec.vocab_size
-        check_parallel(spec, self.tp, lora.rank, list(lora.target_modules))
+        check_parallel(spec, self.tp, lora.rank, list(lora.target_modules), self.ep)
         if lora.dropout != 0.0:
             raise MegatronSetupError("lora.dropout must be 0 for the Megatron trainer")
         if self.device == "cuda":
             import torch
 
-            if torch.cuda.device_count() < self.tp:
-                raise MegatronSetupError(f"train_tp={self.tp} needs {self.tp} visible GPUs, "
+            if torch.cuda.device_count() < self.world:
+                raise MegatronSetupError(f"train_tp={self.tp} x train_ep={self.ep} needs {self.world} visible GPUs, "
                                          f"found {torch.cuda.device_count()}")
         self.offload_after_step = offload_after_step
         self.step_timeout_s = step_timeout_s
@@ -111,6 +111,11 @@ class MegatronTrainer:
         self.gc_frozen: int | None = info.get("gc_frozen")
         self.rendezvous_port: int | None = info.get("rendezvous_port")
 
+    @property
+    def world(self) -> int:
+        """The worker processes (and GPUs): one per TP x EP rank."""
+        return self.tp * self.ep
+
     # -- process group ---------------------------------------------------------------------------------
     def _launch(self, extra_env: dict[str, str] | None) -> subprocess.Popen:
         env = dict(os.environ)
@@ -118,16 +123,16 @@ class MegatronTrainer:
         # torchrun pins OMP_NUM_THREADS=1 when unset; on CPU the ranks share the trainer's threads instead (the
         # controller's OMP_NUM_THREADS: hybridrl.run.cores sizes it to the trainer's cores)
         if self.device == "cpu":
-            env["OMP_NUM_THREADS"] = str(rank_threads(env.get("OMP_NUM_THREADS"), self.tp))
+            env["OMP_NUM_THREADS"] = str(rank_threads(env.get("OMP_NUM_THREADS"), self.world))
         else:
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.tp)))
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.world)))
         env.setdefault("PYTHONWARNINGS", "ignore")
         env.update({k: v for k, v in SMALL_NCCL_BUFFERS.items() if k not in env})
         if extra_env:
             env.update(extra_env)
         # --standalone: a c10d store on localhost:0, a port the kernel picks free, so that trainers of jobs on one
         # node never meet on a fixed one (torchrun's default is 29500); the workers report it (rendezvous_port)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.tp}",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.world}",
                "-m", "hybridrl.trainers.megatron.worker", str(self.workdir)]
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing to it
         try:

@@ -1,6 +1,6 @@
-"""The torchrun worker: one process per TP rank, alive for the whole run, one job per request.
+"""The torchrun worker: one process per TP x EP rank, alive for the whole run, one job per request.
 
-    torchrun --standalone --nproc-per-node TP -m hybridrl.trainers.megatron.worker JOB_DIR
+    torchrun --standalone --nproc-per-node TP*EP -m hybridrl.trainers.megatron.worker JOB_DIR
 
 Protocol (all files in JOB_DIR, each written to a temp name and renamed, so a reader never sees half):
     config.json                  written by the controller: model_dir, run, device, controller_pid
@@ -152,20 +152,20 @@ def _start(cfg: dict[str, Any], rank: int) -> Any:
     else:
         device = torch.device("cpu")
     torch.manual_seed(run.seed)
-    init_parallel(run.train_tp, device)
+    init_parallel(run.train_tp, device, run.train_ep)
     # the process's GPU memory before the model exists and before its first collective (NCCL makes a group's
     # communicator then): the CUDA context and NCCL's library state alone, which no offload can free
     at_init = gpu_memory_of(device)
     policy = MegatronPolicy(cfg["model_dir"], run, device, megatron_permute=bool(cfg.get("megatron_permute")))
     if cfg.get("resume_from"):
         policy.resume(Path(cfg["resume_from"]))
-    policy.ready_info = {"load_s": time.perf_counter() - t0, "tp": policy.tp,
+    policy.ready_info = {"load_s": time.perf_counter() - t0, "tp": policy.tp, "ep": policy.ep,
                          "lora_params": sum(p.numel() for p in policy.params) * policy.tp,
                          "experts_impl": policy.experts_impl, "moe_permute": policy.moe_permute,
                          "memory": {"init": at_init, "load": gpu_memory_of(device)}}
     if rank == 0:  # into worker.log: which MoE experts kernel this run trains with
-        print(f"hybridrl megatron worker: tp {policy.tp}, device {device}, experts {policy.experts_impl or 'dense'}",
-              flush=True)
+        print(f"hybridrl megatron worker: tp {policy.tp}, ep {policy.ep}, device {device}, "
+              f"experts {policy.experts_impl or 'dense'}", flush=True)
     return policy
 
 

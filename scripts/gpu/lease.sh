@@ -96,8 +96,9 @@ start() {
   # shellcheck disable=SC1091
   . "$work/env.sh"
   cd "$work"
-  echo "+ snakemake --profile slurm --configfile $config $*" | tee "$work/command.txt"
-  setsid nohup python3 -m snakemake --profile slurm --configfile "$config" "$@" > snakemake.log 2>&1 < /dev/null &
+  # targets and options first: --configfile takes every word after it, a target among them
+  echo "+ snakemake $* --profile slurm --configfile $config" | tee "$work/command.txt"
+  setsid nohup python3 -m snakemake "$@" --profile slurm --configfile "$config" > snakemake.log 2>&1 < /dev/null &
   echo $! > "$work/snakemake.pid"
 }
 

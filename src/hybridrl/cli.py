@@ -603,9 +603,9 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_results_index)
 
     s = sub.add_parser("targets", help="each committed study's configurations against the speed targets "
-                       "(config/targets.yaml): met, missed or not settled, from their 95% intervals")
+                       "(workflow/report/targets.yaml): met, missed or not settled, from their 95%% intervals")
     s.add_argument("--reference", default="results/reference", help="the folder of committed studies")
-    s.add_argument("--targets", default=str(Path("config") / "targets.yaml"))
+    s.add_argument("--targets", default=str(Path("workflow") / "report" / "targets.yaml"))
     s.set_defaults(fn=_targets)
 
     s = sub.add_parser("archive", help="pack one study's results, configs, locks and provenance with a sha256 "

@@ -73,7 +73,7 @@ def _study_shape(study: str | None, model: str | None) -> dict[str, Any] | None:
 
     for path in sorted(CONFIGS.glob("*.yaml")):
         data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):  # not a study (config/targets.yaml is a list)
+        if not isinstance(data, dict):  # not a study
             continue
         spec = (data.get("models") or {}).get(model) if data.get("study") == study else None
         if not isinstance(spec, dict) or "arch" not in spec:

@@ -1,6 +1,6 @@
-"""Speed targets (config/targets.yaml) against a study's configurations: met where the whole 95% interval of the
-configuration's steady-state median is on the target's side, missed where it is wholly on the other, not settled
-where it straddles the bound. Targets live here and in the report, never in a timed test."""
+"""Speed targets (workflow/report/targets.yaml) against a study's configurations: met where the whole 95% interval
+of the configuration's steady-state median is on the target's side, missed where it is wholly on the other, not
+settled where it straddles the bound. Targets live there and in the report, never in a timed test."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hybridrl.report import stats
 from hybridrl.report.cells import Cell, Table, fmt
 from hybridrl.study.config import ConfigError
 
-TARGETS = Path(__file__).resolve().parents[3] / "config" / "targets.yaml"
+TARGETS = Path(__file__).resolve().parents[3] / "workflow" / "report" / "targets.yaml"
 
 
 class Where(BaseModel):

@@ -140,7 +140,7 @@ def scheduler_info(device: str, environ: Mapping[str, str] = os.environ) -> dict
 
 
 # The keys of a model's config.json that its size depends on: the report's floor table computes bytes and FLOPs
-# from them (runs recorded before 2026-11-29 kept none; their shape comes from the study's config, if at all)
+# from them (older runs kept none; their shape comes from the study's config, if at all)
 SHAPE_KEYS = ("model_type", "torch_dtype", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "num_experts",
               "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",

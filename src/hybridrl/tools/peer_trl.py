@@ -11,7 +11,7 @@ whole batch however it is split), which is hybridrl's. On CUDA: bf16 autocast ov
 weights (PEFT's default upcast), as hybridrl's HF trainer; vLLM in colocate mode with sleep mode on.
 
 Settings that differ from hybridrl's runs, and why (each is also in the result's `differences`):
-- lr: the measurement's `lr` where given (issue 51 asks 1e-3), else the run's; a constant schedule, as hybridrl's
+- lr: the measurement's `lr` where given (the peer study asks 1e-3), else the run's; a constant schedule, as hybridrl's
   (TRL's default decays linearly to 0 over the steps).
 - gradient_checkpointing: TRL's default is on (hybridrl never checkpoints); a study declares both, the default and
   off, so that TRL's best configuration is measured too.

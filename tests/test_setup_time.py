@@ -47,3 +47,23 @@ def test_the_figure_writes_the_table_on_lines_of_its_own(monkeypatch: pytest.Mon
     assert text.startswith("\n") and text.endswith("\n")
     assert lines[1].startswith("| --- |") and len(lines) == 3
     assert lines[2].split(" | ")[1:] == ["10.00", "2.00", "1.00", "77% |"]
+
+
+def test_a_trl_peer_is_compared_on_its_steps_after_warmup(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """peer_median and peer_ratio: TRL's steps 1-2 are warm-up, as a run's; hybridrl's side is its compared step."""
+    import json
+
+    peer = tmp_path / "trl.json"
+    peer.write_text(json.dumps({"steps": [{"step": i, "step_s": s} for i, s in enumerate([60.0, 40.0, 8.0, 8.0,
+                                                                                        8.0, 8.0], 1)]}))
+    ours = pd.concat([_run(r, 10.0, [9.0, 9.0, 2.0, 2.0, 2.0, 2.0]) for r in ("a", "b")], ignore_index=True)
+    ours["timing_s/step_compared"] = ours["timing_s/step"]
+    monkeypatch.setattr(figures, "_table", lambda study: ours)
+    monkeypatch.setattr(figures, "REPO", tmp_path.parent)
+    figures._json.cache_clear()
+    assert figures.peer_median(f"{tmp_path.name}/trl.json") == "8.00 [8.00, 8.00]"  # warm-up's 60 and 40 left out
+    assert figures.peer_ratio("s", "c", f"{tmp_path.name}/trl.json") == "0.2500x [0.2500, 0.2500]"
+    peer.write_text(json.dumps({"steps": [{"step": 1, "step_s": 60.0}]}))
+    figures._json.cache_clear()
+    with pytest.raises(ValueError, match="no 'step_s' after step 2"):
+        figures.peer_median(f"{tmp_path.name}/trl.json")

@@ -29,6 +29,7 @@ from hybridrl.atomic import write_text
 from hybridrl.report import stats, trend, wording
 from hybridrl.report.aggregate import read_table
 from hybridrl.run import request_records
+from hybridrl.run.record import COMPARED_STEP
 
 REPO = Path(__file__).resolve().parents[3]
 MARK = re.compile(r"<!--fig (?P<expr>[^>]*?)-->(?P<text>.*?)<!--/fig-->", re.S)
@@ -522,6 +523,30 @@ def _text(path: str) -> str:
     return (REPO / path).read_text(errors="replace")
 
 
+def _peer_steps(path: str, field: str = "step_s") -> list[float]:
+    """A TRL peer's timed steps after warm-up (its steps 1-2, as a run's), one field of each (peer_trl's JSON)."""
+    steps = [s for s in _json(path).get("steps") or [] if s.get("step", 0) > stats.WARMUP_STEPS]
+    values = [float(s[field]) for s in steps if s.get(field) is not None]
+    if not values:
+        raise ValueError(f"{path} has no {field!r} after step {stats.WARMUP_STEPS}")
+    return values
+
+
+def peer_median(path: str, field: str = "step_s") -> str:
+    """A TRL peer's median step (or phase) after warm-up, with a bootstrap 95% interval over its steps (one
+    process: step-to-step noise only): '6.21 [6.02, 6.40]'."""
+    est = stats.hierarchical_median([_peer_steps(path, field)])
+    return f"{_fmt(est.value)} [{_fmt(est.lo)}, {_fmt(est.hi)}]"
+
+
+def peer_ratio(study: str, name: str, path: str, column: str = COMPARED_STEP) -> str:
+    """hybridrl's configuration against a TRL peer: its steady-state median of `column` (the compared step) over
+    the peer's median step, with the interval resampling hybridrl's runs and steps and the peer's steps (one
+    process, one level): '0.41x [0.38, 0.44]', below 1 where hybridrl's step is shorter."""
+    ours = stats.per_run(_steady(study, name, column), column)
+    return wording.ratio_text(stats.hierarchical_ratio(ours, [_peer_steps(path)]))
+
+
 def setup_table(study: str) -> str:
     """The report's set-up against measured time, run by run (report.setup_time), as a markdown table."""
     from hybridrl.report import setup_time
@@ -568,7 +593,8 @@ FIGURES: dict[str, Callable[..., str]] = {
     "profile_waits": profile_waits,
     "profile_range": profile_range,
     "series": series, "logged": logged, "paired": paired,
-    "at": at, "setup_table": setup_table, "run_medians": run_medians, "slope": slope, "share": share,
+    "at": at, "setup_table": setup_table, "peer_median": peer_median, "peer_ratio": peer_ratio,
+    "run_medians": run_medians, "slope": slope, "share": share,
     "unattributed": unattributed, "replayed": replayed, "alike": alike, "floors": floors,
 }
 

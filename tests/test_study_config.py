@@ -242,3 +242,17 @@ def test_a_study_run_one_job_at_a_time_keeps_its_order_on_slurm():
     # each job a rule of its own: no array gives one job's flags to another
     assert cluster.one_rule_a_job({"train_gpu1": ["a", "b"], "train_gpu2": ["c"]}) == {
         "train_gpu1_1": ["a"], "train_gpu1_2": ["b"], "train_gpu2_1": ["c"]}
+
+
+def test_a_start_bench_starts_its_runs_engine_both_ways_after_the_run(smoke):
+    smoke["measurements"] = [{"kind": "start_bench", "run": "vllm-split", "repeats": 3}]
+    study = resolve(smoke)
+    job = study.measurements["start-vllm-split"]
+    assert job.output == "results/bench/start-vllm-split.json" and job.device == "cpu"
+    assert job.run_id == next(r for r, run in study.runs.items() if run.placement == "split" and not run.overlap)
+    argv = measure_argv(job, Inputs(run_config="results/runs/R/config.json", model="m"))
+    assert argv[:3] == ["start-bench", "--run-config", "results/runs/R/config.json"]
+    assert argv[argv.index("--repeats") + 1] == "3" and argv[-2:] == ["--out", job.output]
+    smoke["measurements"] = [{"kind": "start_bench", "run": "vllm-split", "repeats": 1}]
+    with pytest.raises(ConfigError, match="repeats"):
+        resolve(smoke)

@@ -265,6 +265,19 @@ def _peer_trl(args: argparse.Namespace) -> None:
               Path(args.workdir) if args.workdir else out.parent / f"{out.stem}.trl")
 
 
+def _start_bench(args: argparse.Namespace) -> None:
+    from hybridrl.tools.start_bench import main as start_main
+
+    spec = read_run_spec(Path(args.run_config))
+    if not Path(args.model).exists():
+        raise FileNotFoundError(f"model directory {args.model} does not exist")
+    check_writable(Path(args.out))
+    out = Path(args.out)
+    start_main(spec.run_id, spec.run, Path(args.model), spec.engine_env, out,
+               Path(args.log_dir) if args.log_dir else out.parent / f"{out.stem}.logs", args.repeats,
+               spec.run.startup_timeout_s)
+
+
 def _bench_parse(args: argparse.Namespace) -> None:
     from hybridrl.task.answer import bench
 
@@ -601,6 +614,15 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="results/README.md")
     s.add_argument("--check", action="store_true", help="fail if OUT differs from what would be written, write nothing")
     s.set_defaults(fn=_results_index)
+
+    s = sub.add_parser("start-bench", help="a run's engine started through hybridrl against the same engine "
+                       "started bare by its own command line, alternated A B B A (tools/start_bench.py)")
+    s.add_argument("--run-config", required=True)
+    s.add_argument("--model", required=True)
+    s.add_argument("--repeats", type=int, default=2, help="starts of each path (the first of each is the cold one)")
+    s.add_argument("--log-dir", help="the engines' logs (default: OUT's stem + .logs beside it)")
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=_start_bench)
 
     s = sub.add_parser("targets", help="each committed study's configurations against the speed targets "
                        "(workflow/report/targets.yaml): met, missed or not settled, from their 95%% intervals")

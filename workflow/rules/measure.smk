@@ -1,7 +1,8 @@
 # The study's measurements that are not training runs (config: `measurements`), each a job of its own whose
-# inputs are what it really reads: an engine bench waits for its run's done.json, a fault run trains its run,
-# the trainer tools and the client's ceiling wait for nothing. One rule per kind and GPU count, as train rules
-# are, so that a SLURM array never mixes jobs that need different GPUs. Results: results/bench/<name>.json|txt.
+# inputs are what it really reads: an engine bench and a start bench wait for their run's done.json, a fault
+# run trains its run, the trainer tools and the client's ceiling wait for nothing. One rule per kind and GPU count,
+# as train rules are, so that a SLURM array never mixes jobs that need different GPUs. Results:
+# results/bench/<name>.json|txt.
 
 
 def measure_inputs(wildcards) -> dict[str, str]:
@@ -14,7 +15,7 @@ def measure_inputs(wildcards) -> dict[str, str]:
         "model": f"resources/models/{run.model}",
         "data": f"{DATA_DIR}/train.jsonl",
     }
-    if job.kind == "engine_bench":
+    if job.kind in ("engine_bench", "start_bench"):  # after the run: the machine's compile caches are filled
         inputs["done"] = f"results/runs/{job.run_id}/done.json"
     return inputs
 

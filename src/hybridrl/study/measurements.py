@@ -2,7 +2,8 @@
 
 The Snakefile turns each into a job (workflow/rules/measure.smk); its result lands in results/bench/<name>.<ext>,
 named as the committed studies name theirs: <run>.json (engine bench), client-ceiling.json, fault-<run>.json,
-trainer-<shape>-<trainer>-mb<N>[-flag...][-rK].json, profile-....txt and trl-<run>-<defaults|gc-on|gc-off>.json.
+trainer-<shape>-<trainer>-mb<N>[-flag...][-rK].json, profile-....txt, trl-<run>-<defaults|gc-on|gc-off>.json
+and start-<run>.json.
 """
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hybridrl.study.run_config import RunConfig
-from hybridrl.study.study_config import ClientCeiling, EngineBench, FaultRun, Measurement, PeerTrl, TrainerBench
+from hybridrl.study.study_config import (
+    ClientCeiling,
+    EngineBench,
+    FaultRun,
+    Measurement,
+    PeerTrl,
+    StartBench,
+    TrainerBench,
+)
 
 BENCH_DIR = "results/bench"
 
@@ -22,7 +31,7 @@ class MeasureJob:
     trainer tools and the client's ceiling); `gpus` what it needs on CUDA; `device` where it runs."""
 
     name: str
-    spec: EngineBench | ClientCeiling | TrainerBench | FaultRun | PeerTrl
+    spec: EngineBench | ClientCeiling | TrainerBench | FaultRun | PeerTrl | StartBench
     run_id: str | None
     gpus: int
     device: str
@@ -56,7 +65,7 @@ def trainer_tool_gpus(spec: TrainerBench, where: str = "measurement") -> int:
     return int(values[0])
 
 
-def _run_of(spec: EngineBench | FaultRun | PeerTrl, names: Mapping[str, str], where: str) -> str:
+def _run_of(spec: EngineBench | FaultRun | PeerTrl | StartBench, names: Mapping[str, str], where: str) -> str:
     if spec.run not in names:
         raise ValueError(f"{where}.run: {spec.run!r} is not a run of this study (runs: {', '.join(names)})")
     return names[spec.run]
@@ -82,6 +91,9 @@ def resolve_measurements(specs: Sequence[Measurement], runs: Mapping[str, RunCon
             if run.device == "cuda" and run.tp != 1:
                 raise ValueError(f"{at}.run: {spec.run} has tp {run.tp}; TRL's peer mirrors one-GPU runs")
             new = [MeasureJob(spec.result_name, spec, rid, 1, run.device)]
+        elif isinstance(spec, StartBench):
+            rid = _run_of(spec, names, at)
+            new = [MeasureJob(f"start-{spec.run}", spec, rid, runs[rid].tp, runs[rid].device)]
         elif isinstance(spec, ClientCeiling):
             new = [MeasureJob("client-ceiling", spec, None, 0, "cpu")]
         else:
@@ -129,6 +141,9 @@ def measure_argv(job: MeasureJob, at: Inputs) -> list[str]:
                 "--micro-batch", str(spec.micro_batch), "--gradient-checkpointing", gc,
                 *(["--steps", str(spec.steps)] if spec.steps else []), *(["--lr", repr(spec.lr)] if spec.lr else []),
                 "--workdir", f"resources/trl/{job.name}", "--out", job.output]
+    if isinstance(spec, StartBench):
+        return ["start-bench", "--run-config", at.run_config, "--model", at.model, "--repeats", str(spec.repeats),
+                "--log-dir", f"logs/start/{job.name}", "--out", job.output]
     if isinstance(spec, ClientCeiling):
         return ["client-ceiling", *spec.args, "--out", job.output]
     command = "trainer-bench" if spec.kind == "trainer_bench" else "trainer-profile"

@@ -205,7 +205,17 @@ class PeerTrl(_Measurement):
         return self.name or f"trl-{self.run}-{gc}"
 
 
-Measurement = Annotated[EngineBench | ClientCeiling | TrainerBench | FaultRun | PeerTrl, Field(discriminator="kind")]
+class StartBench(_Measurement):
+    """A run's engine started through hybridrl against the same engine started bare by its own command line
+    (`hybridrl start-bench`), alternated, after the run (so that both find the machine's compile caches filled)."""
+
+    kind: Literal["start_bench"] = Field(description="start_bench")
+    run: str = Field(description="the run whose engine, flags and environment are started, by name")
+    repeats: int = Field(2, ge=2, description="starts of each path; the first of each is reported apart")
+
+
+Measurement = Annotated[EngineBench | ClientCeiling | TrainerBench | FaultRun | PeerTrl | StartBench,
+                        Field(discriminator="kind")]
 
 
 class StudyConfig(_Strict):

@@ -1,0 +1,97 @@
+"""start-bench: a run's engine started through hybridrl against its own command line, alternated, the cold start of
+each path kept apart. The engines here are stand-ins (a tiny HTTP server for the command line); the orchestration,
+timing, process cleanup and result are what is tested."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridrl.study.run_config import RunConfig
+from hybridrl.tools import start_bench
+
+SERVER = textwrap.dedent("""
+    import http.server, sys, time
+    time.sleep(float(sys.argv[2]))
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+        def log_message(self, *a): pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+class FakeEngine:
+    """What start-bench calls of an engine class: start/stop for hybridrl's path, command/environment for the
+    command line's."""
+
+    def __init__(self, name: str, delay_s: float, log: list[str]) -> None:
+        self.name, self.delay_s, self.log = name, delay_s, log
+
+    def start(self) -> float:
+        self.log.append("start")
+        time.sleep(self.delay_s)
+        return self.delay_s
+
+    def stop(self) -> None:
+        self.log.append("stop")
+
+    def command(self, port: int, adapter: object) -> list[str]:
+        return [sys.executable, "-c", SERVER, str(port), "0.3"]
+
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ)
+
+
+def test_the_paths_alternate_a_b_b_a_and_each_cold_start_is_left_out_of_the_median(tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch):
+    calls: list[str] = []
+    made: list[str] = []
+
+    def make(run: RunConfig, model_dir: Path, env_spec: dict, log_dir: Path) -> FakeEngine:
+        made.append(run.engine)
+        return FakeEngine(run.engine, 0.05, calls)
+
+    monkeypatch.setattr(start_bench, "make_engine", make)
+    run = RunConfig(engine="vllm-inprocess", device="cpu", model="m", placement="colocate", trainer="hf")
+    out = tmp_path / "start.json"
+    report = start_bench.main("r", run, tmp_path / "model", {}, out, tmp_path / "logs", repeats=2, timeout_s=30)
+    assert made == ["vllm-inprocess", "vllm"]  # in-process vLLM is held against the vLLM server's command line
+    assert [s["path"] for s in report["starts"]] == ["hybridrl", "cli", "cli", "hybridrl"]
+    assert calls == ["start", "stop", "start", "stop"]  # hybridrl's engine is stopped after each start
+    cli = [s["start_s"] for s in report["starts"] if s["path"] == "cli"]
+    assert all(0.3 <= s < 10 for s in cli)  # the server answers after its 0.3 s
+    assert report["cli_s_median"] == cli[1] and report["over_cli"] == pytest.approx(
+        report["hybridrl_s_median"] / cli[1])
+    assert json.loads(out.read_text())["starts"][1]["command"][0] == sys.executable
+
+
+def test_a_command_line_that_dies_before_it_answers_is_named(tmp_path: Path):
+    with pytest.raises(RuntimeError, match="exited with code 3 before it answered"):
+        start_bench.start_cli([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), 1,
+                              tmp_path / "engine.log", timeout_s=30)
+
+
+def test_the_command_lines_whole_process_group_is_stopped(tmp_path: Path):
+    """A server that forks a worker: both are gone once the start is timed."""
+    pid_file = tmp_path / "child.pid"
+    script = SERVER.replace("time.sleep(float(sys.argv[2]))",
+                            "import subprocess; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+                            f"time.sleep(600)']); open({str(pid_file)!r}, 'w').write(str(p.pid))")
+    port = start_bench.free_port()
+    start_bench.start_cli([sys.executable, "-c", script, str(port), "0"], dict(os.environ), port,
+                          tmp_path / "engine.log", timeout_s=30)
+    child = int(pid_file.read_text())
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the command line's worker {child} outlived its start")

@@ -181,3 +181,19 @@ def test_bad_input_is_one_line_and_nothing_is_written(tmp_path: Path, case: str)
     assert done.returncode == 2 and want in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert case in ("exists", "run_twice") or not dest.exists()
     assert not dest.with_name("study.partial").exists()
+
+
+def test_the_engines_caches_a_poll_packed_travel_with_the_next_lease_where_they_fit(tmp_path: Path) -> None:
+    tarball = _pack(_machine(tmp_path / "a", ("sglang-verdict-795e3683",)), tmp_path / "a.tgz")
+    (tmp_path / "caches.tar.gz").write_bytes(b"caches")  # what the last poll packed beside the results
+    gpu = tmp_path / "gpu"
+    done = _lease("import", str(tarball), str(tmp_path / "study"), HYBRIDRL_GPU_DIR=str(gpu))
+    assert done.returncode == 0, done.stderr
+    assert (gpu / "caches.tar.gz").read_bytes() == b"caches"
+    repo = _repo(tmp_path)
+    env = _shared(tmp_path, gpu, os.urandom(2 * MiB))
+    assert _lease("prepare", "vllm", cwd=repo, **env).returncode == 0
+    assert (gpu / "start" / "caches.tar.gz").read_bytes() == b"caches"  # call 1 carries them
+    (gpu / "caches.tar.gz").write_bytes(b"x" * (25 * MiB))  # more than call 1 has room for beside the kit
+    assert _lease("prepare", "vllm", cwd=repo, **env).returncode == 0
+    assert not (gpu / "start" / "caches.tar.gz").exists()

@@ -6,7 +6,8 @@
 #
 # here:  lease.sh prepare [SET...]        overlays (default: sglang vllm), controller wheels, SLURM kit -> .gpu/
 #        lease.sh lean off|on             results/reference out of the carried tree for a lease, and back
-#        lease.sh import TARBALL NAME [LABEL]   a poll's tarball -> results/reference/NAME (LABEL: add to NAME)
+#        lease.sh import TARBALL NAME [LABEL]   a poll's tarball -> results/reference/NAME (LABEL: add to NAME);
+#                                         the engines' caches beside it are kept for the next lease's call 1
 # there: lease.sh start CONFIG [ARG...]   SLURM, Snakemake and the study (ARGs go to snakemake); carry .gpu/start
 #        lease.sh transfer DIR [install]  one overlay part; `install` on the last lets the jobs start
 #        lease.sh poll OUT [ROUNDS]       a minute apart: the results so far to OUT/latest.tar.gz; then a status
@@ -16,6 +17,7 @@ gpu=${HYBRIDRL_GPU_DIR:-$repo/.gpu}
 shared=${HYBRIDRL_SHARED_GPU:-$repo/../shared/gpu}
 work=${HYBRIDRL_LEASE_WORK:-/tmp/study}  # the study's working directory on the machine
 limit=${HYBRIDRL_CARRY_LIMIT:-$((64 * 1024 * 1024))}  # what one device call may carry, the tree included
+caches=(.triton/cache .cache/vllm .cache/flashinfer)  # the engines' JIT and compile caches, under $HOME
 die() { echo "lease: $*" >&2; exit 2; }
 size() { { xargs -0 -r stat -c %s -- 2>/dev/null || true; } | awk '{s += $1} END {print s + 0}'; }
 
@@ -41,6 +43,9 @@ prepare() {  # the carried folders: .gpu/start (call 1) and .gpu/x00.. (one tran
   [ -d "$gpu/start/slurm/debs" ] || bash "$shared/slurm/slurm-lease" download "$gpu/start/slurm/debs"
   [ -d "$gpu/start/slurm/whl" ] || bash "$shared/slurm/slurm-lease" wheels "$gpu/start/slurm/whl"
   rm -rf "$gpu/start/slurm/kit" && cp -r "$shared/slurm" "$gpu/start/slurm/kit" && cp "$shared/gpu-env" "$gpu/start/"
+  rm -f "$gpu/start/caches.tar.gz"  # a machine's first engine start compiles minutes of kernels these hold
+  [ ! -f "$gpu/caches.tar.gz" ] || [ "$(stat -c %s "$gpu/caches.tar.gz")" -gt $((24 * 1024 * 1024)) ] \
+    || cp "$gpu/caches.tar.gz" "$gpu/start/"
   cd "$repo"
   tree=$({ git ls-files -z; git ls-files -z --others --exclude-standard; } | size)
   files=$({ git ls-files; git ls-files --others --exclude-standard; } | wc -l)
@@ -81,6 +86,7 @@ start() {
     --no-compile --target /tmp/ctl "$kit"/ctl/*.whl
   eval "$(bash "$kit/slurm/kit/slurm-lease" env)"
   pgrep -x slurmctld > /dev/null || bash "$kit/slurm/kit/slurm-lease" start "$kit/slurm/debs"  # up already on a warm machine
+  [ ! -f "$kit/caches.tar.gz" ] || tar xzf "$kit/caches.tar.gz" -C "$HOME" || echo "lease: the caches did not unpack"
   # the rules call `python`: a wrapper, not a link, so that a virtual environment's python3 still finds its own
   mkdir -p /tmp/bin && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > /tmp/bin/python && chmod +x /tmp/bin/python
   rm -rf "$work" && mkdir -p "$work"
@@ -135,6 +141,7 @@ poll() {
     pack "$out/latest.tar.gz"
   done
   pack "$out/latest.tar.gz"
+  running || (cd "$HOME" && ls -d "${caches[@]}" 2> /dev/null | tar czf "$out/caches.tar.gz" -T -) || true
   running && echo "== snakemake running" || echo "== snakemake exited"
   tail -n 12 "$work/snakemake.log"
   squeue -o '%.10i %.24j %.9T %.10M %.8b %R' 2> /dev/null || true
@@ -146,11 +153,12 @@ poll() {
 
 import() {  # TARBALL NAME [LABEL]: runs, benches and logs into results/reference/NAME, then its table and report
   [ $# -ge 2 ] && [ $# -le 3 ] || die "usage: lease.sh import TARBALL NAME [LABEL]"
-  local tarball=$1 name=$2 label=${3:-} dest tmp py=${HYBRIDRL_PYTHON:-$repo/.venv/bin/python} r m
+  local tarball=$1 name=$2 label=${3:-} dest tmp py=${HYBRIDRL_PYTHON:-$repo/.venv/bin/python} r m kept
   case $name in */*) dest=$(realpath -m "$name") ;; *) dest=$repo/results/reference/$name ;; esac
   [ -x "$py" ] || py=python3
   [[ -z $label || $label =~ ^[A-Za-z0-9][A-Za-z0-9._]*$ ]] || die "LABEL '$label' is not a plain word"
   [ -f "$tarball" ] || die "no file $tarball"
+  kept=$(cd "$(dirname "$tarball")" && pwd)/caches.tar.gz  # the engines' caches its poll packed, if any
   [ -n "$label" ] || [ ! -e "$dest" ] || die "$dest exists: nothing written (another NAME, or a LABEL to add to it)"
   [ -z "$label" ] || [ -d "$dest/runs" ] || die "$dest holds no runs to add to: nothing written"
   [ -z "$label" ] || [ ! -e "$dest/logs/$label" ] || die "$dest holds logs/$label already: another LABEL"
@@ -175,6 +183,8 @@ import() {  # TARBALL NAME [LABEL]: runs, benches and logs into results/referenc
     "$py" -m hybridrl report --table steps.csv --md report.md --html "$tmp/report.html" --plots plots
   fi
   cd "$repo" && mkdir -p "$(dirname "$dest")" && mv "$tmp/new" "$dest.partial" && rm -rf "$dest" && mv "$dest.partial" "$dest"
+  # the next lease's call 1 takes them (prepare), so that its engines' first starts find their kernels compiled
+  [ ! -f "$kept" ] || { mkdir -p "$gpu" && cp "$kept" "$gpu/" && echo "lease: the engines' caches kept in $gpu"; }
   echo "lease: $dest ($# runs with steps); commit it now: git add -f $dest"
 }
 

@@ -15,7 +15,8 @@ def measure_inputs(wildcards) -> dict[str, str]:
         "model": f"resources/models/{run.model}",
         "data": f"{DATA_DIR}/train.jsonl",
     }
-    if job.kind in ("engine_bench", "start_bench"):  # after the run: the machine's compile caches are filled
+    # after the run: it replays a step of it, or finds the machine's compile caches filled
+    if job.kind in ("engine_bench", "start_bench"):
         inputs["done"] = f"results/runs/{job.run_id}/done.json"
     return inputs
 

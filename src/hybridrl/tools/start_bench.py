@@ -9,8 +9,9 @@ The two paths, alternated A B B A over the repeats so that neither always runs o
   spawn to the first answer. In-process vLLM has no command of its own: its command line is the vLLM server's
   with the same engine flags (engines/vllm.py engine_flags), which is what `vllm serve` would be given.
 
-A machine's first start of an engine fills the compile caches every later start reuses (results/reference/
-2026-11-28-h100-verdict), so the job runs after its run, and each path's first start is kept apart from the median.
+A machine's first start of an engine fills the compile caches every later start reuses (the engine-start split
+of the committed studies shows it), so the job runs after its run, and each path's first start is kept apart from
+the median.
 """
 
 from __future__ import annotations

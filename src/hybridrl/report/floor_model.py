@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-from hybridrl.trainers.flops import flop_shape, moe_layers
+from hybridrl.trainers.flops import FlopShape, flop_shape, forward_flops, moe_layers
 
 BF16, FP32 = 2, 4
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -31,15 +31,10 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
-class Shape:
-    """What the floors need from a causal LM's config.json (llama, qwen2, qwen3, qwen3_moe)."""
+class Shape(FlopShape):
+    """What the floors need from a causal LM's config.json (llama, qwen2, qwen3, qwen3_moe): the FLOP count's
+    shape (its active_params per token among it) and what the weights' and KV cache's bytes need besides."""
 
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
     tied: bool
     intermediate: int  # dense MLP width
     moe: tuple[bool, ...]  # per layer: sparse (experts) or dense
@@ -47,8 +42,6 @@ class Shape:
     top_k: int
     expert_intermediate: int
     shared_intermediate: int
-    active_params: int  # per token, as the FLOP count takes it (trainers/flops.py)
-    config: Mapping[str, Any]
 
     @property
     def attention_params(self) -> int:
@@ -115,13 +108,12 @@ def shape_of(cfg: Mapping[str, Any]) -> Shape:
     fs = flop_shape(dict(cfg))
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     sparse = moe_layers(dict(cfg), fs.layers)
-    return Shape(layers=fs.layers, hidden=fs.hidden, heads=fs.heads, kv_heads=fs.kv_heads, head_dim=fs.head_dim,
-                 vocab=fs.vocab, tied=bool(cfg.get("tie_word_embeddings", False)),
+    return Shape(**{f.name: getattr(fs, f.name) for f in fields(FlopShape)},
+                 tied=bool(cfg.get("tie_word_embeddings", False)),
                  intermediate=int(cfg.get("intermediate_size") or 0), moe=tuple(sparse), experts=experts,
                  top_k=int(cfg.get("num_experts_per_tok") or 0),
                  expert_intermediate=int(cfg.get("moe_intermediate_size") or 0),
-                 shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0),
-                 active_params=fs.active_params, config=dict(cfg))
+                 shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0))
 
 
 @dataclass(frozen=True)
@@ -141,10 +133,8 @@ class Gen:
 def gen_floor(shape: Shape, prompts: Sequence[int], completions: Sequence[int], group_size: int, tp: int,
               hbm: float, peak: float) -> Gen:
     """The floor of one rollout of these requests (prompt and completion tokens each) on one GPU of TP."""
-    fs = flop_shape(dict(shape.config))
     groups = max(group_size, 1)
-    prefill_flops = (2.0 * shape.active_params * sum(prompts)
-                     + 2.0 * fs.layers * fs.heads * fs.head_dim * sum(float(p) ** 2 for p in prompts)) / groups
+    prefill_flops = forward_flops(shape, prompts) / groups
     prefill = max(prefill_flops / tp / peak, shape.decode_params(len(prompts)) * BF16 / tp / hbm)
     kv_token = shape.kv_bytes_per_token(tp)
     attention = 4.0 * shape.layers * shape.heads * shape.head_dim / tp  # QK^T and AV per context token

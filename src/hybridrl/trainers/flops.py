@@ -85,12 +85,15 @@ def read_flop_shape(model_dir: str | Path) -> FlopShape:
     return flop_shape(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
+def forward_flops(shape: FlopShape, seq_lens: Sequence[int]) -> float:
+    """Model FLOPs of one forward over sequences of these lengths: the weights' matmuls and attention's."""
+    forward = 2.0 * shape.active_params * sum(seq_lens)
+    return forward + 2.0 * shape.layers * shape.heads * shape.head_dim * sum(float(s) ** 2 for s in seq_lens)
+
+
 def update_flops(shape: FlopShape, seq_lens: Sequence[int], kl: bool = False) -> float:
     """Model FLOPs of one update over sequences of these lengths (prompt + completion each)."""
-    tokens = sum(seq_lens)
-    forward = 2.0 * shape.active_params * tokens
-    forward += 2.0 * shape.layers * shape.heads * shape.head_dim * sum(float(s) ** 2 for s in seq_lens)
-    return forward * (3 + (1 if kl else 0))
+    return forward_flops(shape, seq_lens) * (3 + (1 if kl else 0))
 
 
 def peak_flops(device_name: str | None) -> float | None:

@@ -9,9 +9,9 @@ import pandas as pd
 from hybridrl.report import stats
 from hybridrl.report.cells import Cell, Table, fmt
 from hybridrl.report.comparisons import START_PART_NAMES
+from hybridrl.run.record import START_PARTS
 
 START = "timing_s/engine_start"
-PARTS = ("import", "weights", "kv", "graphs", "warmup", "ready", "first_request", "unexplained")
 
 
 def _seconds(run: pd.DataFrame, column: str) -> float:
@@ -32,7 +32,7 @@ def setup_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
     recorded its engine's start. Measured steps are those the comparisons use (stats.steady_state)."""
     if START not in df.columns or pd.to_numeric(df[START], errors="coerce").isna().all():
         return None
-    parts = [p for p in PARTS if f"{START}_{p}" in df.columns
+    parts = [p for p in START_PARTS if f"{START}_{p}" in df.columns
              and pd.to_numeric(df[f"{START}_{p}"], errors="coerce").notna().any()]
     table = Table(["run", "engine start (s)", *(f"… {START_PART_NAMES[p]}" for p in parts),
                    "warm-up steps (s)", "measured steps (s)", "start's share"])

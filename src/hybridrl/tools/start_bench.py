@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +27,7 @@ import httpx
 
 from hybridrl.atomic import write_text
 from hybridrl.engines import make_engine
-from hybridrl.engines.server import free_port
+from hybridrl.engines.server import ServerProcess, free_port
 from hybridrl.study.run_config import RunConfig
 
 POLL_S = 0.1
@@ -50,38 +47,26 @@ def cli_engine(run: RunConfig, model_dir: Path, env_spec: dict[str, Any], log_di
 
 
 def start_cli(cmd: list[str], env: dict[str, str], port: int, log_path: Path, timeout_s: float) -> float:
-    """Spawn the command bare, wait for its /health, stop its whole process group; the seconds to the answer."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log, httpx.Client(timeout=5.0) as client:
+    """Spawn the command (as ServerProcess spawns an engine, no more), wait for its /health, stop its whole process
+    group; the seconds from the spawn to the answer."""
+    server = ServerProcess("the command line's engine", cmd, env, log_path, port)
+    with httpx.Client(timeout=5.0) as client:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        server.start()
         try:
             while True:
                 with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    if client.get(f"{server.base_url}/health").status_code == 200:
                         return time.perf_counter() - t0
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{cmd[0]} ... exited with code {proc.returncode} before it answered; see "
-                                       f"{log_path}")
+                if not server.alive():
+                    raise RuntimeError(f"{cmd[0]} ... exited with code {server.proc.returncode} before it answered; "
+                                       f"see {log_path}")
                 if time.perf_counter() - t0 > timeout_s:
                     raise RuntimeError(f"the command line's engine did not answer within {timeout_s:.0f} s; see "
                                        f"{log_path}")
                 time.sleep(POLL_S)
         finally:
-            _stop_group(proc)
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the process group, SIGKILL after the grace: no engine worker outlives its start."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+            server.stop(STOP_GRACE_S)
 
 
 def start_hybridrl(engine: Any) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.3g} GB"
 
 
+@cache  # once a study and model, not once a run: a report reads every run of a study, `reports` every study
 def _study_shape(study: str | None, model: str | None) -> dict[str, Any] | None:
     """A run's model shape from the study's config (runs that recorded none): the model spec's shape keys and
     Qwen's vocabulary where it names Qwen's tokenizer; None where no config declares that model with a shape."""
@@ -73,8 +75,6 @@ def _study_shape(study: str | None, model: str | None) -> dict[str, Any] | None:
 
     for path in sorted(CONFIGS.glob("*.yaml")):
         data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):  # not a study
-            continue
         spec = (data.get("models") or {}).get(model) if data.get("study") == study else None
         if not isinstance(spec, dict) or "arch" not in spec:
             continue

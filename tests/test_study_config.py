@@ -192,6 +192,8 @@ def test_measurement_rules_split_by_kind_and_gpus(smoke):
 def test_the_controller_takes_the_overlays_it_runs_in_its_own_process():
     assert cluster.controller_overlays("vllm-inprocess", "megatron", "/o") == ["/o/vllm", "/o/trainer"]
     assert cluster.controller_overlays("sglang", "hf", "/o") == []  # an HTTP engine gets its own from engine_envs
+    # TRL's peer: vLLM in its process, then TRL's own set
+    assert cluster.controller_overlays("vllm-inprocess", "hf", "/o", peer=True) == ["/o/vllm", "/o/peer"]
 
 
 def test_jobs_wait_for_the_overlays_and_give_up_in_one_line(tmp_path):
@@ -242,6 +244,25 @@ def test_a_study_run_one_job_at_a_time_keeps_its_order_on_slurm():
     # each job a rule of its own: no array gives one job's flags to another
     assert cluster.one_rule_a_job({"train_gpu1": ["a", "b"], "train_gpu2": ["c"]}) == {
         "train_gpu1_1": ["a"], "train_gpu1_2": ["b"], "train_gpu2_1": ["c"]}
+
+
+def test_a_measurement_takes_its_place_after_the_round_it_names(smoke):
+    smoke["defaults"]["replicates"] = 2
+    smoke["order"] = "balanced"
+    ceiling = next(m for m in smoke["measurements"] if m["kind"] == "client_ceiling")
+    ceiling["after_round"] = 1
+    study = resolve(smoke)
+    runs, ranks = list(study.runs), study.ranks
+    assert sorted(ranks.values()) == list(range(1, len(runs) + len(study.measurements) + 1))
+    assert runs == sorted(runs, key=ranks.get)  # the runs keep the study's order
+    second = [rid for rid in runs if rid.endswith("-r2")]
+    assert second and max(ranks[r] for r in runs if r not in second) < ranks["client-ceiling"] < min(
+        ranks[r] for r in second)
+    others = [name for name in study.measurements if name != "client-ceiling"]
+    assert [ranks[name] for name in others] == list(range(len(runs) + 2, len(runs) + len(others) + 2))
+    ceiling["after_round"] = 9  # past the last round: after every run, in the file's order
+    ranks = resolve(smoke).ranks
+    assert min(ranks[name] for name in study.measurements) == len(runs) + 1
 
 
 def test_a_start_bench_starts_its_runs_engine_both_ways_after_the_run(smoke):

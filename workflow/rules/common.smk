@@ -74,21 +74,19 @@ def run_done(rid: str) -> str:
     return f"results/runs/{rid}/done.json"
 
 
-# The study's order on SLURM: every job's --nice is its rank (the model builds first, then the runs in the study's
-# order, then the measurements); with node.sharing one_at_a_time each job has the node alone (--exclusive) and is a
+# The study's order on SLURM: every job's --nice is its rank (the model builds first, then the runs and
+# measurements in the study's order: config.job_ranks); with node.sharing one_at_a_time each job has the node alone (--exclusive) and is a
 # rule of its own (an array would give every task the first task's flags).
 SHARING = STUDY.node.sharing
 ONE_AT_A_TIME = SHARING == "one_at_a_time"
-RUN_RANK = {rid: i for i, rid in enumerate(RUNS, 1)}
-MEASURE_RANK = {name: len(RUNS) + i for i, name in enumerate(MEASUREMENTS, 1)}
 
 
 def run_sbatch(wildcards) -> str:
-    return cluster.sbatch_order(RUN_RANK[wildcards.run_id], ONE_AT_A_TIME)
+    return cluster.sbatch_order(STUDY.ranks[wildcards.run_id], ONE_AT_A_TIME)
 
 
 def measure_sbatch(wildcards) -> str:
-    return cluster.sbatch_order(MEASURE_RANK[wildcards.name], ONE_AT_A_TIME)
+    return cluster.sbatch_order(STUDY.ranks[wildcards.name], ONE_AT_A_TIME)
 
 
 MODEL_SBATCH = cluster.sbatch_order(0, ONE_AT_A_TIME)
@@ -173,13 +171,16 @@ def run_prelude(wildcards) -> str:
 
 
 def prelude(
-    rid: str | None, trainer: str | None = None, engine: str | None = None
+    rid: str | None,
+    trainer: str | None = None,
+    engine: str | None = None,
+    peer: bool = False,
 ) -> str:
     """Shell before a job: inside an image, the checkout's code first on PYTHONPATH and the image's digest for
     provenance; with the wheelhouse deployment, the backend's environment first on PATH; with the overlay
     deployment, the controller's overlays first on PYTHONPATH, after a wait for them where the job runs an engine
     or Megatron (a model build or an HF trainer benchmark needs only the base image). `engine` replaces the run's
-    (TRL's peer runs vLLM in its own process whatever engine the run it mirrors uses).
+    (TRL's peer runs vLLM in its own process whatever engine the run it mirrors uses); `peer` adds TRL's overlay.
     """
     run = RUNS[rid] if rid else None
     image = image_of(rid) if rid else None
@@ -199,7 +200,7 @@ def prelude(
         root = os.environ.get(cluster.ENV_OVERLAYS, cluster.DEFAULT_OVERLAYS)
         trainer = trainer or (run.trainer if run else "")
         engine = engine or (run.engine if run else "")
-        paths = cluster.controller_overlays(engine, trainer, root)
+        paths = cluster.controller_overlays(engine, trainer, root, peer)
         wait = (
             f"python -m hybridrl.study.cluster await-overlays {root} && "
             if run or trainer == "megatron"

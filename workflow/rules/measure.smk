@@ -37,10 +37,11 @@ def measure_command(wildcards) -> str:
     )
     trainer = getattr(job.spec, "trainer", None)
     # TRL's peer colocates vLLM in its own process, whatever engine the run it mirrors uses
-    engine = cluster.PEER_ENGINE if job.kind == "peer_trl" else None
+    peer = job.kind == "peer_trl"
+    engine = cluster.PEER_ENGINE if peer else None
     record = f"python -m hybridrl.study.cluster record-job results/bench/{job.name}.slurm.json --sharing {SHARING}"
     command = shlex.join(["python", "-m", "hybridrl", *measure_argv(job, at)])
-    return f"{prelude(rid, trainer, engine)}{record} && {command}"
+    return f"{prelude(rid, trainer, engine, peer)}{record} && {command}"
 
 
 def measure_container(wildcards) -> str | None:

@@ -184,11 +184,13 @@ def deployment(sdm_apptainer: bool, environ: Mapping[str, str]) -> str:
 DEPLOYMENTS = ("apptainer", "venv", "overlay", "host")
 
 
-def controller_overlays(engine: str, trainer: str, root: str) -> list[str]:
+def controller_overlays(engine: str, trainer: str, root: str, peer: bool = False) -> list[str]:
     """The overlays a job's controller needs before its own code: in-process vLLM lives in the controller, and
-    Megatron's torchrun workers inherit the controller's path. HTTP engines get theirs from the study's
-    engine_envs, so the controller's own stack (transformers, the HF trainer) stays the base image's."""
+    Megatron's torchrun workers inherit the controller's path; TRL's peer adds its own set (TRL, datasets and what
+    they need beyond the image). HTTP engines get theirs from the study's engine_envs, so the controller's own
+    stack (transformers, the HF trainer) stays the base image's."""
     sets = (["vllm"] if engine == "vllm-inprocess" else []) + (["trainer"] if trainer == "megatron" else [])
+    sets += ["peer"] if peer else []
     return [f"{root}/{name}" for name in sets]
 
 

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import difflib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,8 @@ class Study:
     measurements: dict[str, MeasureJob] = field(default_factory=dict)
     node: Node = field(default_factory=Node)
     run_minutes: int | None = None
+    # run id or measurement name -> its place in the study's order (1 first): SLURM's --nice on one node
+    ranks: dict[str, int] = field(default_factory=dict)
 
 
 def _key_path(error: jsonschema.ValidationError) -> str:
@@ -322,13 +325,15 @@ def resolve(raw: dict[str, Any], source: str = "config") -> Study:
             raise ConfigError(f"{source}: runs[{i}] resolves to the same run as an earlier entry ({rid})")
         seen.add(rid)
         configs.append((rid, run))
-    runs = {rid: run for rid, run in interleaved(configs, balanced=typed.order == "balanced")}
+    order = interleaved(configs, balanced=typed.order == "balanced")
+    runs = {rid: run for rid, run, _ in order}
     try:
         measurements = resolve_measurements(typed.measurements, runs, short_names(runs))
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     study = Study(name=raw["study"], data=raw["data"], models=raw["models"], engine_envs=raw.get("engine_envs", {}),
-                  runs=runs, measurements=measurements, node=typed.node, run_minutes=typed.run_minutes)
+                  runs=runs, measurements=measurements, node=typed.node, run_minutes=typed.run_minutes,
+                  ranks=job_ranks(order, measurements))
     check_node(study, source)
     return study
 
@@ -347,16 +352,27 @@ def check_node(study: Study, source: str) -> None:
                               "or run the study on a larger node")
 
 
-def interleaved(configs: list[tuple[str, RunConfig]], balanced: bool = False) -> list[tuple[str, RunConfig]]:
-    """Every replicate of every configuration, round by round (A1 B1 C1 A2 B2 C2 ...): the order in which the
-    study runs them, so that a slow drift of the host (thermals, caches, neighbours) falls on every arm alike.
-    balanced reverses every second round (A1 B1 B2 A2 ...), so that no configuration always runs first."""
+def interleaved(configs: list[tuple[str, RunConfig]], balanced: bool = False) -> list[tuple[str, RunConfig, int]]:
+    """Every replicate of every configuration, round by round (A1 B1 C1 A2 B2 C2 ...), each with its round: the
+    order in which the study runs them, so that a slow drift of the host (thermals, caches, neighbours) falls on
+    every arm alike. balanced reverses every second round (A1 B1 B2 A2 ...), so that no configuration always runs
+    first."""
     rounds = max((run.replicates for _, run in configs), default=0)
     out = []
     for k in range(1, rounds + 1):
-        this = [(run_id(run, k), run) for _, run in configs if k <= run.replicates]
+        this = [(run_id(run, k), run, k) for _, run in configs if k <= run.replicates]
         out += this[::-1] if balanced and k % 2 == 0 else this
     return out
+
+
+def job_ranks(order: list[tuple[str, RunConfig, int]], measurements: Mapping[str, MeasureJob]) -> dict[str, int]:
+    """Each run's and measurement's place in the study's order (1 first): the runs as `interleaved` orders them,
+    each measurement after the round its `after_round` names (else after every run), in the file's order."""
+    last = max((k for *_, k in order), default=0)
+    keyed = [((k, 0, i), rid) for i, (rid, _, k) in enumerate(order)]
+    keyed += [((min(job.spec.after_round or last, last), 1, i), name)
+              for i, (name, job) in enumerate(measurements.items())]
+    return {name: rank for rank, (_, name) in enumerate(sorted(keyed), 1)}
 
 
 def short_name(rid: str, run: RunConfig) -> str:

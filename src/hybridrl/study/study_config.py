@@ -133,6 +133,8 @@ class Node(_Strict):
 
 class _Measurement(_Strict):
     minutes: int = Field(30, ge=1, description="the job's time limit in minutes")
+    after_round: int | None = Field(None, ge=1, description="its place in the study's order: after round K of the "
+                                                            "runs, before round K + 1 (default: after every run)")
 
 
 class EngineBench(_Measurement):

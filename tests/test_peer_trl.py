@@ -15,7 +15,7 @@ from hybridrl.study import models
 from hybridrl.study.config import resolve
 from hybridrl.study.run_config import RunSpec
 from hybridrl.task import data
-from hybridrl.tools.peer_trl import PeerOptions, check_options, grpo_settings, step_dataset
+from hybridrl.tools.peer_trl import PeerOptions, check_options, grpo_settings, prompt_dataset, step_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,6 +85,10 @@ def test_peer_trl_takes_the_runs_prompts_in_step_order() -> None:
     want = [i for step in (1, 2) for i in data.step_problems(50, run.seed, step, 3)]
     assert [r["answer"] for r in rows] == [str(i) for i in want]
     assert rows[0]["prompt"] == data.prompt_text(f"q{want[0]}")
+    # TRL's dataset holds the rows in order, fingerprinted from them without dill's hash of the Arrow table
+    ds = prompt_dataset(rows)
+    assert ds.to_list() == rows and ds._fingerprint == prompt_dataset(list(rows))._fingerprint
+    assert ds._fingerprint != prompt_dataset(rows[::-1])._fingerprint
 
 
 def test_peer_trl_settings_and_refusals(tmp_path: Path) -> None:

@@ -95,3 +95,34 @@ def test_the_command_lines_whole_process_group_is_stopped(tmp_path: Path):
             return
         time.sleep(0.1)
     pytest.fail(f"the command line's worker {child} outlived its start")
+
+
+def test_in_process_vllm_s_command_line_runs_on_the_path_it_was_imported_from(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch):
+    """A server's environment drops the controller's PYTHONPATH for its own overlay; in-process vLLM has none but
+    the controller's, so its command line keeps it (on the lease, vLLM was found only there)."""
+    specs: list[dict] = []
+    monkeypatch.setattr(start_bench, "make_engine", lambda run, m, spec, d: specs.append(spec) or run.engine)
+    monkeypatch.setenv("PYTHONPATH", "/tmp/envs/vllm:src")
+    inprocess = RunConfig(engine="vllm-inprocess", device="cpu", model="m", placement="colocate", trainer="hf")
+    assert start_bench.cli_engine(inprocess, tmp_path, {"python": "python3"}, tmp_path) == "vllm"
+    assert specs[-1] == {"python": "python3", "env": {"PYTHONPATH": "/tmp/envs/vllm:src"}}
+    server = inprocess.model_copy(update={"engine": "vllm"})
+    start_bench.cli_engine(server, tmp_path, {"python": "p", "env": {"PYTHONPATH": "/o"}}, tmp_path)
+    assert specs[-1] == {"python": "p", "env": {"PYTHONPATH": "/o"}}  # a server keeps its own
+
+
+def test_a_failed_start_keeps_the_starts_before_it_beside_the_output(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    class Dying(FakeEngine):
+        def command(self, port: int, adapter: object) -> list[str]:
+            return [sys.executable, "-c", "raise SystemExit(1)"]
+
+    monkeypatch.setattr(start_bench, "make_engine", lambda run, m, spec, d: Dying(run.engine, 0.01, []))
+    run = RunConfig(engine="vllm", device="cpu", model="m", placement="colocate", trainer="hf")
+    out = tmp_path / "start.json"
+    with pytest.raises(RuntimeError, match="exited with code 1"):
+        start_bench.main("r", run, tmp_path / "model", {}, out, tmp_path / "logs", repeats=2, timeout_s=30)
+    assert not out.exists()
+    kept = json.loads((tmp_path / "start.partial.json").read_text())
+    assert [s["path"] for s in kept["starts"]] == ["hybridrl"] and "exited with code 1" in kept["error"]

@@ -35,6 +35,7 @@ On the CPU (the tests) TRL generates with transformers, fp32, no vLLM.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -149,6 +150,16 @@ def step_dataset(problems: list[dict[str, Any]], run: RunConfig, steps: int) -> 
         for i in gsm8k.step_problems(len(problems), run.seed, step, run.prompts_per_step):
             rows.append({"prompt": gsm8k.prompt_text(problems[i]["question"]), "answer": problems[i]["answer"]})
     return rows
+
+
+def prompt_dataset(rows: list[dict[str, str]]) -> Any:
+    """TRL's train dataset of the rows, fingerprinted from their JSON. Left to itself, `datasets` hashes the Arrow
+    table with dill, and on the GPU machine's stack that failed (dill could not pickle pyarrow's MonthDayNano)."""
+    from datasets import Dataset
+    from datasets.table import InMemoryTable
+
+    digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
+    return Dataset(InMemoryTable.from_pylist(rows), fingerprint=digest)
 
 
 def project_reward(format_reward: float, sink: list[float]) -> Callable[..., list[float]]:
@@ -274,7 +285,7 @@ def _versions() -> dict[str, str | None]:
     from importlib import metadata
 
     out: dict[str, str | None] = {}
-    for name in ("trl", "transformers", "peft", "accelerate", "datasets", "torch", "vllm"):
+    for name in ("trl", "transformers", "peft", "accelerate", "datasets", "pyarrow", "dill", "torch", "vllm"):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -290,7 +301,6 @@ def main(run_id: str, run: RunConfig, model_dir: Path, data_dir: Path, out: Path
         raise FileNotFoundError(f"model directory {model_dir} holds no config.json (build it: python -m hybridrl "
                                 "model)")
     problems = gsm8k.read_jsonl(data_dir / "train.jsonl")
-    from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
@@ -303,7 +313,7 @@ def main(run_id: str, run: RunConfig, model_dir: Path, data_dir: Path, out: Path
     t0 = time.perf_counter()
     with trl_timers(recorder.timer):
         trainer = GRPOTrainer(model=str(model_dir), reward_funcs=project_reward(run.format_reward, rewards),
-                              args=GRPOConfig(**settings), train_dataset=Dataset.from_list(step_dataset(
+                              args=GRPOConfig(**settings), train_dataset=prompt_dataset(step_dataset(
                                   problems, run, opts.steps)), peft_config=peft_config, callbacks=[recorder])
         build_s = time.perf_counter() - t0
         t1 = time.perf_counter()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -41,9 +42,14 @@ def order(repeats: int) -> list[str]:
 
 def cli_engine(run: RunConfig, model_dir: Path, env_spec: dict[str, Any], log_dir: Path) -> Any:
     """The engine class whose command line the run's engine is held against: its own, or the vLLM server's for
-    in-process vLLM (the same engine flags)."""
-    server_run = run.model_copy(update={"engine": "vllm"}) if run.engine == "vllm-inprocess" else run
-    return make_engine(server_run, model_dir, env_spec, log_dir)
+    in-process vLLM (the same engine flags), in the Python path in-process vLLM was imported from (a server's
+    environment otherwise drops the controller's PYTHONPATH for its own overlay)."""
+    if run.engine != "vllm-inprocess":
+        return make_engine(run, model_dir, env_spec, log_dir)
+    env = dict(env_spec.get("env") or {})
+    if os.environ.get("PYTHONPATH") and "PYTHONPATH" not in env:
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return make_engine(run.model_copy(update={"engine": "vllm"}), model_dir, {**env_spec, "env": env}, log_dir)
 
 
 def start_cli(cmd: list[str], env: dict[str, str], port: int, log_path: Path, timeout_s: float) -> float:
@@ -92,21 +98,30 @@ def summary(starts: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(run_id: str, run: RunConfig, model_dir: Path, env_spec: dict[str, Any], out: Path, log_dir: Path,
          repeats: int, timeout_s: float) -> dict[str, Any]:
-    """Both paths `repeats` times each, alternated; the result to `out` (JSON), written whatever happened last."""
+    """Both paths `repeats` times each, alternated; the result to `out` (JSON). A start that fails stops the
+    rest: what was measured before it is kept in `<out stem>.partial.json`, with the error (the job's output would
+    be removed as a failed job's)."""
     ours = make_engine(run, model_dir, env_spec, log_dir / "hybridrl")
     theirs = cli_engine(run, model_dir, env_spec, log_dir / "cli")
     starts: list[dict[str, Any]] = []
-    for i, path in enumerate(order(repeats), 1):
-        if path == "hybridrl":
-            seconds = start_hybridrl(ours)
-            cmd = None
-        else:
-            port = free_port()
-            cmd = theirs.command(port, None)
-            seconds = start_cli(cmd, theirs.environment(), port, log_dir / "cli" / "engine.log", timeout_s)
-        starts.append({"i": i, "path": path, "start_s": seconds, **({"command": cmd} if cmd else {})})
-        print(f"start-bench {run_id}: {path} start {i} of {2 * repeats}: {seconds:.1f} s", flush=True)
     report = {"run_id": run_id, "engine": run.engine, "cli_engine": theirs.name, "repeats": repeats,
-              "starts": starts, **summary(starts)}
-    write_text(out, json.dumps(report, indent=1) + "\n")
+              "starts": starts}
+    try:
+        for i, path in enumerate(order(repeats), 1):
+            if path == "hybridrl":
+                seconds = start_hybridrl(ours)
+                cmd = None
+            else:
+                port = free_port()
+                cmd = theirs.command(port, None)
+                seconds = start_cli(cmd, theirs.environment(), port, log_dir / "cli" / "engine.log", timeout_s)
+            starts.append({"i": i, "path": path, "start_s": seconds, **({"command": cmd} if cmd else {})})
+            print(f"start-bench {run_id}: {path} start {i} of {2 * repeats}: {seconds:.1f} s", flush=True)
+    except Exception as exc:  # the starts so far are kept, with what stopped the rest
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        report.update(summary(starts))
+        write_text(out.with_suffix(".partial.json") if "error" in report else out,
+                   json.dumps(report, indent=1) + "\n")
     return report

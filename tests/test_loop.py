@@ -517,26 +517,6 @@ def test_a_failed_request_is_counted_logged_and_kept_with_its_cause(assets, tmp_
     assert rows[1]["error"] == "HTTP 400: bad token" and rows[1]["reward"] == 0.0
 
 
-def test_side_by_side_runs_meet_at_the_start_barrier_and_record_the_wait(assets, tmp_path, monkeypatch):
-    monkeypatch.setenv("HYBRIDRL_START_BARRIER", f"{tmp_path / 'barrier'}:1")
-    records = run_loop(_run(), "r9", assets / "model", assets / "data", tmp_path / "run", {}, progress=False,
-                       engine=ScriptedEngine())
-    assert (tmp_path / "barrier" / "r9.ready").exists()
-    assert records[0]["timing_s/start_barrier"] >= 0 and records[1]["timing_s/start_barrier"] is None
-
-
-def test_a_run_that_fails_to_start_releases_the_start_barrier(assets, tmp_path, monkeypatch):
-    class WontStart(ScriptedEngine):
-        def start(self, adapter=None):
-            raise EngineError("no GPU left")
-
-    monkeypatch.setenv("HYBRIDRL_START_BARRIER", f"{tmp_path / 'barrier'}:2")
-    with pytest.raises(EngineError, match="no GPU left"):
-        run_loop(_run(), "r10", assets / "model", assets / "data", tmp_path / "run", {}, progress=False,
-                 engine=WontStart())
-    assert (tmp_path / "barrier" / "r10.gone").exists()
-
-
 def test_the_engine_is_bound_to_its_cores_and_provenance_records_the_split(assets, tmp_path, monkeypatch):
     import torch
 
@@ -562,24 +542,11 @@ def test_a_missing_engine_fails_before_the_trainer_is_built(assets, tmp_path, mo
 
     built = []
     monkeypatch.setattr(loop, "make_trainer", lambda *a: built.append(a))
-    monkeypatch.setenv("HYBRIDRL_START_BARRIER", f"{tmp_path / 'barrier'}:2")
     engine = NotInstalled()
     with pytest.raises(EngineError, match="sglang is not installed"):
         run_loop(_run(), "r12", assets / "model", assets / "data", tmp_path / "run", {}, progress=False,
                  engine=engine)
     assert built == [] and engine.starts == 0
-    assert (tmp_path / "barrier" / "r12.gone").exists()  # the runs beside it do not wait for it
-
-
-def test_a_malformed_start_barrier_is_a_config_error_before_anything_starts(assets, tmp_path, monkeypatch):
-    from hybridrl.study.config import ConfigError
-
-    monkeypatch.setenv("HYBRIDRL_START_BARRIER", "/tmp/barrier-without-a-count")
-    engine = ScriptedEngine()
-    with pytest.raises(ConfigError, match="HYBRIDRL_START_BARRIER='/tmp/barrier-without-a-count': expected DIR:N"):
-        run_loop(_run(), "r11", assets / "model", assets / "data", tmp_path / "run", {}, progress=False,
-                 engine=engine)
-    assert engine.starts == 0
 
 
 @pytest.mark.parametrize("placement", ["split", "colocate", "restart", "split-overlap"])

@@ -34,7 +34,6 @@ from hybridrl.engines.client_ceiling import client_headroom_ok, run_ceiling
 from hybridrl.engines.startup import TOTAL, combine
 from hybridrl.nvml import process_used_gb
 from hybridrl.run import copy_bandwidth, request_records
-from hybridrl.run.barrier import StartBarrier
 from hybridrl.run.checks import Canary, adapter_not_judged, asleep_memory_gate, gap_limits, logprob_gate, model_family
 from hybridrl.run.cores import CoreSplit, engine_env_spec, job_cores, split_cores
 from hybridrl.run.overlap import AheadRollouts, InFlight, overlap_s
@@ -175,7 +174,6 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
     check_prompts(run_id, run, problems, test_problems, tokenizer, context_length(model_config),
                   "at data load, before any engine starts")
     limits = gap_limits(run, model_family(model_config))
-    barrier = StartBarrier.from_env()
     sampler = MemorySampler().start()
     cores = cores or split_cores(run, job_cores())
     engine = engine or make_engine(run, model_dir, engine_env_spec(run, env_spec, cores), paths.logs)
@@ -208,7 +206,6 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
                          PhaseFile(paths.phase), test_problems=test_problems, engine_adapter_step=first_step - 1,
                          starts_recorded=len(engine.start_parts))
         first_start = start_keys("timing_s/engine_start", engine.start_parts[-1:])
-        waited_s = barrier.wait(run_id, console.print) if barrier else None
         records = list(done)
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         with Progress(*columns, console=console, disable=not progress) as bar:
@@ -222,8 +219,7 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
                 fresh = record["rollout/staleness"] == 0
                 record.update(logprob_gate(record["check/rollout_logprob_abs_diff"] if fresh else None, limits))
                 if step == first_step:
-                    record.update({"timing_s/engine_start": startup_s, "timing_s/start_barrier": waited_s,
-                                   **first_start})
+                    record.update({"timing_s/engine_start": startup_s, **first_start})
                 append_record(paths.steps, record)  # kept even when the gate below stops the run: the evidence
                 records.append(record)
                 if record["check/logprob_gap_tier"] == "fail":
@@ -240,8 +236,6 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
                 console.print(_summary(record))
         return records
     finally:
-        if barrier:
-            barrier.leave(run_id)
         engine.stop()  # a rollout still in flight ends with its engine
         if ctx is not None:
             ctx.ahead.close()

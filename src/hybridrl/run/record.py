@@ -33,6 +33,7 @@ TIMING = (*PHASE_KEYS, "timing_s/step", COMPARED_STEP)
 # the overlapped part is counted in both sides' time)
 CONCURRENCY = ("timing_s/overlap", "timing_s/engine_idle", "timing_s/trainer_idle")
 # A run's first step only: the engine's first start and the wait for runs beside it; not part of the step
+# start_barrier: the wait of runs the old lease driver started side by side (committed studies); none since
 RUN_START = ("timing_s/engine_start", "timing_s/start_barrier")
 # An engine start's parts (hybridrl.engines.startup; null where its log has no line for one). The run's first start
 # beside timing_s/engine_start, on the same step; the starts within a step (restart placement's after training, a

@@ -45,6 +45,15 @@ class Devices:
                 out[i] = self._nvml.nvmlDeviceGetMemoryInfo(handle).used / GB
         return out
 
+    def memory_gb(self) -> dict[int, tuple[float, float]]:
+        """NVML index -> (used, total) memory of that whole GPU; a GPU that fails to answer is left out."""
+        out = {}
+        for i, handle in self.handles:
+            with contextlib.suppress(Exception):
+                info = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+                out[i] = (info.used / GB, info.total / GB)
+        return out
+
     def conditions(self) -> dict[int, Conditions]:
         """NVML index -> SM clock, power draw, temperature and slowdown; a GPU that fails to answer is left out."""
         nvml, out = self._nvml, {}

@@ -144,6 +144,15 @@ def _engine_moves_weights(run: dict[str, Any]) -> bool | None:
     return True if int(run.get("vllm_sleep_level") or 1) == 1 else None
 
 
+def _base_kept(inputs: RunInputs, row: pd.Series) -> bool:
+    """Whether the trainer's base stayed on the GPU in this step: the step's record where it has one (auto decides
+    at the run's start), else the config's setting."""
+    recorded = row.get("train/keep_base_on_gpu")
+    if recorded is None or pd.isna(recorded):
+        return inputs.config.get("keep_base_on_gpu") is True
+    return str(recorded).lower() in ("true", "1", "1.0")
+
+
 def phase_floor(inputs: RunInputs, column: str, row: pd.Series) -> Floor:
     """One step's floor of one phase."""
     if inputs.gpu is None:
@@ -173,7 +182,7 @@ def phase_floor(inputs: RunInputs, column: str, row: pd.Series) -> Floor:
     weights = inputs.shape.weight_params * floor_model.BF16
     lora_state = _lora_bytes(inputs, 3 * floor_model.FP32, train_tp)  # fp32 weights and AdamW's two moments
     if column == "timing_s/trainer_onload":
-        base = 0 if inputs.config.get("keep_base_on_gpu") else weights / train_tp
+        base = 0 if _base_kept(inputs, row) else weights / train_tp
         what = "LoRA state" if not base else "base weights + LoRA state"
         return _copy(inputs, None if lora_state is None else base + lora_state, "h2d", what)
     if column == "timing_s/trainer_offload":  # the frozen base's pinned copy is reused: only LoRA state moves

@@ -196,10 +196,11 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
         bandwidth = copy_bandwidth.measure(run.device)
         ceiling = run_ceiling(engine.name, run.prompts_per_step * run.group_size, run.max_new_tokens,
                               run.max_concurrency, run.stream_fraction, run.client_ceiling_s, run.shared_pool)
-        placement = make_placement(run.placement, engine, trainer, sampler)
+        placement = make_placement(run.placement, engine, trainer, sampler, run)
         startup_s = placement.start_engine(adapter)
         provenance.write(collect(run, engine.describe(), cores.record(torch.get_num_threads()), model_config,
-                                 bandwidth))
+                                 bandwidth) | ({"base_residency": placement.base_residency}
+                                               if placement.base_residency else {}))
         canary = Canary(tokenizer, paths.canary)
         canary.record_baseline(engine)
         ctx = RunContext(run, run_id, problems, tokenizer, engine, trainer, placement, canary, sampler, paths,

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from hybridrl.engines.base import Engine
+from hybridrl.run import base_residency
 from hybridrl.run.telemetry import MemorySampler, Timings
+from hybridrl.study.run_config import RunConfig
 from hybridrl.trainers.base import Trainer
 
 ADAPTER_NAME = "policy"
@@ -18,13 +21,20 @@ class Placement:
     name = "split"
     shares_gpus = False  # does the engine run on the trainer's GPUs?
 
-    def __init__(self, engine: Engine, trainer: Trainer | None, sampler: MemorySampler) -> None:
-        self.engine, self.trainer, self.sampler = engine, trainer, sampler
+    def __init__(self, engine: Engine, trainer: Trainer | None, sampler: MemorySampler,
+                 run: RunConfig | None = None) -> None:
+        self.engine, self.trainer, self.sampler, self.run = engine, trainer, sampler, run
+        self.base_residency: dict[str, Any] | None = None  # keep_base_on_gpu auto: the decision and its figures
 
     def start_engine(self, adapter: Path | None) -> float:
         """The run's first engine start (with the newest adapter on a resume); returns its seconds."""
         if self.trainer and self.shares_gpus:
             self.trainer.offload()  # the engine sizes its memory from what it finds free
+            if self.run is not None and self.run.keep_base_on_gpu == "auto":
+                self.base_residency = base_residency.decide(self.sampler.memory_gb(),
+                                                            self.run.gpu_memory_utilization)
+                if not self.base_residency["kept"]:
+                    self.trainer.release_base()
         self.sampler.set_phase("start")
         t0 = time.perf_counter()
         self.engine.start((ADAPTER_NAME, adapter) if adapter is not None else None)
@@ -97,5 +107,6 @@ class Restart(Placement):
 PLACEMENTS = {p.name: p for p in (Placement, Colocate, Restart)}
 
 
-def make_placement(name: str, engine: Engine, trainer: Trainer | None, sampler: MemorySampler) -> Placement:
-    return PLACEMENTS[name](engine, trainer, sampler)
+def make_placement(name: str, engine: Engine, trainer: Trainer | None, sampler: MemorySampler,
+                   run: RunConfig | None = None) -> Placement:
+    return PLACEMENTS[name](engine, trainer, sampler, run)

@@ -283,6 +283,11 @@ class MemorySampler:
             self._thread.start()
         return self
 
+    def memory_gb(self) -> dict[int, tuple[float, float]]:
+        """The run's GPUs' (used, total) memory now, by NVML index; empty without NVML."""
+        with self._lock:
+            return self._devices.memory_gb() if self._devices is not None else {}
+
     def set_phase(self, phase: str) -> None:
         with self._lock:
             self.phase = phase

@@ -95,9 +95,12 @@ class RunConfig(_Frozen):
         True, description="the trainers run each micro-batch's samples back to back in one row, kept apart by "
         "variable-length causal attention (torch's flash varlen kernel on a GPU), so no layer computes padding; "
         "false pads every row to the longest")
-    keep_base_on_gpu: bool = Field(
+    keep_base_on_gpu: bool | Literal["auto"] = Field(
         False, description="colocate: the trainer's frozen base weights stay on the GPU while the engine runs "
-        "(only the LoRA weights and the optimizer state are offloaded); recorded as train/keep_base_on_gpu")
+        "(only the LoRA weights and the optimizer state are offloaded); auto: they stay where each GPU's free "
+        "memory, measured once the rest of the trainer is offloaded and before the engine starts, holds the "
+        "engine's share (gpu_memory_utilization of the GPU) and a margin (run/base_residency.py); the decision is "
+        "in provenance.json and train/keep_base_on_gpu")
     release_comms: bool = Field(
         False, description="megatron trainer on 2 or more GPUs (train_tp x train_ep): destroy its process groups "
         "(their NCCL communicators and buffers) at each offload and make them again at the next onload; the groups' "

@@ -50,6 +50,10 @@ class Trainer(Protocol):
 
     def onload(self) -> None: ...
 
+    def release_base(self) -> None:
+        """From now on offload moves the frozen base off the GPU too (keep_base_on_gpu auto, when it does not fit
+        beside the engine); at once if offloaded already."""
+
     def gpu_pids(self) -> list[int]:
         """The processes that hold this trainer's GPU memory (NVML charges memory per process)."""
 

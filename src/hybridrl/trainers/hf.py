@@ -147,6 +147,7 @@ class HFTrainer:
         self.state_writer = StateWriter()
         self.staging = HostStaging()
         self.offloaded = False
+        self.keep_base = run.keep_base_on_gpu is not False  # auto: kept unless release_base says otherwise
 
     # -- the step --------------------------------------------------------------------------------
     def _logprobs(self, batch: Batch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -201,7 +202,7 @@ class HFTrainer:
             **metrics,
             **update_perf(self.flop_shape, samples, update_s, 1, self.device, kl=self.run.kl_coef > 0),
             "train/lora_norm": lora_b_norm(self.adapter_params.items()),  # on the device: one fused norm
-            "train/keep_base_on_gpu": self.run.keep_base_on_gpu,
+            "train/keep_base_on_gpu": self.keep_base,
             "train/experts_impl": self.experts_impl,
             "train/chunked_head": self.head is not None,
             "timing_s/save_adapter": save_s,
@@ -239,17 +240,26 @@ class HFTrainer:
         if self.device.type != "cuda" or self.offloaded:
             return
         for p in self.model.parameters():
-            if not p.requires_grad and self.run.keep_base_on_gpu:
+            if not p.requires_grad and self.keep_base:
                 continue
             p.data = self._to_pinned((id(p), ""), p.data, fresh=p.requires_grad)
         for mod in self.model.modules():  # RoPE frequencies and the like
             for name, b in mod._buffers.items():
-                if b is not None and b.is_cuda and not self.run.keep_base_on_gpu:
+                if b is not None and b.is_cuda and not self.keep_base:
                     mod._buffers[name] = self._to_pinned((id(mod), name), b, fresh=False)
         optimizer_state_to_cpu(self.optimizer)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         self.offloaded = True
+
+    def release_base(self) -> None:
+        """From now on the frozen base leaves the GPU at every offload too; at once if offloaded already."""
+        if not self.keep_base:
+            return
+        self.keep_base = False
+        if self.offloaded:
+            self.offloaded = False
+            self.offload()
 
     def onload(self) -> None:
         if self.device.type != "cuda" or not self.offloaded:

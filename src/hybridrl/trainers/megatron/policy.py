@@ -121,6 +121,7 @@ class MegatronPolicy:
         self.staging = HostStaging()  # the export's host buffers, reused (TP 1)
         self.flop_shape = read_flop_shape(model_dir)
         self.offloaded = False
+        self.keep_base = run.keep_base_on_gpu is not False  # auto: kept unless release_base says otherwise
         # run.release_comms: the groups' communicators freed while offloaded (comms.py); nothing to free at TP 1
         self.comms = (ReloadableGroups(self.tp, "nccl" if device.type == "cuda" else "gloo", [self], self.model,
                                        self.ep)
@@ -175,7 +176,7 @@ class MegatronPolicy:
         # MFU and tokens/s over this update alone (the loop's perf/update_actor_tok_s spans the update_actor phase)
         metrics.update(update_perf(self.flop_shape, samples, time.perf_counter() - t0, self.tp * self.ep, self.device,
                                    kl=self.run.kl_coef > 0))
-        metrics["train/keep_base_on_gpu"] = self.run.keep_base_on_gpu
+        metrics["train/keep_base_on_gpu"] = self.keep_base
         metrics["train/experts_impl"] = self.experts_impl
         metrics["train/comms_remade"] = None if self.comms is None else self.comms.generation
         metrics["train/chunked_head"] = self.run.chunked_head
@@ -269,7 +270,7 @@ class MegatronPolicy:
 
     def _to_host(self) -> None:
         for p in self.model.parameters():
-            if not p.requires_grad and self.run.keep_base_on_gpu:
+            if not p.requires_grad and self.keep_base:
                 continue
             buf = self._pinned.get(id(p))
             if buf is None:
@@ -280,7 +281,7 @@ class MegatronPolicy:
                 buf.copy_(p.data, non_blocking=True)
             p.data = buf
         optimizer_state_to_cpu(self.optimizer)
-        if not self.run.keep_base_on_gpu:
+        if not self.keep_base:
             self._move_buffers("cpu")
         torch.cuda.synchronize(self.device)
         # cuBLAS keeps per-handle workspaces outside the caching allocator's free list
@@ -289,6 +290,14 @@ class MegatronPolicy:
             clear_workspaces()
         torch.cuda.empty_cache()
         self.offloaded = True
+
+    def release_base(self) -> None:
+        """From now on the frozen base leaves the GPU at every offload too; at once if offloaded already."""
+        if not self.keep_base:
+            return
+        self.keep_base = False
+        if self.offloaded and self.device.type == "cuda":
+            self._to_host()
 
     def onload(self) -> None:
         """Weights, optimizer state and released groups back; a no-op for what is already in place."""

@@ -215,6 +215,9 @@ class MegatronTrainer:
     def offload(self) -> None:
         self.last_memory = self._job("offload").get("memory", {})
 
+    def release_base(self) -> None:
+        self.last_memory = self._job("release_base").get("memory", {})
+
     def onload(self) -> None:
         self._job("onload")
 

@@ -188,6 +188,9 @@ def _handle(policy: Any, job: dict[str, Any]) -> dict[str, Any]:
     elif op == "offload":
         policy.offload()
         out["memory"] = policy.gpu_memory()
+    elif op == "release_base":
+        policy.release_base()
+        out["memory"] = policy.gpu_memory()
     elif op == "onload":
         policy.onload()
     elif op == "flush":

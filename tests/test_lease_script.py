@@ -56,7 +56,6 @@ def _shared(tmp: Path, gpu: Path, stream: bytes) -> dict[str, str]:
     for d in ("ctl", "slurm/debs", "slurm/whl"):
         (gpu / "start" / d).mkdir(parents=True)
     (gpu / "start" / "ctl" / "pydantic-2-py3-none-any.whl").write_bytes(b"w" * 1000)
-    (gpu / "start" / "ctl" / "trl-1-py3-none-any.whl").write_bytes(b"w" * 1000)  # TRL's set is there too
     return {"HYBRIDRL_SHARED_GPU": str(shared), "HYBRIDRL_GPU_DIR": str(gpu)}
 
 
@@ -77,6 +76,24 @@ def test_parts_are_cut_so_that_each_call_fits_beside_the_tree(tmp_path: Path) ->
     assert (tmp_path / "gpu" / "start" / "slurm" / "kit" / "slurm-lease").exists()  # the kit travels in call 1
     small = _lease("prepare", "vllm", cwd=repo, HYBRIDRL_CARRY_LIMIT=str(tree + 8 * MiB), **env)
     assert small.returncode == 2 and "too little room for a part" in small.stderr and "lean off" in small.stderr
+
+
+def test_trls_set_is_pinned_from_the_controllers_lock_and_packed_with_the_shared_ones(tmp_path: Path) -> None:
+    repo = _repo(tmp_path)
+    (repo / "requirements").mkdir()
+    (repo / "requirements" / "controller.lock.txt").write_text(
+        "pyarrow==26.0.1\ntorch==2.13.0\ntrl==1.16.0  # TRL's GRPOTrainer\ndatasets==5.2.0\n")
+    env = _shared(tmp_path, tmp_path / "gpu", os.urandom(MiB))
+    (tmp_path / "shared" / "vllm.txt").write_text("vllm==0.26.0\n")
+    (tmp_path / "gpu" / "parts-vllm").rename(tmp_path / "gpu" / "parts-vllm-peer")
+    done = _lease("prepare", "vllm", "peer", cwd=repo, **env)
+    assert done.returncode == 0, done.stderr
+    sets = tmp_path / "gpu" / "sets"
+    assert (sets / "peer.txt").read_text().split() == ["pyarrow==26.0.1", "trl==1.16.0", "datasets==5.2.0"]
+    assert (sets / "vllm.txt").exists() and (sets / "gpu-env").exists()  # gpu-env finds the sets beside itself
+    (tmp_path / "gpu" / "parts-vllm-peer").rename(tmp_path / "gpu" / "parts-vllm")
+    assert _lease("prepare", "vllm", cwd=repo, **env).returncode == 0
+    assert not (sets / "peer.txt").exists()  # asked only where named
 
 
 def test_lean_off_takes_the_results_out_of_what_travels_and_on_restores_head(tmp_path: Path) -> None:

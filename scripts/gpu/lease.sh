@@ -28,8 +28,10 @@ prepare() {  # the carried folders: .gpu/start (call 1) and .gpu/x00.. (one tran
     "checkout; set HYBRIDRL_SHARED_GPU to the folder that holds it"
   packed=$gpu/parts-$(IFS=-; echo "${sets[*]}")
   # gpu-env reads its sets beside itself: the shared ones, and `peer` (TRL's, pinned as the controller's lock)
-  rm -rf "$gpu/sets" && mkdir -p "$gpu/sets" && cp "$shared"/gpu-env "$shared"/*.txt "$gpu/sets/"
-  grep -E '^(trl|datasets|dill|multiprocess|xxhash|pyarrow|pandas|python-dateutil|tzdata|accelerate)==' \
+  rm -rf "$gpu/sets" && mkdir -p "$gpu/sets" && cp "$shared"/gpu-env "$gpu/sets/"
+  find "$shared" -maxdepth 1 -name '*.txt' -exec cp {} "$gpu/sets/" \;
+  [[ " ${sets[*]} " != *" peer "* ]] || grep -E \
+    '^(trl|datasets|dill|multiprocess|xxhash|pyarrow|pandas|python-dateutil|tzdata|accelerate)==' \
     "$repo/requirements/controller.lock.txt" | cut -d' ' -f1 > "$gpu/sets/peer.txt"
   ls "$packed"/part.* > /dev/null 2>&1 || bash "$gpu/sets/gpu-env" pack "$packed" "${sets[@]}"
   mkdir -p "$gpu/start"

@@ -109,9 +109,15 @@ start() {
   echo $! > "$work/snakemake.pid"
 }
 
-transfer() {  # DIR [install]: one part into /tmp/gpu-env; install puts every overlay under /tmp/envs
+transfer() {  # DIR [install]: one part into /tmp/gpu-env; install puts every overlay under /tmp/envs, compiled
+  local t=$SECONDS
   bash "${1:?usage: lease.sh transfer DIR [install]}/gpu-env" collect "$1"
-  [ "${2:-}" != install ] || { bash "$1/gpu-env" install && touch /tmp/envs/.ready; }
+  [ "${2:-}" = install ] || return 0
+  bash "$1/gpu-env" install
+  # the image sets PYTHONDONTWRITEBYTECODE, and gpu-env installs without .pyc files: without this, every engine
+  # process would compile its overlay's imports again
+  python3 -m compileall -q -j 0 /tmp/envs > /dev/null 2>&1 || true
+  touch /tmp/envs/.ready && echo "lease: overlays installed and compiled in $((SECONDS - t)) s"
 }
 
 running() { [ -f "$work/snakemake.pid" ] && kill -0 "$(cat "$work/snakemake.pid")" 2> /dev/null; }

@@ -664,6 +664,27 @@ def test_an_engine_that_keeps_more_memory_asleep_each_cycle_fails_the_run(assets
 
 
 
+def test_a_woken_engine_short_of_its_started_memory_is_recorded_and_the_run_goes_on(assets, tmp_path):
+    class Short(ScriptedEngine):
+        """Wakes with less of the memory it started with at every cycle: 70 GB at its start, then 70, 69, 50."""
+
+        def step_metrics(self):
+            started = {"mem/engine_started_gb": 70.0} if self.rollouts == 1 else {}
+            awake = [70.0, 69.0, 50.0][self.rollouts - 1]
+            return {**started, "mem/engine_asleep_gb": 1.6, "mem/engine_awake_gb": awake}
+
+    records = run_loop(_run(steps=3), "r-short", assets / "model", assets / "data", tmp_path / "short", {},
+                       progress=False, engine=Short())
+    assert [r["check/awake_memory_ok"] for r in records] == [True, True, False]
+    assert [r["check/awake_shortfall_gb"] for r in records] == pytest.approx([0.0, 1.0, 20.0])
+    lenient = run_loop(_run(steps=3, max_awake_shortfall_gb=25.0), "r-lenient", assets / "model", assets / "data",
+                       tmp_path / "lenient", {}, progress=False, engine=Short())
+    assert [r["check/awake_memory_ok"] for r in lenient] == [True, True, True]
+    plain = run_loop(_run(steps=2), "r-unread", assets / "model", assets / "data", tmp_path / "plain", {},
+                     progress=False, engine=ScriptedEngine())  # no reading (no GPU): not judged
+    assert all(r["check/awake_memory_ok"] is None for r in plain)
+
+
 class SlowScripted(ScriptedEngine):
     """Rollouts that take a while, and an adapter load that must never land while one is in flight."""
 

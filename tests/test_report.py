@@ -585,6 +585,23 @@ def test_report_shows_engine_memory_across_sleeps(study: list[Path], tmp_path: P
     assert not (tmp_path / "plots" / "sleep_memory.png").exists()  # no engine slept: no plot, none left over
 
 
+def test_report_holds_each_wake_to_the_memory_its_engine_started_with(study: list[Path], tmp_path: Path) -> None:
+    df = gather(study)
+    first = (df["run_id"] == "vllm-split-aaaa1111").to_numpy()
+    steps = df.loc[first, "step"]
+    df.loc[first, "mem/engine_asleep_gb"] = 1.6
+    df.loc[first, "mem/engine_started_gb"] = np.where(steps == 1, 70.0, np.nan)
+    df.loc[first, "mem/engine_awake_gb"] = np.where(steps < 5, 70.0, 17.0)  # 53 GB short from step 5 on
+    df.loc[first, "check/awake_shortfall_gb"] = 70.0 - df.loc[first, "mem/engine_awake_gb"]
+    df.loc[first, "check/awake_memory_ok"] = steps < 5
+    df.to_parquet(tmp_path / "steps.parquet", index=False)
+    report_main(tmp_path / "steps.parquet", tmp_path / "r.md", tmp_path / "r.html", tmp_path / "plots", "t")
+    section = (tmp_path / "r.md").read_text().split("## Engine memory across sleep and wake")[1].split("## ")[0]
+    assert "awake GB: at start / first wake / last" in section and "awake memory gate" in section
+    row = next(line for line in section.splitlines() if line.startswith("| split |"))
+    assert "70.00 / 70.00 / 17.00" in row and "4/8 ok (failed at step 5, 6, 7, 8); 53.00 GB short at most" in row
+
+
 def test_memory_trend_leaves_warm_up_out(study: list[Path], tmp_path: Path) -> None:
     """A one-off rise in warm-up (caches and pools filling) then flat memory is no growth; as on the H200 soak
     runs, whose slope over all steps read as growth only because of warm-up's rise."""

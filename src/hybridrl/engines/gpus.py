@@ -42,6 +42,11 @@ def asleep_readings(gpus: list[int] | None) -> dict[str, float | None]:
     return {"mem/engine_asleep_gb": nvml.used_gb(gpus)}
 
 
+def started_readings(gpus: list[int] | None) -> dict[str, float | None]:
+    """Right after the engine started (its first sleep and wake to come): the memory its wakes should get back."""
+    return {"mem/engine_started_gb": nvml.used_gb(gpus)}
+
+
 def awake_readings(gpus: list[int] | None) -> dict[str, float | None]:
     """Right after the engine woke; colocate wakes just after the trainer offloaded, so the controller's own
     share is what the trainer left on the GPU."""

@@ -24,7 +24,7 @@ import httpx
 from hybridrl.atomic import naming
 from hybridrl.engines.base import Completion, EngineError, Request, SleepVariant, context_length
 from hybridrl.engines.client_process import ClientProcess
-from hybridrl.engines.gpus import nvml_indices
+from hybridrl.engines.gpus import nvml_indices, started_readings
 from hybridrl.engines.startup import header, split_start
 from hybridrl.study.run_config import RunConfig
 
@@ -585,6 +585,7 @@ class HTTPEngine:
         now = time.perf_counter()
         self._start_parts.append(split_start(self.server.log_since_start(), self.name, self.server.spawned_at,
                                              healthy, now - started, now - t0))
+        self._metrics.update(started_readings(self.gpus()))
         return elapsed + now - t0
 
     @property

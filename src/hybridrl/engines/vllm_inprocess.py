@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.base import Completion, EngineError, Request, Sampling, SleepVariant, stamp_timing
-from hybridrl.engines.gpus import asleep_readings, awake_readings, nvml_indices, split_engine_devices
+from hybridrl.engines.gpus import asleep_readings, awake_readings, nvml_indices, split_engine_devices, started_readings
 from hybridrl.engines.output_tee import OutputTee
 from hybridrl.engines.server import CANCEL_GRACE_S, cancel_others
 from hybridrl.engines.startup import header, split_start
@@ -161,6 +161,7 @@ class VLLMInProcess:
             raise EngineError(f"vllm-inprocess: warm-up request failed: {warm.error}")
         now = time.perf_counter()
         self._start_parts.append(split_start(self._tee.text(), self.name, spawned, built, now - t0, now - t_built))
+        self._metrics.update(started_readings(self.gpus()))
         return now - t0
 
     @property

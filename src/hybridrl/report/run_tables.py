@@ -250,8 +250,12 @@ def gap_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
 def memory_trend_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
     """Per run whose engine slept: its GPU memory after each sleep and wake, what warm-up added, and the trend
     over the steps after warm-up (a one-off rise while caches and allocator pools fill is not a leak)."""
+    # runs that read their engine's memory right after it started: its wakes are held to that (awake memory gate)
+    woken = "check/awake_memory_ok" in df.columns and df["check/awake_memory_ok"].notna().any()
     table = Table(["run", "sleeps", "asleep GB: first / after warm-up / last",
-                   "asleep: trend after warm-up (GB a step, 95% CI)", "awake GB, first / last", "asleep memory gate"])
+                   "asleep: trend after warm-up (GB a step, 95% CI)",
+                   "awake GB: at start / first wake / last" if woken else "awake GB, first / last",
+                   "asleep memory gate", *(["awake memory gate (start − wake ≤ bound)"] if woken else [])])
     for run_id in stats.run_order(df):
         run = run_rows(df, run_id).sort_values("step")
         if "mem/engine_asleep_gb" not in run.columns:
@@ -265,13 +269,26 @@ def memory_trend_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None
         taken, first_after = asleep.dropna(), after.dropna()
         readings = [taken.iloc[0], first_after.iloc[0] if len(first_after) else None, taken.iloc[-1]]
         woke = f"{fmt(awake.iloc[0])} / {fmt(awake.iloc[-1])}" if len(awake) else "–"
+        if woken:
+            started = pd.to_numeric(run.get("mem/engine_started_gb", pd.Series(dtype=float)), errors="coerce")
+            woke = f"{fmt(started.dropna().iloc[0]) if started.notna().any() else '–'} / {woke}"
         est = trend.bootstrap_slope(later["step"], after)
         gate = (bool_cell(run["check/asleep_memory_ok"], run["step"]) if "check/asleep_memory_ok" in run.columns
                 else Cell("not checked", "na"))
         table.rows.append([Cell(labels[run_id]), Cell(str(int(asleep.notna().sum())), "num"),
                            Cell(" / ".join("–" if r is None else fmt(r) for r in readings), "num"),
-                           Cell(trend.trend_words(est, "GB"), "num"), Cell(woke, "num"), gate])
+                           Cell(trend.trend_words(est, "GB"), "num"), Cell(woke, "num"), gate,
+                           *([_awake_gate(run)] if woken else [])])
     return table if table.rows else None
+
+
+def _awake_gate(run: pd.DataFrame) -> Cell:
+    """The awake memory gate's steps, with the largest shortfall where one failed."""
+    if "check/awake_memory_ok" not in run.columns:
+        return Cell("not checked", "na")
+    cell = bool_cell(run["check/awake_memory_ok"], run["step"])
+    short = pd.to_numeric(run.get("check/awake_shortfall_gb", pd.Series(dtype=float)), errors="coerce").max()
+    return Cell(f"{cell.text}; {fmt(short)} GB short at most", cell.cls) if cell.cls == "fail" else cell
 
 
 def _text_table(header: list[str], rows: list[list[str]], kind: Callable[[str], str]) -> Table | None:

@@ -23,6 +23,7 @@ GATE_NAMES = {
     "check/logprob_agreement_ok": "logprobs agree",
     "check/client_headroom_ok": "client headroom",
     "check/asleep_memory_ok": "asleep memory",
+    "check/awake_memory_ok": "awake memory",
 }
 
 # how a run that stopped on an error ends its log: the CLI's one line (hybridrl: ...: what) or a traceback's last

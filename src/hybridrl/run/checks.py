@@ -112,6 +112,20 @@ def logprob_gate(gap: float | None, limits: tuple[float, float]) -> dict[str, An
             "check/logprob_agreement_ok": None if tier is None else tier == "pass"}
 
 
+def awake_memory_gate(earlier: list[dict[str, Any]], record: dict[str, Any], bound_gb: float) -> dict[str, Any]:
+    """Does a woken engine get back the memory it held right after it started, its KV cache above all (a public
+    write-up reported in-process vLLM 53 GB short after its first sleep and wake)? This step's NVML reading after
+    wake against the latest start's (an engine started again sizes itself anew); None where the engine never woke
+    or no start was read. The KV capacity an engine reports is fixed when it starts, so only memory can show it."""
+    starts = [r.get("mem/engine_started_gb") for r in (*earlier, record)]
+    starts = [s for s in starts if s is not None]
+    awake = record.get("mem/engine_awake_gb")
+    if awake is None or not starts:
+        return {"check/awake_shortfall_gb": None, "check/awake_memory_ok": None}
+    short = starts[-1] - awake
+    return {"check/awake_shortfall_gb": short, "check/awake_memory_ok": short <= bound_gb}
+
+
 def asleep_memory_gate(earlier: list[dict[str, Any]], record: dict[str, Any], bound_gb: float) -> dict[str, Any]:
     """Does a sleeping engine give its memory back every time? This step's NVML reading after sleep against the
     run's first one (`earlier` records, a resumed run's included); None where the engine never slept."""

@@ -34,7 +34,15 @@ from hybridrl.engines.client_ceiling import client_headroom_ok, run_ceiling
 from hybridrl.engines.startup import TOTAL, combine
 from hybridrl.nvml import process_used_gb
 from hybridrl.run import copy_bandwidth, request_records
-from hybridrl.run.checks import Canary, adapter_not_judged, asleep_memory_gate, gap_limits, logprob_gate, model_family
+from hybridrl.run.checks import (
+    Canary,
+    adapter_not_judged,
+    asleep_memory_gate,
+    awake_memory_gate,
+    gap_limits,
+    logprob_gate,
+    model_family,
+)
 from hybridrl.run.cores import CoreSplit, engine_env_spec, job_cores, split_cores
 from hybridrl.run.overlap import AheadRollouts, InFlight, overlap_s
 from hybridrl.run.phase_file import PhaseFile
@@ -216,6 +224,7 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
                 record["perf/client_ceiling_tok_s"] = ceiling
                 record["check/client_headroom_ok"] = client_headroom_ok(record["perf/throughput"], ceiling)
                 record.update(asleep_memory_gate(records, record, run.max_asleep_growth_gb))
+                record.update(awake_memory_gate(records, record, run.max_awake_shortfall_gb))
                 # a rollout from an older adapter (overlap) differs from the trainer by design: not judged
                 fresh = record["rollout/staleness"] == 0
                 record.update(logprob_gate(record["check/rollout_logprob_abs_diff"] if fresh else None, limits))

@@ -99,8 +99,9 @@ TRAINING = ("perf/train_tokens", "perf/train_tok_s", "perf/update_actor_tok_s", 
             "train/experts_impl", "train/comms_remade", "train/chunked_head")
 # mem/used_gb_train is the sampler's update_actor phase; mem/trainer_gb_gen is NVML over the trainer's processes
 MEMORY = ("mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacity_tokens", "mem/trainer_gb_gen",
-          # NVML on the engine's GPUs right after its sleep and its wake, and what the controller holds there
-          "mem/engine_asleep_gb", "mem/engine_awake_gb", "mem/controller_gb")
+          # NVML on the engine's GPUs right after its sleep and its wake, and what the controller holds there;
+          # engine_started_gb right after a start (the step in which the engine started), which wakes are held to
+          "mem/engine_asleep_gb", "mem/engine_awake_gb", "mem/controller_gb", "mem/engine_started_gb")
 # response_length/clip_ratio (verl's name): share of rollouts cut at max_new_tokens; response/stop_ratio: share that
 # ended at EOS (finish reason "stop"); the rest failed or gave no reason
 LEARNING = ("reward/mean", "reward/accuracy", "response_length/mean", "response_length/clip_ratio",
@@ -114,10 +115,11 @@ CHECKS = (
     "check/logprob_gap_max", "check/logprob_gap_fail_at", "check/logprob_gap_tier",
     "check/base_canary_ok", "check/adapter_applied", "check/adapter_not_judged", "check/adapter_logprob_shift",
     "check/kv_capacity_ok", "check/logprob_agreement_ok", "check/client_headroom_ok",
-    "check/asleep_growth_gb", "check/asleep_memory_ok", "errors/engine_restarts",
+    "check/asleep_growth_gb", "check/asleep_memory_ok", "check/awake_shortfall_gb", "check/awake_memory_ok",
+    "errors/engine_restarts",
 )
 BOOLS = ("check/base_canary_ok", "check/adapter_applied", "check/kv_capacity_ok", "check/logprob_agreement_ok",
-         "check/client_headroom_ok", "check/asleep_memory_ok")
+         "check/client_headroom_ok", "check/asleep_memory_ok", "check/awake_memory_ok")
 # engine-vs-trainer mismatch per token over the batch (hybridrl.task.rl.LogprobGaps), verl's rollout_is metrics
 MISMATCH = ("mismatch/kl_k3", "mismatch/is_weight_mean", "mismatch/ess", "mismatch/is_capped_frac")
 STRINGS = ("run_id", "engine", "placement", "trainer", "model", "check/logprob_gap_tier", "check/adapter_not_judged",

@@ -126,6 +126,10 @@ class RunConfig(_Frozen):
     max_asleep_growth_gb: float = Field(
         1.0, ge=0, description="a sleeping engine's GPU memory (NVML, 10^9 bytes) may grow at most this much over "
         "its first sleep of the run; more fails the run (a leak, as vLLM issues 21336 and 32714 report)")
+    max_awake_shortfall_gb: float = Field(
+        2.0, ge=0, description="a woken engine's GPU memory (NVML, 10^9 bytes) may fall at most this much short of "
+        "what it held right after it started; more is recorded as check/awake_memory_ok false and reported (the run "
+        "goes on: what a short KV cache does to the rollout is what it then measures)")
     # bf16 engines and trainers differ by ~0.007 per token on the dense H200 reference; a wrong or stale adapter, or
     # stale cached prefixes, shows up above 0.02 (0.026 on the H200 when split vLLM reused the old adapter's KV)
     max_logprob_gap: float | None = Field(
@@ -204,7 +208,7 @@ class RunSpec(_Frozen):
 # keys added after reference results were recorded: out of the hash while they hold their default, so that those
 # results keep their ids (and a study's later rounds join its earlier ones); a run that sets one gets an id of its own
 _LATE_KEYS = {"rollout_process": False, "release_comms": False, "replicate_seeds": False, "chunked_head": False,
-              "train_ep": 1}
+              "train_ep": 1, "max_awake_shortfall_gb": 2.0}
 
 # a replicate's suffix: after the 8-hex hash, so no readable prefix (`name`) can look like one
 _REPLICATE = re.compile(r"^(?P<config>.+-[0-9a-f]{8})(?:-r(?P<k>[0-9]+))?$")

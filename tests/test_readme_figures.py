@@ -437,3 +437,19 @@ def test_the_verdicts_count_of_intervals_is_the_number_it_quotes() -> None:
     said = re.search(r"This section quotes (\d+) intervals", section)
     assert said, "the verdict section no longer says how many intervals it quotes"
     assert int(said.group(1)) == quoted, f"it says {said.group(1)}, it quotes {quoted}"
+
+
+def test_the_write_up_table_phase_table_and_memory_table_quote_the_reports_tables() -> None:
+    moe = "results/reference/2026-11-27-2xh200-moe2new"
+    text = figures.evaluate(f"writeup_table {moe}")
+    assert "**colocate: SGLang (kv-only) vs vLLM server** (trainer megatron" in text
+    throughput = next(line for line in text.splitlines() if line.startswith("| Rollout throughput"))
+    assert "| 3.9x |" in throughput and "[1.03x, 1.26x]" in throughput and "1 × 8 / 1 × 8" in throughput
+    phases = figures.evaluate("phase_table results/reference/2026-11-28-h100-peer")
+    assert "| Step time, checks excluded (s) | 4.01 [3.78, 4.32] | 3.95 [3.75, 4.26] |" in phases
+    # the write-up's mechanism at its own shape: in-process vLLM beside Megatron woke with its memory each time
+    memory = figures.evaluate("memory_table results/reference/2026-11-23-2xh200-moe-full")
+    inprocess = next(line for line in memory.splitlines() if line.startswith("| vllm-inprocess"))
+    assert "| 79.34 / 79.33 |" in inprocess
+    with pytest.raises(ValueError, match="no pair of SGLang and a vLLM arm"):
+        figures.evaluate("writeup_table results/reference/2026-11-27-h200-verdictvllm")

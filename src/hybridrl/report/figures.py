@@ -583,6 +583,48 @@ def floors(study: str) -> str:
     return "\n\n" + markdown(table) + "\n\n"
 
 
+def _markdown_block(table: Any) -> str:
+    from hybridrl.report.floors import markdown
+
+    return "\n\n" + markdown(table) + "\n\n"
+
+
+def writeup_table(study: str) -> str:
+    """The report's tables in the write-up's format (report.comparisons.headline_tables), one for each pair of
+    SGLang and a vLLM arm: its title and what the pair shares, then each metric's claimed figure beside both
+    medians and their ratio with its 95% interval, the engine start's parts below."""
+    from hybridrl.report.comparisons import headline_tables
+
+    tables = headline_tables(_table(study))
+    if not tables:
+        raise ValueError(f"{study}: no pair of SGLang and a vLLM arm to set in the write-up's format")
+    return "".join(f"\n\n**{t['title']}** ({t['shared']})" + _markdown_block(t["table"]).rstrip("\n")
+                   for t in tables) + "\n\n"
+
+
+def phase_table(study: str) -> str:
+    """The report's steady-state table: one column per configuration, median [95% CI] of the step and its phases
+    over runs and steps."""
+    from hybridrl.report.comparisons import comparison_table
+    from hybridrl.report.plots import config_labels
+
+    df = _table(study)
+    return _markdown_block(comparison_table(df, config_labels(df)))
+
+
+def memory_table(study: str) -> str:
+    """The report's engine memory across sleep and wake, run by run: after each sleep, after each wake against
+    the engine's start (the awake memory gate, where recorded) and the asleep memory gate."""
+    from hybridrl.report.plots import run_labels
+    from hybridrl.report.run_tables import memory_trend_table
+
+    df = _table(study)
+    table = memory_trend_table(df, run_labels(df))
+    if table is None:
+        raise ValueError(f"{study}: no engine slept")
+    return _markdown_block(table)
+
+
 FIGURES: dict[str, Callable[..., str]] = {
     "median": median, "total": total, "interval": interval, "ratio": ratio, "change": change, "steps": steady_steps,
     "runs": steady_runs,
@@ -596,6 +638,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "at": at, "setup_table": setup_table, "peer_median": peer_median, "peer_ratio": peer_ratio,
     "run_medians": run_medians, "slope": slope, "share": share,
     "unattributed": unattributed, "replayed": replayed, "alike": alike, "floors": floors,
+    "writeup_table": writeup_table, "phase_table": phase_table, "memory_table": memory_table,
 }
 
 

@@ -91,6 +91,22 @@ def test_peer_trl_takes_the_runs_prompts_in_step_order() -> None:
     assert ds._fingerprint != prompt_dataset(rows[::-1])._fingerprint
 
 
+def test_trls_dataset_is_built_without_datasets_dill_hash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the lease, pyarrow came from an overlay outside site-packages, so dill pickled the pyarrow module by value
+    when datasets hashed a new Dataset's table, and failed on its MonthDayNano type. The peer's dataset never
+    takes that hash."""
+    import datasets.arrow_dataset
+
+    def no_hash(dataset: object) -> str:
+        raise RuntimeError("dill's hash of the table")
+
+    monkeypatch.setattr(datasets.arrow_dataset, "generate_fingerprint", no_hash)
+    rows = [{"prompt": "p", "answer": "1"}]
+    with pytest.raises(RuntimeError, match="dill's hash"):
+        datasets.arrow_dataset.Dataset.from_list(rows)
+    assert prompt_dataset(rows).to_list() == rows
+
+
 def test_peer_trl_settings_and_refusals(tmp_path: Path) -> None:
     _, run = _run(device="cuda", rollout_is="truncate")
     kw = grpo_settings(run, PeerOptions(steps=3, micro_batch=4, device="cuda", lr=1e-3), tmp_path)

@@ -154,7 +154,8 @@ def step_dataset(problems: list[dict[str, Any]], run: RunConfig, steps: int) -> 
 
 def prompt_dataset(rows: list[dict[str, str]]) -> Any:
     """TRL's train dataset of the rows, fingerprinted from their JSON. Left to itself, `datasets` hashes the Arrow
-    table with dill, and on the GPU machine's stack that failed (dill could not pickle pyarrow's MonthDayNano)."""
+    table with dill, which pickles by value any module outside site-packages and the interpreter's prefix: on the
+    GPU machine pyarrow is such a module (an overlay under /tmp/envs), and its MonthDayNano type does not pickle."""
     from datasets import Dataset
     from datasets.table import InMemoryTable
 

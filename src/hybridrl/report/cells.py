@@ -25,6 +25,17 @@ class Table:
     intervals: int = 0
 
 
+def markdown(table: Table) -> str:
+    """The table as a Markdown table, as a study README quotes it (a figure marker's text); a cell's | escaped."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["| " + " | ".join(cell(h) for h in table.headers) + " |",
+             "|" + "|".join(" --- " for _ in table.headers) + "|"]
+    lines += ["| " + " | ".join(cell(c.text) for c in row) + " |" for row in table.rows]
+    return "\n".join(lines)
+
+
 def fmt(x: Any) -> str:
     """Numbers to a readable precision: 12,345 / 123.4 / 12.34 / 0.123."""
     try:

@@ -28,6 +28,7 @@ import pandas as pd
 from hybridrl.atomic import write_text
 from hybridrl.report import stats, trend, wording
 from hybridrl.report.aggregate import read_table
+from hybridrl.report.cells import Table, markdown
 from hybridrl.run import request_records
 from hybridrl.run.record import COMPARED_STEP
 
@@ -556,7 +557,7 @@ def setup_table(study: str) -> str:
     table = setup_time.setup_table(df, run_labels(df))
     if table is None:
         raise ValueError(f"{study}: no run recorded its engine's start")
-    return setup_time.markdown(table)
+    return "\n" + markdown(table) + "\n"
 
 
 def logged(path: str, pattern: str) -> str:
@@ -571,7 +572,7 @@ def logged(path: str, pattern: str) -> str:
 def floors(study: str) -> str:
     """The report's floor table (report.floors) of one study, as a Markdown table on lines of its own: every
     configuration's phases, their steady-state medians, floors and ratios."""
-    from hybridrl.report.floors import floor_table, markdown
+    from hybridrl.report.floors import floor_table
     from hybridrl.report.plots import config_labels
 
     if "+" in study:
@@ -580,12 +581,11 @@ def floors(study: str) -> str:
     table = floor_table(df, REPO / study / "runs", config_labels(df))
     if table is None:
         raise ValueError(f"{study}: no phase to set against a floor")
-    return "\n\n" + markdown(table) + "\n\n"
+    return _markdown_block(table)
 
 
-def _markdown_block(table: Any) -> str:
-    from hybridrl.report.floors import markdown
-
+def _markdown_block(table: Table) -> str:
+    """A table on lines of its own in a README: a blank line before and after."""
     return "\n\n" + markdown(table) + "\n\n"
 
 

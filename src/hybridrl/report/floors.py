@@ -11,7 +11,6 @@ copy_bandwidth; older runs have none, and their copy floors read "not measured")
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -228,11 +227,3 @@ def _floor_cells(median: float, floors: list[Floor]) -> list[Cell]:
     basis = next(f.basis for f in floors if f.seconds is not None)
     ratio = f"{median / floor:.1f}x" if floor > 0 else "–"
     return [Cell(f"{floor:.3g}", "num"), Cell(ratio, "num"), Cell(basis)]
-
-
-def markdown(table: Table, cell: Callable[[str], str] = lambda s: s.replace("|", "\\|")) -> str:
-    """The table as a Markdown table (what the report's template writes for it)."""
-    lines = ["| " + " | ".join(cell(h) for h in table.headers) + " |",
-             "|" + "|".join(" --- " for _ in table.headers) + "|"]
-    lines += ["| " + " | ".join(cell(c.text) for c in row) + " |" for row in table.rows]
-    return "\n".join(lines)

@@ -47,9 +47,3 @@ def setup_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
                            Cell(f"{share:.0%}", "num") if pd.notna(share) else Cell("–", "na")])
     return table
 
-
-def markdown(table: Table) -> str:
-    """The table as a study README quotes it (a figure marker's text): a blank line, then the rows."""
-    lines = ["| " + " | ".join(table.headers) + " |", "|" + " --- |" * len(table.headers)]
-    lines += ["| " + " | ".join(c.text.replace("|", "\\|") for c in row) + " |" for row in table.rows]
-    return "\n" + "\n".join(lines) + "\n"

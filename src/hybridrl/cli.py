@@ -258,7 +258,7 @@ def _peer_trl(args: argparse.Namespace) -> None:
         import trl  # noqa: F401  (imported here so that a missing TRL is one line, not a traceback)
     except ImportError:
         raise SystemExit("hybridrl peer-trl: TRL is not installed (requirements/controller.lock.txt pins it; on the "
-                         "GPU machine lease.sh prepare carries its wheels)") from None
+                         "GPU machine it is the overlay `lease.sh prepare ... peer` packs)") from None
     check_writable(Path(args.out))
     out = Path(args.out)
     peer_main(spec.run_id, spec.run, Path(args.model), Path(args.data), out, opts,

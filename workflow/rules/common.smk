@@ -75,8 +75,8 @@ def run_done(rid: str) -> str:
 
 
 # The study's order on SLURM: every job's --nice is its rank (the model builds first, then the runs and
-# measurements in the study's order: config.job_ranks); with node.sharing one_at_a_time each job has the node alone (--exclusive) and is a
-# rule of its own (an array would give every task the first task's flags).
+# measurements in the study's order: config.job_ranks); with node.sharing one_at_a_time each job has the node
+# alone (--exclusive) and is a rule of its own (an array would give every task the first task's flags).
 SHARING = STUDY.node.sharing
 ONE_AT_A_TIME = SHARING == "one_at_a_time"
 

@@ -16,6 +16,7 @@ import yaml
 
 from hybridrl.engines.base import Completion, EngineError, SleepVariant
 from hybridrl.run.loop import AdapterNotApplied, RunFailed, run_loop, step_requests
+from hybridrl.run.placement import ADAPTER_NAME
 from hybridrl.study import models
 from hybridrl.study.config import resolve
 from hybridrl.study.run_config import RunConfig
@@ -934,3 +935,35 @@ def test_a_run_without_a_trainer_rolls_out_the_base_model_and_nothing_is_stale()
     assert _rolled_out(3, [], ["4"], done, 0, 1.0, None, trains=False).staleness == 0
     assert _rolled_out(3, [], ["4"], done, 1, 1.0, None, trains=True).staleness == 1  # ran ahead on step 1's
     assert _rolled_out(3, [], ["4"], done, 2, 1.0, None, trains=True).staleness == 0
+
+
+class NamesSeen(ScriptedEngine):
+    """Records the adapter each rollout's requests named."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.named: list[set] = []
+
+    def generate(self, requests, progress=False, shared_pool=False):
+        if len(requests) > 1:
+            self.named.append({r.adapter for r in requests})
+        return super().generate(requests, progress)
+
+
+def test_a_drawn_first_adapter_is_rolled_out_from_step_1_and_judged_every_step(assets, tmp_path):
+    # no format bonus: the scripted engine's rewards are all zero, so GRPO's gradient is zero and a B = 0 adapter
+    # stays the identity, as a random-init model's does
+    run = _colocated(2).model_copy(update={"format_reward": 0.0})
+    plain = tmp_path / "plain"
+    run_loop(run, "r-plain", assets / "model", assets / "data", plain, {}, progress=False, engine=ScriptedEngine())
+    kept = [json.loads(x) for x in (plain / "steps.jsonl").read_text().splitlines()]
+    assert [r["check/adapter_not_judged"] for r in kept] == ["identity adapter"] * 2
+    drawn = run.model_copy(update={"lora": run.lora.model_copy(update={"init_b_std": 1e-2})})
+    engine, out = NamesSeen(), tmp_path / "drawn"
+    run_loop(drawn, "r-drawn", assets / "model", assets / "data", out, {}, progress=False, engine=engine)
+    first = out / "adapters" / "step-0000"
+    assert engine.started_with[0] == (ADAPTER_NAME, first)  # the engine starts with it, as on a resume
+    assert engine.named == [{ADAPTER_NAME}] * 2  # step 1 rolls out the drawn adapter, not the base model
+    kept = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
+    assert [r["check/adapter_applied"] for r in kept] == [True, True]
+    assert all(r["train/lora_norm"] > 0 and r["check/adapter_not_judged"] is None for r in kept)

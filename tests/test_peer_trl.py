@@ -116,6 +116,9 @@ def test_peer_trl_settings_and_refusals(tmp_path: Path) -> None:
     assert kw["num_generations"] == run.group_size and kw["max_completion_length"] == run.max_new_tokens
     with pytest.raises(ValueError, match="does not divide"):
         check_options(run, PeerOptions(steps=1, micro_batch=3, device="cuda"))
+    drawn = run.model_copy(update={"lora": run.lora.model_copy(update={"init_b_std": 1e-3})})
+    with pytest.raises(ValueError, match="init_b_std"):
+        check_options(drawn, PeerOptions(steps=1, micro_batch=4, device="cuda"))
 
 
 def test_peer_trl_cli_refuses_a_missing_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

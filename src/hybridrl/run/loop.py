@@ -44,6 +44,7 @@ from hybridrl.run.checks import (
     model_family,
 )
 from hybridrl.run.cores import CoreSplit, engine_env_spec, job_cores, split_cores
+from hybridrl.run.initial_adapter import write_initial_adapter
 from hybridrl.run.overlap import AheadRollouts, InFlight, overlap_s
 from hybridrl.run.phase_file import PhaseFile
 from hybridrl.run.placement import ADAPTER_NAME, Placement, make_placement
@@ -129,8 +130,9 @@ def step_requests(problems: list[dict[str, Any]], run: RunConfig, step: int, tok
                   adapter_step: int | None = None, replicate: int = 1) -> tuple[list[Request], list[str]]:
     """The same prompts, seeds and sampling for every engine: they depend only on (seed, step), and with
     replicate_seeds the sampling seeds on the replicate too. The requests name the policy adapter once there is
-    one: the engine holds step `adapter_step`'s (default: the last step's)."""
-    has_adapter = (step - 1 if adapter_step is None else adapter_step) > 0
+    one (from step 1 where lora.init_b_std draws the first): the engine holds step `adapter_step`'s (default: the
+    last step's)."""
+    has_adapter = (step - 1 if adapter_step is None else adapter_step) > 0 or run.lora.init_b_std > 0
     draw = (replicate - 1) * 7_368_787 if run.replicate_seeds else 0  # replicate 1 keeps the seeds it always had
     picked = gsm8k.step_problems(len(problems), run.seed, step, run.prompts_per_step)
     s = run.sampling
@@ -193,13 +195,15 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
         trainer = make_trainer(run, model_dir, paths.root)
         if trainer:
             provenance.add_ports(trainer.ports())
-        adapter = paths.adapter(first_step - 1) if first_step > 1 else None
+        # a resumed run's last adapter, or a fresh run's drawn first one (lora.init_b_std)
+        adapter = (paths.adapter(first_step - 1) if first_step > 1
+                   else write_initial_adapter(run, model_dir, paths.adapter(0)))
         if adapter is not None:
             if not adapter.exists():
                 raise RunFailed(f"{run_id}: step {first_step - 1} is recorded but {adapter} is missing")
             if trainer:
                 trainer.resume(adapter)
-            console.print(f"{run_id}: resuming at step {first_step} from {adapter}")
+            console.print(f"{run_id}: starting at step {first_step} from {adapter}")
         # before the engine starts, so that nothing else loads the host while the client and the link are measured
         bandwidth = copy_bandwidth.measure(run.device)
         ceiling = run_ceiling(engine.name, run.prompts_per_step * run.group_size, run.max_new_tokens,
@@ -316,7 +320,8 @@ def one_step(ctx: RunContext, step: int) -> dict[str, Any]:
 
 def engine_adapter(ctx: RunContext) -> Path | None:
     """The adapter the engine holds, for starting it again: the step's of ctx.engine_adapter_step."""
-    return ctx.paths.adapter(ctx.engine_adapter_step) if ctx.engine_adapter_step else None
+    drawn = ctx.run.lora.init_b_std > 0  # step 0's adapter is the drawn one (initial_adapter)
+    return ctx.paths.adapter(ctx.engine_adapter_step) if ctx.engine_adapter_step or drawn else None
 
 
 def start_next_rollout(ctx: RunContext, step: int, t: Timings) -> InFlight | None:

@@ -44,6 +44,13 @@ class RunLora(_Frozen):
     # lists in YAML and JSON, a tuple here so that the frozen config cannot be changed in place
     target_modules: tuple[Literal[LORA_TARGETS], ...] = Field(
         LORA_TARGETS, strict=False, min_length=1, description="projections that get an adapter")
+    init_b_std: float = Field(
+        0.0, ge=0, le=0.1, strict=False,
+        description="standard deviation of the B matrices' first draw. 0 (PEFT's default): the adapter starts as the "
+                    "identity, and step 1 rolls out the base model. Above 0: the run starts from a drawn adapter "
+                    "(adapters/step-0000, trainer and engine alike), so that the adapter gate judges every step even "
+                    "where the reward gives no gradient, as with a random-init model (1e-3 moves B about as much as "
+                    "one AdamW step at lr 1e-3)")
 
 
 class RunConfig(_Frozen):
@@ -208,10 +215,23 @@ class RunSpec(_Frozen):
 # keys added after reference results were recorded: out of the hash while they hold their default, so that those
 # results keep their ids (and a study's later rounds join its earlier ones); a run that sets one gets an id of its own
 _LATE_KEYS = {"rollout_process": False, "release_comms": False, "replicate_seeds": False, "chunked_head": False,
-              "train_ep": 1, "max_awake_shortfall_gb": 2.0}
+              "train_ep": 1, "max_awake_shortfall_gb": 2.0, "lora.init_b_std": 0.0}
 
 # a replicate's suffix: after the 8-hex hash, so no readable prefix (`name`) can look like one
 _REPLICATE = re.compile(r"^(?P<config>.+-[0-9a-f]{8})(?:-r(?P<k>[0-9]+))?$")
+
+
+def _hash_excluded(run: RunConfig) -> dict[str, Any]:
+    """model_dump's `exclude` for the hash: `replicates`, and every late key (dotted: one level down) at its default."""
+    out: dict[str, Any] = {"replicates": True}
+    for key, default in _LATE_KEYS.items():
+        parent, _, child = key.rpartition(".")
+        if getattr(getattr(run, parent) if parent else run, child) == default:
+            if parent:
+                out.setdefault(parent, {})[child] = True
+            else:
+                out[child] = True
+    return out
 
 
 def run_id(run: RunConfig, replicate: int = 1) -> str:
@@ -222,8 +242,7 @@ def run_id(run: RunConfig, replicate: int = 1) -> str:
     """
     if not 1 <= replicate <= run.replicates:
         raise ValueError(f"replicate {replicate} is outside 1..{run.replicates}")
-    late_at_default = {k for k, v in _LATE_KEYS.items() if getattr(run, k) == v}
-    canonical = json.dumps(run.model_dump(mode="json", exclude={"replicates", *late_at_default}), sort_keys=True,
+    canonical = json.dumps(run.model_dump(mode="json", exclude=_hash_excluded(run)), sort_keys=True,
                            separators=(",", ":"))
     digest = hashlib.sha256(canonical.encode()).hexdigest()[:8]
     prefix = run.name or f"{run.engine}-{run.placement}-{run.trainer}-{run.model}"

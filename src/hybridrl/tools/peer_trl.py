@@ -77,6 +77,9 @@ def check_options(run: RunConfig, opts: PeerOptions) -> None:
     if opts.device == "cuda" and run.tp != 1:
         raise ValueError(f"the run's engine has tp {run.tp}: the TRL peer mirrors one-GPU runs (colocated vLLM at "
                          "TP 1)")
+    if run.lora.init_b_std > 0:
+        raise ValueError(f"lora.init_b_std {run.lora.init_b_std}: TRL builds its adapter as the identity (B = 0) and "
+                         "cannot start from a drawn one; mirror a run with init_b_std 0")
 
 
 def grpo_settings(run: RunConfig, opts: PeerOptions, out_dir: Path) -> dict[str, Any]:

@@ -200,9 +200,35 @@ def test_bad_input_is_one_line_and_nothing_is_written(tmp_path: Path, case: str)
     assert not dest.with_name("study.partial").exists()
 
 
-def test_the_engines_caches_a_poll_packed_travel_with_the_next_lease_where_they_fit(tmp_path: Path) -> None:
+def _home_with_caches(home: Path, sizes: dict[str, int]) -> None:
+    """An engine machine's $HOME whose caches hold random (incompressible) files of these sizes."""
+    for d, n in sizes.items():
+        (home / d).mkdir(parents=True)
+        (home / d / "kernel.bin").write_bytes(os.urandom(n))
+
+
+def test_a_poll_packs_the_caches_in_pieces_a_call_brings_back_most_valuable_first(tmp_path: Path) -> None:
+    home, out = tmp_path / "home", tmp_path / "out"
+    out.mkdir()
+    _home_with_caches(home, {".cache/flashinfer": 20 * MiB, ".cache/vllm": 30 * MiB, ".triton/cache": 9 * MiB})
+    done = _lease("pack-caches", str(out), HOME=str(home), HYBRIDRL_CACHE_ROOM=str(52 * MiB))
+    assert done.returncode == 0, done.stderr
+    pieces = sorted(out.glob("caches.tar.gz.*"))
+    assert [p.name for p in pieces] == ["caches.tar.gz.0", "caches.tar.gz.1", "caches.tar.gz.2", "caches.tar.gz.3"]
+    assert all(p.stat().st_size <= 15 * MiB for p in pieces)  # a call brings back files of 16 MiB at most
+    whole = tmp_path / "caches.tgz"
+    whole.write_bytes(b"".join(p.read_bytes() for p in pieces))
+    with tarfile.open(whole) as tar:
+        kept = {n for n in tar.getnames() if n.endswith("kernel.bin")}
+    # FlashInfer's and vLLM's fit within the room; Triton's, last in value, would not beside them
+    assert kept == {".cache/flashinfer/kernel.bin", ".cache/vllm/kernel.bin"}
+    assert "cache .triton/cache: 9" in done.stdout and "left behind" in done.stdout
+
+
+def test_the_engines_caches_a_poll_packed_travel_with_the_next_lease(tmp_path: Path) -> None:
     tarball = _pack(_machine(tmp_path / "a", ("sglang-verdict-795e3683",)), tmp_path / "a.tgz")
-    (tmp_path / "caches.tar.gz").write_bytes(b"caches")  # what the last poll packed beside the results
+    (tmp_path / "caches.tar.gz.0").write_bytes(b"cach")  # the pieces the last poll packed beside the results
+    (tmp_path / "caches.tar.gz.1").write_bytes(b"es")
     gpu = tmp_path / "gpu"
     done = _lease("import", str(tarball), str(tmp_path / "study"), HYBRIDRL_GPU_DIR=str(gpu))
     assert done.returncode == 0, done.stderr
@@ -211,6 +237,39 @@ def test_the_engines_caches_a_poll_packed_travel_with_the_next_lease_where_they_
     env = _shared(tmp_path, gpu, os.urandom(2 * MiB))
     assert _lease("prepare", "vllm", cwd=repo, **env).returncode == 0
     assert (gpu / "start" / "caches.tar.gz").read_bytes() == b"caches"  # call 1 carries them
-    (gpu / "caches.tar.gz").write_bytes(b"x" * (25 * MiB))  # more than call 1 has room for beside the kit
-    assert _lease("prepare", "vllm", cwd=repo, **env).returncode == 0
+    big = os.urandom(25 * MiB)  # more than call 1 has room for beside the kit: transfer parts of their own
+    (gpu / "caches.tar.gz").write_bytes(big)
+    tree = sum(p.stat().st_size for p in repo.rglob("*") if p.is_file() and ".git" not in p.parts)
+    done = _lease("prepare", "vllm", cwd=repo, HYBRIDRL_CARRY_LIMIT=str(tree + 4 * MiB + 3 * 1024 + 11 * MiB), **env)
+    assert done.returncode == 0, done.stderr
     assert not (gpu / "start" / "caches.tar.gz").exists()
+    assert "then x00 x01 x02 x03 one call each" in done.stdout  # one overlay part, then three of the caches
+    pieces = [next((gpu / f"x{i:02d}").glob("cache.*")) for i in (1, 2, 3)]
+    assert b"".join(p.read_bytes() for p in pieces) == big
+    stage = tmp_path / "stage"
+    for d in ("x01", "x02"):  # on the machine: a cache part gathers beside the others, no overlay is collected
+        moved = _lease("transfer", str(gpu / d), cwd=repo, HYBRIDRL_LEASE_CACHES=str(stage))
+        assert moved.returncode == 0, moved.stderr
+    assert sorted(p.name for p in stage.iterdir()) == ["cache.01", "cache.02"]
+
+
+def test_the_last_transfer_unpacks_the_caches_into_home_before_the_jobs_start(tmp_path: Path) -> None:
+    made, gpu = tmp_path / "made", tmp_path / "gpu"
+    _home_with_caches(made, {".cache/flashinfer": 3 * MiB})
+    whole = gpu / "caches.tar.gz"
+    gpu.mkdir()
+    subprocess.run(["tar", "czf", str(whole), "-C", str(made), ".cache/flashinfer"], check=True)
+    for i, piece in enumerate((whole.read_bytes()[:MiB], whole.read_bytes()[MiB:])):
+        (gpu / f"x{i:02d}").mkdir()
+        (gpu / f"x{i:02d}" / f"cache.{i:02d}").write_bytes(piece)
+        (gpu / f"x{i:02d}" / "gpu-env").write_text("#!/bin/sh\nexit 0\n")  # installs nothing here
+    home, envs = tmp_path / "home", tmp_path / "envs"
+    home.mkdir()
+    envs.mkdir()
+    env = {"HOME": str(home), "HYBRIDRL_LEASE_CACHES": str(tmp_path / "stage"), "HYBRIDRL_LEASE_ENVS": str(envs)}
+    assert _lease("transfer", str(gpu / "x00"), **env).returncode == 0
+    assert not (home / ".cache").exists()  # not before the last part
+    done = _lease("transfer", str(gpu / "x01"), "install", **env)
+    assert done.returncode == 0, done.stderr
+    assert (home / ".cache/flashinfer/kernel.bin").read_bytes() == (made / ".cache/flashinfer/kernel.bin").read_bytes()
+    assert (envs / ".ready").exists()  # and the jobs may start

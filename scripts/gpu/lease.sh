@@ -7,17 +7,24 @@
 # here:  lease.sh prepare [SET...]        overlays (default: sglang vllm; peer: TRL's), controller wheels, SLURM kit
 #        lease.sh lean off|on             results/reference out of the carried tree for a lease, and back
 #        lease.sh import TARBALL NAME [LABEL]   a poll's tarball -> results/reference/NAME (LABEL: add to NAME);
-#                                         the engines' caches beside it are kept for the next lease's call 1
+#                                         the engines' caches beside it are kept for the next lease (call 1 where
+#                                         they fit, otherwise transfer parts of their own)
 # there: lease.sh start CONFIG [ARG...]   SLURM, Snakemake and the study (ARGs go to snakemake); carry .gpu/start
 #        lease.sh transfer DIR [install]  one overlay part; `install` on the last lets the jobs start
 #        lease.sh poll OUT [ROUNDS]       a minute apart: the results so far to OUT/latest.tar.gz; then a status
+#                                         (and, once Snakemake has exited, the engines' caches: pack-caches)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 gpu=${HYBRIDRL_GPU_DIR:-$repo/.gpu}
 shared=${HYBRIDRL_SHARED_GPU:-$repo/../shared/gpu}
 work=${HYBRIDRL_LEASE_WORK:-/tmp/study}  # the study's working directory on the machine
 limit=${HYBRIDRL_CARRY_LIMIT:-$((64 * 1024 * 1024))}  # what one device call may carry, the tree included
-caches=(.triton/cache .cache/vllm .cache/flashinfer)  # the engines' JIT and compile caches, under $HOME
+# the engines' JIT and compile caches under $HOME, most minutes saved first: FlashInfer's nvcc builds (its all-reduce
+# fusion at TP 2 took ~200 s of a first start), vLLM's torch.compile, Triton's kernels
+caches=(.cache/flashinfer .cache/vllm .triton/cache)
+cache_piece=$((15 * 1024 * 1024))  # what one file back from a call may hold (16 MiB), less a margin
+cache_stage=${HYBRIDRL_LEASE_CACHES:-/tmp/lease-caches}  # where transfer parts of caches gather on the machine
+envs=${HYBRIDRL_LEASE_ENVS:-/tmp/envs}  # where gpu-env installs the overlays (its own fixed place)
 die() { echo "lease: $*" >&2; exit 2; }
 size() { { xargs -0 -r stat -c %s -- 2>/dev/null || true; } | awk '{s += $1} END {print s + 0}'; }
 
@@ -45,8 +52,10 @@ prepare() {  # the carried folders: .gpu/start (call 1) and .gpu/x00.. (one tran
   [ -d "$gpu/start/slurm/whl" ] || bash "$shared/slurm/slurm-lease" wheels "$gpu/start/slurm/whl"
   rm -rf "$gpu/start/slurm/kit" && cp -r "$shared/slurm" "$gpu/start/slurm/kit" && cp "$shared/gpu-env" "$gpu/start/"
   rm -f "$gpu/start/caches.tar.gz"  # a machine's first engine start compiles minutes of kernels these hold
-  [ ! -f "$gpu/caches.tar.gz" ] || [ "$(stat -c %s "$gpu/caches.tar.gz")" -gt $((24 * 1024 * 1024)) ] \
-    || cp "$gpu/caches.tar.gz" "$gpu/start/"
+  local big=
+  if [ -f "$gpu/caches.tar.gz" ]; then
+    [ "$(stat -c %s "$gpu/caches.tar.gz")" -gt $((24 * 1024 * 1024)) ] && big=1 || cp "$gpu/caches.tar.gz" "$gpu/start/"
+  fi
   cd "$repo"
   tree=$({ git ls-files -z; git ls-files -z --others --exclude-standard; } | size)
   files=$({ git ls-files; git ls-files --others --exclude-standard; } | wc -l)
@@ -58,6 +67,12 @@ prepare() {  # the carried folders: .gpu/start (call 1) and .gpu/x00.. (one tran
   rm -rf "$gpu"/x[0-9][0-9] "$gpu/cut" && mkdir -p "$gpu/cut"
   cat "$packed"/part.* | split -b "$part" -d -a 2 - "$gpu/cut/part."
   for p in "$gpu"/cut/part.*; do mkdir -p "$gpu/x${p##*.}" && cp "$shared/gpu-env" "$gpu/x${p##*.}/" && mv "$p" "$gpu/x${p##*.}/"; done
+  if [ -n "$big" ]; then  # too big for call 1: parts of their own after the overlays', unpacked by `install`
+    local n
+    n=$(ls -d "$gpu"/x[0-9][0-9] | wc -l)  # the overlays' parts, numbered from 00
+    split -b "$part" -d -a 2 --numeric-suffixes="$n" "$gpu/caches.tar.gz" "$gpu/cut/cache."
+    for p in "$gpu"/cut/cache.*; do mkdir -p "$gpu/x${p##*.}" && cp "$shared/gpu-env" "$gpu/x${p##*.}/" && mv "$p" "$gpu/x${p##*.}/"; done
+  fi
   rmdir "$gpu/cut"
   echo "lease: call 1 carries .gpu/start; then $(cd "$gpu" && ls -d x[0-9][0-9] | tr '\n' ' ')one call each"
 }
@@ -111,13 +126,38 @@ start() {
 
 transfer() {  # DIR [install]: one part into /tmp/gpu-env; install puts every overlay under /tmp/envs, compiled
   local t=$SECONDS
-  bash "${1:?usage: lease.sh transfer DIR [install]}/gpu-env" collect "$1"
+  if ls "${1:?usage: lease.sh transfer DIR [install]}"/cache.* > /dev/null 2>&1; then  # a part of the caches
+    mkdir -p "$cache_stage" && cp "$1"/cache.* "$cache_stage/" && ls "$cache_stage" | tr '\n' ' ' && echo
+  else
+    bash "$1/gpu-env" collect "$1"
+  fi
   [ "${2:-}" = install ] || return 0
+  ! ls "$cache_stage"/cache.* > /dev/null 2>&1 || cat "$cache_stage"/cache.* | tar xzf - -C "$HOME" \
+    || echo "lease: the caches did not unpack"
   bash "$1/gpu-env" install
   # the image sets PYTHONDONTWRITEBYTECODE, and gpu-env installs without .pyc files: without this, every engine
   # process would compile its overlay's imports again
-  python3 -m compileall -q -j 0 /tmp/envs > /dev/null 2>&1 || true
-  touch /tmp/envs/.ready && echo "lease: overlays installed and compiled in $((SECONDS - t)) s"
+  python3 -m compileall -q -j 0 "$envs" > /dev/null 2>&1 || true
+  touch "$envs/.ready" && echo "lease: overlays installed and compiled in $((SECONDS - t)) s"
+}
+
+pack_caches() {  # OUT: the engines' caches as OUT/caches.tar.gz.N pieces that a call's files may bring back,
+  # each cache whole or not at all, most valuable first, within what the results leave of a call's 64 MiB
+  local out=${1:?usage: lease.sh pack-caches OUT} stage d kept=() sum=0 n room s
+  room=${HYBRIDRL_CACHE_ROOM:-$((56 * 1024 * 1024))}
+  stage=$(mktemp -d)
+  for d in "${caches[@]}"; do
+    [ -d "$HOME/$d" ] || continue
+    tar czf "$stage/one.tgz" -C "$HOME" "$d" 2> /dev/null || continue
+    n=$(stat -c %s "$stage/one.tgz")
+    if [ $((sum + n)) -le "$room" ]; then kept+=("$d") && sum=$((sum + n)); s=kept; else s="left behind"; fi
+    echo "lease: cache $d: $((n / 1024)) KiB packed, $s"
+  done
+  rm -f "$out"/caches.tar.gz.*
+  if [ ${#kept[@]} -gt 0 ]; then
+    tar czf "$stage/all.tgz" -C "$HOME" "${kept[@]}" && split -b "$cache_piece" -d -a 1 "$stage/all.tgz" "$out/caches.tar.gz."
+  fi
+  rm -rf "$stage"
 }
 
 running() { [ -f "$work/snakemake.pid" ] && kill -0 "$(cat "$work/snakemake.pid")" 2> /dev/null; }
@@ -148,7 +188,7 @@ poll() {
     pack "$out/latest.tar.gz"
   done
   pack "$out/latest.tar.gz"
-  running || (cd "$HOME" && ls -d "${caches[@]}" 2> /dev/null | tar czf "$out/caches.tar.gz" -T -) || true
+  running || pack_caches "$out"
   running && echo "== snakemake running" || echo "== snakemake exited"
   tail -n 12 "$work/snakemake.log"
   squeue -o '%.10i %.24j %.9T %.10M %.8b %R' 2> /dev/null || true
@@ -165,7 +205,7 @@ import() {  # TARBALL NAME [LABEL]: runs, benches and logs into results/referenc
   [ -x "$py" ] || py=python3
   [[ -z $label || $label =~ ^[A-Za-z0-9][A-Za-z0-9._]*$ ]] || die "LABEL '$label' is not a plain word"
   [ -f "$tarball" ] || die "no file $tarball"
-  kept=$(cd "$(dirname "$tarball")" && pwd)/caches.tar.gz  # the engines' caches its poll packed, if any
+  kept=$(cd "$(dirname "$tarball")" && pwd)/caches.tar.gz  # the engines' caches its poll packed, if any, in pieces
   [ -n "$label" ] || [ ! -e "$dest" ] || die "$dest exists: nothing written (another NAME, or a LABEL to add to it)"
   [ -z "$label" ] || [ -d "$dest/runs" ] || die "$dest holds no runs to add to: nothing written"
   [ -z "$label" ] || [ ! -e "$dest/logs/$label" ] || die "$dest holds logs/$label already: another LABEL"
@@ -191,12 +231,14 @@ import() {  # TARBALL NAME [LABEL]: runs, benches and logs into results/referenc
   fi
   cd "$repo" && mkdir -p "$(dirname "$dest")" && mv "$tmp/new" "$dest.partial" && rm -rf "$dest" && mv "$dest.partial" "$dest"
   # the next lease's call 1 takes them (prepare), so that its engines' first starts find their kernels compiled
-  [ ! -f "$kept" ] || { mkdir -p "$gpu" && cp "$kept" "$gpu/" && echo "lease: the engines' caches kept in $gpu"; }
+  ! ls "$kept".* > /dev/null 2>&1 || { mkdir -p "$gpu" && cat "$kept".* > "$gpu/caches.tar.gz" \
+    && echo "lease: the engines' caches kept in $gpu ($(($(stat -c %s "$gpu/caches.tar.gz") / 1024)) KiB)"; }
   echo "lease: $dest ($# runs with steps); commit it now: git add -f $dest"
 }
 
 cmd=${1:-}; shift || true
 case "$cmd" in
   prepare|lean|start|transfer|poll|pack|import) "$cmd" "$@" ;;
+  pack-caches) pack_caches "$@" ;;
   *) sed -n '2,/^set -e/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

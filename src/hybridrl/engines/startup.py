@@ -6,7 +6,8 @@ The parts, in the order an engine goes through them:
                    processes, distributed init
     weights        loading the model's weights
     kv             sizing and allocating the KV cache (vLLM: its profiling run, which sizes it)
-    graphs         CUDA graph capture, and vLLM's torch.compile
+    graphs         CUDA graph capture, and vLLM's torch.compile, and SGLang's set-up of its graph runner before
+                   the capture
     warmup         vLLM's kernel warm-up after the capture (its V2 model runner runs a prefill and a decode step to
                    JIT-compile its Triton kernels, LoRA's among them): about 2 minutes the first time on a machine,
                    seconds once Triton's cache holds them
@@ -82,7 +83,10 @@ MARKERS: dict[str, Markers] = {
             "weights": (Span(None, r"Load weight end\. elapsed=(?P<s>[\d.]+) s"),),
             # no line opens the memory pool: it is set up, the LoRA buffers with it, after the weights
             "kv": (Span(r"Load weight end", r"Memory pool end"),),
-            "graphs": (Span(None, r"Capture .*(?i:cuda) graph end\. elapsed=(?P<s>[\d.]+) s"),),
+            # before the capture, the graph runner is set up: at TP > 1 its FlashInfer all-reduce fusion workspace,
+            # whose kernels FlashInfer builds on a machine's first start (204 s at TP 2 on an H200)
+            "graphs": (Span(r"Memory pool end", r"Capture .*(?i:cuda) graph begin"),
+                       Span(None, r"Capture .*(?i:cuda) graph end\. elapsed=(?P<s>[\d.]+) s")),
             # the server answers 503 to the health check until its own warm-up request is done
             "ready": (Span(r"Uvicorn running on", HEALTHY, fallback=r"The server is fired up"),),
         },

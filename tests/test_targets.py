@@ -35,6 +35,14 @@ def test_a_target_applies_only_where_every_field_matches() -> None:
     assert not targets.applies(targets.Where(engine="vllm"), _config("a", [9, 9, 3, 3]))
 
 
+def test_gpu_count_is_what_each_run_held_not_the_machines() -> None:
+    two = targets.Where(gpu_count=2)
+    held = _config("a", [9, 9, 3, 3]).assign(gpu_count=4, **{"cost/gpus": 2.0})  # two of a four-GPU machine
+    assert targets.applies(two, held)
+    assert not targets.applies(two, held.assign(**{"cost/gpus": 4.0}))
+    assert targets.applies(two, held.drop(columns="cost/gpus").assign(gpu_count=2))  # aggregated before cost/gpus
+
+
 @pytest.mark.parametrize(("lo", "hi", "verdict"), [(3.0, 3.9, "met"), (4.1, 5.0, "missed"),
                                                     (3.8, 4.2, "not settled: its interval reaches past the bound"),
                                                     (float("nan"), float("nan"), "not settled: no interval")])

@@ -152,6 +152,13 @@ def _base_kept(inputs: RunInputs, row: pd.Series) -> bool:
     return str(recorded).lower() in ("true", "1", "1.0")
 
 
+def _trainer_gpus(run: dict[str, Any]) -> int:
+    """The GPUs the trainer's update runs on: Megatron's ranks (train_tp x train_ep), else train_gpus."""
+    if run.get("trainer") == "megatron":
+        return max(int(run.get("train_tp") or 1) * int(run.get("train_ep") or 1), 1)
+    return max(int(run.get("train_gpus") or 1), 1)
+
+
 def phase_floor(inputs: RunInputs, column: str, row: pd.Series) -> Floor:
     """One step's floor of one phase."""
     if inputs.gpu is None:
@@ -159,7 +166,7 @@ def phase_floor(inputs: RunInputs, column: str, row: pd.Series) -> Floor:
     if inputs.spec is None:
         return Floor(None, f"no floor: {inputs.gpu} is not in the GPU table")
     if column == "timing_s/update_actor":
-        flops, gpus = row.get("perf/update_flops"), max(int(inputs.config.get("train_gpus") or 1), 1)
+        flops, gpus = row.get("perf/update_flops"), _trainer_gpus(inputs.config)
         if pd.isna(flops):
             return Floor(None, "no perf/update_flops recorded")
         peak = inputs.spec.peak_bf16_flops
@@ -180,9 +187,10 @@ def phase_floor(inputs: RunInputs, column: str, row: pd.Series) -> Floor:
                      f"at {inputs.spec.hbm_bytes_per_s / 1e12:.3g} TB/s, TP {tp}, from {source}{moe}{shape}")
     weights = inputs.shape.weight_params * floor_model.BF16
     lora_state = _lora_bytes(inputs, 3 * floor_model.FP32, train_tp)  # fp32 weights and AdamW's two moments
-    if column == "timing_s/trainer_onload":
-        base = 0 if _base_kept(inputs, row) else weights / train_tp
-        what = "LoRA state" if not base else "base weights + LoRA state"
+    if column == "timing_s/trainer_onload":  # each of the trainer's GPUs loads its own share over its own link
+        ranks = _trainer_gpus(inputs.config)
+        base = 0 if _base_kept(inputs, row) else weights / ranks
+        what = "LoRA state" if not base else "base weights + LoRA state" + (f" a GPU (of {ranks})" if ranks > 1 else "")
         return _copy(inputs, None if lora_state is None else base + lora_state, "h2d", what)
     if column == "timing_s/trainer_offload":  # the frozen base's pinned copy is reused: only LoRA state moves
         return _copy(inputs, lora_state, "d2h", "LoRA state")

@@ -72,6 +72,13 @@ def _median(config: pd.DataFrame, column: str) -> float:
     return float(values.median()) if values.notna().any() else float("nan")
 
 
+def _gpus_held(config: pd.DataFrame) -> float:
+    """The GPUs each run held (cost/gpus: a colocated run on two GPUs of a four-GPU machine held two), else the
+    machine's count for steps aggregated before that column."""
+    held = _median(config, "cost/gpus")
+    return held if pd.notna(held) else _median(config, "gpu_count")
+
+
 def applies(where: Where, config: pd.DataFrame) -> bool:
     """Whether the configuration's steps (one config_id) are what the target is about."""
     first = config.iloc[0]
@@ -81,7 +88,7 @@ def applies(where: Where, config: pd.DataFrame) -> bool:
     parts = {"gpu": where.gpu, "model": where.model}
     if any(v is not None and v.lower() not in str(first.get(k, "")).lower() for k, v in parts.items()):
         return False
-    if where.gpu_count is not None and _median(config, "gpu_count") != where.gpu_count:
+    if where.gpu_count is not None and _gpus_held(config) != where.gpu_count:
         return False
     return where.gen_tokens is None or _median(config, "perf/gen_tokens") == where.gen_tokens
 

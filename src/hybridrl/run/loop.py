@@ -203,7 +203,8 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
                 raise RunFailed(f"{run_id}: step {first_step - 1} is recorded but {adapter} is missing")
             if trainer:
                 trainer.resume(adapter)
-            console.print(f"{run_id}: starting at step {first_step} from {adapter}")
+            verb = "resuming" if first_step > 1 else "starting"
+            console.print(f"{run_id}: {verb} at step {first_step} from {adapter}")
         # before the engine starts, so that nothing else loads the host while the client and the link are measured
         bandwidth = copy_bandwidth.measure(run.device)
         ceiling = run_ceiling(engine.name, run.prompts_per_step * run.group_size, run.max_new_tokens,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -172,14 +173,20 @@ def build_random(spec: dict[str, Any], corpus: Path, out_dir: Path, test: Path |
         ids = _special_ids(tokenizer)
         generation_eos = ids.pop("generation_eos")
         config = config_cls(**shape, **ids, torch_dtype=dtype)
+        t0 = time.perf_counter()
         model = _draw(model_cls, config, spec, dtype)
+        drawn_s = time.perf_counter() - t0
         model.generation_config.eos_token_id = generation_eos
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         if spec.get("warm_start") is not None:
             from hybridrl.study.warm_start import warm_start
 
             warm_start(model, tokenizer, rows, read_jsonl(test), spec["warm_start"], tmp_dir)
+        t0 = time.perf_counter()
         model.to(dtype).save_pretrained(tmp_dir)
+        # into the build's log: what a study's set-up pays for its model, part by part
+        print(f"model: weights drawn on {spec.get('init_device') or 'cpu'} in {drawn_s:.1f} s, written in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
         built = {"init": "random", **spec, "warm_started": "warm_start" in spec}
         (tmp_dir / MARKER).write_text(json.dumps(built, indent=2))
         _publish(tmp_dir, out_dir)

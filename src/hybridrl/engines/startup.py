@@ -48,6 +48,7 @@ class Span:
     begin: str | None  # the line that begins it (a regex), SPAWN, or None where the end line states the seconds
     end: str  # the line that ends it (a regex; a group `s` holds the seconds it states), or HEALTHY
     fallback: str | None = None  # for HEALTHY: the engine's own line for it, where the controller's is not known
+    optional: bool = False  # a log without its lines (an older engine's) leaves the part to its other spans
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ MARKERS: dict[str, Markers] = {
             "kv": (Span(r"Load weight end", r"Memory pool end"),),
             # before the capture, the graph runner is set up: at TP > 1 its FlashInfer all-reduce fusion workspace,
             # whose kernels FlashInfer builds on a machine's first start (204 s at TP 2 on an H200)
-            "graphs": (Span(r"Memory pool end", r"Capture .*(?i:cuda) graph begin"),
+            "graphs": (Span(r"Memory pool end", r"Capture .*(?i:cuda) graph begin", optional=True),
                        Span(None, r"Capture .*(?i:cuda) graph end\. elapsed=(?P<s>[\d.]+) s")),
             # the server answers 503 to the health check until its own warm-up request is done
             "ready": (Span(r"Uvicorn running on", HEALTHY, fallback=r"The server is fired up"),),
@@ -126,6 +127,7 @@ def log_parts(lines: list[Line], markers: Markers, instants: dict[str, datetime 
     out = {}
     for part, spans in markers.parts.items():
         seconds = [_span(span, after if part == "ready" else init, instants) for span in spans]
+        seconds = [0.0 if s is None and span.optional else s for s, span in zip(seconds, spans, strict=True)]
         out[part] = None if None in seconds else sum(s for s in seconds if s is not None)
     return out
 

@@ -207,28 +207,38 @@ def _home_with_caches(home: Path, sizes: dict[str, int]) -> None:
         (home / d / "kernel.bin").write_bytes(os.urandom(n))
 
 
-def test_a_poll_packs_the_caches_in_pieces_a_call_brings_back_most_valuable_first(tmp_path: Path) -> None:
-    home, out = tmp_path / "home", tmp_path / "out"
-    out.mkdir()
+def test_the_caches_come_back_in_numbered_pieces_over_as_many_calls_as_they_need(tmp_path: Path) -> None:
+    home, stage = tmp_path / "home", tmp_path / "stage"
     _home_with_caches(home, {".cache/flashinfer": 20 * MiB, ".cache/vllm": 30 * MiB, ".triton/cache": 9 * MiB})
-    done = _lease("pack-caches", str(out), HOME=str(home), HYBRIDRL_CACHE_ROOM=str(52 * MiB))
-    assert done.returncode == 0, done.stderr
-    pieces = sorted(out.glob("caches.tar.gz.*"))
-    assert [p.name for p in pieces] == ["caches.tar.gz.0", "caches.tar.gz.1", "caches.tar.gz.2", "caches.tar.gz.3"]
-    assert all(p.stat().st_size <= 15 * MiB for p in pieces)  # a call brings back files of 16 MiB at most
-    whole = tmp_path / "caches.tgz"
-    whole.write_bytes(b"".join(p.read_bytes() for p in pieces))
-    with tarfile.open(whole) as tar:
-        kept = {n for n in tar.getnames() if n.endswith("kernel.bin")}
-    # FlashInfer's and vLLM's fit within the room; Triton's, last in value, would not beside them
-    assert kept == {".cache/flashinfer/kernel.bin", ".cache/vllm/kernel.bin"}
-    assert "cache .triton/cache: 9" in done.stdout and "left behind" in done.stdout
+    env = {"HOME": str(home), "HYBRIDRL_LEASE_CACHES_OUT": str(stage)}
+    calls, said = [tmp_path / f"call{i}" for i in range(3)], []
+    for i, out in enumerate(calls):  # the last poll's call brings 3, each caches-back call 4 more
+        out.mkdir()
+        done = _lease("caches-back", str(out), *(["3"] if i == 0 else []), **env)
+        assert done.returncode == 0, done.stderr
+        said.append(done.stdout)
+    assert "cache .cache/vllm: 30" in said[0] and "3 of 4 sent; 1 left" in said[0]  # sizes once, when packed
+    got = [sorted(p.name for p in out.iterdir()) for out in calls]
+    assert got == [["caches-000-of-004.part", "caches-001-of-004.part", "caches-002-of-004.part"],
+                   ["caches-003-of-004.part"], []]  # 59 MiB of random bytes: four pieces
+    assert all(p.stat().st_size <= 15 * MiB for out in calls for p in out.iterdir())  # a call returns 16 MiB files
+    assert "all sent" in done.stdout
+    gpu = tmp_path / "gpu"
+    missing = _lease("join-caches", str(calls[0]), HYBRIDRL_GPU_DIR=str(gpu))
+    assert missing.returncode == 2 and "3 of 4 pieces" in missing.stderr and not gpu.exists()
+    joined = _lease("join-caches", *map(str, calls), HYBRIDRL_GPU_DIR=str(gpu))
+    assert joined.returncode == 0, joined.stderr
+    with tarfile.open(gpu / "caches.tar.gz") as tar:
+        names = {n for n in tar.getnames() if n.endswith("kernel.bin")}
+        vllm = tar.extractfile(".cache/vllm/kernel.bin").read()
+    assert names == {".cache/flashinfer/kernel.bin", ".cache/vllm/kernel.bin", ".triton/cache/kernel.bin"}
+    assert vllm == (home / ".cache/vllm/kernel.bin").read_bytes()
 
 
 def test_the_engines_caches_a_poll_packed_travel_with_the_next_lease(tmp_path: Path) -> None:
     tarball = _pack(_machine(tmp_path / "a", ("sglang-verdict-795e3683",)), tmp_path / "a.tgz")
-    (tmp_path / "caches.tar.gz.0").write_bytes(b"cach")  # the pieces the last poll packed beside the results
-    (tmp_path / "caches.tar.gz.1").write_bytes(b"es")
+    (tmp_path / "caches-000-of-002.part").write_bytes(b"cach")  # the pieces the last poll packed beside the results
+    (tmp_path / "caches-001-of-002.part").write_bytes(b"es")
     gpu = tmp_path / "gpu"
     done = _lease("import", str(tarball), str(tmp_path / "study"), HYBRIDRL_GPU_DIR=str(gpu))
     assert done.returncode == 0, done.stderr

@@ -9,10 +9,12 @@
 #        lease.sh import TARBALL NAME [LABEL]   a poll's tarball -> results/reference/NAME (LABEL: add to NAME);
 #                                         the engines' caches beside it are kept for the next lease (call 1 where
 #                                         they fit, otherwise transfer parts of their own)
+#        lease.sh join-caches DIR...      cache pieces that several calls brought back -> .gpu/caches.tar.gz
 # there: lease.sh start CONFIG [ARG...]   SLURM, Snakemake and the study (ARGs go to snakemake); carry .gpu/start
 #        lease.sh transfer DIR [install]  one overlay part; `install` on the last lets the jobs start
 #        lease.sh poll OUT [ROUNDS]       a minute apart: the results so far to OUT/latest.tar.gz; then a status
-#                                         (and, once Snakemake has exited, the engines' caches: pack-caches)
+#                                         (and, once Snakemake has exited, the first pieces of the engines' caches)
+#        lease.sh caches-back OUT [N]     the next N pieces of the engines' caches to OUT (default 4)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 gpu=${HYBRIDRL_GPU_DIR:-$repo/.gpu}
@@ -24,6 +26,7 @@ limit=${HYBRIDRL_CARRY_LIMIT:-$((64 * 1024 * 1024))}  # what one device call may
 caches=(.cache/flashinfer .cache/vllm .triton/cache)
 cache_piece=$((15 * 1024 * 1024))  # what one file back from a call may hold (16 MiB), less a margin
 cache_stage=${HYBRIDRL_LEASE_CACHES:-/tmp/lease-caches}  # where transfer parts of caches gather on the machine
+cache_out=${HYBRIDRL_LEASE_CACHES_OUT:-/tmp/lease-caches-out}  # the pieces of this machine's caches, to send back
 envs=${HYBRIDRL_LEASE_ENVS:-/tmp/envs}  # where gpu-env installs the overlays (its own fixed place)
 die() { echo "lease: $*" >&2; exit 2; }
 size() { { xargs -0 -r stat -c %s -- 2>/dev/null || true; } | awk '{s += $1} END {print s + 0}'; }
@@ -141,23 +144,47 @@ transfer() {  # DIR [install]: one part into /tmp/gpu-env; install puts every ov
   touch "$envs/.ready" && echo "lease: overlays installed and compiled in $((SECONDS - t)) s"
 }
 
-pack_caches() {  # OUT: the engines' caches as OUT/caches.tar.gz.N pieces that a call's files may bring back,
-  # each cache whole or not at all, most valuable first, within what the results leave of a call's 64 MiB
-  local out=${1:?usage: lease.sh pack-caches OUT} stage d kept=() sum=0 n room s
-  room=${HYBRIDRL_CACHE_ROOM:-$((56 * 1024 * 1024))}
-  stage=$(mktemp -d)
-  for d in "${caches[@]}"; do
-    [ -d "$HOME/$d" ] || continue
-    tar czf "$stage/one.tgz" -C "$HOME" "$d" 2> /dev/null || continue
-    n=$(stat -c %s "$stage/one.tgz")
-    if [ $((sum + n)) -le "$room" ]; then kept+=("$d") && sum=$((sum + n)); s=kept; else s="left behind"; fi
-    echo "lease: cache $d: $((n / 1024)) KiB packed, $s"
-  done
-  rm -f "$out"/caches.tar.gz.*
-  if [ ${#kept[@]} -gt 0 ]; then
-    tar czf "$stage/all.tgz" -C "$HOME" "${kept[@]}" && split -b "$cache_piece" -d -a 1 "$stage/all.tgz" "$out/caches.tar.gz."
+pack_caches() {  # OUT [N]: the engines' caches packed once into numbered 15 MiB pieces on the machine, and the
+  # next N of them (default 4) copied to OUT: a call brings back 8 files of 16 MiB at most, 64 MiB together
+  local out=${1:?usage: lease.sh caches-back OUT [N]} n=${2:-4} d dirs=() total i p sent=0
+  if [ ! -f "$cache_out/.packed" ]; then
+    rm -rf "$cache_out" && mkdir -p "$cache_out/sent"
+    for d in "${caches[@]}"; do
+      [ -d "$HOME/$d" ] || continue
+      dirs+=("$d") && echo "lease: cache $d: $(du -sk "$HOME/$d" | cut -f1) KiB"
+    done
+    if [ ${#dirs[@]} -gt 0 ]; then
+      tar czf "$cache_out/all.tgz" -C "$HOME" "${dirs[@]}"
+      split -b "$cache_piece" -d -a 3 "$cache_out/all.tgz" "$cache_out/piece."
+      rm "$cache_out/all.tgz"
+      total=$(ls "$cache_out"/piece.* | wc -l)
+      for p in "$cache_out"/piece.*; do mv "$p" "$cache_out/caches-${p##*.}-of-$(printf %03d "$total").part"; done
+    fi
+    touch "$cache_out/.packed"
   fi
-  rm -rf "$stage"
+  for p in "$cache_out"/caches-*.part; do
+    [ -f "$p" ] && [ "$sent" -lt "$n" ] || continue
+    cp "$p" "$out/" && mv "$p" "$cache_out/sent/" && sent=$((sent + 1))
+  done
+  total=$(find "$cache_out" -name 'caches-*.part' | wc -l)
+  i=$(find "$cache_out" -maxdepth 1 -name 'caches-*.part' | wc -l)
+  echo "lease: caches: $sent piece(s) in this call's files, $((total - i)) of $total sent;" \
+    "$([ "$i" -eq 0 ] && echo "all sent" || echo "$i left: lease.sh caches-back \$OUT")"
+}
+
+join_caches() {  # DIR...: the pieces the lease's calls brought back, wherever they lie, into .gpu/caches.tar.gz
+  local p pieces=() total want
+  while IFS=$'\t' read -r _ p; do pieces+=("$p"); done < <(for d in "$@"; do
+    for p in "$d"/caches-*-of-*.part; do [ ! -f "$p" ] || printf '%s\t%s\n' "$(basename "$p")" "$p"; done
+  done | sort -u -t$'\t' -k1,1)  # each piece once, in order, whichever call brought it
+  [ ${#pieces[@]} -gt 0 ] || { echo "lease: no cache pieces in $*"; return 0; }
+  total=${pieces[0]##*-of-} && total=$((10#${total%.part}))
+  [ ${#pieces[@]} -eq "$total" ] || die "caches: ${#pieces[@]} of $total pieces in $*: name every folder the" \
+    "lease's calls brought pieces to (each \`caches-back\` call's); nothing written"
+  want=$(printf '%s\n' "${pieces[@]}" | sed 's/.*caches-\([0-9]*\)-of-.*/\1/' | tr '\n' ' ')
+  [ "$want" = "$(seq -f %03g 0 $((total - 1)) | tr '\n' ' ')" ] || die "caches: the pieces are not 000 to $((total - 1))"
+  mkdir -p "$gpu" && cat "${pieces[@]}" > "$gpu/caches.tar.gz.tmp" && mv "$gpu/caches.tar.gz.tmp" "$gpu/caches.tar.gz"
+  echo "lease: the engines' caches kept in $gpu ($(($(stat -c %s "$gpu/caches.tar.gz") / 1024)) KiB, $total pieces)"
 }
 
 running() { [ -f "$work/snakemake.pid" ] && kill -0 "$(cat "$work/snakemake.pid")" 2> /dev/null; }
@@ -188,7 +215,7 @@ poll() {
     pack "$out/latest.tar.gz"
   done
   pack "$out/latest.tar.gz"
-  running || pack_caches "$out"
+  running || pack_caches "$out" 3  # beside the results; the rest, if any, with `caches-back`
   running && echo "== snakemake running" || echo "== snakemake exited"
   tail -n 12 "$work/snakemake.log"
   squeue -o '%.10i %.24j %.9T %.10M %.8b %R' 2> /dev/null || true
@@ -205,7 +232,7 @@ import() {  # TARBALL NAME [LABEL]: runs, benches and logs into results/referenc
   [ -x "$py" ] || py=python3
   [[ -z $label || $label =~ ^[A-Za-z0-9][A-Za-z0-9._]*$ ]] || die "LABEL '$label' is not a plain word"
   [ -f "$tarball" ] || die "no file $tarball"
-  kept=$(cd "$(dirname "$tarball")" && pwd)/caches.tar.gz  # the engines' caches its poll packed, if any, in pieces
+  kept=$(cd "$(dirname "$tarball")" && pwd)  # the engines' caches its poll packed, if any, in pieces
   [ -n "$label" ] || [ ! -e "$dest" ] || die "$dest exists: nothing written (another NAME, or a LABEL to add to it)"
   [ -z "$label" ] || [ -d "$dest/runs" ] || die "$dest holds no runs to add to: nothing written"
   [ -z "$label" ] || [ ! -e "$dest/logs/$label" ] || die "$dest holds logs/$label already: another LABEL"
@@ -231,14 +258,14 @@ import() {  # TARBALL NAME [LABEL]: runs, benches and logs into results/referenc
   fi
   cd "$repo" && mkdir -p "$(dirname "$dest")" && mv "$tmp/new" "$dest.partial" && rm -rf "$dest" && mv "$dest.partial" "$dest"
   # the next lease's call 1 takes them (prepare), so that its engines' first starts find their kernels compiled
-  ! ls "$kept".* > /dev/null 2>&1 || { mkdir -p "$gpu" && cat "$kept".* > "$gpu/caches.tar.gz" \
-    && echo "lease: the engines' caches kept in $gpu ($(($(stat -c %s "$gpu/caches.tar.gz") / 1024)) KiB)"; }
+  (join_caches "$kept") || echo "lease: the caches stay behind: join them with lease.sh join-caches DIR..."
   echo "lease: $dest ($# runs with steps); commit it now: git add -f $dest"
 }
 
 cmd=${1:-}; shift || true
 case "$cmd" in
   prepare|lean|start|transfer|poll|pack|import) "$cmd" "$@" ;;
-  pack-caches) pack_caches "$@" ;;
+  caches-back) pack_caches "$@" ;;
+  join-caches) join_caches "$@" ;;
   *) sed -n '2,/^set -e/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

@@ -283,3 +283,45 @@ def test_the_last_transfer_unpacks_the_caches_into_home_before_the_jobs_start(tm
     assert done.returncode == 0, done.stderr
     assert (home / ".cache/flashinfer/kernel.bin").read_bytes() == (made / ".cache/flashinfer/kernel.bin").read_bytes()
     assert (envs / ".ready").exists()  # and the jobs may start
+
+
+def _live_snakemake(tmp: Path, work: Path, queue: str | None) -> dict[str, str]:
+    """A work dir whose Snakemake still runs (a sleeping process) and a `squeue` that prints `queue` (None: fails)."""
+    (work / "env.sh").write_text("")
+    sleeper = subprocess.Popen(["sleep", "120"])
+    (work / "snakemake.pid").write_text(str(sleeper.pid))
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    body = "exit 1" if queue is None else f"printf '{queue}'"
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\n{body}\n")
+    (bin_dir / "squeue").chmod(0o755)
+    return {"HYBRIDRL_LEASE_WORK": str(work), "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp / "home"),
+            "HYBRIDRL_LEASE_CACHES_OUT": str(tmp / "stage"), "HYBRIDRL_POLL_WAIT_S": "1", "_pid": str(sleeper.pid)}
+
+
+@pytest.mark.parametrize("case", ["all_done", "one_missing", "queued", "queue_unread", "no_targets"])
+def test_a_poll_returns_once_every_target_is_done_and_the_queue_is_empty(tmp_path: Path, case: str) -> None:
+    runs = ("sglang-verdict-795e3683", "vllm-verdict-4c49f35f")
+    work = _machine(tmp_path, runs)
+    targets = " ".join(f"results/runs/{r}/done.json" for r in runs)
+    (work / "command.txt").write_text(f"+ snakemake --retries 0 {targets if case != 'no_targets' else ''} "
+                                      "--profile slurm --configfile config/gpu-writeup.yaml\n")
+    for r in runs[: 1 if case == "one_missing" else 2]:
+        (work / "results" / "runs" / r / "done.json").write_text("{}")
+    env = _live_snakemake(tmp_path, work, {"queued": "17\n", "queue_unread": None}.get(case, ""))
+    pid = int(env.pop("_pid"))
+    out = tmp_path / "out"
+    out.mkdir()
+    try:
+        # one round: where the poll cannot tell the study is done, it waits out its round (a minute on a lease)
+        done = subprocess.run(["bash", str(REPO / "scripts" / "gpu" / "lease.sh"), "poll", str(out), "1"],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    finally:
+        os.kill(pid, 9)
+    assert done.returncode == 0, done.stderr
+    if case == "all_done":
+        assert "every target done and the queue empty" in done.stdout
+        assert "caches:" in done.stdout  # the caches go back now, not after Snakemake's late notice
+    else:
+        assert "== snakemake running" in done.stdout and "caches:" not in done.stdout
+    assert (out / "latest.tar.gz").exists()

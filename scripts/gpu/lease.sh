@@ -210,19 +210,33 @@ poll() {
   # shellcheck disable=SC1091
   . "$work/env.sh"
   for ((i = 1; i <= rounds; i++)); do
-    running || break
-    timeout 56 tail --pid="$(cat "$work/snakemake.pid")" -s 1 -f /dev/null || true
+    running && ! targets_done || break
+    timeout "${HYBRIDRL_POLL_WAIT_S:-56}" tail --pid="$(cat "$work/snakemake.pid")" -s 1 -f /dev/null || true
     pack "$out/latest.tar.gz"
   done
   pack "$out/latest.tar.gz"
-  running || pack_caches "$out" 3  # beside the results; the rest, if any, with `caches-back`
-  running && echo "== snakemake running" || echo "== snakemake exited"
+  if ! running; then
+    echo "== snakemake exited"
+  elif targets_done; then  # its SLURM plugin notices a job's end up to 3 minutes late: the lease need not wait
+    echo "== every target done and the queue empty (snakemake has yet to notice): give the machine back"
+  else
+    echo "== snakemake running"
+  fi
+  ! running || targets_done && pack_caches "$out" 3  # beside the results; the rest, if any, with `caches-back`
   tail -n 12 "$work/snakemake.log"
   squeue -o '%.10i %.24j %.9T %.10M %.8b %R' 2> /dev/null || true
   for d in "$work"/results/runs/*/; do
     [ -d "$d" ] && printf '%-50s %3s steps\n' "$(basename "$d")" "$(cat "$d/steps.jsonl" 2> /dev/null | wc -l)"
   done
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader || true
+}
+
+targets_done() {  # the study was started with run targets (command.txt), each has its done.json, and no job is queued
+  local t targets queued
+  targets=$(grep -o 'results/runs/[^ ]*/done\.json' "$work/command.txt" 2> /dev/null) || return 1
+  for t in $targets; do [ -f "$work/$t" ] || return 1; done
+  queued=$(squeue -h -o %i 2> /dev/null) || return 1  # a queue that cannot be read is not empty
+  [ -z "$queued" ]
 }
 
 import() {  # TARBALL NAME [LABEL]: runs, benches and logs into results/reference/NAME, then its table and report

@@ -299,11 +299,12 @@ def _live_snakemake(tmp: Path, work: Path, queue: str | None) -> dict[str, str]:
             "HYBRIDRL_LEASE_CACHES_OUT": str(tmp / "stage"), "HYBRIDRL_POLL_WAIT_S": "1", "_pid": str(sleeper.pid)}
 
 
-@pytest.mark.parametrize("case", ["all_done", "one_missing", "queued", "queue_unread", "no_targets"])
+@pytest.mark.parametrize("case", ["all_done", "one_missing", "bench_missing", "queued", "queue_unread", "no_targets"])
 def test_a_poll_returns_once_every_target_is_done_and_the_queue_is_empty(tmp_path: Path, case: str) -> None:
     runs = ("sglang-verdict-795e3683", "vllm-verdict-4c49f35f")
     work = _machine(tmp_path, runs)
     targets = " ".join(f"results/runs/{r}/done.json" for r in runs)
+    targets += " results/bench/trainer-x.json" if case == "bench_missing" else " results/bench/sglang-verdict.json"
     (work / "command.txt").write_text(f"+ snakemake --retries 0 {targets if case != 'no_targets' else ''} "
                                       "--profile slurm --configfile config/gpu-writeup.yaml\n")
     for r in runs[: 1 if case == "one_missing" else 2]:

@@ -231,9 +231,9 @@ poll() {
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader || true
 }
 
-targets_done() {  # the study was started with run targets (command.txt), each has its done.json, and no job is queued
+targets_done() {  # the study was started with targets (command.txt), each is there, and no job is queued
   local t targets queued
-  targets=$(grep -o 'results/runs/[^ ]*/done\.json' "$work/command.txt" 2> /dev/null) || return 1
+  targets=$(grep -o ' results/[^ ]*' "$work/command.txt" 2> /dev/null) || return 1
   for t in $targets; do [ -f "$work/$t" ] || return 1; done
   queued=$(squeue -h -o %i 2> /dev/null) || return 1  # a queue that cannot be read is not empty
   [ -z "$queued" ]

@@ -32,7 +32,8 @@ def _repo(tmp: Path) -> Path:
     """A scratch repository with the script, one committed result and .gpu ignored."""
     repo = tmp / "repo"
     (repo / "scripts" / "gpu").mkdir(parents=True)
-    (repo / "scripts" / "gpu" / "lease.sh").write_text((REPO / "scripts" / "gpu" / "lease.sh").read_text())
+    for script in ("lease.sh", "lease-caches.sh"):
+        (repo / "scripts" / "gpu" / script).write_text((REPO / "scripts" / "gpu" / script).read_text())
     (repo / "results" / "reference" / "study").mkdir(parents=True)
     (repo / "results" / "reference" / "study" / "steps.csv").write_text("step,t\n1,2.5\n")
     (repo / ".gitignore").write_text("/.gpu/\n")
@@ -101,7 +102,7 @@ def test_lean_off_takes_the_results_out_of_what_travels_and_on_restores_head(tmp
     env = {"HYBRIDRL_GPU_DIR": str(repo / ".gpu")}
     assert _lease("lean", "off", cwd=repo, **env).returncode == 0
     assert set(_git(repo, "ls-files", "--cached", "--others", "--exclude-standard").split()) == {
-        ".gitignore", "scripts/gpu/lease.sh"}
+        ".gitignore", "scripts/gpu/lease.sh", "scripts/gpu/lease-caches.sh"}
     again = _lease("lean", "off", cwd=repo, **env)
     assert again.returncode == 2 and "the results are off already" in again.stderr
     done = _lease("lean", "on", cwd=repo, **env)

@@ -967,3 +967,47 @@ def test_a_drawn_first_adapter_is_rolled_out_from_step_1_and_judged_every_step(a
     kept = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     assert [r["check/adapter_applied"] for r in kept] == [True, True]
     assert all(r["train/lora_norm"] > 0 and r["check/adapter_not_judged"] is None for r in kept)
+
+
+HOLDER = """
+import fcntl, sys, time
+from pathlib import Path
+f = open(Path(sys.argv[1]) / ".lock", "a")
+fcntl.flock(f, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.readline()
+(Path(sys.argv[1]) / "released").write_text("yes")
+"""
+
+
+def test_a_second_process_on_a_run_waits_for_the_first_to_end(tmp_path):
+    import io
+    import subprocess
+    import sys
+
+    from rich.console import Console
+
+    from hybridrl.run import run_lock
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+
+    class ReleaseOnWait(io.StringIO):
+        """What the waiting process says; once it says it waits, the holder lets go."""
+
+        def write(self, text: str) -> int:
+            if "another process" in text:
+                holder.stdin.write("\n")
+                holder.stdin.flush()
+            return super().write(text)
+
+    said = Console(file=ReleaseOnWait())
+    lock = run_lock.hold(tmp_path, "r-twice", said)
+    assert (tmp_path / "released").read_text() == "yes"  # it got the lock only after the holder let it go
+    assert "r-twice: another process is running it" in said.file.getvalue()
+    lock.close()
+    holder.wait(10)
+    again = run_lock.hold(tmp_path, "r-free", said)  # free now: taken at once, nothing said
+    assert said.file.getvalue().count("another process") == 1
+    again.close()

@@ -33,7 +33,7 @@ from hybridrl.engines.base import Completion, Engine, EngineError, Request, Samp
 from hybridrl.engines.client_ceiling import client_headroom_ok, run_ceiling
 from hybridrl.engines.startup import TOTAL, combine
 from hybridrl.nvml import process_used_gb
-from hybridrl.run import copy_bandwidth, request_records
+from hybridrl.run import copy_bandwidth, request_records, run_lock
 from hybridrl.run.checks import (
     Canary,
     adapter_not_judged,
@@ -172,6 +172,7 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
     _install_sigterm()
     paths = RunPaths(out_dir)
     paths.root.mkdir(parents=True, exist_ok=True)
+    lock = run_lock.hold(paths.root, run_id, console)  # noqa: F841 - held until the run returns or dies
     done = read_records(paths.steps)
     first_step = len(done) + 1
     if first_step > run.steps:

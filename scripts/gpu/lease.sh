@@ -66,13 +66,10 @@ prepare() {  # the carried folders: .gpu/start (call 1) and .gpu/x00.. (one tran
     "what one call carries: \`lease.sh lean off\` first"
   rm -rf "$gpu"/x[0-9][0-9] "$gpu/cut" && mkdir -p "$gpu/cut"
   cat "$packed"/part.* | split -b "$part" -d -a 2 - "$gpu/cut/part."
-  for p in "$gpu"/cut/part.*; do mkdir -p "$gpu/x${p##*.}" && cp "$shared/gpu-env" "$gpu/x${p##*.}/" && mv "$p" "$gpu/x${p##*.}/"; done
-  if [ -n "$big" ]; then  # too big for call 1: parts of their own after the overlays', unpacked by `install`
-    local n
-    n=$(ls -d "$gpu"/x[0-9][0-9] | wc -l)  # the overlays' parts, numbered from 00
-    split -b "$part" -d -a 2 --numeric-suffixes="$n" "$gpu/caches.tar.gz" "$gpu/cut/cache."
-    for p in "$gpu"/cut/cache.*; do mkdir -p "$gpu/x${p##*.}" && cp "$shared/gpu-env" "$gpu/x${p##*.}/" && mv "$p" "$gpu/x${p##*.}/"; done
-  fi
+  # caches too big for call 1: parts of their own, numbered after the overlays', unpacked by `install`
+  [ -z "$big" ] || split -b "$part" -d -a 2 --numeric-suffixes="$(ls "$gpu/cut" | wc -l)" "$gpu/caches.tar.gz" \
+    "$gpu/cut/cache."
+  for p in "$gpu"/cut/*; do mkdir -p "$gpu/x${p##*.}" && cp "$shared/gpu-env" "$gpu/x${p##*.}/" && mv "$p" "$gpu/x${p##*.}/"; done
   rmdir "$gpu/cut"
   echo "lease: call 1 carries .gpu/start; then $(cd "$gpu" && ls -d x[0-9][0-9] | tr '\n' ' ')one call each"
 }

@@ -15,27 +15,17 @@ import torch
 
 from hybridrl.study.run_config import RunConfig
 from hybridrl.trainers.adapter_files import WEIGHTS_FILE, peft_config_json, write_adapter_dir
-from hybridrl.trainers.megatron.mapping import LORA_SITES, peft_key
+from hybridrl.trainers.megatron.mapping import peft_key, projection_dims
 from hybridrl.trainers.megatron.spec import ArchSpec, effective_targets, read_spec
 
 
-def projection_dims(spec: ArchSpec, proj: str) -> tuple[int, int]:
-    """(in_features, out_features) of an HF projection."""
-    h, d = spec.hidden_size, spec.head_dim
-    return {"q_proj": (h, spec.num_heads * d), "k_proj": (h, spec.num_kv_heads * d),
-            "v_proj": (h, spec.num_kv_heads * d), "o_proj": (spec.num_heads * d, h),
-            "gate_proj": (h, spec.ffn_hidden_size), "up_proj": (h, spec.ffn_hidden_size),
-            "down_proj": (spec.ffn_hidden_size, h)}[proj]
-
-
-def draw(spec: ArchSpec, run: RunConfig) -> dict[str, torch.Tensor]:
-    """Every adapter tensor by PEFT name, float32, from run.seed: MLP projections only on dense layers."""
+def draw(spec: ArchSpec, run: RunConfig, targets: list[str]) -> dict[str, torch.Tensor]:
+    """Every adapter tensor by PEFT name, float32, from run.seed (targets: effective_targets', attention alone on an
+    MoE model, so no layer's MLP is left out)."""
     gen = torch.Generator().manual_seed(run.seed * 1_000_003 + 17)
     out: dict[str, torch.Tensor] = {}
     for layer in range(spec.num_layers):
-        for proj in sorted(effective_targets(spec, run.lora.target_modules)):
-            if LORA_SITES[proj][0].startswith("mlp.") and spec.layer_is_moe(layer):
-                continue
+        for proj in targets:
             fin, fout = projection_dims(spec, proj)
             bound = 1.0 / math.sqrt(fin)
             out[peft_key(layer, proj, "A")] = (torch.rand(run.lora.rank, fin, generator=gen) * 2 - 1) * bound
@@ -55,5 +45,5 @@ def write_initial_adapter(run: RunConfig, model_dir: Path, out_dir: Path) -> Pat
     targets = sorted(effective_targets(spec, run.lora.target_modules))
     config = LoraConfig(r=run.lora.rank, lora_alpha=run.lora.alpha, lora_dropout=0.0, target_modules=targets,
                         bias="none", task_type="CAUSAL_LM", base_model_name_or_path=str(model_dir))
-    write_adapter_dir(out_dir, draw(spec, run), peft_config_json(config))
+    write_adapter_dir(out_dir, draw(spec, run, targets), peft_config_json(config))
     return out_dir

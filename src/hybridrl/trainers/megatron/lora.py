@@ -28,7 +28,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from torch import nn
 
-from hybridrl.trainers.megatron.mapping import LORA_SITES, lora_a_split_dim, shard
+from hybridrl.trainers.megatron.mapping import LORA_SITES, lora_a_split_dim, projection_dims, shard
 from hybridrl.trainers.megatron.spec import ArchSpec
 
 
@@ -169,11 +169,7 @@ def apply_lora(model: nn.Module, spec: ArchSpec, rank: int, alpha: float, target
         p.requires_grad_(False)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    h, d = spec.hidden_size, spec.head_dim
-    full = {"q_proj": (h, spec.num_heads * d), "k_proj": (h, spec.num_kv_heads * d),
-            "v_proj": (h, spec.num_kv_heads * d), "o_proj": (spec.num_heads * d, h),
-            "gate_proj": (h, spec.ffn_hidden_size), "up_proj": (h, spec.ffn_hidden_size),
-            "down_proj": (spec.ffn_hidden_size, h)}
+    d = spec.head_dim
     adapters: dict[tuple[int, str], LoraAdapter] = {}
     for i, layer in enumerate(model.decoder.layers):
         sites: dict[str, dict[str, LoraAdapter]] = {}
@@ -181,10 +177,10 @@ def apply_lora(model: nn.Module, spec: ArchSpec, rank: int, alpha: float, target
             path, _, kind = LORA_SITES[proj]
             if path.startswith("mlp.") and spec.layer_is_moe(i):
                 continue
-            fin, fout = full[proj]
+            fin, fout = projection_dims(spec, proj)
             ad = LoraAdapter(kind, fin, fout, rank, alpha, tp)
             with torch.no_grad():
-                a = _full_a(seed, i, list(full).index(proj), rank, fin)
+                a = _full_a(seed, i, list(LORA_SITES).index(proj), rank, fin)
                 ad.A.weight.copy_(shard(a, lora_a_split_dim(proj), tp, tp_rank))
                 ad.B.weight.zero_()
             adapters[(i, proj)] = ad
@@ -201,7 +197,7 @@ def apply_lora(model: nn.Module, spec: ArchSpec, rank: int, alpha: float, target
                 site = LoraSite("column", ads, {"gate_proj": n, "up_proj": n}, rank)
             else:
                 (proj,) = ads
-                site = LoraSite("row", ads, {proj: full[proj][1]}, rank)
+                site = LoraSite("row", ads, {proj: projection_dims(spec, proj)[1]}, rank)
             base.add_module("lora", site)
             base.register_forward_hook(_hook)
     return adapters

@@ -196,6 +196,15 @@ LORA_SITES = {
 }
 
 
+def projection_dims(spec: ArchSpec, proj: str) -> tuple[int, int]:
+    """(in_features, out_features) of an HF projection, unsplit."""
+    h, d = spec.hidden_size, spec.head_dim
+    return {"q_proj": (h, spec.num_heads * d), "k_proj": (h, spec.num_kv_heads * d),
+            "v_proj": (h, spec.num_kv_heads * d), "o_proj": (spec.num_heads * d, h),
+            "gate_proj": (h, spec.ffn_hidden_size), "up_proj": (h, spec.ffn_hidden_size),
+            "down_proj": (spec.ffn_hidden_size, h)}[proj]
+
+
 def lora_a_split_dim(proj: str) -> int:
     return 0 if LORA_SITES[proj][2] == "column" else 1
 

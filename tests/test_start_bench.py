@@ -126,3 +126,29 @@ def test_a_failed_start_keeps_the_starts_before_it_beside_the_output(tmp_path: P
     assert not out.exists()
     kept = json.loads((tmp_path / "start.partial.json").read_text())
     assert [s["path"] for s in kept["starts"]] == ["hybridrl"] and "exited with code 1" in kept["error"]
+
+
+def _record(bench: Path, starts: list[tuple[str, float]]) -> None:
+    bench.mkdir(exist_ok=True)
+    (bench / "start-x.json").write_text(json.dumps({
+        "run_id": "x-1", "engine": "vllm-inprocess", "cli_engine": "vllm",
+        "starts": [{"i": i, "path": p, "start_s": s} for i, (p, s) in enumerate(starts, 1)]}))
+    (bench / "start-x.slurm.json").write_text("{}")  # the job record beside it is no start-bench record
+
+
+def test_the_reports_table_keeps_first_starts_apart_and_judges_only_with_an_interval(tmp_path: Path) -> None:
+    from hybridrl.report import start_bench as section
+    from hybridrl.report import targets
+
+    bound = targets.Target(name="1.3x", metric=targets.START_OVER_CLI, at_most=1.3)
+    _record(tmp_path, [("hybridrl", 50.0), ("cli", 150.0), ("cli", 70.0), ("hybridrl", 35.0)])
+    row = section.table(tmp_path, [bound]).rows[0]
+    assert [c.text for c in row[1:6]] == ["50.00", "150.0", "35.00", "70.00", "0.50x (1 start a side, no interval)"]
+    assert row[7].text == "not settled: no interval"
+    later = [("hybridrl", 60.0 + i) if i % 2 else ("cli", 20.0 + i) for i in range(8)]
+    _record(tmp_path, [("hybridrl", 50.0), ("cli", 150.0), *later])
+    assert section.table(tmp_path, [bound]).rows[0][7].text == "missed"  # 3x its command line, every start
+    _record(tmp_path, [("hybridrl", 50.0), ("hybridrl", 40.0)])
+    with pytest.raises(ValueError, match="start-x.json: a path without a start"):
+        section.table(tmp_path, [bound])
+    assert section.table(tmp_path / "none", [bound]) is None

@@ -62,7 +62,7 @@ def test_the_table_has_a_row_for_each_configuration_a_target_applies_to() -> Non
 
 
 def test_the_committed_targets_load_and_a_bad_file_gets_one_line(tmp_path: Path) -> None:
-    assert {t.metric for t in targets.load()} == {"timing_s/step_compared"}
+    assert {t.metric for t in targets.load()} == {"timing_s/step_compared", *targets.BENCH_METRICS}
     bad = tmp_path / "targets.yaml"
     bad.write_text("- {name: x, metric: m, at_most: 1, at_least: 2}\n")
     with pytest.raises(ConfigError, match="exactly one of at_most and at_least"):
@@ -70,3 +70,18 @@ def test_the_committed_targets_load_and_a_bad_file_gets_one_line(tmp_path: Path)
     bad.write_text("- {name: x, metric: m, at_most: 1, where: {gpus: 2}}\n")
     with pytest.raises(ConfigError, match=r"targets.yaml: target 1: where.gpus: Extra inputs"):
         targets.load(bad)
+
+
+def test_against_goes_with_the_peer_ratio_alone_and_the_steps_table_leaves_bench_targets_out(tmp_path: Path) -> None:
+    bad = tmp_path / "targets.yaml"
+    bad.write_text("- {name: x, metric: peer/step_ratio, at_most: 1}\n")
+    with pytest.raises(ConfigError, match="`against` goes with metric peer/step_ratio"):
+        targets.load(bad)
+    bad.write_text("- {name: x, metric: timing_s/step_compared, against: trl-best, at_most: 1}\n")
+    with pytest.raises(ConfigError, match="`against` goes with metric peer/step_ratio"):
+        targets.load(bad)
+    peer = targets.Target(name="peer", metric=targets.PEER_RATIO, against="trl-defaults", at_most=0.667)
+    assert not peer.on_steps and STEP.on_steps
+    df = _config("fast", [9, 9, 3.0, 3.1, 3.0, 3.2])
+    assert targets.table(df, {"fast": "fast"}, [peer]) is None
+    assert len(targets.table(df, {"fast": "fast"}, [peer, STEP]).rows) == 1

@@ -18,6 +18,12 @@ rule aggregate:
 rule report:
     input:
         table="results/steps.parquet",
+        # the report's TRL and start-bench sections read these (results/bench/)
+        bench=[
+            job.output
+            for job in MEASUREMENTS.values()
+            if job.kind in ("peer_trl", "start_bench")
+        ],
     output:
         md="results/report.md",
         html="results/report.html",

@@ -23,15 +23,17 @@ def report_main(table: Path, out_md: Path, out_html: Path, plots_dir: Path, titl
     Provenance is read from runs_dir/<run_id>/provenance.json; runs_dir defaults to the table's
     sibling `runs/` (results/steps.parquet -> results/runs/).
     """
+    from hybridrl.report import peer
     from hybridrl.report.aggregate import read_table
-    from hybridrl.report.plots import make_all
+    from hybridrl.report.plots import config_labels, make_all
     from hybridrl.report.render import render
 
     table = Path(table)
     df = read_table(table)
     plots = make_all(df, Path(plots_dir))
     runs = Path(runs_dir) if runs_dir is not None else table.parent / "runs"
-    render(df, Path(out_md), Path(out_html), plots, title, runs)
+    drawn = peer.plot(df, runs.parent / "bench", config_labels(df), Path(plots_dir) / "peer.png")
+    render(df, Path(out_md), Path(out_html), plots | ({"peer": drawn} if drawn else {}), title, runs)
 
 
 __all__ = ["aggregate_main", "report_main"]

@@ -6,7 +6,7 @@ import io
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import matplotlib
 
@@ -267,6 +267,29 @@ def plot_step_breakdown(df: pd.DataFrame, out: Path) -> Path | None:
     ax.set_xticks(x, [labels[r] for r in table.index], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("seconds (median over steady-state steps)")
     ax.set_title("Step-time breakdown")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1), loc="upper left")
+    return _save(fig, out)
+
+
+def stacked_bars(rows: list[tuple[str, list[float], Any]], parts: list[str], ylabel: str, title: str,
+                 out: Path) -> Path:
+    """Stacked bars from medians already taken: one bar a row (label, a median for each of `parts`, the whole's
+    estimate, drawn as a whisker where it has an interval)."""
+    fig, ax = plt.subplots(figsize=(min(PAGE_IN, max(6.0, 1.4 * len(rows) + 3)), 4.5), layout="constrained")
+    x = np.arange(len(rows))
+    bottom = np.zeros(len(rows))
+    colors = plt.get_cmap("tab10")
+    for j, part in enumerate(parts):
+        vals = np.nan_to_num(np.array([r[1][j] for r in rows], dtype=float))
+        ax.bar(x, vals, bottom=bottom, color=colors(j), label=part, width=0.6)
+        bottom += vals
+    for i, (_, _, est) in enumerate(rows):
+        if np.isfinite(est.lo) and np.isfinite(est.hi):
+            ax.errorbar(i, est.value, yerr=[[est.value - est.lo], [est.hi - est.value]], color="black", capsize=4)
+    ax.set_xticks(x, [r[0] for r in rows], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1), loc="upper left")
     return _save(fig, out)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.progress import track
 
-from hybridrl.report import report_main
+from hybridrl.report import peer, report_main
 from hybridrl.report.aggregate import read_table
 from hybridrl.report.plots import PLOTS, drawable
 from hybridrl.report.render import markdown
@@ -48,8 +48,9 @@ def is_stale(study: Path) -> bool:
     """Whether today's code would write the folder's report differently: report.md's text, or which plots it
     draws (plots/<name>.png present for exactly the plots the table has data for)."""
     df = read_table(study / "steps.csv")
-    plots = {name: study / "plots" / f"{name}.png" for name in drawable(df)}
-    drawn = {name for name in PLOTS if (study / "plots" / f"{name}.png").is_file()}
+    names = [*drawable(df), *(["peer"] if peer.records(study / "bench") else [])]
+    plots = {name: study / "plots" / f"{name}.png" for name in names}
+    drawn = {name for name in [*PLOTS, "peer"] if (study / "plots" / f"{name}.png").is_file()}
     if drawn != set(plots):
         return True
     text = markdown(df, plots, title(study), study / "runs", study / "report.md")

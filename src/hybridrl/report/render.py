@@ -11,7 +11,19 @@ import jinja2
 import pandas as pd
 
 from hybridrl.engines.client_ceiling import HEADROOM
-from hybridrl.report import comparisons, floors, headline, placements, run_tables, setup_time, stats, targets, wording
+from hybridrl.report import (
+    comparisons,
+    floors,
+    headline,
+    peer,
+    placements,
+    run_tables,
+    setup_time,
+    start_bench,
+    stats,
+    targets,
+    wording,
+)
 from hybridrl.report.aggregate import atomic_path
 from hybridrl.report.plots import PLOTS, config_labels, run_labels
 from hybridrl.run.checks import GAP_LIMITS
@@ -23,7 +35,8 @@ def _plots(written: dict[str, Path], base: Path) -> list[dict[str, str]]:
     def rel(path: Path) -> str:
         return Path(os.path.relpath(Path(path).resolve(), base)).as_posix()
 
-    return [{"name": name, "title": PLOTS[name].title, "src": rel(path)} for name, path in written.items()]
+    titles = {name: plot.title for name, plot in PLOTS.items()} | {"peer": peer.PLOT_TITLE}
+    return [{"name": name, "title": titles[name], "src": rel(path)} for name, path in written.items()]
 
 
 def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path) -> dict[str, Any]:
@@ -34,11 +47,13 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
     heads = comparisons.headline_tables(df, pairs)
     moves = comparisons.transitions(df, by_config)
     places = comparisons.placement_tables(df, groups)
+    bench = runs_dir.parent / "bench"  # the study's measurements beside its runs
+    peer_ratios = peer.ratio_table(df, bench, by_config)
     paths = comparisons.client_paths_table(df, by_config)
     # only intervals that exist can exclude 1 by chance: an n/a interval counts for nothing
     n_comparisons = (sum(h["n_comparisons"] for h in heads) + (moves["n_comparisons"] if moves else 0)
                      + (ratios[1].intervals if ratios else 0) + (paths.intervals if paths else 0)
-                     + sum(p["n_comparisons"] for p in places))
+                     + sum(p["n_comparisons"] for p in places) + (peer_ratios.intervals if peer_ratios else 0))
     return {
         "summary": comparisons.summary(df, title),
         "verdict": comparisons.verdict_lines(df, by_config, pairs, groups),
@@ -54,6 +69,9 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "warmup": run_tables.warmup_table(df, labels),
         "recording": run_tables.recording(df, labels),
         "setup": setup_time.setup_table(df, labels),
+        "start_bench": start_bench.table(bench),
+        "peer": peer.phase_table(df, bench, by_config),
+        "peer_ratios": peer_ratios,
         "correctness": run_tables.correctness_table(df, labels),
         "accuracy": run_tables.accuracy_table(df, labels),
         "accuracy_replicates": run_tables.accuracy_replicates_table(df, by_config),

@@ -5,6 +5,7 @@ settled where it straddles the bound. Targets live there and in the report, neve
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import pandas as pd
 import yaml
@@ -14,6 +15,9 @@ from hybridrl.report import stats
 from hybridrl.report.cells import Cell, Table, fmt
 from hybridrl.study.config import ConfigError
 
+PEER_RATIO = "peer/step_ratio"
+START_OVER_CLI = "start/over_cli"
+BENCH_METRICS = (PEER_RATIO, START_OVER_CLI)
 TARGETS = Path(__file__).resolve().parents[3] / "workflow" / "report" / "targets.yaml"
 
 
@@ -36,7 +40,13 @@ class Target(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str = Field(description="what is targeted, in words")
     issue: int | None = Field(None, description="the issue that set it")
-    metric: str = Field(description="a column of steps.csv (timing_s/step_compared, timing_s/update_actor, ...)")
+    metric: str = Field(description="a column of steps.csv (timing_s/step_compared, timing_s/update_actor, ...), or "
+                                    "a benchmark's figure: peer/step_ratio (hybridrl's compared step over a TRL "
+                                    "peer's step, report/peer.py), start/over_cli (an engine's start through "
+                                    "hybridrl over its own command line's, report/start_bench.py)")
+    against: Literal["trl-defaults", "trl-best"] | None = Field(
+        None, description="peer/step_ratio only: the TRL configuration it is taken over, TRL's defaults or the "
+                          "faster of the study's TRL configurations")
     at_most: float | None = Field(None, gt=0, description="the metric's median must be this or less")
     at_least: float | None = Field(None, gt=0, description="the metric's median must be this or more")
     where: Where = Field(Where(), description="the configurations it applies to")
@@ -45,7 +55,14 @@ class Target(BaseModel):
     def _one_bound(self) -> Target:
         if (self.at_most is None) == (self.at_least is None):
             raise ValueError("a target needs exactly one of at_most and at_least")
+        if (self.metric == PEER_RATIO) != (self.against is not None):
+            raise ValueError(f"`against` goes with metric {PEER_RATIO} and with it alone")
         return self
+
+    @property
+    def on_steps(self) -> bool:
+        """Whether the metric is a column of the steps (else a benchmark record's figure)."""
+        return self.metric not in BENCH_METRICS
 
 
 def load(path: Path = TARGETS) -> list[Target]:
@@ -111,7 +128,7 @@ def table(df: pd.DataFrame, labels: dict[str, str], targets: list[Target] | None
     """One row for each target and each configuration it applies to; None where none applies."""
     out = Table(["target", "configuration", "median [95% CI]", "bound", "verdict"])
     steady = stats.steady_state(df)
-    for target in load() if targets is None else targets:
+    for target in [t for t in (load() if targets is None else targets) if t.on_steps]:
         for config_id, config in df.groupby("config_id", sort=True):
             if not applies(target.where, config):
                 continue

@@ -1,0 +1,159 @@
+"""hybridrl beside a peer framework in the same study: the records of TRL's GRPOTrainer (bench/trl-*.json, written
+by `hybridrl peer-trl` on a run's work) set beside the study's configurations, phase by phase, with hybridrl's
+compared step over each TRL configuration's step, judged against the peer targets (targets.yaml)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from hybridrl.report import stats, targets, wording
+from hybridrl.report.cells import Cell, Table, fmt_est, fmt_n
+from hybridrl.run.record import COMPARED_STEP
+
+# (heading, hybridrl's column, TRL's step field); "rest" is the step less the three phases, on each side
+PHASES = [("step, checks excluded", COMPARED_STEP, "step_s"),
+          ("generation", "timing_s/gen", "generate_s"),
+          ("training: forward, backward, optimizer", "timing_s/update_actor", "train_s"),
+          ("weight sync", "timing_s/update_weights", "sync_weights_s")]
+REST = "rest of the step"
+PLOT_TITLE = "hybridrl's step beside TRL's, phase by phase"
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """One TRL configuration's process: its label, which TRL configuration, and its steps after warm-up."""
+
+    label: str
+    defaults: bool
+    steps: list[dict[str, Any]]
+
+    def values(self, field: str) -> list[float]:
+        return [float(s[field]) for s in self.steps if s.get(field) is not None]
+
+    def rest(self) -> list[float]:
+        return [float(s["step_s"]) - sum(float(s.get(f) or 0.0) for _, _, f in PHASES[1:]) for s in self.steps]
+
+
+def measurement_files(bench_dir: Path, prefix: str) -> list[Path]:
+    """A study's measurement results named PREFIX*.json, without the SLURM job record beside each (.slurm.json)."""
+    return sorted(p for p in Path(bench_dir).glob(f"{prefix}*.json") if not p.name.endswith(".slurm.json"))
+
+
+def _label(settings: dict[str, Any]) -> tuple[str, bool]:
+    gc = settings.get("gradient_checkpointing")
+    if gc is None:
+        return "TRL GRPOTrainer · its defaults (gradient checkpointing on)", True
+    return f"TRL GRPOTrainer · gradient checkpointing {'on' if gc else 'off'}", False
+
+
+def records(bench_dir: Path) -> list[PeerRecord]:
+    """The study's TRL records, by file name; a file that is not one, or one without a step after warm-up, is an
+    error naming it."""
+    out = []
+    for path in measurement_files(bench_dir, "trl-"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not a readable TRL record ({exc})") from None
+        if not isinstance(data, dict) or data.get("tool") != "peer-trl":
+            raise ValueError(f"{path}: not a record of `hybridrl peer-trl` (no tool: peer-trl)")
+        steps = [s for s in data.get("steps") or [] if s.get("step", 0) > stats.WARMUP_STEPS]
+        if not steps:
+            raise ValueError(f"{path}: no step after warm-up (steps 1-{stats.WARMUP_STEPS})")
+        label, defaults = _label(data.get("settings") or {})
+        out.append(PeerRecord(label, defaults, steps))
+    return out
+
+
+def _ours(steady: pd.DataFrame, column: str) -> list[pd.Series]:
+    if column != REST:
+        return stats.per_run(steady, column)
+    if any(c not in steady.columns for _, c, _ in PHASES):
+        return []
+    parts = steady[[c for _, c, _ in PHASES]].apply(pd.to_numeric, errors="coerce").fillna(0.0)
+    rest = steady.assign(rest=parts.iloc[:, 0] - parts.iloc[:, 1:].sum(axis=1))
+    return stats.per_run(rest, "rest")
+
+
+def _theirs(record: PeerRecord, field: str) -> list[list[float]]:
+    return [record.rest() if field == REST else record.values(field)]
+
+
+def phase_table(df: pd.DataFrame, bench_dir: Path, labels: dict[str, str]) -> Table | None:
+    """One row for each configuration and each TRL record: the median [95% CI] of the step and its phases over
+    steady-state steps (hybridrl: over runs and steps; TRL: one process, over its steps). None without records."""
+    peers = records(bench_dir)
+    if not peers:
+        return None
+    table = Table(["configuration", *(h for h, _, _ in PHASES), REST, "runs × steps"])
+    steady = stats.steady_state(df)
+    for config_id, config in steady.groupby("config_id", sort=True):
+        ests = [stats.hierarchical_median(_ours(config, c)) for c in [*(c for _, c, _ in PHASES), REST]]
+        table.rows.append([Cell(labels.get(str(config_id), str(config_id))),
+                           *(Cell(fmt_est(e), "num") for e in ests), Cell(fmt_n(ests[0]))])
+    for peer in peers:
+        ests = [stats.hierarchical_median(_theirs(peer, f)) for f in [*(f for _, _, f in PHASES), REST]]
+        table.rows.append([Cell(peer.label), *(Cell(fmt_est(e), "num") for e in ests), Cell(fmt_n(ests[0]))])
+    return table
+
+
+def _best(peers: list[PeerRecord]) -> PeerRecord:
+    return min(peers, key=lambda p: stats.hierarchical_median([p.values("step_s")]).value)
+
+
+def ratio_table(df: pd.DataFrame, bench_dir: Path, labels: dict[str, str],
+                wanted: list[targets.Target] | None = None) -> Table | None:
+    """hybridrl's compared step over each TRL record's step, one row a pair, in words from its interval; then each
+    peer target (peer/step_ratio) for each configuration: met, missed or not settled. None without records."""
+    peers = records(bench_dir)
+    if not peers:
+        return None
+    table = Table(["configuration", "against", "hybridrl / TRL, step", "in words", "target", "verdict"])
+    steady = stats.steady_state(df)
+    peer_targets = [t for t in (targets.load() if wanted is None else wanted) if t.metric == targets.PEER_RATIO]
+    for config_id, config in steady.groupby("config_id", sort=True):
+        ours = stats.per_run(config, COMPARED_STEP)
+        name = labels.get(str(config_id), str(config_id))
+        n_ours = (len(ours), sum(int(s.notna().sum()) for s in ours))
+        for peer in peers:
+            est = stats.hierarchical_ratio(ours, [peer.values("step_s")])
+            words = wording.conclusion("Step time", name, "TRL", est, n_ours, (1, len(peer.steps)),
+                                       higher_is_better=False)
+            met = [t for t in peer_targets if (t.against == "trl-defaults" and peer.defaults)
+                   or (t.against == "trl-best" and peer is _best(peers))]
+            for target in met or [None]:
+                verdict = targets.judge(target, est) if target else ""
+                table.rows.append([
+                    Cell(name), Cell(peer.label), Cell(wording.ratio_text(est), "num"), Cell(words),
+                    Cell(f"{target.name}: ≤ {target.at_most:g}" if target and target.at_most else "–"),
+                    Cell(verdict or "–", {"met": "ok", "missed": "fail"}.get(verdict, "na"))])
+    table.intervals = sum(1 for r in table.rows if "[" in r[2].text)
+    return table
+
+
+def plot(df: pd.DataFrame, bench_dir: Path, labels: dict[str, str], out: Path) -> Path | None:
+    """Stacked bars of the phases' medians, one bar a configuration and a TRL record, the step's interval as a
+    whisker; None (and no file) without records."""
+    from hybridrl.report import plots
+
+    peers = records(bench_dir)
+    if not peers:
+        Path(out).unlink(missing_ok=True)
+        return None
+    steady = stats.steady_state(df)
+    rows: list[tuple[str, list[float], stats.Estimate]] = []
+    parts = [*PHASES[1:], (REST, REST, REST)]
+    for config_id, config in steady.groupby("config_id", sort=True):
+        medians = [stats.hierarchical_median(_ours(config, c)).value for _, c, _ in parts]
+        rows.append((labels.get(str(config_id), str(config_id)), medians,
+                     stats.hierarchical_median(_ours(config, COMPARED_STEP))))
+    for peer in peers:
+        medians = [stats.hierarchical_median(_theirs(peer, f)).value for _, _, f in parts]
+        rows.append((peer.label.replace("TRL GRPOTrainer · ", "TRL · "), medians,
+                     stats.hierarchical_median([peer.values("step_s")])))
+    return plots.stacked_bars(rows, [h for h, _, _ in parts], "seconds a step (median)", PLOT_TITLE, out)

@@ -1,0 +1,86 @@
+"""hybridrl beside TRL in the report: TRL's records read (and refused when they are not records), the phase table,
+hybridrl's step over TRL's judged against the peer targets, and the plot drawn only where records are."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from hybridrl.report import peer, targets
+
+DEFAULTS = targets.Target(name="1.5x TRL's defaults", metric=targets.PEER_RATIO, against="trl-defaults",
+                          at_most=0.667)
+BEST = targets.Target(name="faster than TRL's best", metric=targets.PEER_RATIO, against="trl-best", at_most=1.0)
+
+
+def _ours(step: float, runs: int = 2) -> pd.DataFrame:
+    rows = []
+    for r in range(runs):
+        for i in range(1, 9):
+            s = step + 0.02 * ((i + r) % 3)
+            rows.append({"run_id": f"ours-r{r}", "config_id": "ours", "step": i, "time_unix": 100 * r + i,
+                         "warmup_steps": 2, "timing_s/step_compared": s, "timing_s/gen": s / 2,
+                         "timing_s/update_actor": s / 4, "timing_s/update_weights": 0.1})
+    return pd.DataFrame(rows)
+
+
+def _trl(bench: Path, name: str, step: float, gc: bool | None = None) -> None:
+    settings = {} if gc is None else {"gradient_checkpointing": gc}
+    steps = [{"step": i, "step_s": step + 0.03 * (i % 3), "generate_s": step / 2, "train_s": step / 3,
+              "sync_weights_s": 0.2} for i in range(1, 11)]
+    bench.mkdir(exist_ok=True)
+    (bench / f"trl-x-{name}.json").write_text(json.dumps({"tool": "peer-trl", "settings": settings, "steps": steps}))
+    (bench / f"trl-x-{name}.slurm.json").write_text(json.dumps({"job_id": "7"}))  # the job record is no result
+
+
+def test_records_skip_job_records_and_refuse_what_is_not_one(tmp_path: Path) -> None:
+    _trl(tmp_path, "defaults", 6.0)
+    _trl(tmp_path, "gc-off", 4.0, gc=False)
+    got = peer.records(tmp_path)
+    assert [(r.label, r.defaults, len(r.steps)) for r in got] == [
+        ("TRL GRPOTrainer · its defaults (gradient checkpointing on)", True, 8),
+        ("TRL GRPOTrainer · gradient checkpointing off", False, 8)]
+    assert got[0].rest() == pytest.approx([s["step_s"] - 3.0 - 2.0 - 0.2 for s in got[0].steps])
+    assert peer.records(tmp_path / "none") == []
+    (tmp_path / "trl-x-bad.json").write_text(json.dumps({"tool": "trainer-bench"}))
+    with pytest.raises(ValueError, match=r"trl-x-bad.json: not a record of `hybridrl peer-trl`"):
+        peer.records(tmp_path)
+    (tmp_path / "trl-x-bad.json").write_text(json.dumps({"tool": "peer-trl", "steps": [{"step": 1, "step_s": 1}]}))
+    with pytest.raises(ValueError, match="trl-x-bad.json: no step after warm-up"):
+        peer.records(tmp_path)
+
+
+def test_the_phase_table_sets_each_configuration_beside_each_record(tmp_path: Path) -> None:
+    _trl(tmp_path, "defaults", 6.0)
+    table = peer.phase_table(_ours(4.0), tmp_path, {"ours": "hybridrl"})
+    assert [r[0].text for r in table.rows] == ["hybridrl", "TRL GRPOTrainer · its defaults (gradient checkpointing on)"]
+    step, rest = float(table.rows[0][1].text.split()[0]), float(table.rows[0][5].text.split()[0])
+    assert step == pytest.approx(4.02, abs=0.02) and rest == pytest.approx(step / 4 - 0.1, abs=0.02)
+    assert table.rows[1][-1].text == "1 run × 8 steps"
+    assert peer.phase_table(_ours(4.0), tmp_path / "none", {}) is None
+
+
+@pytest.mark.parametrize(("ours", "verdicts"), [
+    (3.0, {"its defaults": "met", "off": "met"}),       # 0.5x TRL's defaults, 0.75x its best
+    (4.6, {"its defaults": "missed", "off": "missed"}),  # 0.77x the defaults, 1.15x the best
+])
+def test_the_ratio_is_judged_against_the_defaults_and_the_best_configuration(tmp_path: Path, ours: float,
+                                                                             verdicts: dict[str, str]) -> None:
+    _trl(tmp_path, "defaults", 6.0)
+    _trl(tmp_path, "gc-off", 4.0, gc=False)
+    table = peer.ratio_table(_ours(ours), tmp_path, {"ours": "hybridrl"}, [DEFAULTS, BEST])
+    got = {("its defaults" if "defaults" in r[1].text else "off"): r[5].text for r in table.rows}
+    assert got == verdicts
+    assert [r[4].text.split(":")[0] for r in table.rows] == [DEFAULTS.name, BEST.name]
+    assert table.intervals == 2
+
+
+def test_the_plot_is_drawn_where_records_are_and_removed_where_none(tmp_path: Path) -> None:
+    out = tmp_path / "plots" / "peer.png"
+    out.parent.mkdir()
+    _trl(tmp_path / "bench", "defaults", 6.0)
+    assert peer.plot(_ours(4.0), tmp_path / "bench", {"ours": "hybridrl"}, out) == out and out.stat().st_size > 0
+    assert peer.plot(_ours(4.0), tmp_path / "none", {}, out) is None and not out.exists()

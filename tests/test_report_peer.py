@@ -84,3 +84,16 @@ def test_the_plot_is_drawn_where_records_are_and_removed_where_none(tmp_path: Pa
     _trl(tmp_path / "bench", "defaults", 6.0)
     assert peer.plot(_ours(4.0), tmp_path / "bench", {"ours": "hybridrl"}, out) == out and out.stat().st_size > 0
     assert peer.plot(_ours(4.0), tmp_path / "none", {}, out) is None and not out.exists()
+
+
+def test_the_readme_figures_quote_the_sections_and_name_a_study_without_records() -> None:
+    from hybridrl.report import figures
+
+    with_trl, without = "results/reference/2026-11-28-h200-peer", "results/reference/2026-11-28-h100-peer"
+    assert "TRL GRPOTrainer · gradient checkpointing off" in figures.peer_table(with_trl, "phases")
+    assert "hybridrl / TRL, step" in figures.peer_table(with_trl, "ratios")
+    assert "vllm-inprocess (vllm-inprocess-peer-16a0c566)" in figures.start_table(with_trl)
+    with pytest.raises(ValueError, match="no TRL record"):
+        figures.peer_table(without)
+    with pytest.raises(ValueError, match="neither phases nor ratios"):
+        figures.peer_table(with_trl, "steps")

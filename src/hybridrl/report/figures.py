@@ -584,6 +584,32 @@ def floors(study: str) -> str:
     return _markdown_block(table)
 
 
+def peer_table(study: str, which: str = "phases") -> str:
+    """The report's TRL section (report.peer) of one study: `phases`, each configuration's and TRL record's step
+    and phases; `ratios`, hybridrl's compared step over each TRL record's, with the peer targets' verdicts."""
+    from hybridrl.report import peer
+    from hybridrl.report.plots import config_labels
+
+    if which not in ("phases", "ratios"):
+        raise ValueError(f"peer_table: {which!r} is neither phases nor ratios")
+    df = _table(study)
+    make = peer.phase_table if which == "phases" else peer.ratio_table
+    table = make(df, REPO / study / "bench", config_labels(df))
+    if table is None:
+        raise ValueError(f"{study}: no TRL record (bench/trl-*.json)")
+    return _markdown_block(table)
+
+
+def start_table(study: str) -> str:
+    """The report's engine start against its own command line (report.start_bench) of one study."""
+    from hybridrl.report import start_bench
+
+    table = start_bench.table(REPO / study / "bench")
+    if table is None:
+        raise ValueError(f"{study}: no start-bench record (bench/start-*.json)")
+    return _markdown_block(table)
+
+
 def _markdown_block(table: Table) -> str:
     """A table on lines of its own in a README: a blank line before and after."""
     return "\n\n" + markdown(table) + "\n\n"
@@ -638,7 +664,8 @@ FIGURES: dict[str, Callable[..., str]] = {
     "at": at, "setup_table": setup_table, "peer_median": peer_median, "peer_ratio": peer_ratio,
     "run_medians": run_medians, "slope": slope, "share": share,
     "unattributed": unattributed, "replayed": replayed, "alike": alike, "floors": floors,
-    "writeup_table": writeup_table, "phase_table": phase_table, "memory_table": memory_table,
+    "writeup_table": writeup_table, "peer_table": peer_table, "start_table": start_table,
+    "phase_table": phase_table, "memory_table": memory_table,
 }
 
 

@@ -72,9 +72,10 @@ def test_the_ratio_is_judged_against_the_defaults_and_the_best_configuration(tmp
     _trl(tmp_path, "defaults", 6.0)
     _trl(tmp_path, "gc-off", 4.0, gc=False)
     table = peer.ratio_table(_ours(ours), tmp_path, {"ours": "hybridrl"}, [DEFAULTS, BEST])
-    got = {("its defaults" if "defaults" in r[1].text else "off"): r[5].text for r in table.rows}
+    got = {("its defaults" if "defaults" in r[1].text else "off"): r[6].text for r in table.rows}
     assert got == verdicts
-    assert [r[4].text.split(":")[0] for r in table.rows] == [DEFAULTS.name, BEST.name]
+    assert [(r[4].text, r[5].text) for r in table.rows] == [(DEFAULTS.name, "peer/step_ratio ≤ 0.667"),
+                                                           (BEST.name, "peer/step_ratio ≤ 1")]
     assert table.intervals == 2
 
 
@@ -97,3 +98,16 @@ def test_the_readme_figures_quote_the_sections_and_name_a_study_without_records(
         figures.peer_table(without)
     with pytest.raises(ValueError, match="neither phases nor ratios"):
         figures.peer_table(with_trl, "steps")
+
+
+def test_the_targets_command_lists_the_bench_targets_of_each_study(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridrl.cli import main
+
+    study = Path("results/reference/2026-11-28-h200-peer").resolve()
+    (tmp_path / study.name).symlink_to(study)
+    main(["targets", "--reference", str(tmp_path)])
+    lines = capsys.readouterr().out.splitlines()
+    peer_rows = [ln for ln in lines if "peer/step_ratio" in ln]
+    assert len(peer_rows) == 4 and all(ln.startswith(study.name) for ln in peer_rows)
+    assert any("start/over_cli ≤ 1.3 | not settled: no interval" in ln for ln in lines)

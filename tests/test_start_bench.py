@@ -144,10 +144,10 @@ def test_the_reports_table_keeps_first_starts_apart_and_judges_only_with_an_inte
     _record(tmp_path, [("hybridrl", 50.0), ("cli", 150.0), ("cli", 70.0), ("hybridrl", 35.0)])
     row = section.table(tmp_path, [bound]).rows[0]
     assert [c.text for c in row[1:6]] == ["50.00", "150.0", "35.00", "70.00", "0.50x (1 start a side, no interval)"]
-    assert row[7].text == "not settled: no interval"
+    assert [c.text for c in row[6:]] == ["1.3x", "start/over_cli ≤ 1.3", "not settled: no interval"]
     later = [("hybridrl", 60.0 + i) if i % 2 else ("cli", 20.0 + i) for i in range(8)]
     _record(tmp_path, [("hybridrl", 50.0), ("cli", 150.0), *later])
-    assert section.table(tmp_path, [bound]).rows[0][7].text == "missed"  # 3x its command line, every start
+    assert section.table(tmp_path, [bound]).rows[0][8].text == "missed"  # 3x its command line, every start
     _record(tmp_path, [("hybridrl", 50.0), ("hybridrl", 40.0)])
     with pytest.raises(ValueError, match="start-x.json: a path without a start"):
         section.table(tmp_path, [bound])

@@ -348,7 +348,7 @@ def _results_index(args: argparse.Namespace) -> None:
 
 
 def _targets(args: argparse.Namespace) -> None:
-    from hybridrl.report import targets
+    from hybridrl.report import peer, start_bench, targets
     from hybridrl.report.aggregate import read_table
     from hybridrl.report.plots import config_labels
 
@@ -357,10 +357,20 @@ def _targets(args: argparse.Namespace) -> None:
     except ConfigError as exc:
         raise SystemExit(f"hybridrl targets: {exc}") from None
     for study in sorted(Path(args.reference).glob("*/steps.csv")):
-        df = read_table(study)
+        df, bench = read_table(study), study.parent / "bench"
         table = targets.table(df, config_labels(df), wanted)
         for row in table.rows if table else []:
             print(" | ".join([study.parent.name, *(c.text for c in row)]))
+        # the targets on benchmark records: hybridrl against TRL, an engine's start against its command line
+        for bench_table, what, value in ((peer.ratio_table(df, bench, config_labels(df), wanted),
+                                          ("configuration", "against"), "hybridrl / TRL, step"),
+                                         (start_bench.table(bench, wanted), ("engine",),
+                                          "hybridrl / command line, later")):
+            col = {h: i for i, h in enumerate(bench_table.headers)} if bench_table else {}
+            for row in [r for r in bench_table.rows if r[col["target"]].text != "–"] if bench_table else []:
+                print(" | ".join([study.parent.name, row[col["target"]].text,
+                                  " against ".join(row[col[w]].text for w in what), row[col[value]].text,
+                                  row[col["bound"]].text, row[col["verdict"]].text]))
 
 
 def _archive(args: argparse.Namespace) -> None:

@@ -113,7 +113,7 @@ def ratio_table(df: pd.DataFrame, bench_dir: Path, labels: dict[str, str],
     peers = records(bench_dir)
     if not peers:
         return None
-    table = Table(["configuration", "against", "hybridrl / TRL, step", "in words", "target", "verdict"])
+    table = Table(["configuration", "against", "hybridrl / TRL, step", "in words", "target", "bound", "verdict"])
     steady = stats.steady_state(df)
     peer_targets = [t for t in (targets.load() if wanted is None else wanted) if t.metric == targets.PEER_RATIO]
     for config_id, config in steady.groupby("config_id", sort=True):
@@ -130,8 +130,7 @@ def ratio_table(df: pd.DataFrame, bench_dir: Path, labels: dict[str, str],
                 verdict = targets.judge(target, est) if target else ""
                 table.rows.append([
                     Cell(name), Cell(peer.label), Cell(wording.ratio_text(est), "num"), Cell(words),
-                    Cell(f"{target.name}: ≤ {target.at_most:g}" if target and target.at_most else "–"),
-                    Cell(verdict or "–", {"met": "ok", "missed": "fail"}.get(verdict, "na"))])
+                    *targets.cells(target, verdict)])
     table.intervals = sum(1 for r in table.rows if "[" in r[2].text)
     return table
 

@@ -35,7 +35,7 @@ def table(bench_dir: Path, wanted: list[targets.Target] | None = None) -> Table 
         return None
     bound = [t for t in (targets.load() if wanted is None else wanted) if t.metric == targets.START_OVER_CLI]
     out = Table(["engine", "hybridrl, first (s)", "command line, first (s)", "hybridrl, later (s)",
-                 "command line, later (s)", "hybridrl / command line, later", "target", "verdict"])
+                 "command line, later (s)", "hybridrl / command line, later", "target", "bound", "verdict"])
     for path in paths:
         name, starts = _starts(path)
         later = {p: v[1:] for p, v in starts.items()}
@@ -47,9 +47,7 @@ def table(bench_dir: Path, wanted: list[targets.Target] | None = None) -> Table 
             est, ratio = None, "–"
         medians = [fmt(statistics.median(later[p])) if later[p] else "–" for p in PATHS]
         for target in bound or [None]:
-            verdict = targets.judge(target, est) if target and est else "–"
+            verdict = targets.judge(target, est) if target and est else ""
             out.rows.append([Cell(name), *(Cell(fmt(starts[p][0]), "num") for p in PATHS),
-                             *(Cell(m, "num") for m in medians), Cell(ratio, "num"),
-                             Cell(f"{target.name}: ≤ {target.at_most:g}" if target and target.at_most else "–"),
-                             Cell(verdict, {"met": "ok", "missed": "fail"}.get(verdict, "na"))])
+                             *(Cell(m, "num") for m in medians), Cell(ratio, "num"), *targets.cells(target, verdict)])
     return out

@@ -60,6 +60,10 @@ class Target(BaseModel):
         return self
 
     @property
+    def bound(self) -> float:
+        return self.at_most if self.at_most is not None else self.at_least  # type: ignore[return-value]
+
+    @property
     def on_steps(self) -> bool:
         """Whether the metric is a column of the steps (else a benchmark record's figure)."""
         return self.metric not in BENCH_METRICS
@@ -115,13 +119,26 @@ def judge(target: Target, est: stats.Estimate) -> str:
     a configuration without an interval (one step) settles nothing."""
     if not (pd.notna(est.lo) and pd.notna(est.hi)):
         return "not settled: no interval"
-    bound = target.at_most if target.at_most is not None else target.at_least
+    bound = target.bound
     inside = (lambda x: x <= bound) if target.at_most is not None else (lambda x: x >= bound)
     if inside(est.lo) and inside(est.hi):
         return "met"
     if not inside(est.lo) and not inside(est.hi):
         return "missed"
     return "not settled: its interval reaches past the bound"
+
+
+def bound_text(target: Target) -> str:
+    """'timing_s/step_compared ≤ 3.5': the metric and its bound."""
+    return f"{target.metric} {'≤' if target.at_most is not None else '≥'} {target.bound:g}"
+
+
+def cells(target: Target | None, verdict: str) -> list[Cell]:
+    """A target's name, bound and verdict as a table's last three cells; dashes where no target applies."""
+    if target is None:
+        return [Cell("–", "na")] * 3
+    return [Cell(target.name), Cell(bound_text(target)),
+            Cell(verdict, {"met": "ok", "missed": "fail"}.get(verdict, "na"))]
 
 
 def table(df: pd.DataFrame, labels: dict[str, str], targets: list[Target] | None = None) -> Table | None:
@@ -135,10 +152,7 @@ def table(df: pd.DataFrame, labels: dict[str, str], targets: list[Target] | None
             est = stats.estimate(steady[steady["config_id"] == config_id], target.metric)
             if not pd.notna(est.value):
                 continue
-            bound = f"≤ {target.at_most:g}" if target.at_most is not None else f"≥ {target.at_least:g}"
-            verdict = judge(target, est)
-            out.rows.append([Cell(target.name), Cell(labels.get(str(config_id), str(config_id))),
-                             Cell(f"{fmt(est.value)} [{fmt(est.lo)}, {fmt(est.hi)}]", "num"),
-                             Cell(f"{target.metric} {bound}"),
-                             Cell(verdict, {"met": "ok", "missed": "fail"}.get(verdict, "na"))])
+            name, bound, verdict = cells(target, judge(target, est))
+            out.rows.append([name, Cell(labels.get(str(config_id), str(config_id))),
+                             Cell(f"{fmt(est.value)} [{fmt(est.lo)}, {fmt(est.hi)}]", "num"), bound, verdict])
     return out if out.rows else None

@@ -111,3 +111,18 @@ def test_the_targets_command_lists_the_bench_targets_of_each_study(tmp_path: Pat
     peer_rows = [ln for ln in lines if "peer/step_ratio" in ln]
     assert len(peer_rows) == 4 and all(ln.startswith(study.name) for ln in peer_rows)
     assert any("start/over_cli ≤ 1.3 | not settled: no interval" in ln for ln in lines)
+
+
+def test_the_report_job_waits_for_the_measurements_it_reads(tmp_path: Path) -> None:
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([str(repo / ".venv" / "bin" / "snakemake"), "-s", str(repo / "Snakefile"), "--configfile",
+                          str(repo / "config" / "gpu-peer.yaml"), "-n", "--cores", "1", "results/report.md"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = (out.stdout + out.stderr).split("rule report:")[1].split("output:")[0]
+    for name in ("trl-vllm-inprocess-peer-defaults", "trl-vllm-inprocess-peer-gc-off", "start-vllm-inprocess-peer",
+                 "start-sglang-peer"):
+        assert f"results/bench/{name}.json" in report
+    assert "trainer-qwen3" not in report  # the report does not read the trainer benches

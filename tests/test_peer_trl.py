@@ -15,7 +15,7 @@ from hybridrl.study import models
 from hybridrl.study.config import resolve
 from hybridrl.study.run_config import RunSpec
 from hybridrl.task import data
-from hybridrl.tools.peer_trl import PeerOptions, check_options, grpo_settings, prompt_dataset, step_dataset
+from hybridrl.tools.peer_trl import PeerOptions, check_options, differences, grpo_settings, prompt_dataset, step_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,7 +75,8 @@ def test_peer_trl_trains_the_runs_work_with_real_trl(assets: Path, tmp_path: Pat
     a = rep["adapter"]
     assert a["tensors"] == 2 * 7 * 2 and a["changed"]
     assert a["lora_b_norm_before"] == 0.0 and a["lora_b_norm_after"] > 0
-    assert {d["setting"] for d in rep["differences"]} >= {"gradient_checkpointing", "micro-batching", "generation"}
+    assert {d["setting"] for d in rep["differences"]} >= {"gradient_checkpointing", "micro-batching", "generation",
+                                                          "output head", "trainer between steps"}
 
 
 def test_peer_trl_takes_the_runs_prompts_in_step_order() -> None:
@@ -116,6 +117,10 @@ def test_peer_trl_settings_and_refusals(tmp_path: Path) -> None:
     assert kw["num_generations"] == run.group_size and kw["max_completion_length"] == run.max_new_tokens
     with pytest.raises(ValueError, match="does not divide"):
         check_options(run, PeerOptions(steps=1, micro_batch=3, device="cuda"))
+    diffs = {d["setting"]: d["hybridrl"] for d in differences(run.model_copy(update={"chunked_head": True,
+                                                                                 "keep_base_on_gpu": "auto"}), kw)}
+    assert diffs["output head"] == "chunked head, no full logits" and diffs["trainer between steps"].endswith("auto")
+    assert {d["setting"]: d["hybridrl"] for d in differences(run, kw)}["output head"] == "the model's full logits"
     drawn = run.model_copy(update={"lora": run.lora.model_copy(update={"init_b_std": 1e-3})})
     with pytest.raises(ValueError, match="init_b_std"):
         check_options(drawn, PeerOptions(steps=1, micro_batch=4, device="cuda"))

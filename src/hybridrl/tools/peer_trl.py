@@ -127,6 +127,12 @@ def differences(run: RunConfig, kw: dict[str, Any]) -> list[dict[str, str]]:
     if kw["learning_rate"] != run.lr:
         out.append({"setting": "learning_rate", "trl": f"{kw['learning_rate']:g}", "hybridrl": f"{run.lr:g}",
                     "why": "the measurement's lr (issue 51 asks 1e-3 for the peer)"})
+    out.append({"setting": "output head", "trl": "the model's full logits over the vocabulary",
+                "hybridrl": "chunked head, no full logits" if run.chunked_head else "the model's full logits",
+                "why": "TRL computes logprobs from the logits it is given"})
+    out.append({"setting": "trainer between steps", "trl": "model and optimizer state stay on the GPU",
+                "hybridrl": f"LoRA and optimizer state to pinned CPU memory, frozen base keep_base_on_gpu "
+                            f"{run.keep_base_on_gpu}", "why": "TRL's colocate mode sleeps vLLM only"})
     gc = kw.get("gradient_checkpointing")
     out.append({"setting": "gradient_checkpointing", "trl": "on (TRL's default)" if gc is None else str(gc).lower(),
                 "hybridrl": "off", "why": "TRL's default and off are both measured"})

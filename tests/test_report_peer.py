@@ -126,3 +126,15 @@ def test_the_report_job_waits_for_the_measurements_it_reads(tmp_path: Path) -> N
                  "start-sglang-peer"):
         assert f"results/bench/{name}.json" in report
     assert "trainer-qwen3" not in report  # the report does not read the trainer benches
+
+
+def test_the_verdict_names_each_pair_with_its_sentence(tmp_path: Path) -> None:
+    _trl(tmp_path, "defaults", 6.0)
+    _trl(tmp_path, "gc-off", 4.0, gc=False)
+    lines = peer.verdict_lines(_ours(4.6), tmp_path, {"ours": "hybridrl"})
+    assert [pair for pair, _ in lines] == ["hybridrl vs TRL · its defaults (gradient checkpointing on)",
+                                          "hybridrl vs TRL · gradient checkpointing off"]
+    # one TRL process: a ranking says "in these runs"
+    assert "hybridrl was faster than TRL · its defaults (gradient checkpointing on) in these runs" in lines[0][1]
+    assert "hybridrl was slower than TRL · gradient checkpointing off in these runs" in lines[1][1]  # 1.15x
+    assert peer.verdict_lines(_ours(4.6), tmp_path / "none", {}) == []

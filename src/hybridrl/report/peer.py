@@ -106,33 +106,59 @@ def _best(peers: list[PeerRecord]) -> PeerRecord:
     return min(peers, key=lambda p: stats.hierarchical_median([p.values("step_s")]).value)
 
 
-def ratio_table(df: pd.DataFrame, bench_dir: Path, labels: dict[str, str],
-                wanted: list[targets.Target] | None = None) -> Table | None:
-    """hybridrl's compared step over each TRL record's step, one row a pair, in words from its interval; then each
-    peer target (peer/step_ratio) for each configuration: met, missed or not settled. None without records."""
-    peers = records(bench_dir)
-    if not peers:
-        return None
-    table = Table(["configuration", "against", "hybridrl / TRL, step", "in words", "target", "bound", "verdict"])
-    steady = stats.steady_state(df)
-    peer_targets = [t for t in (targets.load() if wanted is None else wanted) if t.metric == targets.PEER_RATIO]
-    for config_id, config in steady.groupby("config_id", sort=True):
+@dataclass(frozen=True)
+class PeerPair:
+    """hybridrl's configuration against one TRL record: its compared step over TRL's step, and that in words."""
+
+    name: str
+    peer: PeerRecord
+    est: stats.Estimate
+    words: str
+
+
+def short(label: str) -> str:
+    return label.replace("TRL GRPOTrainer · ", "TRL · ")
+
+
+def pairs(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str]) -> list[PeerPair]:
+    """Every configuration against every TRL record, resampling hybridrl's runs and steps and TRL's steps."""
+    out = []
+    for config_id, config in stats.steady_state(df).groupby("config_id", sort=True):
         ours = stats.per_run(config, COMPARED_STEP)
         name = labels.get(str(config_id), str(config_id))
         n_ours = (len(ours), sum(int(s.notna().sum()) for s in ours))
         for peer in peers:
             est = stats.hierarchical_ratio(ours, [peer.values("step_s")])
-            words = wording.conclusion("Step time", name, "TRL", est, n_ours, (1, len(peer.steps)),
-                                       higher_is_better=False)
-            met = [t for t in peer_targets if (t.against == "trl-defaults" and peer.defaults)
-                   or (t.against == "trl-best" and peer is _best(peers))]
-            for target in met or [None]:
-                verdict = targets.judge(target, est) if target else ""
-                table.rows.append([
-                    Cell(name), Cell(peer.label), Cell(wording.ratio_text(est), "num"), Cell(words),
-                    *targets.cells(target, verdict)])
-    table.intervals = sum(1 for r in table.rows if "[" in r[2].text)
+            words = wording.conclusion("Step time, checks excluded", name, short(peer.label), est, n_ours,
+                                       (1, len(peer.steps)), higher_is_better=False)
+            out.append(PeerPair(name, peer, est, words))
+    return out
+
+
+def ratio_table(df: pd.DataFrame, bench_dir: Path, labels: dict[str, str],
+                wanted: list[targets.Target] | None = None) -> Table | None:
+    """hybridrl's compared step over each TRL record's step, one row a pair, in words from its interval, with each
+    peer target (peer/step_ratio) that applies to the pair: met, missed or not settled. None without records."""
+    peers = records(bench_dir)
+    if not peers:
+        return None
+    table = Table(["configuration", "against", "hybridrl / TRL, step", "in words", "target", "bound", "verdict"])
+    peer_targets = [t for t in (targets.load() if wanted is None else wanted) if t.metric == targets.PEER_RATIO]
+    found = pairs(df, peers, labels)
+    for pair in found:
+        met = [t for t in peer_targets if (t.against == "trl-defaults" and pair.peer.defaults)
+               or (t.against == "trl-best" and pair.peer is _best(peers))]
+        for target in met or [None]:
+            table.rows.append([Cell(pair.name), Cell(pair.peer.label), Cell(wording.ratio_text(pair.est), "num"),
+                               Cell(pair.words), *targets.cells(target, targets.judge(target, pair.est) if target
+                                                                else "")])
+    table.intervals = sum(1 for p in found if p.est.lo == p.est.lo)  # each pair once, where it has an interval
     return table
+
+
+def verdict_lines(df: pd.DataFrame, bench_dir: Path, labels: dict[str, str]) -> list[tuple[str, str]]:
+    """The report's opening verdict for each configuration against each TRL record: (pair, sentence)."""
+    return [(f"{p.name} vs {short(p.peer.label)}", p.words) for p in pairs(df, records(bench_dir), labels)]
 
 
 def plot(df: pd.DataFrame, bench_dir: Path, labels: dict[str, str], out: Path) -> Path | None:
@@ -153,6 +179,6 @@ def plot(df: pd.DataFrame, bench_dir: Path, labels: dict[str, str], out: Path) -
                      stats.hierarchical_median(_ours(config, COMPARED_STEP))))
     for peer in peers:
         medians = [stats.hierarchical_median(_theirs(peer, f)).value for _, _, f in parts]
-        rows.append((peer.label.replace("TRL GRPOTrainer · ", "TRL · "), medians,
+        rows.append((short(peer.label), medians,
                      stats.hierarchical_median([peer.values("step_s")])))
     return plots.stacked_bars(rows, [h for h, _, _ in parts], "seconds a step (median)", PLOT_TITLE, out)

@@ -56,7 +56,9 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
                      + sum(p["n_comparisons"] for p in places) + (peer_ratios.intervals if peer_ratios else 0))
     return {
         "summary": comparisons.summary(df, title),
-        "verdict": comparisons.verdict_lines(df, by_config, pairs, groups),
+        "verdict": [*comparisons.verdict_lines(df, by_config, pairs, groups),
+                    *(comparisons.VerdictLine(pair, sentence)
+                      for pair, sentence in peer.verdict_lines(df, bench, by_config))],
         "nothing_compared": comparisons.nothing_compared(df),
         "runs": [{"label": labels[r], "run_id": r} for r in stats.run_order(df)],
         "headlines": heads,

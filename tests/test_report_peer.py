@@ -55,12 +55,12 @@ def test_records_skip_job_records_and_refuse_what_is_not_one(tmp_path: Path) -> 
 
 def test_the_phase_table_sets_each_configuration_beside_each_record(tmp_path: Path) -> None:
     _trl(tmp_path, "defaults", 6.0)
-    table = peer.phase_table(_ours(4.0), tmp_path, {"ours": "hybridrl"})
+    table = peer.phase_table(_ours(4.0), peer.records(tmp_path), {"ours": "hybridrl"})
     assert [r[0].text for r in table.rows] == ["hybridrl", "TRL GRPOTrainer · its defaults (gradient checkpointing on)"]
     step, rest = float(table.rows[0][1].text.split()[0]), float(table.rows[0][5].text.split()[0])
     assert step == pytest.approx(4.02, abs=0.02) and rest == pytest.approx(step / 4 - 0.1, abs=0.02)
     assert table.rows[1][-1].text == "1 run × 8 steps"
-    assert peer.phase_table(_ours(4.0), tmp_path / "none", {}) is None
+    assert peer.phase_table(_ours(4.0), peer.records(tmp_path / "none"), {}) is None
 
 
 @pytest.mark.parametrize(("ours", "verdicts"), [
@@ -71,7 +71,7 @@ def test_the_ratio_is_judged_against_the_defaults_and_the_best_configuration(tmp
                                                                              verdicts: dict[str, str]) -> None:
     _trl(tmp_path, "defaults", 6.0)
     _trl(tmp_path, "gc-off", 4.0, gc=False)
-    table = peer.ratio_table(_ours(ours), tmp_path, {"ours": "hybridrl"}, [DEFAULTS, BEST])
+    table = peer.ratio_table(peer.pairs(_ours(ours), peer.records(tmp_path), {"ours": "hybridrl"}), [DEFAULTS, BEST])
     got = {("its defaults" if "defaults" in r[1].text else "off"): r[6].text for r in table.rows}
     assert got == verdicts
     assert [(r[4].text, r[5].text) for r in table.rows] == [(DEFAULTS.name, "peer/step_ratio ≤ 0.667"),
@@ -83,8 +83,9 @@ def test_the_plot_is_drawn_where_records_are_and_removed_where_none(tmp_path: Pa
     out = tmp_path / "plots" / "peer.png"
     out.parent.mkdir()
     _trl(tmp_path / "bench", "defaults", 6.0)
-    assert peer.plot(_ours(4.0), tmp_path / "bench", {"ours": "hybridrl"}, out) == out and out.stat().st_size > 0
-    assert peer.plot(_ours(4.0), tmp_path / "none", {}, out) is None and not out.exists()
+    drawn = peer.plot(_ours(4.0), peer.records(tmp_path / "bench"), {"ours": "hybridrl"}, out)
+    assert drawn == out and out.stat().st_size > 0
+    assert peer.plot(_ours(4.0), [], {}, out) is None and not out.exists()
 
 
 def test_the_readme_figures_quote_the_sections_and_name_a_study_without_records() -> None:
@@ -131,10 +132,10 @@ def test_the_report_job_waits_for_the_measurements_it_reads(tmp_path: Path) -> N
 def test_the_verdict_names_each_pair_with_its_sentence(tmp_path: Path) -> None:
     _trl(tmp_path, "defaults", 6.0)
     _trl(tmp_path, "gc-off", 4.0, gc=False)
-    lines = peer.verdict_lines(_ours(4.6), tmp_path, {"ours": "hybridrl"})
+    lines = peer.verdict_lines(peer.pairs(_ours(4.6), peer.records(tmp_path), {"ours": "hybridrl"}))
     assert [pair for pair, _ in lines] == ["hybridrl vs TRL · its defaults (gradient checkpointing on)",
                                           "hybridrl vs TRL · gradient checkpointing off"]
     # one TRL process: a ranking says "in these runs"
     assert "hybridrl was faster than TRL · its defaults (gradient checkpointing on) in these runs" in lines[0][1]
     assert "hybridrl was slower than TRL · gradient checkpointing off in these runs" in lines[1][1]  # 1.15x
-    assert peer.verdict_lines(_ours(4.6), tmp_path / "none", {}) == []
+    assert peer.verdict_lines(peer.pairs(_ours(4.6), peer.records(tmp_path / "none"), {})) == []

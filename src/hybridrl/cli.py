@@ -362,7 +362,8 @@ def _targets(args: argparse.Namespace) -> None:
         for row in table.rows if table else []:
             print(" | ".join([study.parent.name, *(c.text for c in row)]))
         # the targets on benchmark records: hybridrl against TRL, an engine's start against its command line
-        for bench_table, what, value in ((peer.ratio_table(df, bench, config_labels(df), wanted),
+        peer_pairs = peer.pairs(df, peer.records(bench), config_labels(df))
+        for bench_table, what, value in ((peer.ratio_table(peer_pairs, wanted),
                                           ("configuration", "against"), "hybridrl / TRL, step"),
                                          (start_bench.table(bench, wanted), ("engine",),
                                           "hybridrl / command line, later")):

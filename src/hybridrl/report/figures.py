@@ -592,9 +592,9 @@ def peer_table(study: str, which: str = "phases") -> str:
 
     if which not in ("phases", "ratios"):
         raise ValueError(f"peer_table: {which!r} is neither phases nor ratios")
-    df = _table(study)
-    make = peer.phase_table if which == "phases" else peer.ratio_table
-    table = make(df, REPO / study / "bench", config_labels(df))
+    df, peers = _table(study), peer.records(REPO / study / "bench")
+    table = (peer.phase_table(df, peers, config_labels(df)) if which == "phases"
+             else peer.ratio_table(peer.pairs(df, peers, config_labels(df))))
     if table is None:
         raise ValueError(f"{study}: no TRL record (bench/trl-*.json)")
     return _markdown_block(table)

@@ -5,6 +5,7 @@ compared step over each TRL configuration's step, judged against the peer target
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,21 +85,27 @@ def _theirs(record: PeerRecord, field: str) -> list[list[float]]:
     return [record.rest() if field == REST else record.values(field)]
 
 
-def phase_table(df: pd.DataFrame, bench_dir: Path, labels: dict[str, str]) -> Table | None:
-    """One row for each configuration and each TRL record: the median [95% CI] of the step and its phases over
-    steady-state steps (hybridrl: over runs and steps; TRL: one process, over its steps). None without records."""
-    peers = records(bench_dir)
+def phase_rows(df: pd.DataFrame, peers: list[PeerRecord],
+               labels: dict[str, str]) -> list[tuple[str, list[stats.Estimate]]]:
+    """Each configuration, then each TRL record: the median [95% CI] of the step, each phase and the rest, over
+    steady-state steps (hybridrl: over runs and steps; TRL: one process, over its steps)."""
+    rows = []
+    for config_id, config in stats.steady_state(df).groupby("config_id", sort=True):
+        rows.append((labels.get(str(config_id), str(config_id)),
+                     [stats.hierarchical_median(_ours(config, c)) for c in [*(c for _, c, _ in PHASES), REST]]))
+    for peer in peers:
+        rows.append((peer.label,
+                     [stats.hierarchical_median(_theirs(peer, f)) for f in [*(f for _, _, f in PHASES), REST]]))
+    return rows
+
+
+def phase_table(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str]) -> Table | None:
+    """One row for each configuration and each TRL record (phase_rows); None without records."""
     if not peers:
         return None
     table = Table(["configuration", *(h for h, _, _ in PHASES), REST, "runs × steps"])
-    steady = stats.steady_state(df)
-    for config_id, config in steady.groupby("config_id", sort=True):
-        ests = [stats.hierarchical_median(_ours(config, c)) for c in [*(c for _, c, _ in PHASES), REST]]
-        table.rows.append([Cell(labels.get(str(config_id), str(config_id))),
-                           *(Cell(fmt_est(e), "num") for e in ests), Cell(fmt_n(ests[0]))])
-    for peer in peers:
-        ests = [stats.hierarchical_median(_theirs(peer, f)) for f in [*(f for _, _, f in PHASES), REST]]
-        table.rows.append([Cell(peer.label), *(Cell(fmt_est(e), "num") for e in ests), Cell(fmt_n(ests[0]))])
+    for label, ests in phase_rows(df, peers, labels):
+        table.rows.append([Cell(label), *(Cell(fmt_est(e), "num") for e in ests), Cell(fmt_n(ests[0]))])
     return table
 
 
@@ -135,50 +142,39 @@ def pairs(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str]) -> 
     return out
 
 
-def ratio_table(df: pd.DataFrame, bench_dir: Path, labels: dict[str, str],
-                wanted: list[targets.Target] | None = None) -> Table | None:
-    """hybridrl's compared step over each TRL record's step, one row a pair, in words from its interval, with each
-    peer target (peer/step_ratio) that applies to the pair: met, missed or not settled. None without records."""
-    peers = records(bench_dir)
-    if not peers:
+def ratio_table(found: list[PeerPair], wanted: list[targets.Target] | None = None) -> Table | None:
+    """hybridrl's compared step over each TRL record's step, one row a pair (pairs), in words from its interval,
+    with each peer target (peer/step_ratio) that applies to the pair: met, missed or not settled. None without
+    pairs."""
+    if not found:
         return None
     table = Table(["configuration", "against", "hybridrl / TRL, step", "in words", "target", "bound", "verdict"])
-    peer_targets = [t for t in (targets.load() if wanted is None else wanted) if t.metric == targets.PEER_RATIO]
-    found = pairs(df, peers, labels)
+    peer_targets = targets.of_metric(targets.PEER_RATIO, wanted)
+    best = _best(list({id(p.peer): p.peer for p in found}.values()))
     for pair in found:
         met = [t for t in peer_targets if (t.against == "trl-defaults" and pair.peer.defaults)
-               or (t.against == "trl-best" and pair.peer is _best(peers))]
+               or (t.against == "trl-best" and pair.peer is best)]
         for target in met or [None]:
             table.rows.append([Cell(pair.name), Cell(pair.peer.label), Cell(wording.ratio_text(pair.est), "num"),
                                Cell(pair.words), *targets.cells(target, targets.judge(target, pair.est) if target
                                                                 else "")])
-    table.intervals = sum(1 for p in found if p.est.lo == p.est.lo)  # each pair once, where it has an interval
+    table.intervals = sum(1 for p in found if math.isfinite(p.est.lo))  # each pair once, where it has an interval
     return table
 
 
-def verdict_lines(df: pd.DataFrame, bench_dir: Path, labels: dict[str, str]) -> list[tuple[str, str]]:
+def verdict_lines(found: list[PeerPair]) -> list[tuple[str, str]]:
     """The report's opening verdict for each configuration against each TRL record: (pair, sentence)."""
-    return [(f"{p.name} vs {short(p.peer.label)}", p.words) for p in pairs(df, records(bench_dir), labels)]
+    return [(f"{p.name} vs {short(p.peer.label)}", p.words) for p in found]
 
 
-def plot(df: pd.DataFrame, bench_dir: Path, labels: dict[str, str], out: Path) -> Path | None:
-    """Stacked bars of the phases' medians, one bar a configuration and a TRL record, the step's interval as a
-    whisker; None (and no file) without records."""
+def plot(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str], out: Path) -> Path | None:
+    """Stacked bars of the phases' medians (phase_rows), one bar a configuration and a TRL record, the step's
+    interval as a whisker; None (and no file) without records."""
     from hybridrl.report import plots
 
-    peers = records(bench_dir)
     if not peers:
         Path(out).unlink(missing_ok=True)
         return None
-    steady = stats.steady_state(df)
-    rows: list[tuple[str, list[float], stats.Estimate]] = []
-    parts = [*PHASES[1:], (REST, REST, REST)]
-    for config_id, config in steady.groupby("config_id", sort=True):
-        medians = [stats.hierarchical_median(_ours(config, c)).value for _, c, _ in parts]
-        rows.append((labels.get(str(config_id), str(config_id)), medians,
-                     stats.hierarchical_median(_ours(config, COMPARED_STEP))))
-    for peer in peers:
-        medians = [stats.hierarchical_median(_theirs(peer, f)).value for _, _, f in parts]
-        rows.append((short(peer.label), medians,
-                     stats.hierarchical_median([peer.values("step_s")])))
-    return plots.stacked_bars(rows, [h for h, _, _ in parts], "seconds a step (median)", PLOT_TITLE, out)
+    rows = [(short(label), [e.value for e in ests[1:]], ests[0]) for label, ests in phase_rows(df, peers, labels)]
+    return plots.stacked_bars(rows, [h for h, _, _ in PHASES[1:]] + [REST], "seconds a step (median)", PLOT_TITLE,
+                              out)

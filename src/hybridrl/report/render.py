@@ -48,7 +48,9 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
     moves = comparisons.transitions(df, by_config)
     places = comparisons.placement_tables(df, groups)
     bench = runs_dir.parent / "bench"  # the study's measurements beside its runs
-    peer_ratios = peer.ratio_table(df, bench, by_config)
+    peers = peer.records(bench)
+    peer_pairs = peer.pairs(df, peers, by_config)
+    peer_ratios = peer.ratio_table(peer_pairs)
     paths = comparisons.client_paths_table(df, by_config)
     # only intervals that exist can exclude 1 by chance: an n/a interval counts for nothing
     n_comparisons = (sum(h["n_comparisons"] for h in heads) + (moves["n_comparisons"] if moves else 0)
@@ -58,7 +60,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "summary": comparisons.summary(df, title),
         "verdict": [*comparisons.verdict_lines(df, by_config, pairs, groups),
                     *(comparisons.VerdictLine(pair, sentence)
-                      for pair, sentence in peer.verdict_lines(df, bench, by_config))],
+                      for pair, sentence in peer.verdict_lines(peer_pairs))],
         "nothing_compared": comparisons.nothing_compared(df),
         "runs": [{"label": labels[r], "run_id": r} for r in stats.run_order(df)],
         "headlines": heads,
@@ -72,7 +74,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "recording": run_tables.recording(df, labels),
         "setup": setup_time.setup_table(df, labels),
         "start_bench": start_bench.table(bench),
-        "peer": peer.phase_table(df, bench, by_config),
+        "peer": peer.phase_table(df, peers, by_config),
         "peer_ratios": peer_ratios,
         "correctness": run_tables.correctness_table(df, labels),
         "accuracy": run_tables.accuracy_table(df, labels),

@@ -5,6 +5,7 @@ start-bench`): each path's first start apart, the later starts' medians, their r
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def table(bench_dir: Path, wanted: list[targets.Target] | None = None) -> Table 
     paths = measurement_files(bench_dir, "start-")
     if not paths:
         return None
-    bound = [t for t in (targets.load() if wanted is None else wanted) if t.metric == targets.START_OVER_CLI]
+    bound = targets.of_metric(targets.START_OVER_CLI, wanted)
     out = Table(["engine", "hybridrl, first (s)", "command line, first (s)", "hybridrl, later (s)",
                  "command line, later (s)", "hybridrl / command line, later", "target", "bound", "verdict"])
     for path in paths:
@@ -41,7 +42,7 @@ def table(bench_dir: Path, wanted: list[targets.Target] | None = None) -> Table 
         later = {p: v[1:] for p, v in starts.items()}
         if all(later.values()):
             est = stats.hierarchical_ratio([later["hybridrl"]], [later["cli"]])
-            ratio = f"{est.value:.2f}x" + (f" [{est.lo:.2f}, {est.hi:.2f}]" if est.lo == est.lo else
+            ratio = f"{est.value:.2f}x" + (f" [{est.lo:.2f}, {est.hi:.2f}]" if math.isfinite(est.lo) else
                                            f" ({min(map(len, later.values()))} start a side, no interval)")
         else:
             est, ratio = None, "–"

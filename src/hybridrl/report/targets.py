@@ -128,6 +128,11 @@ def judge(target: Target, est: stats.Estimate) -> str:
     return "not settled: its interval reaches past the bound"
 
 
+def of_metric(metric: str, wanted: list[Target] | None = None) -> list[Target]:
+    """The targets on one metric, from `wanted` or else the targets file."""
+    return [t for t in (load() if wanted is None else wanted) if t.metric == metric]
+
+
 def bound_text(target: Target) -> str:
     """'timing_s/step_compared ≤ 3.5': the metric and its bound."""
     return f"{target.metric} {'≤' if target.at_most is not None else '≥'} {target.bound:g}"

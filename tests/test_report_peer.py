@@ -139,3 +139,20 @@ def test_the_verdict_names_each_pair_with_its_sentence(tmp_path: Path) -> None:
     assert "hybridrl was faster than TRL · its defaults (gradient checkpointing on) in these runs" in lines[0][1]
     assert "hybridrl was slower than TRL · gradient checkpointing off in these runs" in lines[1][1]  # 1.15x
     assert peer.verdict_lines(peer.pairs(_ours(4.6), peer.records(tmp_path / "none"), {})) == []
+
+
+def test_a_bad_trl_record_stops_the_report_with_one_line_naming_it(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridrl.cli import main
+
+    study = tmp_path / "study"
+    (study / "runs").mkdir(parents=True)
+    committed = Path(__file__).resolve().parents[1] / "results" / "reference" / "2026-11-28-h200-peer"
+    (study / "steps.csv").write_text((committed / "steps.csv").read_text())
+    (study / "bench").mkdir()
+    (study / "bench" / "trl-x.json").write_text(json.dumps({"tool": "trainer-bench"}))
+    (study / "report.md").write_text("kept\n")
+    with pytest.raises(SystemExit, match=r"hybridrl report: .*trl-x.json: not a record of `hybridrl peer-trl`"):
+        main(["report", "--table", str(study / "steps.csv"), "--md", str(study / "report.md"), "--html",
+              str(study / "report.html"), "--plots", str(study / "plots"), "--title", "t"])
+    assert (study / "report.md").read_text() == "kept\n"  # nothing already written is lost

@@ -304,8 +304,12 @@ def _aggregate(args: argparse.Namespace) -> None:
 
 def _report(args: argparse.Namespace) -> None:
     from hybridrl.report import report_main
+    from hybridrl.report.peer import BenchRecordError
 
-    report_main(Path(args.table), Path(args.md), Path(args.html), Path(args.plots), args.title)
+    try:
+        report_main(Path(args.table), Path(args.md), Path(args.html), Path(args.plots), args.title)
+    except BenchRecordError as exc:  # a measurement's result beside the runs: the report is not written
+        raise SystemExit(f"hybridrl report: {exc}") from None
 
 
 def _figures(args: argparse.Namespace) -> None:
@@ -321,15 +325,16 @@ def _figures(args: argparse.Namespace) -> None:
 
 def _reports(args: argparse.Namespace) -> None:
     from hybridrl.report import refresh
+    from hybridrl.report.peer import BenchRecordError
 
     try:
         dirs = refresh.study_dirs([Path(d) for d in args.dirs])
-    except FileNotFoundError as exc:
+        if args.fix:
+            refresh.refresh(dirs)
+            return
+        old = refresh.stale(dirs)
+    except (FileNotFoundError, BenchRecordError) as exc:
         raise SystemExit(f"hybridrl reports: {exc}") from None
-    if args.fix:
-        refresh.refresh(dirs)
-        return
-    old = refresh.stale(dirs)
     for d in old:
         print(f"{d}/report.md: today's report code renders it differently")
     if old:
@@ -362,11 +367,13 @@ def _targets(args: argparse.Namespace) -> None:
         for row in table.rows if table else []:
             print(" | ".join([study.parent.name, *(c.text for c in row)]))
         # the targets on benchmark records: hybridrl against TRL, an engine's start against its command line
-        peer_pairs = peer.pairs(df, peer.records(bench), config_labels(df))
-        for bench_table, what, value in ((peer.ratio_table(peer_pairs, wanted),
-                                          ("configuration", "against"), "hybridrl / TRL, step"),
-                                         (start_bench.table(bench, wanted), ("engine",),
-                                          "hybridrl / command line, later")):
+        try:
+            ratios = peer.ratio_table(peer.pairs(df, peer.records(bench), config_labels(df)), wanted)
+            starts = start_bench.table(bench, wanted)
+        except peer.BenchRecordError as exc:
+            raise SystemExit(f"hybridrl targets: {exc}") from None
+        for bench_table, what, value in ((ratios, ("configuration", "against"), "hybridrl / TRL, step"),
+                                         (starts, ("engine",), "hybridrl / command line, later")):
             col = {h: i for i, h in enumerate(bench_table.headers)} if bench_table else {}
             for row in [r for r in bench_table.rows if r[col["target"]].text != "–"] if bench_table else []:
                 print(" | ".join([study.parent.name, row[col["target"]].text,

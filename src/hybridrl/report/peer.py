@@ -25,6 +25,10 @@ REST = "rest of the step"
 PLOT_TITLE = "hybridrl's step beside TRL's, phase by phase"
 
 
+class BenchRecordError(ValueError):
+    """A study's measurement result (bench/) that cannot be read as the record its name says it is."""
+
+
 @dataclass(frozen=True)
 class PeerRecord:
     """One TRL configuration's process: its label, which TRL configuration, and its steps after warm-up."""
@@ -60,12 +64,12 @@ def records(bench_dir: Path) -> list[PeerRecord]:
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: not a readable TRL record ({exc})") from None
+            raise BenchRecordError(f"{path}: not a readable TRL record ({exc})") from None
         if not isinstance(data, dict) or data.get("tool") != "peer-trl":
-            raise ValueError(f"{path}: not a record of `hybridrl peer-trl` (no tool: peer-trl)")
+            raise BenchRecordError(f"{path}: not a record of `hybridrl peer-trl` (no tool: peer-trl)")
         steps = [s for s in data.get("steps") or [] if s.get("step", 0) > stats.WARMUP_STEPS]
         if not steps:
-            raise ValueError(f"{path}: no step after warm-up (steps 1-{stats.WARMUP_STEPS})")
+            raise BenchRecordError(f"{path}: no step after warm-up (steps 1-{stats.WARMUP_STEPS})")
         label, defaults = _label(data.get("settings") or {})
         out.append(PeerRecord(label, defaults, steps))
     return out

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hybridrl.report import stats, targets
 from hybridrl.report.cells import Cell, Table, fmt
-from hybridrl.report.peer import measurement_files
+from hybridrl.report.peer import BenchRecordError, measurement_files
 
 PATHS = ("hybridrl", "cli")
 
@@ -22,9 +22,9 @@ def _starts(path: Path) -> tuple[str, dict[str, list[float]]]:
         starts = {p: [float(s["start_s"]) for s in data["starts"] if s["path"] == p] for p in PATHS}
         name = f"{data['engine']} ({data['run_id']}); command line: {data.get('cli_engine', data['engine'])}"
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: not a readable start-bench record ({exc})") from None
+        raise BenchRecordError(f"{path}: not a readable start-bench record ({exc})") from None
     if not all(starts.values()):
-        raise ValueError(f"{path}: a path without a start (both hybridrl and cli are needed)")
+        raise BenchRecordError(f"{path}: a path without a start (both hybridrl and cli are needed)")
     return name, starts
 
 

@@ -302,7 +302,8 @@ def test_each_start_is_split_from_its_own_part_of_the_log_and_the_controllers_in
         assert split["ready"] is not None and split["first_request"] is not None  # the controller's instants
         assert split["total"] >= split["first_request"] > 0
         found = sum(split[p] for p in ("import", "weights", "kv", "graphs", "ready", "first_request"))
-        assert split["unexplained"] == pytest.approx(split["total"] - found)
+        rest = split["total"] - found  # the stamps' one-second rounding may pass the whole by a second a part
+        assert rest > -6 and split["unexplained"] == pytest.approx(max(rest, 0.0))
     assert (tmp_path / "engine.log").read_text().count("==== ") == 2
 
 

@@ -192,3 +192,17 @@ def test_the_tee_copies_a_child_started_inside_to_the_file_until_it_exits_and_no
     out, err = capfd.readouterr()  # and all of it still reaches the process's own output, each on its own fd
     assert "parent, inside" in out and "child, after the capture" in out and "parent, after" in out
     assert "parent's stderr, inside" in err
+
+
+def test_parts_that_pass_the_whole_by_their_stamps_rounding_leave_nothing_unexplained() -> None:
+    # a run recorded its parts 0.15 s over its whole start: each part read from one-second stamps may be up to a
+    # second long. Here the same start's parts against a whole half a second short of them.
+    run = REFERENCE / "2026-11-28-4xh200-writeupdrawn" / "runs" / "sglang-writeup-fafc5d80"
+    spawned, text = starts((run / "logs" / "engine.log").read_text(errors="replace"))[0]
+    parts = split_start(text, "sglang", spawned=spawned)
+    found = sum(parts[p] for p in PARTS if parts[p] is not None)
+    split = split_start(text, "sglang", spawned=spawned, total_s=found - 0.5)
+    assert split[UNEXPLAINED] == 0
+    # a shortfall beyond the stamps' rounding is no rounding: it stays negative, to be seen
+    short = split_start(text, "sglang", spawned=spawned, total_s=found - 60)
+    assert short[UNEXPLAINED] == pytest.approx(-60)

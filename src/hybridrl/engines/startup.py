@@ -115,10 +115,17 @@ def split_start(log: str, engine: str, spawned: datetime | None = None, healthy:
         out.update(log_parts(parse_lines(log, markers, spawned or healthy), markers,
                              {SPAWN: _second(spawned), HEALTHY: _second(healthy)}))
     out["first_request"] = first_request_s
-    known = sum(v for v in out.values() if v is not None)
-    out[UNEXPLAINED] = total_s - known if total_s is not None else None
+    found = [v for v in out.values() if v is not None]
+    out[UNEXPLAINED] = None if total_s is None else _unexplained(total_s - sum(found), len(found))
     out[TOTAL] = total_s
     return out
+
+
+def _unexplained(rest: float, parts: int) -> float:
+    """The start's time no part accounts for. Parts read from one-second stamps may each be up to a second long,
+    so their sum can pass the whole by that much: such a rest is 0, and a larger shortfall (a marker matched in
+    the wrong place) stays negative, to be seen."""
+    return 0.0 if -float(parts) <= rest < 0 else rest
 
 
 def log_parts(lines: list[Line], markers: Markers, instants: dict[str, datetime | None]) -> dict[str, float | None]:

@@ -297,7 +297,9 @@ def test_the_first_step_records_the_engines_start_split_and_each_step_its_restar
     assert first["timing_s/engine_start_kv"] is None  # a part its log lacked stays null
     assert (first["timing_s/engine_start_first_request"], first["timing_s/engine_start_unexplained"]) == (0.25, 1.0)
     assert first["timing_s/engine_start"] is not None
+    assert first["timing_s/trainer_build"] > 0 and first["timing_s/host_measure"] > 0  # set-up before the start
     assert all(r[k] is None for r in records[1:] for k in ENGINE_START_SPLIT)  # the run's first start only
+    assert all(r["timing_s/trainer_build"] is None for r in records[1:])
     restarted = [r["timing_s/engine_restart_weights"] for r in records]
     if placement == "restart":  # a start after every step's training: the 2nd, 3rd and 4th
         assert restarted == [2.0, 3.0, 4.0]

@@ -24,10 +24,22 @@ def test_each_run_shows_its_start_and_parts_beside_its_warmup_and_measured_steps
                     _run("b", 30.0, [4.0, 2.0, 2.0, 2.0, 2.0])], ignore_index=True)
     table = setup_time.setup_table(df, {"a": "first", "b": "second"})
     assert table.headers == ["run", "engine start (s)", "… process and import", "… unexplained (no log line)",
-                             "warm-up steps (s)", "measured steps (s)", "start's share"]
+                             "warm-up steps (s)", "measured steps (s)", "set-up's share"]
     assert [[c.text for c in row] for row in table.rows] == [
         ["first", "90.00", "60.00", "1.50", "8.00", "6.00", "87%"],   # 90 / (90 + 8 + 6)
         ["second", "30.00", "–", "–", "6.00", "6.00", "71%"],         # 30 / (30 + 6 + 6): no parts recorded
+    ]
+
+
+def test_the_trainers_build_and_the_hosts_measurements_count_as_set_up_where_recorded() -> None:
+    a = _run("a", 90.0, [5.0, 3.0, 2.0, 2.0, 2.0])
+    a.loc[0, ["timing_s/trainer_build", "timing_s/host_measure"]] = [40.0, 6.0]
+    df = pd.concat([a, _run("b", 30.0, [4.0, 2.0, 2.0, 2.0, 2.0])], ignore_index=True)
+    table = setup_time.setup_table(df, {"a": "first", "b": "older"})
+    assert table.headers[:4] == ["run", "trainer build (s)", "host measured (s)", "engine start (s)"]
+    assert [[c.text for c in row] for row in table.rows] == [
+        ["first", "40.00", "6.00", "90.00", "8.00", "6.00", "91%"],  # (40 + 6 + 90) / (136 + 8 + 6)
+        ["older", "–", "–", "30.00", "6.00", "6.00", "71%"],         # recorded its start alone
     ]
 
 

@@ -193,6 +193,7 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
     trainer, ctx = None, None
     try:
         engine.preflight()  # a missing engine fails now, not after the trainer's build
+        built_at = time.perf_counter()
         trainer = make_trainer(run, model_dir, paths.root)
         if trainer:
             provenance.add_ports(trainer.ports())
@@ -206,10 +207,13 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
                 trainer.resume(adapter)
             verb = "resuming" if first_step > 1 else "starting"
             console.print(f"{run_id}: {verb} at step {first_step} from {adapter}")
+        set_up = {"timing_s/trainer_build": time.perf_counter() - built_at}
+        measured_at = time.perf_counter()
         # before the engine starts, so that nothing else loads the host while the client and the link are measured
         bandwidth = copy_bandwidth.measure(run.device)
         ceiling = run_ceiling(engine.name, run.prompts_per_step * run.group_size, run.max_new_tokens,
                               run.max_concurrency, run.stream_fraction, run.client_ceiling_s, run.shared_pool)
+        set_up["timing_s/host_measure"] = time.perf_counter() - measured_at
         placement = make_placement(run.placement, engine, trainer, sampler, run)
         startup_s = placement.start_engine(adapter)
         provenance.write(collect(run, engine.describe(), cores.record(torch.get_num_threads()), model_config,
@@ -235,7 +239,7 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
                 fresh = record["rollout/staleness"] == 0
                 record.update(logprob_gate(record["check/rollout_logprob_abs_diff"] if fresh else None, limits))
                 if step == first_step:
-                    record.update({"timing_s/engine_start": startup_s, **first_start})
+                    record.update({"timing_s/engine_start": startup_s, **first_start, **set_up})
                 append_record(paths.steps, record)  # kept even when the gate below stops the run: the evidence
                 records.append(record)
                 if record["check/logprob_gap_tier"] == "fail":

@@ -32,9 +32,11 @@ TIMING = (*PHASE_KEYS, "timing_s/step", COMPARED_STEP)
 # overlap: seconds of the step in which engine and trainer both worked, and each one's idle time (not phases:
 # the overlapped part is counted in both sides' time)
 CONCURRENCY = ("timing_s/overlap", "timing_s/engine_idle", "timing_s/trainer_idle")
-# A run's first step only: the engine's first start and the wait for runs beside it; not part of the step
-# start_barrier: the wait of runs the old lease driver started side by side (committed studies); none since
-RUN_START = ("timing_s/engine_start", "timing_s/start_barrier")
+# A run's first step only (a resumed run's too), not part of the step: the engine's first start; the wait for runs
+# beside it (start_barrier: the old lease driver's, in committed studies; none since); the trainer's build before it
+# (weights loaded, adapter drawn or resumed); the instrument's measurements of the host before the engine starts
+# (the host link's bandwidth, the rollout client's ceiling)
+RUN_START = ("timing_s/engine_start", "timing_s/start_barrier", "timing_s/trainer_build", "timing_s/host_measure")
 # An engine start's parts (hybridrl.engines.startup; null where its log has no line for one). The run's first start
 # beside timing_s/engine_start, on the same step; the starts within a step (restart placement's after training, a
 # dead engine's recovery) summed on that step, timing_s/engine_restart their whole time

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.atomic import atomic_dir, check_writable
+from hybridrl.study.checkpoint_write import write_checkpoint
 from hybridrl.study.config import ConfigError
 from hybridrl.task.data import prompt_text, read_jsonl
 
@@ -183,7 +184,7 @@ def build_random(spec: dict[str, Any], corpus: Path, out_dir: Path, test: Path |
 
             warm_start(model, tokenizer, rows, read_jsonl(test), spec["warm_start"], tmp_dir)
         t0 = time.perf_counter()
-        model.to(dtype).save_pretrained(tmp_dir)
+        write_checkpoint(model.to(dtype), tmp_dir)  # save_pretrained's files, shards written in parallel
         # into the build's log: what a study's set-up pays for its model, part by part
         print(f"model: weights drawn on {spec.get('init_device') or 'cpu'} in {drawn_s:.1f} s, written in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)

@@ -4,11 +4,12 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import yaml
 
 from hybridrl.report import wording
-from hybridrl.report.stats import Estimate, hierarchical_median, hierarchical_ratio
+from hybridrl.report.stats import LEASE, Estimate, _drawn_runs, hierarchical_median, hierarchical_ratio, per_run
 from hybridrl.study.config import load_study
 from hybridrl.study.run_config import RunConfig, run_id, split_replicate
 
@@ -75,6 +76,46 @@ def test_hierarchical_interval_widens_with_run_to_run_spread() -> None:
     assert b.hi - b.lo > 5 * (a.hi - a.lo)  # a run-level spread is in the interval, not averaged away
     one = hierarchical_median([np.r_[drifting[0], drifting[2]]])  # the same steps as if one run
     assert one.n_runs == 1 and (one.hi - one.lo) < (b.hi - b.lo)
+
+
+def _leased(runs: list[np.ndarray], leases: list[str]) -> list[pd.Series]:
+    out = []
+    for values, lease in zip(runs, leases, strict=True):
+        series = pd.Series(values)
+        series.attrs[LEASE] = lease
+        out.append(series)
+    return out
+
+
+def test_the_lease_is_a_level_where_the_runs_come_from_several() -> None:
+    rng = np.random.default_rng(2)
+    # three leases of three runs each, alike within a lease, 3% apart between them
+    runs = [rng.normal(mu, 1, 8) for mu in (100, 100, 100, 103, 103, 103, 106, 106, 106)]
+    pooled = hierarchical_median(runs)  # every run one draw: the leases' gap passes for run-to-run spread
+    leased = hierarchical_median(_leased(runs, ["a"] * 3 + ["b"] * 3 + ["c"] * 3))
+    assert (leased.value, leased.n_runs, leased.n_steps) == (pooled.value, 9, 72)
+    assert leased.hi - leased.lo > 1.1 * (pooled.hi - pooled.lo)
+    # runs of one lease are resampled as before, draw for draw
+    assert hierarchical_median(_leased(runs, ["a"] * 9)) == pooled
+
+
+def test_a_resample_draws_whole_leases_then_runs_within_each() -> None:
+    drawn = _drawn_runs(["a", "a", "a", "b"], np.random.default_rng(0), 4000)
+    assert drawn.shape == (4000, 6)  # two lease slots of the widest lease's three runs
+    blocks = drawn.reshape(4000, 2, 3)
+    from_a = (blocks >= 0).all(axis=2) & (blocks <= 2).all(axis=2)
+    from_b = (blocks[:, :, 0] == 3) & (blocks[:, :, 1:] == -1).all(axis=2)
+    assert (from_a ^ from_b).all()  # each drawn lease brings its own runs, as many as it has
+    assert 0.45 < (from_a[:, 0] == from_a[:, 1]).mean() < 0.55  # one lease drawn twice in about half
+
+
+def test_per_run_labels_each_run_with_its_machine_as_its_lease() -> None:
+    df = pd.DataFrame({"run_id": ["r1", "r1", "r2", "r2", "r3"], "x": [1.0, 2.0, 3.0, 4.0, 5.0],
+                       "machine": ["boot-a", "boot-a", "boot-b", "boot-b", None]})
+    runs = per_run(df, "x")
+    assert [list(r) for r in runs] == [[1.0, 2.0], [3.0, 4.0], [5.0]]
+    assert [r.attrs.get(LEASE) for r in runs] == ["boot-a", "boot-b", None]
+    assert all(LEASE not in r.attrs for r in per_run(df.drop(columns="machine"), "x"))
 
 
 def test_hierarchical_ratio_and_its_counts() -> None:

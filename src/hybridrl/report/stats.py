@@ -4,6 +4,10 @@ A configuration may have several runs (replicates). Its estimate is the median o
 the interval resamples runs with replacement, then steps with replacement within each drawn run, and takes
 the median of the pooled draw (a two-level bootstrap). With one run it is the plain bootstrap over steps, and
 then the interval holds step-to-step noise only: every Estimate says how many runs and steps it rests on.
+
+Where a configuration's runs come from several leases (machines: their boot ids, as per_run labels each run), the
+lease is a level above them: leases are resampled first, then runs within each drawn lease, then steps, so that a
+difference between leases widens the interval instead of passing for run-to-run noise.
 """
 
 from __future__ import annotations
@@ -61,24 +65,55 @@ def _clean(values: Iterable[float]) -> np.ndarray:
     return arr[np.isfinite(arr)]
 
 
-def _runs(runs: Sequence[Iterable[float]]) -> list[np.ndarray]:
-    """Each run's finite values; runs without any are left out (they carry no information)."""
-    return [x for x in (_clean(r) for r in runs) if len(x)]
+LEASE = "lease"  # a run's Series.attrs key for its lease (per_run); runs without one share a single lease
 
 
-def _boot_medians(runs: list[np.ndarray], rng: np.random.Generator, n_boot: int) -> np.ndarray:
-    """Medians of n_boot two-level resamples: runs with replacement, then steps within each drawn run."""
+class Runs(list):
+    """Each run's finite values (runs without any left out: they carry no information), and each one's lease."""
+
+    def __init__(self, runs: Sequence[Iterable[float]]) -> None:
+        kept = [(x, getattr(r, "attrs", {}).get(LEASE)) for x, r in ((_clean(r), r) for r in runs) if len(x)]
+        super().__init__(x for x, _ in kept)
+        self.leases = [lease for _, lease in kept]
+
+
+def _boot_medians(runs: Runs, rng: np.random.Generator, n_boot: int) -> np.ndarray:
+    """Medians of n_boot resamples: leases with replacement where the runs come from several, then runs with
+    replacement (within each drawn lease), then steps within each drawn run."""
     n_runs, longest = len(runs), max(len(r) for r in runs)
     table = np.full((n_runs, longest), np.nan)
     for i, r in enumerate(runs):
         table[i, :len(r)] = r
     sizes = np.array([len(r) for r in runs])
-    drawn = rng.integers(0, n_runs, size=(n_boot, n_runs))  # which runs
+    drawn = _drawn_runs(runs.leases, rng, n_boot)  # (n_boot, slots): a run's index, or -1 for an empty slot
+    empty = drawn < 0
+    drawn = np.where(empty, 0, drawn)
     slots = np.arange(longest)
-    picks = np.floor(rng.random((n_boot, n_runs, longest)) * sizes[drawn][..., None]).astype(int)
+    picks = np.floor(rng.random((*drawn.shape, longest)) * sizes[drawn][..., None]).astype(int)
     values = table[drawn[..., None], picks]
     values[slots[None, None, :] >= sizes[drawn][..., None]] = np.nan  # a drawn run keeps its own length
+    values[empty] = np.nan
     return _row_medians(values.reshape(n_boot, -1))
+
+
+def _drawn_runs(leases: list[object], rng: np.random.Generator, n_boot: int) -> np.ndarray:
+    """Which runs each resample draws: runs with replacement from all of them, or, where they come from more than
+    one lease, leases with replacement and then runs with replacement among each drawn lease's own (a drawn lease
+    brings as many runs as it has; the slots a smaller lease leaves are -1)."""
+    groups: dict[object, list[int]] = {}
+    for i, lease in enumerate(leases):
+        groups.setdefault(lease, []).append(i)
+    if len(groups) < 2:
+        return rng.integers(0, len(leases), size=(n_boot, len(leases)))
+    members = list(groups.values())
+    widest = max(len(m) for m in members)
+    table = np.array([m + [-1] * (widest - len(m)) for m in members])
+    sizes = np.array([len(m) for m in members])
+    lease = rng.integers(0, len(members), size=(n_boot, len(members)))
+    slot = np.floor(rng.random((n_boot, len(members), widest)) * sizes[lease][..., None]).astype(int)
+    drawn = table[lease[..., None], slot]
+    drawn[np.arange(widest)[None, None, :] >= sizes[lease][..., None]] = -1
+    return drawn.reshape(n_boot, -1)
 
 
 def _row_medians(values: np.ndarray) -> np.ndarray:
@@ -100,7 +135,7 @@ def _interval(samples: np.ndarray, level: float) -> tuple[float, float]:
 def hierarchical_median(runs: Sequence[Iterable[float]], n_boot: int = N_BOOT, seed: int = SEED,
                         level: float = 0.95) -> Estimate:
     """Median of every run's finite values pooled, with a seeded two-level bootstrap interval."""
-    kept = _runs(runs)
+    kept = Runs(runs)
     n = sum(len(r) for r in kept)
     if n == 0:
         return Estimate(float("nan"), float("nan"), float("nan"), 0, 0)
@@ -116,7 +151,7 @@ def hierarchical_ratio(a: Sequence[Iterable[float]], b: Sequence[Iterable[float]
     """median(a) / median(b) over runs of two configurations, each side resampled on its own, two levels deep.
 
     n and n_runs are the smaller side's."""
-    ka, kb = _runs(a), _runs(b)
+    ka, kb = Runs(a), Runs(b)
     na, nb = sum(len(r) for r in ka), sum(len(r) for r in kb)
     n, n_runs = int(min(na, nb)), int(min(len(ka), len(kb)))
     if n == 0 or np.median(np.concatenate(kb)) == 0:
@@ -156,10 +191,17 @@ def ratio_of_medians(a: Iterable[float], b: Iterable[float], n_boot: int = N_BOO
 
 
 def per_run(df: pd.DataFrame, column: str) -> list[pd.Series]:
-    """The column's values, one Series per run, in run order; none where the column is absent."""
+    """The column's values, one Series per run, in run order, each labelled with its lease (the machine's boot id,
+    where recorded: Series.attrs[LEASE]); none where the column is absent."""
     if column not in df.columns:
         return []
-    return [pd.to_numeric(run[column], errors="coerce") for _, run in df.groupby("run_id", sort=True)]
+    out = []
+    for _, run in df.groupby("run_id", sort=True):
+        values = pd.to_numeric(run[column], errors="coerce")
+        if "machine" in run.columns and run["machine"].notna().any():
+            values.attrs[LEASE] = str(run["machine"].dropna().iloc[0])
+        out.append(values)
+    return out
 
 
 def warmup_steps(df: pd.DataFrame) -> pd.Series:

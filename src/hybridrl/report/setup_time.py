@@ -49,10 +49,10 @@ def setup_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
         run = df[df["run_id"] == rid]
         warm, measured = (float(pd.to_numeric(part["timing_s/step"], errors="coerce").sum())
                           for part in (stats.warmup(run), stats.steady_state(run)))
-        start = _seconds(run, START)
-        set_up = start + sum(s for s in (_seconds(run, c) for c in before) if pd.notna(s))
+        start, pre = _seconds(run, START), [_seconds(run, c) for c in before]
+        set_up = start + sum(s for s in pre if pd.notna(s))
         share = set_up / (set_up + warm + measured) if pd.notna(start) else float("nan")
-        table.rows.append([Cell(labels[rid]), *(_cell(_seconds(run, c)) for c in before), _cell(start),
+        table.rows.append([Cell(labels[rid]), *(_cell(s) for s in pre), _cell(start),
                            *(_cell(_seconds(run, f"{START}_{p}")) for p in parts), _cell(warm), _cell(measured),
                            Cell(f"{share:.0%}", "num") if pd.notna(share) else Cell("–", "na")])
     return table

@@ -134,7 +134,8 @@ def _interval(samples: np.ndarray, level: float) -> tuple[float, float]:
 
 def hierarchical_median(runs: Sequence[Iterable[float]], n_boot: int = N_BOOT, seed: int = SEED,
                         level: float = 0.95) -> Estimate:
-    """Median of every run's finite values pooled, with a seeded two-level bootstrap interval."""
+    """Median of every run's finite values pooled, with a seeded hierarchical bootstrap interval (runs, then
+    steps; leases first where the runs come from several)."""
     kept = Runs(runs)
     n = sum(len(r) for r in kept)
     if n == 0:
@@ -148,7 +149,8 @@ def hierarchical_median(runs: Sequence[Iterable[float]], n_boot: int = N_BOOT, s
 
 def hierarchical_ratio(a: Sequence[Iterable[float]], b: Sequence[Iterable[float]], n_boot: int = N_BOOT,
                        seed: int = SEED, level: float = 0.95) -> Estimate:
-    """median(a) / median(b) over runs of two configurations, each side resampled on its own, two levels deep.
+    """median(a) / median(b) over runs of two configurations, each side resampled on its own as
+    hierarchical_median resamples it.
 
     n and n_runs are the smaller side's."""
     ka, kb = Runs(a), Runs(b)

@@ -273,7 +273,9 @@ def test_the_last_transfer_unpacks_the_caches_into_home_before_the_jobs_start(tm
     for i, piece in enumerate((whole.read_bytes()[:MiB], whole.read_bytes()[MiB:])):
         (gpu / f"x{i:02d}").mkdir()
         (gpu / f"x{i:02d}" / f"cache.{i:02d}").write_bytes(piece)
-        (gpu / f"x{i:02d}" / "gpu-env").write_text("#!/bin/sh\nexit 0\n")  # installs nothing here
+        (gpu / f"x{i:02d}" / "gpu-env").write_text(  # installs one source file, as pip would: written now
+            '#!/bin/sh\n[ "$1" != install ] || { mkdir -p "$HYBRIDRL_LEASE_ENVS/vllm" && echo x > '
+            '"$HYBRIDRL_LEASE_ENVS/vllm/norm.cu"; }\n')
     home, envs = tmp_path / "home", tmp_path / "envs"
     home.mkdir()
     envs.mkdir()
@@ -284,6 +286,9 @@ def test_the_last_transfer_unpacks_the_caches_into_home_before_the_jobs_start(tm
     assert done.returncode == 0, done.stderr
     assert (home / ".cache/flashinfer/kernel.bin").read_bytes() == (made / ".cache/flashinfer/kernel.bin").read_bytes()
     assert (envs / ".ready").exists()  # and the jobs may start
+    # the overlay's sources are older than the carried kernels built from them, so ninja does not rebuild those
+    assert (envs / "vllm" / "norm.cu").stat().st_mtime == 946684800
+    assert (home / ".cache/flashinfer/kernel.bin").stat().st_mtime > 946684800
 
 
 def _live_snakemake(tmp: Path, work: Path, queue: str | None) -> dict[str, str]:

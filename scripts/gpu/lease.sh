@@ -132,6 +132,10 @@ transfer() {  # DIR [install]: one part into /tmp/gpu-env; install puts every ov
   ! ls "$cache_stage"/cache.* > /dev/null 2>&1 || cat "$cache_stage"/cache.* | tar xzf - -C "$HOME" \
     || echo "lease: the caches did not unpack"
   bash "$1/gpu-env" install
+  # pip writes the overlays with the time of install, newer than the FlashInfer kernels a carried cache holds, so
+  # ninja rebuilt them all (minutes at each first start); one fixed old time keeps them current (before compileall,
+  # whose .pyc files record their sources' times)
+  find "$envs" -exec touch -h -d @946684800 {} +
   # the image sets PYTHONDONTWRITEBYTECODE, and gpu-env installs without .pyc files: without this, every engine
   # process would compile its overlay's imports again
   python3 -m compileall -q -j 0 "$envs" > /dev/null 2>&1 || true

@@ -6,11 +6,13 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.engines.base import Engine
+from hybridrl.engines.jit_cache import with_jit_workspace
 from hybridrl.study.run_config import RunConfig
 
 
 def make_engine(run: RunConfig, model_dir: Path, env_spec: dict[str, Any], log_dir: Path) -> Engine:
-    """Import only the chosen engine: each lives in its own environment."""
+    """Import only the chosen engine: each lives in its own environment, with its own FlashInfer workspace."""
+    env_spec = with_jit_workspace(run.engine, env_spec)
     if run.engine == "vllm":
         from hybridrl.engines.vllm import VLLMServer
 

@@ -24,9 +24,10 @@ CUT_RUN = REFERENCE / "2026-11-24-h200-learning" / "runs" / "vllm-colocate-hf-qw
 LOG_PARTS = ("import", "weights", "kv", "graphs", "ready")
 
 
-def engine_start_s(run: Path) -> float:
-    """The run's first engine start as its first step recorded it."""
-    return json.loads((run / "steps.jsonl").read_text().splitlines()[0])["timing_s/engine_start"]
+def engine_start_s(run: Path, part: str = "") -> float:
+    """The run's first engine start (or that start's part) as its first step recorded it."""
+    key = f"timing_s/engine_start_{part}" if part else "timing_s/engine_start"
+    return json.loads((run / "steps.jsonl").read_text().splitlines()[0])[key]
 
 
 def first_start(run: Path, engine: str) -> dict[str, float | None]:
@@ -62,8 +63,10 @@ def test_sglangs_graph_runner_set_up_before_the_capture_counts_with_its_graphs()
 def test_a_real_vllm_server_start_is_split_and_ready_needs_the_controllers_instant() -> None:
     split = first_start(VLLM_RUN, "vllm")
     assert_adds_up(split, ("import", "weights", "kv", "graphs"))
-    # torch.compile 41.54 s and capture 24 s, both as vLLM counts them; the profiling run 4.80 s and 3 s to size
-    assert split["graphs"] == pytest.approx(41.54 + 24) and split["kv"] == pytest.approx(4.80 + 3)
+    # torch.compile 41.54 s and capture 24 s, both as vLLM counts them; the profiling run 4.80 s, and its 3 s to
+    # the KV cache's size left unexplained: this vLLM logs no graph-memory profiling to split them at
+    assert split["graphs"] == pytest.approx(41.54 + 24) and split["kv"] == 4.80
+    assert split["sampler"] is None
     assert split["ready"] is None  # its uvicorn line has no timestamp: the health check's instant is needed
 
 
@@ -82,6 +85,41 @@ def test_vllms_kernel_warmup_is_minutes_on_a_machines_first_start_and_seconds_on
     first, second = (first_start(lease / run, "vllm") for run in ("vllm-verdict-4c49f35f", "vllm-verdict-4c49f35f-r2"))
     assert first["warmup"] == 119 and second["warmup"] == 8  # 02:29:42 -> 02:31:41, then 02:34:38 -> 02:34:46
     assert first[UNEXPLAINED] < 10 and second[UNEXPLAINED] < 10  # what was a two-minute gap is accounted for
+
+
+WRITEUP_DRAWN = REFERENCE / "2026-11-28-4xh200-writeupdrawn" / "runs"
+
+
+def test_vllms_sampler_warmup_is_apart_from_its_kv_cache_minutes_on_a_machines_first_start() -> None:
+    # TP 2 on a fresh machine: the profiling run 3.83 s, done 17:13:31; FlashInfer's sampling kernels built until
+    # the first rank's graph-memory profiling at 17:15:39; the KV cache's size at 17:15:53
+    run = WRITEUP_DRAWN / "vllm-writeup-4644f889"
+    split = first_start(run, "vllm")
+    assert split["sampler"] == 128 and split["kv"] == pytest.approx(3.83 + 14)
+    # the two split the one span the run recorded as its KV cache, and share no second of it
+    assert split["sampler"] + split["kv"] == pytest.approx(engine_start_s(run, "kv"))
+
+
+def test_vllms_sampler_warmup_is_seconds_once_flashinfers_workspace_holds_its_kernels() -> None:
+    # the same machine's next start, in process (its engine log has the controller's header): 17:21:09 -> 17:21:16
+    split = first_start(WRITEUP_DRAWN / "vllm-inprocess-writeup-67c3b8ec-r2", "vllm-inprocess")
+    assert split["sampler"] == 7 and split["kv"] == pytest.approx(1.96 + 7)  # 17:21:16 -> 17:21:23
+
+
+def test_a_vllm_log_without_the_graph_memory_line_has_no_sampler_and_its_kv_is_the_profiling_run_alone() -> None:
+    run = WRITEUP_DRAWN / "vllm-writeup-4644f889"
+    spawned, text = starts((run / "logs" / "engine.log").read_text(errors="replace"))[0]
+    whole = split_start(text, "vllm", spawned=spawned, total_s=engine_start_s(run))
+    cut = "\n".join(line for line in text.splitlines() if "Profiling CUDA graph memory" not in line)
+    split = split_start(cut, "vllm", spawned=spawned, total_s=engine_start_s(run))
+    assert split["sampler"] is None and split["kv"] == 3.83
+    assert split[UNEXPLAINED] == pytest.approx(whole[UNEXPLAINED] + 128 + 14)  # not put anywhere else
+    assert {p: split[p] for p in PARTS if p not in ("kv", "sampler")} == {
+        p: whole[p] for p in PARTS if p not in ("kv", "sampler")}
+
+
+def test_sglang_has_no_sampler_part() -> None:
+    assert first_start(SGLANG_RUN, "sglang")["sampler"] is None
 
 
 def test_a_log_cut_in_the_middle_gives_none_for_the_parts_whose_lines_are_gone() -> None:
@@ -148,9 +186,10 @@ def test_vllms_stamps_without_a_year_read_across_new_year() -> None:
     spawned, healthy = datetime(2026, 12, 31, 23, 59, 55), datetime(2027, 1, 1, 0, 1, 33, 500_000)
     split = split_start(VLLM_NEW_YEAR, "vllm", spawned, healthy, total_s=100.0, first_request_s=1.0)
     assert (split["import"], split["weights"], split["ready"]) == (15, 2.5, 3)
-    assert split["kv"] == pytest.approx(0.40 + 2) and split["graphs"] == pytest.approx(6.50 + 11)
-    # capture's end to the initialised line: 55 s that no part holds
-    assert split[UNEXPLAINED] == pytest.approx(100 - (15 + 2.5 + 2.4 + 17.5 + 3 + 1))
+    # no graph-memory line: the profiling run's 0.40 s alone, its 2 s to the KV cache's size unexplained
+    assert split["kv"] == 0.40 and split["graphs"] == pytest.approx(6.50 + 11)
+    # and capture's end to the initialised line: 55 s that no part holds
+    assert split[UNEXPLAINED] == pytest.approx(100 - (15 + 2.5 + 0.4 + 17.5 + 3 + 1))
     assert split["first_request"] == 1.0
 
 

@@ -5,7 +5,10 @@ The parts, in the order an engine goes through them:
     import         the process's start to the engine's first step of the load: interpreter, imports, worker
                    processes, distributed init
     weights        loading the model's weights
-    kv             sizing and allocating the KV cache (vLLM: its profiling run, which sizes it)
+    kv             sizing and allocating the KV cache (vLLM: its profiling run, which sizes it, and its profiling of
+                   the CUDA graphs' memory, which the KV cache's size leaves room for)
+    sampler        vLLM's sampler warm-up after the profiling run, where FlashInfer builds its sampling kernels on a
+                   machine's first start: about 2 minutes then, seconds once its workspace holds them
     graphs         CUDA graph capture, and vLLM's torch.compile, and SGLang's set-up of its graph runner before
                    the capture
     warmup         vLLM's kernel warm-up after the capture (its V2 model runner runs a prefill and a decode step to
@@ -21,7 +24,9 @@ lands there, and so does a part whose marker the log lacks: such a part is None,
 Each part is one or more spans of the log: from a line that begins it to a line that ends it, or a line that
 states the part's seconds itself (finer than the logs' one-second timestamps). Where several ranks (tensor
 parallel) log the same line, a span runs from the first begin to the last end, and a stated time is the slowest
-rank's. Each engine's lines are in MARKERS: a new engine version that words a line otherwise is one edit there.
+rank's; a span that hands over to the next part's at such a line ends at its first rank's, where the next begins,
+so that the two share no second. Each engine's lines are in MARKERS: a new engine version that words a line
+otherwise is one edit there.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-PARTS = ("import", "weights", "kv", "graphs", "warmup", "ready", "first_request")
+PARTS = ("import", "weights", "kv", "sampler", "graphs", "warmup", "ready", "first_request")
 UNEXPLAINED = "unexplained"
 TOTAL = "total"  # the start's whole seconds, as the controller timed it
 
@@ -49,6 +54,7 @@ class Span:
     end: str  # the line that ends it (a regex; a group `s` holds the seconds it states), or HEALTHY
     fallback: str | None = None  # for HEALTHY: the engine's own line for it, where the controller's is not known
     optional: bool = False  # a log without its lines (an older engine's) leaves the part to its other spans
+    first_end: bool = False  # ends at the first rank's end line: the next part's span begins there
 
 
 @dataclass(frozen=True)
@@ -64,9 +70,13 @@ _VLLM = Markers(
     parts={
         "import": (Span(SPAWN, r"Loading model from scratch|Starting to load model"),),
         "weights": (Span(None, r"Model loading took .* and (?P<s>[\d.]+) seconds"),),
-        # the profiling run measures the activations' peak, which sets what is left for the KV cache
+        # the profiling run measures the activations' peak, which sets what is left for the KV cache; so does the
+        # graphs' memory, profiled next (a line older vLLM lacks: then the time to the size is left unexplained)
         "kv": (Span(None, r"Initial profiling/warmup run took (?P<s>[\d.]+) s"),
-               Span(r"Initial profiling/warmup run took", r"GPU KV cache size")),
+               Span(r"Profiling CUDA graph memory", r"GPU KV cache size", optional=True)),
+        # between the two profilings the sampler is warmed up: FlashInfer's sampling kernels, built on a machine's
+        # first start
+        "sampler": (Span(r"Initial profiling/warmup run took", r"Profiling CUDA graph memory", first_end=True),),
         "graphs": (Span(None, r"torch\.compile took (?P<s>[\d.]+) s in total"),
                    Span(None, r"Graph capturing finished in (?P<s>[\d.]+) secs")),
         # vllm/v1/worker/gpu_worker.py (0.26): the memory line ends the capture; warmup_kernels, then the monitor
@@ -199,7 +209,8 @@ def _span(span: Span, lines: list[Line], instants: dict[str, datetime | None]) -
         stated = [float(m["s"]) for line in lines if (m := regex.search(line.text))]
         return max(stated) if stated else None
     begin_at = instants[span.begin] if span.begin in instants else _first(lines, span.begin)
-    end_at = instants[span.end] if span.end in instants else _last(lines, span.end)
+    end_at = (instants[span.end] if span.end in instants
+              else (_first if span.first_end else _last)(lines, span.end))
     if end_at is None and span.fallback:
         end_at = _first(lines, span.fallback)
     if begin_at is None or end_at is None or end_at < begin_at:

@@ -53,8 +53,8 @@ MOVES = {"kv-only": "KV cache only (weights stay on the GPU)", "full release": "
 
 # The engine start's parts (record.ENGINE_START_SPLIT), as the headline table names them under the start's row
 START_PART_NAMES = {"import": "process and import", "weights": "weight load", "kv": "KV cache",
-                    "graphs": "CUDA graphs, compile", "warmup": "kernel warm-up (Triton JIT)",
-                    "ready": "to ready (health check)",
+                    "sampler": "sampler warm-up (FlashInfer JIT)", "graphs": "CUDA graphs, compile",
+                    "warmup": "kernel warm-up (Triton JIT)", "ready": "to ready (health check)",
                     "first_request": "first request", "unexplained": "unexplained (no log line)"}
 
 NO_VLLM_KV_ONLY = ("vLLM 0.26 has no KV-only sleep: level 1 moves the weights to CPU memory and drops the KV "

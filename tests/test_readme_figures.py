@@ -202,6 +202,17 @@ def test_at_and_slope_figures_read_one_step_and_the_steady_trend() -> None:
         figures.evaluate(f"at {study} vllm-soak mem/engine_asleep_gb three")
 
 
+def test_run_names_one_replicate_where_a_configuration_has_several() -> None:
+    study = "results/reference/2026-11-28-4xh200-writeupdrawn"
+    with pytest.raises(ValueError, match="has 2 readings"):  # two leases' runs of one configuration
+        figures.evaluate(f"at {study} vllm-inprocess-writeup check/adapter_logprob_shift 1 3")
+    first = figures.evaluate(f"at {study} run=vllm-inprocess-writeup-67c3b8ec check/adapter_logprob_shift 1 3")
+    second = figures.evaluate(f"at {study} run=vllm-inprocess-writeup-67c3b8ec-r2 check/adapter_logprob_shift 1 3")
+    assert first == "0.063" and second != ""
+    with pytest.raises(ValueError, match="no run 'vllm-inprocess-writeup-67c3b8ec-r9'"):
+        figures.evaluate(f"at {study} run=vllm-inprocess-writeup-67c3b8ec-r9 check/adapter_logprob_shift 1 3")
+
+
 def test_replayed_counts_the_requests_every_replicate_answered_at_the_same_length() -> None:
     warm = "results/reference/2026-11-24-h200-verdictwarm"
     assert figures.evaluate(f"replayed {warm} vllm-verdict 10") == "128 of 128"  # the vLLM server repeats itself

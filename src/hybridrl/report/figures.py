@@ -7,9 +7,9 @@ A README figure that comes from data is written between two comments, invisible 
 
 The expression names a function of FIGURES, a study folder holding steps.csv (relative to the repository; folders
 joined by "+" pool their runs, for a study repeated in several leases) and its arguments; a configuration is named
-by the start of its id (it must match exactly one). `check` lists each figure whose text differs from what the data
-give, `fill` writes the data's text in (`python -m hybridrl figures [--fix] FILE...`); tests/test_readme_figures.py
-fails on any difference.
+by the start of its id (it must match exactly one), and one of its runs by `run=` and the run's whole id. `check`
+lists each figure whose text differs from what the data give, `fill` writes the data's text in
+(`python -m hybridrl figures [--fix] FILE...`); tests/test_readme_figures.py fails on any difference.
 """
 
 from __future__ import annotations
@@ -62,7 +62,15 @@ def _json(path: str) -> Any:
     return json.loads((REPO / path).read_text())
 
 
+RUN = "run="  # a name that picks one run by its whole id (run=vllm-inprocess-writeup-67c3b8ec-r2)
+
+
 def _config(df: pd.DataFrame, name: str) -> pd.DataFrame:
+    if name.startswith(RUN):  # one replicate of a configuration, where a figure quotes a single run's step
+        rows = df[df["run_id"].astype(str) == name[len(RUN):]]
+        if rows.empty:
+            raise ValueError(f"no run {name[len(RUN):]!r}")
+        return rows
     ids = sorted({str(c) for c in df["config_id"].dropna() if str(c) == name or str(c).startswith(name + "-")})
     # the id's readable part must end where the name does: the rest is the model and the hash; a whole id names
     # its configuration even where it is the start of another's (sglang-overlap-<hash>, sglang-overlap-fault-...)

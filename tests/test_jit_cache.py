@@ -13,7 +13,8 @@ def test_sglang_and_vllm_build_apart_and_vllms_two_engines_share_one(tmp_path: P
     spaces = {e: with_jit_workspace(e, {"python": "python3"}, {}, tmp_path)["env"][WORKSPACE_VAR]
               for e in ("sglang", "vllm", "vllm-inprocess")}
     assert spaces["sglang"] != spaces["vllm"] == spaces["vllm-inprocess"]
-    assert spaces["sglang"] == str(tmp_path / ".cache" / "flashinfer-by-engine" / "sglang")
+    assert spaces["sglang"] == str(tmp_path / ".cache" / "flashinfer-sglang")
+    assert spaces["vllm"] == str(tmp_path)  # FlashInfer's default, where earlier leases' vLLM builds are
 
 
 @pytest.mark.parametrize("where", ["study", "environment"])
@@ -32,4 +33,4 @@ def test_an_engine_server_starts_with_its_familys_workspace(tmp_path: Path, monk
     monkeypatch.setenv("HOME", str(tmp_path))
     run = RunConfig(model="m", engine="sglang")
     engine = make_engine(run, tmp_path / "model", {"python": "python3"}, tmp_path / "logs")
-    assert engine.extra_env[WORKSPACE_VAR] == str(tmp_path / ".cache" / "flashinfer-by-engine" / "sglang")
+    assert engine.extra_env[WORKSPACE_VAR] == str(tmp_path / ".cache" / "flashinfer-sglang")

@@ -3,8 +3,8 @@
 # 16 MiB at most, so they go back in numbered pieces over as many calls as they need.
 
 # most minutes saved first: FlashInfer's nvcc builds (its all-reduce fusion at TP 2 took ~200 s of a first start),
-# each engine's in a workspace of its own (hybridrl.engines.jit_cache), vLLM's torch.compile, Triton's kernels
-caches=(.cache/flashinfer-by-engine .cache/flashinfer .cache/vllm .triton/cache)
+# SGLang's in a workspace of its own (hybridrl.engines.jit_cache), vLLM's torch.compile, Triton's kernels
+caches=(.cache/flashinfer-sglang .cache/flashinfer .cache/vllm .triton/cache)
 cache_piece=$((15 * 1024 * 1024))  # what one file back from a call may hold (16 MiB), less a margin
 cache_out=${HYBRIDRL_LEASE_CACHES_OUT:-/tmp/lease-caches-out}  # the pieces of this machine's caches, to send back
 

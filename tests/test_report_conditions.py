@@ -327,3 +327,21 @@ def test_the_recording_table_names_each_runs_executor_job_node_and_gpus_where_re
     assert "SLURM job" in text.split("\n|")[0]  # the note says what the columns are
     # a study recorded before any run named its scheduler keeps the table it was rendered with
     assert "executor" not in section(older)
+
+
+@pytest.mark.parametrize("second_on", ["same machine", "fresh machine"])
+def test_a_start_that_followed_its_engines_start_on_the_same_machine_is_named(second_on: str) -> None:
+    sglang = timed(headline_run("sglang-colocate-aaaa1111", "sglang"), T0).assign(machine="m1")
+    vllm = timed(headline_run("vllm-colocate-bbbb2222", "vllm"), T0 + 1000).assign(machine="m1")
+    again = timed(headline_run("vllm-colocate-bbbb2222-r2", "vllm", seed=1), T0 + 2000).assign(
+        machine="m1" if second_on == "same machine" else "m2")
+    [alone] = headlines(headline_study(sglang, vllm))
+    assert not any(c.startswith("engine start:") for c in alone.caveats)  # each the first of its engine there
+    df = headline_study(sglang, vllm, again)
+    [h] = headlines(df)
+    said = [c for c in h.caveats if c.startswith("engine start:")]
+    if second_on == "same machine":
+        assert conditions.later_starts(df, "vllm-colocate-bbbb2222") == (1, 2)
+        assert len(said) == 1 and "(0 of SGLang's 1; 1 of vLLM server's 2)" in said[0]
+    else:
+        assert conditions.later_starts(df, "vllm-colocate-bbbb2222") == (0, 2) and said == []

@@ -120,3 +120,36 @@ def first_steps(rows: pd.DataFrame) -> list[float]:
         return []
     return sorted(pd.to_numeric(rows["time_unix"], errors="coerce").groupby(rows["run_id"]).min().dropna())
 
+
+
+def _family(engine: object) -> str:
+    """vLLM's server and in-process vLLM share their compiled kernels on a machine (one overlay, one set of caches)."""
+    return str(engine).split("-")[0]
+
+
+def later_starts(df: pd.DataFrame, config: str) -> tuple[int, int]:
+    """Of a configuration's runs, how many started their engine after another run of the same engine family had
+    started on the same machine (boot id) in this study, and how many runs it has. A machine's first start of an
+    engine compiles kernels (FlashInfer, Triton, torch.compile) that later starts there reuse, so a start's time
+    depends on its place in the order as much as on the engine."""
+    if not {"machine", "time_unix", "engine"} <= set(df.columns):
+        return 0, df.loc[df["config_id"] == config, "run_id"].nunique()
+    runs = df.groupby("run_id").agg(config=("config_id", "first"), machine=("machine", "first"),
+                                    family=("engine", lambda e: _family(e.iloc[0])), t=("time_unix", "min"))
+    runs = runs.dropna(subset=["machine", "t"])
+    mine = runs[runs["config"] == config]
+    later = sum(((runs["machine"] == r.machine) & (runs["family"] == r.family) & (runs["t"] < r.t)).any()
+                for r in mine.itertuples())
+    return int(later), int(df.loc[df["config_id"] == config, "run_id"].nunique())
+
+
+def start_order_caveat(df: pd.DataFrame, sides: dict[str, str]) -> str | None:
+    """Where the two sides' engine starts differ in how many followed an earlier start of their engine on their
+    machine: their start times compare compile caches as much as engines."""
+    counts = {name: later_starts(df, config) for name, config in sides.items()}
+    shares = {later / n for later, n in counts.values() if n}
+    if len(shares) <= 1:
+        return None
+    said = "; ".join(f"{later} of {name}'s {n}" for name, (later, n) in counts.items())
+    return (f"engine start: some starts followed an earlier start of the same engine on their machine, which had "
+            f"compiled its kernels ({said}), so the start times compare those caches as much as the engines")

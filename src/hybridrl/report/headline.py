@@ -179,6 +179,8 @@ def headlines(df: pd.DataFrame) -> list[Headline]:
                 notes = (caveats(df[df["config_id"] == s], df[df["config_id"] == v])
                          + ((order_note,) if order_note else ())
                          + restart_caveats(df, {"SGLang": s, VLLM_VARIANTS[variant]: v}))
+                start_note = conditions.start_order_caveat(df, {"SGLang": s, VLLM_VARIANTS[variant]: v})
+                notes += (start_note,) if start_note else ()
                 out.append(Headline(placement, variant, s, v, key, rows, label, notes,
                                     "" if pd.isna(release) else str(release)))
     return out

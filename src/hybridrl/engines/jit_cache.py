@@ -19,10 +19,16 @@ WORKSPACE_VAR = "FLASHINFER_WORKSPACE_BASE"  # FlashInfer keeps its builds under
 OWN_WORKSPACES = {"sglang": Path(".cache") / "flashinfer-sglang"}  # under $HOME; lease-caches.sh carries them
 
 
+def engine_family(engine: object) -> str:
+    """The engines that share one overlay and so one machine's compiled kernels: vLLM's server and in-process vLLM
+    are vLLM's."""
+    return str(engine).split("-")[0]
+
+
 def jit_workspace(engine: str, home: Path | None = None) -> Path:
     """The FlashInfer workspace base of an engine's family: its own, or $HOME (FlashInfer's default) for vLLM's."""
     home = home or Path.home()
-    own = OWN_WORKSPACES.get(engine.split("-")[0])
+    own = OWN_WORKSPACES.get(engine_family(engine))
     return home / own if own else home
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from hybridrl.engines.jit_cache import engine_family
+
 
 @dataclass(frozen=True)
 class Window:
@@ -121,26 +123,20 @@ def first_steps(rows: pd.DataFrame) -> list[float]:
     return sorted(pd.to_numeric(rows["time_unix"], errors="coerce").groupby(rows["run_id"]).min().dropna())
 
 
-
-def _family(engine: object) -> str:
-    """vLLM's server and in-process vLLM share their compiled kernels on a machine (one overlay, one set of caches)."""
-    return str(engine).split("-")[0]
-
-
 def later_starts(df: pd.DataFrame, config: str) -> tuple[int, int]:
     """Of a configuration's runs, how many started their engine after another run of the same engine family had
     started on the same machine (boot id) in this study, and how many runs it has. A machine's first start of an
     engine compiles kernels (FlashInfer, Triton, torch.compile) that later starts there reuse, so a start's time
     depends on its place in the order as much as on the engine."""
+    n = int(df.loc[df["config_id"] == config, "run_id"].nunique())
     if not {"machine", "time_unix", "engine"} <= set(df.columns):
-        return 0, df.loc[df["config_id"] == config, "run_id"].nunique()
+        return 0, n
     runs = df.groupby("run_id").agg(config=("config_id", "first"), machine=("machine", "first"),
-                                    family=("engine", lambda e: _family(e.iloc[0])), t=("time_unix", "min"))
+                                    family=("engine", lambda e: engine_family(e.iloc[0])), t=("time_unix", "min"))
     runs = runs.dropna(subset=["machine", "t"])
-    mine = runs[runs["config"] == config]
     later = sum(((runs["machine"] == r.machine) & (runs["family"] == r.family) & (runs["t"] < r.t)).any()
-                for r in mine.itertuples())
-    return int(later), int(df.loc[df["config_id"] == config, "run_id"].nunique())
+                for r in runs[runs["config"] == config].itertuples())
+    return int(later), n
 
 
 def start_order_caveat(df: pd.DataFrame, sides: dict[str, str]) -> str | None:

@@ -85,6 +85,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[HFTrainer, Path]:
     trainer = HFTrainer(model, bench_run(shape, "hf", "cpu", 4, None), "cpu")
     samples = fixed_batch(shape.config["vocab_size"], shape.samples, shape.prompt, shape.completion)
     trainer.step(1, samples, tmp / "step-1")
+    trainer.flush()  # optimizer.pt is written in the background; the loop waits for it before recording the step
     return trainer, tmp
 
 

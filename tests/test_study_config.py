@@ -265,6 +265,17 @@ def test_a_measurement_takes_its_place_after_the_round_it_names(smoke):
     assert min(ranks[name] for name in study.measurements) == len(runs) + 1
 
 
+@pytest.mark.parametrize(("order", "want"), [("balanced", ["mb4", "mb8", "mb8-r2", "mb4-r2"]),
+                                             ("rounds", ["mb4", "mb8", "mb4-r2", "mb8-r2"])])
+def test_a_replicated_trainer_tools_processes_go_round_by_round(smoke, order: str, want: list[str]):
+    smoke["order"] = order
+    bench = {"kind": "trainer_bench", "shape": "tiny", "trainer": "hf", "flags": ["device=cpu"], "replicates": 2}
+    smoke["measurements"] = [{**bench, "micro_batch": 4}, {**bench, "micro_batch": 8}]
+    ranks = resolve(smoke).ranks
+    names = sorted((n for n in ranks if n.startswith("trainer-")), key=ranks.get)
+    assert [n.removeprefix("trainer-tiny-hf-").replace("-device-cpu", "") for n in names] == want
+
+
 def test_a_start_bench_starts_its_runs_engine_both_ways_after_the_run(smoke):
     smoke["measurements"] = [{"kind": "start_bench", "run": "vllm-split", "repeats": 3}]
     study = resolve(smoke)

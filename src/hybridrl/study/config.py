@@ -333,7 +333,7 @@ def resolve(raw: dict[str, Any], source: str = "config") -> Study:
         raise ConfigError(f"{source}: {exc}") from None
     study = Study(name=raw["study"], data=raw["data"], models=raw["models"], engine_envs=raw.get("engine_envs", {}),
                   runs=runs, measurements=measurements, node=typed.node, run_minutes=typed.run_minutes,
-                  ranks=job_ranks(order, measurements))
+                  ranks=job_ranks(order, measurements, balanced=typed.order == "balanced"))
     check_node(study, source)
     return study
 
@@ -365,13 +365,17 @@ def interleaved(configs: list[tuple[str, RunConfig]], balanced: bool = False) ->
     return out
 
 
-def job_ranks(order: list[tuple[str, RunConfig, int]], measurements: Mapping[str, MeasureJob]) -> dict[str, int]:
+def job_ranks(order: list[tuple[str, RunConfig, int]], measurements: Mapping[str, MeasureJob],
+              balanced: bool = False) -> dict[str, int]:
     """Each run's and measurement's place in the study's order (1 first): the runs as `interleaved` orders them,
-    each measurement after the round its `after_round` names (else after every run), in the file's order."""
+    each measurement after the round its `after_round` names (else after every run), in the file's order. The
+    processes of replicated trainer tools placed there together go round by round as runs do (A1 B1 A2 B2, or
+    A1 B1 B2 A2 when balanced), so that no setting has all of its processes first."""
     last = max((k for *_, k in order), default=0)
-    keyed = [((k, 0, i), rid) for i, (rid, _, k) in enumerate(order)]
-    keyed += [((min(job.spec.after_round or last, last), 1, i), name)
-              for i, (name, job) in enumerate(measurements.items())]
+    keyed = [((k, 0, 0, i), rid) for i, (rid, _, k) in enumerate(order)]
+    for i, (name, job) in enumerate(measurements.items()):
+        within = -i if balanced and job.replicate % 2 == 0 else i
+        keyed.append(((min(job.spec.after_round or last, last), 1, job.replicate, within), name))
     return {name: rank for rank, (_, name) in enumerate(sorted(keyed), 1)}
 
 

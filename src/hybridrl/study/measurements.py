@@ -28,13 +28,15 @@ BENCH_DIR = "results/bench"
 @dataclass(frozen=True)
 class MeasureJob:
     """One measurement job: `name` is its result's stem; `run_id` the run it replays or trains (None for the
-    trainer tools and the client's ceiling); `gpus` what it needs on CUDA; `device` where it runs."""
+    trainer tools and the client's ceiling); `gpus` what it needs on CUDA; `device` where it runs; `replicate`
+    which process of a trainer tool's `replicates` it is (1 for every other kind)."""
 
     name: str
     spec: EngineBench | ClientCeiling | TrainerBench | FaultRun | PeerTrl | StartBench
     run_id: str | None
     gpus: int
     device: str
+    replicate: int = 1
 
     @property
     def kind(self) -> str:
@@ -99,7 +101,8 @@ def resolve_measurements(specs: Sequence[Measurement], runs: Mapping[str, RunCon
         else:
             device = "cpu" if "device=cpu" in spec.flags else "cuda"
             gpus = trainer_tool_gpus(spec, at)
-            new = [MeasureJob(name, spec, None, gpus, device) for name in trainer_tool_names(spec)]
+            new = [MeasureJob(name, spec, None, gpus, device, k)
+                   for k, name in enumerate(trainer_tool_names(spec), 1)]
         for job in new:
             if job.name in jobs:
                 raise ValueError(f"{at}: its result {job.output} is also another measurement's")

@@ -618,6 +618,16 @@ def start_table(study: str) -> str:
     return _markdown_block(table)
 
 
+def trainer_table(study: str) -> str:
+    """The report's trainer benchmarks (report.trainer_bench) of one study: a row a setting, its target's verdict."""
+    from hybridrl.report import trainer_bench
+
+    table = trainer_bench.table(REPO / study / "bench")
+    if table is None:
+        raise ValueError(f"{study}: no trainer-bench record (bench/trainer-*.json)")
+    return _markdown_block(table)
+
+
 def _markdown_block(table: Table) -> str:
     """A table on lines of its own in a README: a blank line before and after."""
     return "\n\n" + markdown(table) + "\n\n"
@@ -673,6 +683,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "run_medians": run_medians, "slope": slope, "share": share,
     "unattributed": unattributed, "replayed": replayed, "alike": alike, "floors": floors,
     "writeup_table": writeup_table, "peer_table": peer_table, "start_table": start_table,
+    "trainer_table": trainer_table,
     "phase_table": phase_table, "memory_table": memory_table,
 }
 

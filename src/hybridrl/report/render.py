@@ -22,6 +22,7 @@ from hybridrl.report import (
     start_bench,
     stats,
     targets,
+    trainer_bench,
     wording,
 )
 from hybridrl.report.aggregate import atomic_path
@@ -74,6 +75,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "recording": run_tables.recording(df, labels),
         "setup": setup_time.setup_table(df, labels),
         "start_bench": start_bench.table(bench),
+        "trainer_bench": trainer_bench.table(bench),
         "peer": peer.phase_table(df, peers, by_config),
         "peer_ratios": peer_ratios,
         "correctness": run_tables.correctness_table(df, labels),

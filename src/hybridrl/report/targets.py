@@ -17,7 +17,8 @@ from hybridrl.study.config import ConfigError
 
 PEER_RATIO = "peer/step_ratio"
 START_OVER_CLI = "start/over_cli"
-BENCH_METRICS = (PEER_RATIO, START_OVER_CLI)
+TRAINER_UPDATE = "trainer/update_s"
+BENCH_METRICS = (PEER_RATIO, START_OVER_CLI, TRAINER_UPDATE)
 TARGETS = Path(__file__).resolve().parents[3] / "workflow" / "report" / "targets.yaml"
 
 
@@ -31,7 +32,10 @@ class Where(BaseModel):
     gpu_count: int | None = Field(None, ge=1, description="how many GPUs each run held")
     model: str | None = Field(None, description="a part of the model's name in the study (0.6b, 30b-a3b)")
     gen_tokens: int | None = Field(None, ge=1, description="tokens generated a step (median): fixes the batch and, "
-                                                           "with ignore_eos, the length")
+                                                           "with ignore_eos, the length; a trainer benchmark's "
+                                                           "completion tokens an update")
+    vocab: int | None = Field(None, ge=1, description="the vocabulary's rows (trainer benchmarks alone, whose record "
+                                                      "names it; a run's steps do not)")
 
 
 class Target(BaseModel):
@@ -43,7 +47,8 @@ class Target(BaseModel):
     metric: str = Field(description="a column of steps.csv (timing_s/step_compared, timing_s/update_actor, ...), or "
                                     "a benchmark's figure: peer/step_ratio (hybridrl's compared step over a TRL "
                                     "peer's step, report/peer.py), start/over_cli (an engine's start through "
-                                    "hybridrl over its own command line's, report/start_bench.py)")
+                                    "hybridrl over its own command line's, report/start_bench.py), trainer/update_s "
+                                    "(a trainer benchmark's update, its processes pooled, report/trainer_bench.py)")
     against: Literal["trl-defaults", "trl-best"] | None = Field(
         None, description="peer/step_ratio only: the TRL configuration it is taken over, TRL's defaults or the "
                           "faster of the study's TRL configurations")
@@ -102,6 +107,8 @@ def _gpus_held(config: pd.DataFrame) -> float:
 
 def applies(where: Where, config: pd.DataFrame) -> bool:
     """Whether the configuration's steps (one config_id) are what the target is about."""
+    if where.vocab is not None:  # a trainer benchmark's target: the steps do not name their vocabulary
+        return False
     first = config.iloc[0]
     exact = {"engine": where.engine, "placement": where.placement}
     if any(v is not None and str(first.get(k)) != v for k, v in exact.items()):

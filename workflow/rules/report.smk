@@ -18,11 +18,11 @@ rule aggregate:
 rule report:
     input:
         table="results/steps.parquet",
-        # the report's TRL and start-bench sections read these (results/bench/)
+        # the report's TRL, start-bench and trainer-bench sections read these (results/bench/)
         bench=[
             job.output
             for job in MEASUREMENTS.values()
-            if job.kind in ("peer_trl", "start_bench")
+            if job.kind in ("peer_trl", "start_bench", "trainer_bench")
         ],
     output:
         md="results/report.md",

@@ -353,39 +353,14 @@ def _results_index(args: argparse.Namespace) -> None:
 
 
 def _targets(args: argparse.Namespace) -> None:
-    from hybridrl.report import peer, start_bench, targets, trainer_bench
-    from hybridrl.report.aggregate import read_table
-    from hybridrl.report.plots import config_labels
+    from hybridrl.report import peer, target_status, targets
 
     try:
         wanted = targets.load(Path(args.targets))
-    except ConfigError as exc:
+        for row in target_status.rows(Path(args.reference), wanted):
+            print(" | ".join(row))
+    except (ConfigError, peer.BenchRecordError) as exc:
         raise SystemExit(f"hybridrl targets: {exc}") from None
-    # a study with runs (steps.csv), or one of benchmarks alone (bench/)
-    studies = [p for p in Path(args.reference).iterdir() if (p / "steps.csv").is_file() or (p / "bench").is_dir()]
-    for study in sorted(studies):
-        bench, steps = study / "bench", study / "steps.csv"
-        df = read_table(steps) if steps.is_file() else None
-        table = targets.table(df, config_labels(df), wanted) if df is not None else None
-        for row in table.rows if table else []:
-            print(" | ".join([study.name, *(c.text for c in row)]))
-        # the targets on benchmark records: hybridrl against TRL, an engine's start against its command line, the
-        # trainer's update
-        try:
-            ratios = (peer.ratio_table(peer.pairs(df, peer.records(bench), config_labels(df)), wanted)
-                      if df is not None else None)
-            starts = start_bench.table(bench, wanted)
-            updates = trainer_bench.table(bench, wanted)
-        except peer.BenchRecordError as exc:
-            raise SystemExit(f"hybridrl targets: {exc}") from None
-        for bench_table, what, value in ((ratios, ("configuration", "against"), "hybridrl / TRL, step"),
-                                         (starts, ("engine",), "hybridrl / command line, later"),
-                                         (updates, ("setting",), "update, median [95% CI] (s)")):
-            col = {h: i for i, h in enumerate(bench_table.headers)} if bench_table else {}
-            for row in [r for r in bench_table.rows if r[col["target"]].text != "–"] if bench_table else []:
-                print(" | ".join([study.name, row[col["target"]].text,
-                                  " against ".join(row[col[w]].text for w in what), row[col[value]].text,
-                                  row[col["bound"]].text, row[col["verdict"]].text]))
 
 
 def _archive(args: argparse.Namespace) -> None:

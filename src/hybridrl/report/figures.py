@@ -628,6 +628,13 @@ def trainer_table(study: str) -> str:
     return _markdown_block(table)
 
 
+def targets_status(reference: str = "results/reference") -> str:
+    """Every committed study against the speed targets (report.target_status), as `hybridrl targets` prints it."""
+    from hybridrl.report import target_status
+
+    return _markdown_block(target_status.table(REPO / reference))
+
+
 def _markdown_block(table: Table) -> str:
     """A table on lines of its own in a README: a blank line before and after."""
     return "\n\n" + markdown(table) + "\n\n"
@@ -683,7 +690,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "run_medians": run_medians, "slope": slope, "share": share,
     "unattributed": unattributed, "replayed": replayed, "alike": alike, "floors": floors,
     "writeup_table": writeup_table, "peer_table": peer_table, "start_table": start_table,
-    "trainer_table": trainer_table,
+    "trainer_table": trainer_table, "targets_status": targets_status,
     "phase_table": phase_table, "memory_table": memory_table,
 }
 

@@ -75,6 +75,17 @@ def test_colocate_needs_a_gpu(smoke):
         resolve(smoke)
 
 
+def test_an_engine_that_stays_awake_lets_colocate_run_on_a_cpu_and_keeps_older_ids(smoke):
+    smoke["runs"] = [{"placement": "colocate", "engine_sleep": False}, {"placement": "split"}]
+    awake, split = resolve(smoke).runs.values()
+    assert awake.placement == "colocate" and not awake.engine_sleep
+    assert run_id(split) == run_id(split.model_copy(update={"engine_sleep": True}))  # the default stays out of ids
+    assert run_id(awake) != run_id(awake.model_copy(update={"engine_sleep": True}))
+    smoke["runs"] = [{"placement": "split", "engine_sleep": False}]
+    with pytest.raises(ConfigError, match=r"runs\[0\].engine_sleep: only a colocated engine sleeps \(placement split"):
+        resolve(smoke)
+
+
 def test_vllm_level_2_sleep_is_refused_because_lora_cannot_reload(smoke):
     smoke["runs"][0].update(engine="vllm", vllm_sleep_level=2)
     with pytest.raises(ConfigError, match=r"runs\[0\].vllm_sleep_level: 2 does not work with LoRA.*#39934"):

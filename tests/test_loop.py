@@ -382,6 +382,39 @@ def test_colocated_engine_dead_at_sleep_is_restarted_and_put_to_sleep(assets, tm
     assert engine.events.count("sleep") == 2  # the fresh engine slept before the trainer ran
 
 
+def test_a_colocated_engine_that_stays_awake_never_sleeps_and_the_trainer_comes_on_once(assets, tmp_path):
+    from hybridrl.trainers.hf import HFTrainer
+
+    class Counts(ScriptedEngine):
+        def sleep(self):
+            self.events.append("sleep")
+
+        def wake(self):
+            self.events.append("wake")
+
+    moves: list[str] = []
+    onload, offload = HFTrainer.onload, HFTrainer.offload
+
+    def spy(name, real):
+        return lambda self: (moves.append(name), real(self))[1]
+
+    engine = Counts()
+    run = _run(steps=3).model_copy(update={"placement": "colocate", "engine_sleep": False})  # a CPU runs this one
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(HFTrainer, "onload", spy("onload", onload))
+        mp.setattr(HFTrainer, "offload", spy("offload", offload))
+        records = run_loop(run, "r-awake", assets / "model", assets / "data", tmp_path, {}, progress=False,
+                           engine=engine)
+    assert "sleep" not in engine.events and "wake" not in engine.events
+    # off before the engine's start, on for the first update, kept there, and off when the run closes
+    assert moves == ["offload", "onload", "offload"]
+    assert [r["timing_s/sleep"] for r in records] == [None] * 3 and [r["timing_s/wake"] for r in records] == [None] * 3
+    assert records[0]["timing_s/trainer_onload"] is not None
+    assert [r["timing_s/trainer_onload"] for r in records[1:]] == [None, None]
+    assert engine.events.count("load") == 3  # each new adapter still reaches the engine
+    assert all(r["check/adapter_applied"] is not False for r in records)
+
+
 def test_a_live_engine_that_refuses_an_adapter_fails_the_run(assets, tmp_path):
     class Refuses(ScriptedEngine):
         def load_adapter(self, name, path):

@@ -121,6 +121,13 @@ def test_peer_trl_settings_and_refusals(tmp_path: Path) -> None:
                                                                                  "keep_base_on_gpu": "auto"}), kw)}
     assert diffs["output head"] == "chunked head, no full logits" and diffs["trainer between steps"].endswith("auto")
     assert {d["setting"]: d["hybridrl"] for d in differences(run, kw)}["output head"] == "the model's full logits"
+    # vLLM awake on both sides: TRL's sleep mode off, beside a run whose engine never sleeps
+    awake_kw = grpo_settings(run, PeerOptions(steps=3, micro_batch=4, device="cuda", vllm_sleep=False), tmp_path)
+    assert awake_kw["vllm_enable_sleep_mode"] is False
+    awake = {d["setting"]: d for d in differences(run.model_copy(update={"engine_sleep": False}), awake_kw)}
+    assert awake["vllm sleep"]["trl"].startswith("off, awake") and "awake (engine_sleep false)" in awake[
+        "vllm sleep"]["hybridrl"]
+    assert awake["trainer between steps"]["hybridrl"].startswith("everything stays on the GPU")
     drawn = run.model_copy(update={"lora": run.lora.model_copy(update={"init_b_std": 1e-3})})
     with pytest.raises(ValueError, match="init_b_std"):
         check_options(drawn, PeerOptions(steps=1, micro_batch=4, device="cuda"))

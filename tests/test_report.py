@@ -691,6 +691,28 @@ def test_the_chance_line_counts_only_intervals_that_exist(tmp_path: Path) -> Non
     assert f"- {intervals} comparisons with 95% intervals: " in md
 
 
+def test_an_engine_that_stays_awake_is_its_own_arm_and_pairs_only_with_another_awake_one() -> None:
+    from hybridrl.report.headline import headlines
+    from hybridrl.report.plots import config_labels
+
+    runs = {rid: headline_run(rid, engine) for rid, engine in (
+        ("sglang-colocate-aaaa1111", "sglang"), ("vllm-colocate-bbbb2222", "vllm"),
+        ("sglang-colocate-cccc3333", "sglang"), ("vllm-colocate-dddd4444", "vllm"))}
+    for rid, run in runs.items():
+        run["sglang_release"], run["vllm_sleep_level"] = ("all", None) if "sglang" in rid else (None, 1)
+        run["sglang_retain_cpu_backup"] = True
+        # the second pair never slept; the first was recorded before the key (NaN: it slept)
+        run["engine_sleep"] = False if rid.split("-")[2][:4] in ("cccc", "dddd") else None
+    df = headline_study(*runs.values())
+    arms = df.drop_duplicates("config_id").set_index("config_id")["release"].to_dict()
+    assert arms == {"sglang-colocate-aaaa1111": "full release", "vllm-colocate-bbbb2222": "level 1",
+                    "sglang-colocate-cccc3333": "stays awake", "vllm-colocate-dddd4444": "stays awake"}
+    pairs = {(h.sglang_run, h.vllm_run): h.release for h in headlines(df)}
+    assert pairs == {("sglang-colocate-aaaa1111", "vllm-colocate-bbbb2222"): "full release",
+                     ("sglang-colocate-cccc3333", "vllm-colocate-dddd4444"): "stays awake"}
+    assert "stays awake" in config_labels(df)["sglang-colocate-cccc3333"]
+
+
 def test_transition_times_are_compared_only_between_releases_that_move_the_same_bytes() -> None:
     from hybridrl.report.comparisons import NO_VLLM_KV_ONLY, transitions
     from hybridrl.report.plots import run_labels

@@ -27,8 +27,8 @@ def _ours(step: float, runs: int = 2) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _trl(bench: Path, name: str, step: float, gc: bool | None = None) -> None:
-    settings = {} if gc is None else {"gradient_checkpointing": gc}
+def _trl(bench: Path, name: str, step: float, gc: bool | None = None, sleep: bool = True) -> None:
+    settings = ({} if gc is None else {"gradient_checkpointing": gc}) | {"vllm_enable_sleep_mode": sleep}
     steps = [{"step": i, "step_s": step + 0.03 * (i % 3), "generate_s": step / 2, "train_s": step / 3,
               "sync_weights_s": 0.2} for i in range(1, 11)]
     bench.mkdir(exist_ok=True)
@@ -39,10 +39,14 @@ def _trl(bench: Path, name: str, step: float, gc: bool | None = None) -> None:
 def test_records_skip_job_records_and_refuse_what_is_not_one(tmp_path: Path) -> None:
     _trl(tmp_path, "defaults", 6.0)
     _trl(tmp_path, "gc-off", 4.0, gc=False)
+    _trl(tmp_path, "gc-off-awake", 3.5, gc=False, sleep=False)
+    _trl(tmp_path, "gc-on-awake", 5.5, sleep=False)  # checkpointing TRL's default, vLLM not: not its defaults
     got = peer.records(tmp_path)
     assert [(r.label, r.defaults, len(r.steps)) for r in got] == [
         ("TRL GRPOTrainer · its defaults (gradient checkpointing on)", True, 8),
-        ("TRL GRPOTrainer · gradient checkpointing off", False, 8)]
+        ("TRL GRPOTrainer · gradient checkpointing off, vLLM awake", False, 8),  # file names' order
+        ("TRL GRPOTrainer · gradient checkpointing off", False, 8),
+        ("TRL GRPOTrainer · gradient checkpointing on (its default), vLLM awake", False, 8)]
     assert got[0].rest() == pytest.approx([s["step_s"] - 3.0 - 2.0 - 0.2 for s in got[0].steps])
     assert peer.records(tmp_path / "none") == []
     (tmp_path / "trl-x-bad.json").write_text(json.dumps({"tool": "trainer-bench"}))

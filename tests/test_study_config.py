@@ -96,15 +96,19 @@ def test_a_fault_run_trains_its_run_and_the_engine_bench_replays_one(smoke):
 def test_trls_peer_mirrors_a_run_in_two_configurations(smoke):
     smoke["measurements"] = [{"kind": "peer_trl", "run": "vllm-split", "micro_batch": 4},
                              {"kind": "peer_trl", "run": "vllm-split", "micro_batch": 4,
-                              "gradient_checkpointing": False, "lr": 1e-3, "steps": 2}]
+                              "gradient_checkpointing": False, "lr": 1e-3, "steps": 2},
+                             {"kind": "peer_trl", "run": "vllm-split", "micro_batch": 4,
+                              "gradient_checkpointing": False, "vllm_sleep": False}]
     study = resolve(smoke)
     split = next(rid for rid, run in study.runs.items() if run.placement == "split" and not run.overlap)
     jobs = study.measurements
     assert [j.output for j in jobs.values()] == ["results/bench/trl-vllm-split-defaults.json",
-                                                 "results/bench/trl-vllm-split-gc-off.json"]
+                                                 "results/bench/trl-vllm-split-gc-off.json",
+                                                 "results/bench/trl-vllm-split-gc-off-awake.json"]
     assert all(j.run_id == split and j.gpus == 1 and j.device == "cpu" for j in jobs.values())
     at = Inputs(run_dir="results/runs/R", run_config="results/runs/R/config.json", model="m", data="d")
-    default, off = (measure_argv(j, at) for j in jobs.values())
+    default, off, awake = (measure_argv(j, at) for j in jobs.values())
+    assert "--vllm-awake" in awake and "--vllm-awake" not in off
     assert default[:3] == ["peer-trl", "--run-config", "results/runs/R/config.json"]
     assert default[default.index("--gradient-checkpointing") + 1] == "default" and "--lr" not in default
     assert off[off.index("--gradient-checkpointing") + 1] == "off" and off[off.index("--lr") + 1] == "0.001"

@@ -249,7 +249,7 @@ def _peer_trl(args: argparse.Namespace) -> None:
     device = args.device or spec.run.device
     gc = {"default": None, "on": True, "off": False}[args.gradient_checkpointing]
     opts = PeerOptions(steps=args.steps or spec.run.steps, micro_batch=args.micro_batch, device=device,
-                       gradient_checkpointing=gc, lr=args.lr)
+                       gradient_checkpointing=gc, lr=args.lr, vllm_sleep=not args.vllm_awake)
     _preflight("peer-trl", partial(check_options, spec.run, opts))
     for what, path in (("model", Path(args.model)), ("data", Path(args.data))):
         if not path.exists():
@@ -512,6 +512,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--gradient-checkpointing", choices=["default", "on", "off"], default="default",
                    help="default: TRL's own (on)")
     s.add_argument("--lr", type=_number, help="learning rate (default: the run's)")
+    s.add_argument("--vllm-awake", action="store_true",
+                   help="vLLM stays awake beside the model (TRL's vllm_enable_sleep_mode off); default: it sleeps")
     s.add_argument("--device", choices=["cuda", "cpu"], help="default: the run's")
     s.add_argument("--workdir", help="TRL's output_dir (default: beside --out)")
     s.add_argument("--out", required=True, help="JSON result")

@@ -27,7 +27,8 @@ SEEN = ["gpu_count"]
 # the GPUs a run held (train_tp, train_ep, train_gpus), its rollouts per step, its warm-up and its rollout client (which
 # requests are streamed, through which pool, in which process) and how far its rollouts may run ahead of training
 # (overlap) come from its run config too
-CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "sglang_retain_cpu_backup", "train_tp", "train_ep",
+CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "sglang_retain_cpu_backup", "engine_sleep", "train_tp",
+              "train_ep",
               "train_gpus",
               "prompts_per_step", "group_size", "warmup_steps", "stream_fraction", "shared_pool", "overlap",
               "rollout_process"]
@@ -110,14 +111,17 @@ def scheduler_fields(sched: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def release_arm(engine: Any, placement: Any, sglang_release: Any, vllm_sleep_level: Any,
-                retain_cpu_backup: Any = None) -> str | None:
+                retain_cpu_backup: Any = None, engine_sleep: Any = None) -> str | None:
     """What a colocated engine gives back on sleep, which decides what its sleep and wake move: SGLang's
     KV-only release keeps the weights on the GPU, so it is an arm of its own. SGLang's full release that pins
     its CPU copy anew every sleep (its default, and every run recorded before sglang_retain_cpu_backup existed)
-    is one too: vLLM's level 1 reuses pinned buffers. None outside colocate."""
+    is one too: vLLM's level 1 reuses pinned buffers. An engine that never sleeps (engine_sleep false; runs
+    recorded before the key slept) gives back nothing. None outside colocate."""
     engine, placement = (None if _missing(v) else str(v) for v in (engine, placement))
     if placement != "colocate":
         return None
+    if _to_bool(engine_sleep) is False:
+        return "stays awake"
     if engine == "sglang":
         if str(sglang_release) == "kv_cache":
             return "kv-only"
@@ -184,8 +188,12 @@ def overlap_steps(row: Any) -> int:
 
 
 def placement_name(row: Any) -> str:
-    """The placement as a reader names it: colocate, restart, split, or overlapped split (its own arm)."""
-    return "overlapped split" if overlap_steps(row) > 0 else str(row.get("placement"))
+    """The placement as a reader names it: colocate, restart, split, or overlapped split (its own arm), and a
+    colocate whose engine never sleeps (engine_sleep false) as colocate, engine awake."""
+    if overlap_steps(row) > 0:
+        return "overlapped split"
+    awake = str(row.get("placement")) == "colocate" and _to_bool(row.get("engine_sleep")) is False
+    return "colocate, engine awake" if awake else str(row.get("placement"))
 
 
 def derive(df: pd.DataFrame) -> pd.DataFrame:
@@ -198,7 +206,7 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     split = df["run_id"].astype(str).map(split_replicate)
     df["config_id"] = split.map(lambda t: t[0])
     df["replicate"] = split.map(lambda t: t[1])
-    arm = ["engine", "placement", "sglang_release", "vllm_sleep_level", "sglang_retain_cpu_backup"]
+    arm = ["engine", "placement", "sglang_release", "vllm_sleep_level", "sglang_retain_cpu_backup", "engine_sleep"]
     df["release"] = [release_arm(*r) for r in df[arm].itertuples(index=False)]
     df["client"] = [rollout_client(*r) for r in
                     df[["engine", "stream_fraction", "shared_pool", "rollout_process"]].itertuples(index=False)]

@@ -24,6 +24,8 @@ PLACEMENTS = ("colocate", "split", "restart")
 # much of an engine's throughput the controller can take in, and a split whose rollouts run ahead
 # (overlap) is a placement of its own
 PAIR_KEY = ("trainer", "model", "tp", "seed", "client", "overlap")
+# also matched for a pair, and shown in its title's release arm ("stays awake") rather than among the shared keys
+PAIR_ALSO = ("engine_sleep",)
 APART_S = 3600.0  # two runs' first steps further apart than this get a caveat
 DIRECTIONS = {"x": "SGLang / vLLM", "inv": "vLLM / SGLang", "pct": "SGLang vs vLLM"}
 
@@ -117,6 +119,8 @@ def pairable(key: str, a: Any, b: Any) -> bool:
         return a.split(", ")[0] == b.split(", ")[0]
     if key == "overlap":  # runs recorded before the key existed ran none
         return _same(0 if pd.isna(a) else a, 0 if pd.isna(b) else b)
+    if key == "engine_sleep":  # a colocated engine that stays awake pairs only with another; earlier runs slept
+        return _same(1 if pd.isna(a) else float(a), 1 if pd.isna(b) else float(b))
     return _same(a, b)
 
 
@@ -158,13 +162,14 @@ def headlines(df: pd.DataFrame) -> list[Headline]:
     that has at least one row. SGLang's KV-only and full-release arms are paired apart."""
     order = [c[-1] for c in stats.configs(df)]
     runs = df.drop_duplicates("config_id").set_index("config_id").loc[order]
+    runs = runs.reindex(columns=[*runs.columns, *(k for k in PAIR_ALSO if k not in runs.columns)])
     wins = conditions.windows(df)
     out = []
     for placement, variant in product(PLACEMENTS, VLLM_VARIANTS):
         here = runs[(runs["placement"] == placement).fillna(False).to_numpy(dtype=bool)]
         engines = here["engine"].astype(str)
         pairs = [(s, v) for s, v in product(here.index[engines == SGLANG], here.index[engines == variant])
-                 if all(pairable(k, runs.at[s, k], runs.at[v, k]) for k in PAIR_KEY)]
+                 if all(pairable(k, runs.at[s, k], runs.at[v, k]) for k in (*PAIR_KEY, *PAIR_ALSO))]
         for s, v in pairs:
             found = [compare_metric(m, df[df["config_id"] == s], df[df["config_id"] == v]) for m in METRICS]
             rows = [r for r in found if r is not None]

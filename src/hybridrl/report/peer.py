@@ -50,10 +50,12 @@ def measurement_files(bench_dir: Path, prefix: str) -> list[Path]:
 
 
 def _label(settings: dict[str, Any]) -> tuple[str, bool]:
-    gc = settings.get("gradient_checkpointing")
-    if gc is None:
+    """The record's label, and whether it is TRL's defaults (checkpointing on, vLLM asleep while it trains)."""
+    gc, awake = settings.get("gradient_checkpointing"), settings.get("vllm_enable_sleep_mode") is False
+    if gc is None and not awake:
         return "TRL GRPOTrainer · its defaults (gradient checkpointing on)", True
-    return f"TRL GRPOTrainer · gradient checkpointing {'on' if gc else 'off'}", False
+    gc_words = "on (its default)" if gc is None else "on" if gc else "off"
+    return f"TRL GRPOTrainer · gradient checkpointing {gc_words}" + (", vLLM awake" if awake else ""), False
 
 
 def records(bench_dir: Path) -> list[PeerRecord]:

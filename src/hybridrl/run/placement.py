@@ -67,20 +67,37 @@ class Placement:
 
 
 class Colocate(Placement):
-    """Engine and trainer share GPUs: the engine sleeps while the trainer runs, then wakes."""
+    """Engine and trainer share GPUs: the engine sleeps while the trainer runs, then wakes. With engine_sleep
+    false both stay: the trainer comes onto the GPU once, at the first update, and the engine never sleeps."""
 
     name = "colocate"
     shares_gpus = True
 
+    def __init__(self, engine: Engine, trainer: Trainer | None, sampler: MemorySampler,
+                 run: RunConfig | None = None) -> None:
+        super().__init__(engine, trainer, sampler, run)
+        self.engine_sleeps = run is None or run.engine_sleep
+        self.trainer_on_gpu = False  # engine_sleep false: onloaded at the first update, kept from then on
+
+    def start_engine(self, adapter: Path | None) -> float:
+        self.trainer_on_gpu = False  # a start (the first, or one after the engine died) offloads the trainer
+        return super().start_engine(adapter)
+
     def before_train(self, t: Timings) -> None:
+        if not self.engine_sleeps:
+            if not self.trainer_on_gpu:
+                self.onload_trainer(t)
+                self.trainer_on_gpu = True
+            return
         with t.phase("sleep", self.sampler):
             self.engine.sleep()
         self.onload_trainer(t)
 
     def after_train(self, t: Timings, adapter: Path | None) -> None:
-        self.offload_trainer(t)  # before wake, so the engine gets its memory back
-        with t.phase("wake", self.sampler):
-            self.engine.wake()
+        if self.engine_sleeps:
+            self.offload_trainer(t)  # before wake, so the engine gets its memory back
+            with t.phase("wake", self.sampler):
+                self.engine.wake()
         if adapter is not None:
             self.sync_adapter(t, adapter)
 

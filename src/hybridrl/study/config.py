@@ -184,8 +184,12 @@ def _first_error(exc: pydantic.ValidationError) -> str:
 
 def _check_run(run: RunConfig, where: str) -> None:
     """What no single key can say: combinations that cannot run."""
-    if run.placement == "colocate" and run.device != "cuda":
-        raise ConfigError(f"{where}.placement: colocate needs device: cuda (sleep mode is GPU-only)")
+    if run.placement == "colocate" and run.device != "cuda" and run.engine_sleep:
+        raise ConfigError(f"{where}.placement: colocate needs device: cuda (sleep mode is GPU-only), or "
+                          "engine_sleep: false")
+    if not run.engine_sleep and run.placement != "colocate":
+        raise ConfigError(f"{where}.engine_sleep: only a colocated engine sleeps (placement {run.placement}); drop "
+                          "the key")
     if run.engine == "sglang" and run.device != "cuda":
         raise ConfigError(f"{where}.engine: sglang has no CPU build; use device: cuda")
     if run.trainer == "none" and run.placement != "colocate":

@@ -2,7 +2,7 @@
 
 The Snakefile turns each into a job (workflow/rules/measure.smk); its result lands in results/bench/<name>.<ext>,
 named as the committed studies name theirs: <run>.json (engine bench), client-ceiling.json, fault-<run>.json,
-trainer-<shape>-<trainer>-mb<N>[-flag...][-rK].json, profile-....txt, trl-<run>-<defaults|gc-on|gc-off>.json
+trainer-<shape>-<trainer>-mb<N>[-flag...][-rK].json, profile-....txt, trl-<run>-<defaults|gc-on|gc-off>[-awake].json
 and start-<run>.json.
 """
 
@@ -142,6 +142,7 @@ def measure_argv(job: MeasureJob, at: Inputs) -> list[str]:
         gc = {None: "default", True: "on", False: "off"}[spec.gradient_checkpointing]
         return ["peer-trl", "--run-config", at.run_config, "--model", at.model, "--data", at.data,
                 "--micro-batch", str(spec.micro_batch), "--gradient-checkpointing", gc,
+                *([] if spec.vllm_sleep else ["--vllm-awake"]),
                 *(["--steps", str(spec.steps)] if spec.steps else []), *(["--lr", repr(spec.lr)] if spec.lr else []),
                 "--workdir", f"resources/trl/{job.name}", "--out", job.output]
     if isinstance(spec, StartBench):

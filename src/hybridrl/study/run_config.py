@@ -102,6 +102,11 @@ class RunConfig(_Frozen):
         True, description="the trainers run each micro-batch's samples back to back in one row, kept apart by "
         "variable-length causal attention (torch's flash varlen kernel on a GPU), so no layer computes padding; "
         "false pads every row to the longest")
+    engine_sleep: bool = Field(
+        True, description="colocate: the engine sleeps before each update (what sglang_release or vllm_sleep_level "
+        "say) and wakes after it; false: it stays awake beside the trainer, which stays on the GPU whole after its "
+        "first onload (no sleep, wake, onload or offload in a step), for where the engine's share of each GPU and "
+        "the trainer's peak fit together, as verl's free_cache_engine false; the only colocate a CPU can run")
     keep_base_on_gpu: bool | Literal["auto"] = Field(
         False, description="colocate: the trainer's frozen base weights stay on the GPU while the engine runs "
         "(only the LoRA weights and the optimizer state are offloaded); auto: they stay where each GPU's free "
@@ -215,7 +220,7 @@ class RunSpec(_Frozen):
 # keys added after reference results were recorded: out of the hash while they hold their default, so that those
 # results keep their ids (and a study's later rounds join its earlier ones); a run that sets one gets an id of its own
 _LATE_KEYS = {"rollout_process": False, "release_comms": False, "replicate_seeds": False, "chunked_head": False,
-              "train_ep": 1, "max_awake_shortfall_gb": 2.0, "lora.init_b_std": 0.0}
+              "train_ep": 1, "max_awake_shortfall_gb": 2.0, "lora.init_b_std": 0.0, "engine_sleep": True}
 
 # a replicate's suffix: after the 8-hex hash, so no readable prefix (`name`) can look like one
 _REPLICATE = re.compile(r"^(?P<config>.+-[0-9a-f]{8})(?:-r(?P<k>[0-9]+))?$")

@@ -195,6 +195,9 @@ class PeerTrl(_Measurement):
                              description="its result's stem (default trl-RUN-defaults, or -gc-on / -gc-off)")
     gradient_checkpointing: bool | None = Field(
         None, description="TRL's gradient checkpointing; left out: TRL's default (on)")
+    vllm_sleep: bool = Field(True, description="TRL's vllm_enable_sleep_mode: vLLM sleeps at level 2 while TRL "
+                                               "trains; false keeps it awake beside the model (as a run's "
+                                               "engine_sleep false), and its result's stem ends in -awake")
     lr: float | None = Field(None, gt=0, strict=False, description="learning rate (default: the run's)")
     steps: int | None = Field(None, ge=1, description="optimizer steps (default: the run's)")
     micro_batch: int = Field(32, ge=1, description="completions a forward (TRL's per_device_train_batch_size); it "
@@ -204,7 +207,7 @@ class PeerTrl(_Measurement):
     @property
     def result_name(self) -> str:
         gc = {None: "defaults", True: "gc-on", False: "gc-off"}[self.gradient_checkpointing]
-        return self.name or f"trl-{self.run}-{gc}"
+        return self.name or f"trl-{self.run}-{gc}" + ("" if self.vllm_sleep else "-awake")
 
 
 class StartBench(_Measurement):

@@ -8,7 +8,8 @@ completions a step, max_new_tokens, the sampling (temperature, top_p, top_k, ign
 and target modules, the clip epsilon, the KL weight (0: no reference pass in either), the gradient-norm clip,
 the weight decay, the seed, and one optimizer step a step. Its loss is TRL's `dapo` (a token mean over the step's
 whole batch however it is split), which is hybridrl's. On CUDA: bf16 autocast over a bf16 base with fp32 LoRA
-weights (PEFT's default upcast), as hybridrl's HF trainer; vLLM in colocate mode with sleep mode on.
+weights (PEFT's default upcast), as hybridrl's HF trainer; vLLM in colocate mode with sleep mode on (or off: the
+measurement's vllm_sleep false, beside a run whose engine stays awake).
 
 Settings that differ from hybridrl's runs, and why (each is also in the result's `differences`):
 - lr: the measurement's `lr` where given (the peer study asks 1e-3), else the run's; a constant schedule, as hybridrl's
@@ -57,13 +58,15 @@ TIMER_PREFIX = "profiling/Time taken: "
 
 @dataclass(frozen=True)
 class PeerOptions:
-    """The measurement's own settings: `gradient_checkpointing` None keeps TRL's default; `lr` None the run's."""
+    """The measurement's own settings: `gradient_checkpointing` None keeps TRL's default; `lr` None the run's;
+    `vllm_sleep` False keeps vLLM awake beside the model."""
 
     steps: int
     micro_batch: int
     device: str
     gradient_checkpointing: bool | None = None
     lr: float | None = None
+    vllm_sleep: bool = True
 
 
 def check_options(run: RunConfig, opts: PeerOptions) -> None:
@@ -104,7 +107,7 @@ def grpo_settings(run: RunConfig, opts: PeerOptions, out_dir: Path) -> dict[str,
     if s.ignore_eos:  # vLLM's SamplingParams know ignore_eos; transformers' generate a minimum length
         kw["generation_kwargs"] = {"ignore_eos": True} if cuda else {"min_new_tokens": run.max_new_tokens}
     if cuda:
-        kw.update(vllm_mode="colocate", vllm_enable_sleep_mode=True, vllm_tensor_parallel_size=1,
+        kw.update(vllm_mode="colocate", vllm_enable_sleep_mode=opts.vllm_sleep, vllm_tensor_parallel_size=1,
                   vllm_gpu_memory_utilization=run.gpu_memory_utilization,
                   vllm_importance_sampling_correction=run.rollout_is != "off")
         if run.rollout_is != "off":
@@ -130,17 +133,19 @@ def differences(run: RunConfig, kw: dict[str, Any]) -> list[dict[str, str]]:
     out.append({"setting": "output head", "trl": "the model's full logits over the vocabulary",
                 "hybridrl": "chunked head, no full logits" if run.chunked_head else "the model's full logits",
                 "why": "TRL computes logprobs from the logits it is given"})
+    kept = ("everything stays on the GPU (engine_sleep false)" if not run.engine_sleep else
+            f"LoRA and optimizer state to pinned CPU memory, frozen base keep_base_on_gpu {run.keep_base_on_gpu}")
     out.append({"setting": "trainer between steps", "trl": "model and optimizer state stay on the GPU",
-                "hybridrl": f"LoRA and optimizer state to pinned CPU memory, frozen base keep_base_on_gpu "
-                            f"{run.keep_base_on_gpu}", "why": "TRL's colocate mode sleeps vLLM only"})
+                "hybridrl": kept, "why": "TRL's colocate mode sleeps vLLM only"})
     gc = kw.get("gradient_checkpointing")
     out.append({"setting": "gradient_checkpointing", "trl": "on (TRL's default)" if gc is None else str(gc).lower(),
                 "hybridrl": "off", "why": "TRL's default and off are both measured"})
     if kw.get("use_vllm"):
         out += [
-            {"setting": "vllm sleep", "trl": "level 2, merged weights loaded every step", "hybridrl":
-             f"engine {run.engine}, sleep level {run.vllm_sleep_level}, LoRA served as an adapter",
-             "why": "TRL's colocate mode with PEFT has no other path"},
+            {"setting": "vllm sleep", "trl": ("level 2" if kw.get("vllm_enable_sleep_mode") else "off, awake") +
+             ", merged weights loaded every step", "hybridrl": f"engine {run.engine}, " +
+             (f"sleep level {run.vllm_sleep_level}" if run.engine_sleep else "awake (engine_sleep false)") +
+             ", LoRA served as an adapter", "why": "TRL's colocate mode with PEFT has no other path"},
             {"setting": "vllm batch", "trl": "max_num_batched_tokens 4096, max_num_seqs "
              f"{kw['per_device_train_batch_size'] * kw['steps_per_generation']}",
              "hybridrl": f"max_concurrency {run.max_concurrency}, engine_args {list(run.engine_args)}",

@@ -693,6 +693,7 @@ def test_the_chance_line_counts_only_intervals_that_exist(tmp_path: Path) -> Non
 
 def test_an_engine_that_stays_awake_is_its_own_arm_and_pairs_only_with_another_awake_one() -> None:
     from hybridrl.report.headline import headlines
+    from hybridrl.report.placements import arm_label
     from hybridrl.report.plots import config_labels
 
     runs = {rid: headline_run(rid, engine) for rid, engine in (
@@ -711,6 +712,9 @@ def test_an_engine_that_stays_awake_is_its_own_arm_and_pairs_only_with_another_a
     assert pairs == {("sglang-colocate-aaaa1111", "vllm-colocate-bbbb2222"): "full release",
                      ("sglang-colocate-cccc3333", "vllm-colocate-dddd4444"): "stays awake"}
     assert "stays awake" in config_labels(df)["sglang-colocate-cccc3333"]
+    first = df.drop_duplicates("config_id").set_index("config_id")
+    assert [arm_label(first.loc[c]) for c in ("sglang-colocate-aaaa1111", "sglang-colocate-cccc3333")] == [
+        "colocate", "colocate, engine awake"]
 
 
 def test_transition_times_are_compared_only_between_releases_that_move_the_same_bytes() -> None:

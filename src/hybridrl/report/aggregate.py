@@ -188,12 +188,8 @@ def overlap_steps(row: Any) -> int:
 
 
 def placement_name(row: Any) -> str:
-    """The placement as a reader names it: colocate, restart, split, or overlapped split (its own arm), and a
-    colocate whose engine never sleeps (engine_sleep false) as colocate, engine awake."""
-    if overlap_steps(row) > 0:
-        return "overlapped split"
-    awake = str(row.get("placement")) == "colocate" and _to_bool(row.get("engine_sleep")) is False
-    return "colocate, engine awake" if awake else str(row.get("placement"))
+    """The placement as a reader names it: colocate, restart, split, or overlapped split (its own arm)."""
+    return "overlapped split" if overlap_steps(row) > 0 else str(row.get("placement"))
 
 
 def derive(df: pd.DataFrame) -> pd.DataFrame:

@@ -63,11 +63,12 @@ class Group:
 
 
 def arm_label(run: pd.Series) -> str:
-    """The placement in a table: its name, how stale an overlapped split's rollouts may be, and whether a split
-    shared one GPU."""
+    """The placement in a table: its name, how stale an overlapped split's rollouts may be, whether a colocated
+    engine stayed awake, and whether a split shared one GPU."""
     k = overlap_steps(run)
     stale = f" ({k} step{'s' if k != 1 else ''} stale)" if k > 0 else ""
-    return placement_name(run) + stale + (", one shared GPU" if shared_split(run) else "")
+    awake = ", engine awake" if str(run.get("release")) == "stays awake" else ""
+    return placement_name(run) + stale + awake + (", one shared GPU" if shared_split(run) else "")
 
 
 def _configs(df: pd.DataFrame) -> pd.DataFrame:

@@ -329,7 +329,7 @@ def _placement_verdicts(found: list[placements.Group]) -> list[VerdictLine]:
     step time (placements.METRICS' first)."""
     out = []
     for g in found:
-        out += [VerdictLine(f"{g.engine}: {arm.label} vs {placements.BASE}", arm.conclusions[0], len(g.caveats))
+        out += [VerdictLine(f"{g.engine}: {arm.label} vs {g.arms[0].label}", arm.conclusions[0], len(g.caveats))
                 for arm in g.arms[1:]]
         out += [VerdictLine(f"{g.engine}: overlapped split vs split", said, len(g.caveats))
                 for _, said in g.against_split]

@@ -137,7 +137,8 @@ def _arm(steady: pd.DataFrame, wins: list[conditions.Window], runs: pd.DataFrame
     ratios = tuple(_ratio(mine, theirs, m.column) for m in METRICS)
     name = placement_name(runs.loc[config])
     n_base = (stats.n_runs(theirs), len(theirs))
-    said = tuple(wording.conclusion(m.name, name, BASE, r, n, n_base, m.higher_is_better, m.better, m.worse)
+    base_name = arm_label(runs.loc[base])  # colocate, or colocate, engine awake
+    said = tuple(wording.conclusion(m.name, name, base_name, r, n, n_base, m.higher_is_better, m.better, m.worse)
                  for m, r in zip(METRICS, ratios, strict=True))
     return Arm(config, arm_label(runs.loc[config]), values, ratios, n, conditions.relation(wins, config, base), said)
 
@@ -156,7 +157,7 @@ def _caveats(df: pd.DataFrame, runs: pd.DataFrame, base: str, others: list[str],
         out.append(f"the engine was given different shares of its GPU ({', '.join(f'{s:g}' for s in sorted(shares))})"
                    ", so its KV cache, and what a rollout could batch, differed between arms")
     for c in others:
-        note = conditions.order_caveat(wins, c, base, placement_name(runs.loc[c]), BASE)
+        note = conditions.order_caveat(wins, c, base, placement_name(runs.loc[c]), arm_label(runs.loc[base]))
         if note:
             out.append(note)
     rows = df[df["config_id"].isin([base, *others]).fillna(False).to_numpy(dtype=bool)]

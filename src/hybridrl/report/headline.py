@@ -162,7 +162,6 @@ def headlines(df: pd.DataFrame) -> list[Headline]:
     that has at least one row. SGLang's KV-only and full-release arms are paired apart."""
     order = [c[-1] for c in stats.configs(df)]
     runs = df.drop_duplicates("config_id").set_index("config_id").loc[order]
-    runs = runs.reindex(columns=[*runs.columns, *(k for k in PAIR_ALSO if k not in runs.columns)])
     wins = conditions.windows(df)
     out = []
     for placement, variant in product(PLACEMENTS, VLLM_VARIANTS):

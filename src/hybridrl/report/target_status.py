@@ -21,12 +21,12 @@ _BENCH_COLUMNS = {"ratios": (("configuration", "against"), "hybridrl / TRL, step
 def _study_rows(study: Path, wanted: list[targets.Target]) -> list[list[str]]:
     bench, steps = study / "bench", study / "steps.csv"
     df = read_table(steps) if steps.is_file() else None
-    out = []
-    table = targets.table(df, config_labels(df), wanted) if df is not None else None
-    out += [[study.name, *(c.text for c in row)] for row in (table.rows if table else [])]
+    labels = config_labels(df) if df is not None else {}
+    table = targets.table(df, labels, wanted) if df is not None else None
+    out = [[study.name, *(c.text for c in row)] for row in (table.rows if table else [])]
     # the targets on benchmark records: hybridrl against TRL, an engine's start against its command line, the
     # trainer's update
-    tables = {"ratios": peer.ratio_table(peer.pairs(df, peer.records(bench), config_labels(df)), wanted)
+    tables = {"ratios": peer.ratio_table(peer.pairs(df, peer.records(bench), labels), wanted)
               if df is not None else None,
               "starts": start_bench.table(bench, wanted), "updates": trainer_bench.table(bench, wanted)}
     for key, bench_table in tables.items():

@@ -17,14 +17,17 @@ from hybridrl.report.peer import BenchRecordError, measurement_files
 _REPLICATE = re.compile(r"-r\d+$")
 
 
-def _record(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """(the record, {trainer: its figures}), one file holding one trainer or both; one line naming the file where
-    it is not a record."""
+# one process of a setting: its record, its trainer's figures and its timed updates (s)
+Process = tuple[dict[str, Any], dict[str, Any], list[float]]
+
+
+def _record(path: Path) -> tuple[dict[str, Any], dict[str, tuple[dict[str, Any], list[float]]]]:
+    """(the record, {trainer: (its figures, its timed updates)}), one file holding one trainer or both; one line
+    naming the file where it is not a record."""
     try:
         data = json.loads(path.read_text())
-        trainers = {t: data[t] for t in ("hf", "megatron") if isinstance(data.get(t), dict)}
-        for figures in trainers.values():
-            [float(u) for u in figures["update_s_all"]]
+        trainers = {t: (data[t], [float(u) for u in data[t]["update_s_all"]])
+                    for t in ("hf", "megatron") if isinstance(data.get(t), dict)}
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise BenchRecordError(f"{path}: not a readable trainer-bench record ({exc!r})") from None
     if not trainers:
@@ -32,21 +35,23 @@ def _record(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     return data, trainers
 
 
-def settings(bench_dir: Path) -> dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]:
-    """{setting: (record, figures) of each of its processes}: trainer-NAME.json and trainer-NAME-rK.json are one
-    setting, a file holding both trainers two."""
-    out: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
-    def process(path: Path) -> tuple[list[str | int], int]:  # mb32 before mb128; NAME.json, then NAME-r2.json
-        k = _REPLICATE.search(path.stem)
-        natural = [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", _REPLICATE.sub("", path.stem))]
-        return natural, int(k.group()[2:]) if k else 1
+def _order(path: Path) -> tuple[list[str | int], int]:
+    """Numbers in a name compared as numbers (mb32 before mb128), then NAME.json before NAME-r2.json."""
+    k = _REPLICATE.search(path.stem)
+    natural = [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", _REPLICATE.sub("", path.stem))]
+    return natural, int(k.group()[2:]) if k else 1
 
-    for path in sorted(measurement_files(bench_dir, "trainer-"), key=process):
+
+def settings(bench_dir: Path) -> dict[str, list[Process]]:
+    """{setting: its processes}: trainer-NAME.json and trainer-NAME-rK.json are one setting, a file holding both
+    trainers two."""
+    out: dict[str, list[Process]] = {}
+    for path in sorted(measurement_files(bench_dir, "trainer-"), key=_order):
         stem = _REPLICATE.sub("", path.stem).removeprefix("trainer-")
         data, trainers = _record(path)
-        for trainer, figures in trainers.items():
+        for trainer, (figures, updates) in trainers.items():
             name = stem if f"-{trainer}-" in f"{stem}-" else f"{stem} · {trainer}"
-            out.setdefault(name, []).append((data, figures))
+            out.setdefault(name, []).append((data, figures, updates))
     return out
 
 
@@ -83,9 +88,9 @@ def table(bench_dir: Path, wanted: list[targets.Target] | None = None) -> Table 
     out = Table(["setting", "GPU", "vocabulary", "micro-batch", "processes", "each process's median update (s)",
                  "update, median [95% CI] (s)", "MFU (median)", "peak, median (GB)", "target", "bound", "verdict"])
     for name, processes in found.items():
-        updates = [[float(u) for u in f["update_s_all"]] for _, f in processes]
+        updates = [u for _, _, u in processes]
         est = stats.hierarchical_median(updates)
-        data, figures = processes[0][0], [f for _, f in processes]
+        data, figures = processes[0][0], [f for _, f, _ in processes]
         row = [Cell(name), Cell(str(data.get("device", "–"))),
                Cell(_count(data, "vocab"), "num"), Cell(_count(data, "micro_batch"), "num"),
                Cell(str(len(processes)), "num"), Cell(", ".join(f"{statistics.median(u):.2f}" for u in updates), "num"),

@@ -204,7 +204,7 @@ def test_at_and_slope_figures_read_one_step_and_the_steady_trend() -> None:
 
 def test_run_names_one_replicate_where_a_configuration_has_several() -> None:
     study = "results/reference/2026-11-28-4xh200-writeupdrawn"
-    with pytest.raises(ValueError, match="has 2 readings"):  # two leases' runs of one configuration
+    with pytest.raises(ValueError, match="has 3 readings"):  # three leases' runs of one configuration
         figures.evaluate(f"at {study} vllm-inprocess-writeup check/adapter_logprob_shift 1 3")
     first = figures.evaluate(f"at {study} run=vllm-inprocess-writeup-67c3b8ec check/adapter_logprob_shift 1 3")
     second = figures.evaluate(f"at {study} run=vllm-inprocess-writeup-67c3b8ec-r2 check/adapter_logprob_shift 1 3")

@@ -464,3 +464,20 @@ def test_the_write_up_table_phase_table_and_memory_table_quote_the_reports_table
     assert "| 79.34 / 79.33 |" in inprocess
     with pytest.raises(ValueError, match="no pair of SGLang and a vLLM arm"):
         figures.evaluate("writeup_table results/reference/2026-11-27-h200-verdictvllm")
+
+
+def test_the_write_up_summary_sets_each_pairs_ratio_beside_the_claim() -> None:
+    study = "results/reference/2026-11-28-4xh200-writeupdrawn"
+    text = figures.evaluate(f"writeup_summary {study}")
+    header = next(line for line in text.splitlines() if line.startswith("| metric"))
+    assert header.endswith("| colocate: SGLang (full release) vs vLLM server | colocate: SGLang (full release) vs "
+                           "vLLM in-process |")
+    # the same ratios and intervals as the full tables, one column a pair
+    full = figures.evaluate(f"writeup_table {study}")
+    measured = [line.split(" | ")[4:6] for line in full.splitlines() if line.startswith("| Rollout throughput")]
+    summary = next(line for line in text.splitlines() if line.startswith("| Rollout throughput"))
+    assert summary == "| Rollout throughput (SGLang / vLLM) | 3.9x | " + " | ".join(
+        f"{value} {ci}" for value, ci in measured) + " |"
+    assert "| runs (SGLang / vLLM) | – | 2 / 2 | 2 / 3 |" in text
+    with pytest.raises(ValueError, match="no pair of SGLang and a vLLM arm"):
+        figures.evaluate("writeup_summary results/reference/2026-11-27-h200-verdictvllm")

@@ -249,6 +249,30 @@ def headline_tables(df: pd.DataFrame, found: list[headline.Headline] | None = No
     return out
 
 
+def headline_summary(df: pd.DataFrame) -> Table | None:
+    """The write-up's rows in one table, for a page that has room for one: each metric's claimed figure, then for
+    each pair of SGLang and a vLLM arm its measured ratio (or change) with the 95% interval, and the runs a side."""
+    found = headline.headlines(df)
+    if not found:
+        return None
+    table = Table(["metric", "claimed", *(h.title for h in found)])
+    cells: dict[str, dict[int, str]] = {}
+    metrics = {}
+    for i, h in enumerate(found):
+        for r in h.rows:
+            est, kind = r.est, r.metric.kind
+            ci = (f"[{_fmt_change(est.lo, kind)}, {_fmt_change(est.hi, kind)}]" if math.isfinite(est.lo)
+                  else f"(n={est.n})")
+            cells.setdefault(r.metric.heading, {})[i] = f"{_fmt_change(est.value, kind)} {ci}"
+            metrics[r.metric.heading] = r.metric
+    for heading, by_pair in cells.items():
+        table.rows.append([Cell(heading, "key"), Cell(metrics[heading].claimed, "num"),
+                           *(Cell(by_pair.get(i, "–"), "num" if i in by_pair else "na") for i in range(len(found)))])
+    runs = [f"{h.rows[0].runs_sglang} / {h.rows[0].runs_vllm}" if h.rows else "–" for h in found]
+    table.rows.append([Cell("runs (SGLang / vLLM)", "key"), Cell("–", "na"), *(Cell(r, "num") for r in runs)])
+    return table
+
+
 def start_part_rows(sglang: pd.DataFrame, vllm: pd.DataFrame) -> list[list[Cell]]:
     """The engine start's parts for the headline table, one row each: each side's median over its runs (one
     value a run, on its first step), not compared: they are read as what the start's row above is made of. Parts

@@ -653,6 +653,17 @@ def writeup_table(study: str) -> str:
                    for t in tables) + "\n\n"
 
 
+def writeup_summary(study: str) -> str:
+    """The write-up's rows in one table (report.comparisons.headline_summary): each metric's claimed figure beside
+    this study's measured ratio [95% CI] for each pair of SGLang and a vLLM arm."""
+    from hybridrl.report.comparisons import headline_summary
+
+    table = headline_summary(_table(study))
+    if table is None:
+        raise ValueError(f"{study}: no pair of SGLang and a vLLM arm to set in the write-up's format")
+    return _markdown_block(table)
+
+
 def phase_table(study: str) -> str:
     """The report's steady-state table: one column per configuration, median [95% CI] of the step and its phases
     over runs and steps."""
@@ -689,7 +700,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "at": at, "setup_table": setup_table, "peer_median": peer_median, "peer_ratio": peer_ratio,
     "run_medians": run_medians, "slope": slope, "share": share,
     "unattributed": unattributed, "replayed": replayed, "alike": alike, "floors": floors,
-    "writeup_table": writeup_table, "peer_table": peer_table, "start_table": start_table,
+    "writeup_table": writeup_table, "writeup_summary": writeup_summary, "peer_table": peer_table, "start_table": start_table,
     "trainer_table": trainer_table, "targets_status": targets_status,
     "phase_table": phase_table, "memory_table": memory_table,
 }

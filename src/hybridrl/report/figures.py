@@ -700,7 +700,8 @@ FIGURES: dict[str, Callable[..., str]] = {
     "at": at, "setup_table": setup_table, "peer_median": peer_median, "peer_ratio": peer_ratio,
     "run_medians": run_medians, "slope": slope, "share": share,
     "unattributed": unattributed, "replayed": replayed, "alike": alike, "floors": floors,
-    "writeup_table": writeup_table, "writeup_summary": writeup_summary, "peer_table": peer_table, "start_table": start_table,
+    "writeup_table": writeup_table, "writeup_summary": writeup_summary, "peer_table": peer_table,
+    "start_table": start_table,
     "trainer_table": trainer_table, "targets_status": targets_status,
     "phase_table": phase_table, "memory_table": memory_table,
 }

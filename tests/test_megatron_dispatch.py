@@ -120,6 +120,57 @@ def test_an_expert_parallel_rank_s_gathers_give_megatrons_rows_for_its_experts(g
         torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-6)
 
 
+class _Unwritten(torch.autograd.Function):
+    """Rows from n on as the grouped kernel leaves rows past its groups: NaN, in the output and in the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, n: int) -> torch.Tensor:
+        ctx.n = n
+        return torch.cat([rows[:n], torch.full_like(rows[n:], float("nan"))])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.cat([grad[: ctx.n], torch.full_like(grad[ctx.n:], float("nan"))]), None
+
+
+def _by_expert_round_trip(d: MoEAllGatherTokenDispatcher, routing: torch.Tensor, probs: torch.Tensor,
+                          local: list[int]) -> dict[str, Any]:
+    """As _round_trip, through an expert stand-in that scales each row by its expert (not by its position, which
+    differs between the two layouts) and writes nothing past the local experts' rows."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, generator=gen).requires_grad_(True)
+    probs = probs.clone().requires_grad_(True)
+    per_expert = routing[:, local].sum(0)
+    scale = torch.repeat_interleave(torch.tensor(local, dtype=x.dtype) + 1, per_expert)
+    n = int(per_expert.sum())
+    d.routing_map = routing.clone()
+    rows, counts, local_probs = d.dispatch_postprocess(x, probs)
+    scale = torch.cat([scale, scale.new_ones(rows.shape[0] - n)]).unsqueeze(1)
+    out = d.combine_preprocess(_Unwritten.apply(rows * scale * local_probs.unsqueeze(1), n))
+    out.backward(torch.randn(out.shape, generator=gen))
+    return {"rows": rows.shape[0], "per_expert": counts, "out": out.detach(), "dx": x.grad, "dprobs": probs.grad}
+
+
+@pytest.mark.parametrize("local", [[0, 1], [2, 3], [3], [4], [1, 2, 3]])
+def test_a_masked_expert_parallel_rank_never_waits_and_gives_megatrons_output_and_gradients(
+        groups: ProcessGroupCollection, local: list[int]) -> None:
+    """ep_dispatch masked: the rank keeps every token's rows, its experts' first, and reads nothing on the host; what
+    the other ranks' rows hold (NaN here, both ways) reaches neither the combined tokens nor any gradient."""
+    routing, probs = _routing(seed=5)
+    cfg = _config()
+    ours = MoEAllGatherTokenDispatcher(len(local), local, cfg, pg_collection=groups)
+    ours.__class__ = dispatch.GatherDispatcher
+    ours.masked = True
+    theirs = MoEAllGatherTokenDispatcher(len(local), local, cfg, pg_collection=groups)
+    got, syncs = _counting(SYNCS, lambda: _by_expert_round_trip(ours, routing, probs, local))
+    want = _by_expert_round_trip(theirs, routing, probs, local)
+    assert syncs == 0 and got["rows"] == T * K > want["rows"]
+    assert got["per_expert"].tolist() == want["per_expert"].tolist()
+    for key in ("out", "dx", "dprobs"):
+        assert torch.isfinite(got[key]).all(), key
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-6)
+
+
 def test_the_gathers_never_wait_for_the_device(groups: ProcessGroupCollection) -> None:
     routing, probs = _routing(seed=3)
     ours = MoEAllGatherTokenDispatcher(E, list(range(E)), _config(), pg_collection=groups)

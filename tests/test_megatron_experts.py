@@ -117,6 +117,40 @@ def test_grouped_equals_own_loop_and_loop_fallback(groups: ProcessGroupCollectio
     assert grouped.impl() == ex.GROUPED
 
 
+@pytest.mark.parametrize("impl", [ex.GROUPED, ex.LOOP])
+def test_foreign_rows_are_zero_and_change_nothing_of_the_local_experts(groups: ProcessGroupCollection, impl: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An expert-parallel rank that keeps every token's rows (dispatch.py's masked) hands on rows past its experts'
+    too: they come out zero, the local rows' outputs and every weight gradient are as without them, and no NaN from
+    the grouped kernel's unwritten rows reaches anything."""
+    cfg = _config(torch.float32)
+    grouped = _grouped(cfg, groups)
+    x, counts, probs = _inputs(torch.float32, seed=2)
+    n = x.shape[0]
+    if impl == ex.LOOP:
+        monkeypatch.setattr(grouped_mm, "grouped_mm_fn", lambda: None)
+        grouped_mm.kernel_runs.cache_clear()
+    try:
+        assert grouped.impl() == impl
+        alone = _run(grouped, x, counts, probs)
+        w1, w2 = grouped.fc1_weight.grad.clone(), grouped.fc2_weight.grad.clone()
+        grouped.zero_grad(set_to_none=True)
+        grouped.foreign_rows = True
+        extra = torch.full((6, HIDDEN), 1e30)  # another rank's rows: large, and never to be multiplied
+        g = torch.cat([alone["grad_out"], torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(3))])
+        both = _run(grouped, torch.cat([x, extra]), counts, torch.cat([probs, torch.rand(6)]), g)
+    finally:
+        monkeypatch.undo()
+        grouped_mm.kernel_runs.cache_clear()
+    assert torch.equal(both["out"][n:], torch.zeros(6, HIDDEN))
+    _close(both["out"][:n], alone["out"], torch.float32)
+    _close(both["dx"][:n], alone["dx"], torch.float32)
+    _close(both["dprobs"][:n], alone["dprobs"], torch.float32)
+    _close(grouped.fc1_weight.grad, w1, torch.float32)
+    _close(grouped.fc2_weight.grad, w2, torch.float32)
+    assert torch.isfinite(grouped.fc1_weight.grad).all() and torch.isfinite(both["dprobs"]).all()
+
+
 def test_misaligned_shapes_fall_back_to_the_loop(groups: ProcessGroupCollection) -> None:
     """grouped_mm needs 16-byte strides: a bf16 ffn of 12 (24 bytes) is not one, so the loop runs."""
     cfg = _config(torch.bfloat16)

@@ -67,12 +67,14 @@ def _check(case: dict[str, Any], got: dict[str, Any], export_dir: Path) -> None:
     assert gap < LOGP_TOL, (name, "exported adapter reloaded in PEFT", gap)
 
 
-def _run_group(cases: dict[str, dict[str, Any]], archs: list[str], tp: int, tmp: Path, ep: int = 1) -> dict[str, Any]:
+def _run_group(cases: dict[str, dict[str, Any]], archs: list[str], tp: int, tmp: Path, ep: int = 1,
+               **over: Any) -> dict[str, Any]:
     todo = []
     for arch in archs:
         c = cases[arch]
         todo.append({k: c[k] for k in ("name", "model_dir", "adapter_dir", "samples")} |
-                    {"run": parity.default_run(tp, ep), "export_dir": str(tmp / f"{arch}-export-tp{tp}-ep{ep}")})
+                    {"run": parity.default_run(tp, ep, **over),
+                     "export_dir": str(tmp / f"{arch}-export-tp{tp}-ep{ep}")})
     return parity.run_megatron_group(tp, todo, tmp / f"tp{tp}-ep{ep}.pt", ep=ep)
 
 
@@ -95,13 +97,16 @@ def test_parity_tp2_dense_architectures(cases: dict[str, dict[str, Any]], tmp_pa
 
 
 @pytest.mark.slow
-def test_parity_ep2_moe(cases: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+@pytest.mark.parametrize("ep_dispatch", ["host_read", "masked"])
+def test_parity_ep2_moe(cases: dict[str, dict[str, Any]], tmp_path: Path, ep_dispatch: str) -> None:
     """Two gloo processes, each holding 2 of the tiny MoE's 4 experts (attention, router, dense layer and adapters
-    replicated), against HF + PEFT holding all 4, at the TP 1 tolerances."""
+    replicated), against HF + PEFT holding all 4, at the TP 1 tolerances; each rank keeping its experts' rows alone
+    (host_read) or every token's, the others' masked (masked)."""
     import torch
 
-    got = _run_group(cases, ["qwen3_moe"], 1, tmp_path, ep=2)["qwen3_moe"]
+    got = _run_group(cases, ["qwen3_moe"], 1, tmp_path, ep=2, ep_dispatch=ep_dispatch)["qwen3_moe"]
     assert (got["ep"], got["local_experts"], got["experts_impl"]) == (2, 2, "grouped_mm")
+    assert got["masked_rows"] and set(got["masked_rows"]) == {ep_dispatch == "masked"}
     _check(cases["qwen3_moe"], got, tmp_path / "qwen3_moe-export-tp1-ep2")
     # the other rank is a replica: the same logprobs, gradients and weights after the step, to the bit
     other = torch.load(tmp_path / "tp1-ep2.pt.rank1", weights_only=False)["qwen3_moe"]

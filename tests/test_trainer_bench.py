@@ -109,6 +109,10 @@ def test_trainer_bench_ep_shards_the_megatron_update_over_that_many_ranks(tmp_pa
         two["megatron"]["completion_tok_s_median"] / 2)
     # the same update, the experts' sums split over two ranks
     assert two["megatron"]["last_loss"] == pytest.approx(one["megatron"]["last_loss"], abs=1e-5)
+    # each rank keeping every token's rows and masking the other's: the same update again
+    masked = bench("tiny-moe", ["megatron"], 1, "cpu", tmp_path, None, ep=2, ep_dispatch="masked")
+    assert (masked["train_ep"], masked["ep_dispatch"], two["ep_dispatch"]) == (2, "masked", "host_read")
+    assert masked["megatron"]["last_loss"] == pytest.approx(one["megatron"]["last_loss"], abs=1e-5)
 
 
 def _s(n: int) -> Sample:
@@ -269,6 +273,11 @@ def test_an_isolated_build_runs_in_a_child_process_and_names_its_failure(tmp_pat
      "--ep splits the experts of a MoE shape, and tiny has none"),
     (["trainer-bench", "--shape", "tiny-moe", "--trainer", "megatron", "--ep", "3"],
      "--ep 3 does not divide tiny-moe's 4 experts"),
+    (["trainer-bench", "--shape", "tiny-moe", "--trainer", "megatron", "--ep-dispatch", "masked"],
+     "--ep-dispatch masked changes how hybridrl's gathers pick an expert-parallel rank's rows: give --ep 2"),
+    (["trainer-bench", "--shape", "tiny-moe", "--trainer", "megatron", "--ep", "2", "--megatron-permute",
+      "--ep-dispatch", "masked"], "without --megatron-permute"),
+    (["trainer-bench", "--shape", "tiny-moe", "--ep-dispatch", "none"], "argument --ep-dispatch: invalid choice"),
 ])
 def test_trainer_tools_refuse_bad_arguments_in_one_line(argv: list[str], said: str, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:

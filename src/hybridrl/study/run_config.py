@@ -78,6 +78,11 @@ class RunConfig(_Frozen):
         1, ge=1, description="expert parallel size of the megatron trainer (MoE models): each of train_ep GPUs holds "
         "num_experts / train_ep of every MoE layer's experts and a replica of everything else, and runs the whole "
         "batch; the trainer takes train_tp x train_ep GPUs")
+    ep_dispatch: Literal["host_read", "masked"] = Field(
+        "host_read", description="megatron trainer at train_ep > 1: how each rank picks its experts' rows. host_read "
+        "keeps just its own, whose ends it reads from the GPU once a MoE layer (a wait that drains the host's launch "
+        "queue); masked keeps every token's rows, its experts' first, and masks the others on the GPU: no wait, "
+        "twice the expert inputs held for the backward")
     train_gpus: int = Field(1, ge=0, description="GPUs of the trainer in split placement")
     steps: int = Field(5, ge=1, description="training steps of the run")
     prompts_per_step: int = Field(8, ge=1, description="distinct prompts per step")
@@ -220,7 +225,8 @@ class RunSpec(_Frozen):
 # keys added after reference results were recorded: out of the hash while they hold their default, so that those
 # results keep their ids (and a study's later rounds join its earlier ones); a run that sets one gets an id of its own
 _LATE_KEYS = {"rollout_process": False, "release_comms": False, "replicate_seeds": False, "chunked_head": False,
-              "train_ep": 1, "max_awake_shortfall_gb": 2.0, "lora.init_b_std": 0.0, "engine_sleep": True}
+              "train_ep": 1, "max_awake_shortfall_gb": 2.0, "lora.init_b_std": 0.0, "engine_sleep": True,
+              "ep_dispatch": "host_read"}
 
 # a replicate's suffix: after the 8-hex hash, so no readable prefix (`name`) can look like one
 _REPLICATE = re.compile(r"^(?P<config>.+-[0-9a-f]{8})(?:-r(?P<k>[0-9]+))?$")

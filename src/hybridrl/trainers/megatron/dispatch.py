@@ -14,6 +14,9 @@ the expert counts stay on the GPU: no host synchronisation in a MoE layer. An ex
 contiguous run of expert-ordered rows that belong to its experts, whose ends it reads once from the GPU; a slot of
 another rank's expert adds zero to its token. Megatron's path waits for the GPU three times a layer (the counts'
 .cpu(), two masked_selects), which drains the launch queue of an update that is bound by the host's launches.
+With `masked` (run key ep_dispatch: masked) an expert-parallel rank reads nothing either: it keeps every token's
+rows, its own experts' first (the routing map rotated so that they lead), and masks the rest on the GPU, at the
+cost of holding the other ranks' rows too.
 """
 
 from __future__ import annotations
@@ -114,6 +117,8 @@ class GatherDispatcher(MoEAllGatherTokenDispatcher):
     a rank's contiguous block (EP > 1): then the rows are that block's share of the expert-ordered rows, one host
     read a layer finding where it starts and ends."""
 
+    masked = False  # EP > 1: every token's rows kept and the other ranks' masked, instead of the one host read
+
     def _gathers_apply(self) -> bool:
         cfg = self.config
         return cfg.moe_expert_capacity_factor is None and not cfg.moe_permute_fusion
@@ -127,20 +132,30 @@ class GatherDispatcher(MoEAllGatherTokenDispatcher):
         k = self.router_topk
         # the router's top-k gives every token k experts where nothing is dropped; checked without waiting for the GPU
         torch._assert_async(routing.sum(dim=1).eq(k).all())
-        tokens, slot_row, experts = expert_order(routing, k)
         counts = routing.sum(dim=0)  # on the GPU: GroupedExperts takes its offsets there
         first, last = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
-        valid = None
-        if last - first < num_experts:
-            # this rank's experts own the expert-ordered rows lo .. hi-1: the one wait for the GPU in this layer
-            ends = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-            lo, hi = ends[[first, last]].tolist()
-            tokens, experts = tokens[lo:hi], experts[lo:hi]
-            slot_row = slot_row - lo
-            valid = (slot_row >= 0) & (slot_row < hi - lo)
+        valid = own = None
+        if last - first < num_experts and self.masked:
+            # this rank's experts lead the rotated map, so their rows come first; the experts leave the rows after
+            # theirs unwritten (GroupedExperts.foreign_rows), and the masks keep those out of both directions
+            tokens, slot_row, rotated = expert_order(routing.roll(-first, dims=1), k)
+            own = rotated < last - first
+            experts = (rotated + first) % num_experts
+            valid = slot_row < own.sum()
+        else:
+            tokens, slot_row, experts = expert_order(routing, k)
+            if last - first < num_experts:
+                # this rank's experts own the expert-ordered rows lo .. hi-1: the one wait for the GPU in this layer
+                ends = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+                lo, hi = ends[[first, last]].tolist()
+                tokens, experts = tokens[lo:hi], experts[lo:hi]
+                slot_row = slot_row - lo
+                valid = (slot_row >= 0) & (slot_row < hi - lo)
         self.hidden_shape_before_permute = hidden_states.shape
         self._tokens, self._order, self._valid = tokens, slot_row, valid
         self.local_probs = _Pick.apply(probs.reshape(-1), tokens * num_experts + experts)
+        if own is not None:  # another rank's expert: no prob, and no gradient back to the router from this rank
+            self.local_probs = torch.where(own, self.local_probs, 0.0)
         self.routing_map = None
         rows = _Dispatch.apply(hidden_states, tokens, slot_row, valid, k)
         return rows, counts[first:last], self.local_probs
@@ -190,6 +205,12 @@ class ReplicatedTokensDispatcher(GatherDispatcher):
         return summed.to(hidden_states.dtype)
 
 
+class _MaskedReplicated(ReplicatedTokensDispatcher):
+    """The same communication, each rank keeping every token's rows and masking the other ranks' (no host read)."""
+
+    masked = True
+
+
 class _MegatronPermuteReplicated(ReplicatedTokensDispatcher):
     """The same communication with megatron's own local permutation throughout (megatron_permute)."""
 
@@ -197,17 +218,23 @@ class _MegatronPermuteReplicated(ReplicatedTokensDispatcher):
         return False
 
 
-def use_gather_dispatch(model: torch.nn.Module, on: bool = True) -> int:
+def use_gather_dispatch(model: torch.nn.Module, on: bool = True, masked: bool = False) -> int:
     """Give every MoE layer's all-gather dispatcher the gather-only permutation (on) or megatron's own (off);
     returns how many dispatchers. The dispatcher is built inside MoELayer from the config, so its class is
     switched in place: the classes here add no state beyond a layer's indices between its dispatch and its combine.
-    At expert parallelism > 1 the tokens stay replicated either way (ReplicatedTokensDispatcher)."""
+    At expert parallelism > 1 the tokens stay replicated either way (ReplicatedTokensDispatcher); masked: each rank
+    keeps every token's rows and masks the others' (_MaskedReplicated, its experts told so)."""
+    if masked and not on:
+        raise ValueError("masked expert-parallel rows are a way of the gathers; megatron's own permutation reads "
+                         "its counts on the host")
     count = 0
     for m in model.modules():
         d = getattr(m, "token_dispatcher", None)
         if isinstance(d, MoEAllGatherTokenDispatcher):
             if d.ep_size > 1:
-                d.__class__ = ReplicatedTokensDispatcher if on else _MegatronPermuteReplicated
+                d.__class__ = ((_MaskedReplicated if masked else ReplicatedTokensDispatcher) if on
+                               else _MegatronPermuteReplicated)
+                m.experts.foreign_rows = masked
             else:
                 d.__class__ = GatherDispatcher if on else MoEAllGatherTokenDispatcher
             count += 1

@@ -11,6 +11,10 @@ Weight layout, per expert exactly as SequentialMLP's `local_experts.<e>` holds i
 Like SequentialMLP with explicit expert communication, the module itself does no TP collective: the token
 dispatcher gathers the tokens before and reduce-scatters the partial outputs after.
 
+With `foreign_rows` (an expert-parallel dispatcher that keeps every token's rows, dispatch.py's masked) the rows
+after the last local expert's belong to other ranks: the grouped kernel leaves them unwritten, so they are masked
+to zero after each projection, which also keeps whatever they hold out of the gradients.
+
 Where the grouped kernel cannot run (no such op in this torch, a dtype or device it does not take, or strides
 that are not 16-byte multiples) the same weights go through an exact per-expert loop.
 """
@@ -45,6 +49,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
 class GroupedExperts(MegatronModule):
     """Drop-in for SequentialMLP (same constructor and forward as MoELayer calls them), gated SiLU experts."""
+
+    foreign_rows = False  # rows past the local experts' may come (dispatch.py's masked): they are masked out
 
     def __init__(self, num_local_experts: int, config: TransformerConfig, submodules: Any = None,
                  pg_collection: Any = None, name: str | None = None) -> None:
@@ -99,11 +105,22 @@ class GroupedExperts(MegatronModule):
             if x.data_ptr() % 16:  # the kernel reads 16-byte aligned rows; a fresh copy is aligned
                 x = x.clone()
             mm = grouped_mm.grouped_mm_fn()
-            h = _ContiguousGrad.apply(mm(x, self.fc1_weight.transpose(1, 2), offs=offs))
+            own = (torch.arange(x.shape[0], device=x.device) < offs[-1]).unsqueeze(-1) if self.foreign_rows else None
+            h = self._own(own, _ContiguousGrad.apply(mm(x, self.fc1_weight.transpose(1, 2), offs=offs)))
             h = self._activate(h, permuted_probs)
-            out = _ContiguousGrad.apply(mm(h, self.fc2_weight.transpose(1, 2), offs=offs))
+            out = self._own(own, _ContiguousGrad.apply(mm(h, self.fc2_weight.transpose(1, 2), offs=offs)))
             return out, None
-        return self.loop_forward(x, tokens_per_expert.to("cpu", torch.int64), permuted_probs), None
+        counts = tokens_per_expert.to("cpu", torch.int64)
+        if not self.foreign_rows:
+            return self.loop_forward(x, counts, permuted_probs), None
+        n = int(counts.sum())
+        out = self.loop_forward(x[:n], counts, permuted_probs[:n])
+        return torch.cat([out, out.new_zeros(x.shape[0] - n, out.shape[-1])]), None
+
+    @staticmethod
+    def _own(own: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+        """rows with those past the local experts' (own False) set to zero; all of them where own is None."""
+        return rows if own is None else torch.where(own, rows, rows.new_zeros(()))
 
     def loop_forward(self, x: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """The per-expert reference: SequentialMLP's arithmetic on the stacked weights."""

@@ -110,7 +110,8 @@ class MegatronPolicy:
         # grouped_mm or loop for MoE models (GroupedExperts on these weights), None for dense ones
         self.experts_impl = experts_impl(self.model)
         # which MoE token permutation the update uses: gathers (dispatch.py) or megatron's; None for dense models
-        dispatchers = use_gather_dispatch(self.model, on=not megatron_permute)
+        dispatchers = use_gather_dispatch(self.model, on=not megatron_permute,
+                                          masked=run.ep_dispatch == "masked" and self.ep > 1)
         self.moe_permute = ("megatron" if megatron_permute else "gathers") if dispatchers else None
         self.params = lora_parameters(self.adapters)
         self.optimizer = torch.optim.AdamW(self.params, lr=run.lr, weight_decay=run.weight_decay)

@@ -127,12 +127,25 @@ def test_ep_dispatch_is_refused_without_expert_parallelism_and_keeps_ids_at_its_
     smoke["runs"][0]["ep_dispatch"] = "host_read"
     assert list(resolve(copy.deepcopy(smoke)).runs) == list(plain)
     smoke["runs"][0]["ep_dispatch"] = "masked"
-    with pytest.raises(ConfigError, match=r"runs\[0\]\.ep_dispatch: masked picks the experts' rows .* train_ep 1"):
+    with pytest.raises(ConfigError, match=r"runs\[0\]\.ep_dispatch: masked changes the megatron trainer .* train_ep 1"):
         resolve(copy.deepcopy(smoke))
     smoke["runs"][0].update(train_ep=2, trainer="megatron", device="cuda", placement="split", tp=2, train_gpus=2)
     split = resolve(copy.deepcopy(smoke)).runs
     smoke["runs"][0]["ep_dispatch"] = "host_read"
     assert set(resolve(smoke).runs) != set(split)  # masked is a run of its own
+
+
+def test_ep_batch_split_needs_expert_parallelism_and_gets_an_id_of_its_own(smoke):
+    plain = resolve(copy.deepcopy(smoke)).runs
+    smoke["runs"][0]["ep_batch"] = "replicated"
+    assert list(resolve(copy.deepcopy(smoke)).runs) == list(plain)
+    smoke["runs"][0]["ep_batch"] = "split"
+    with pytest.raises(ConfigError, match=r"runs\[0\]\.ep_batch: split changes the megatron trainer .* train_ep 1"):
+        resolve(copy.deepcopy(smoke))
+    smoke["runs"][0].update(train_ep=2, trainer="megatron", device="cuda", placement="split", tp=2, train_gpus=2)
+    split = resolve(copy.deepcopy(smoke)).runs
+    smoke["runs"][0]["ep_batch"] = "replicated"
+    assert set(resolve(smoke).runs) != set(split)
 
 
 def test_release_comms_at_its_default_keeps_run_ids(smoke):

@@ -195,3 +195,24 @@ def test_the_host_reads_nothing_from_the_device_between_micro_batches(monkeypatc
     assert "read" not in events[first:last], events[first:last]
     assert "read" in events[last:]  # the metrics, once the batch is done
     assert all(math.isfinite(metrics[k]) for k in ("train/loss", "train/kl", "mismatch/kl_k3", "train/entropy"))
+
+
+def _of_length(n: int) -> Sample:
+    return Sample(prompt_ids=[1], completion_ids=[2] * (n - 1), engine_logprobs=[-1.0] * (n - 1), advantage=0.0)
+
+
+def test_a_split_batch_gives_every_rank_as_many_micro_batches_and_the_whole_batchs_denominator() -> None:
+    samples = [_of_length(n) for n in (3, 4, 5, 6, 7)]  # in the trainer's padded order, by length
+    packed = RunConfig(model="toy", micro_batch=2)
+    shards = [grpo.split_batch(samples, packed, 2, rank, group=None) for rank in (0, 1)]
+    lengths = [[[len(s.prompt_ids) + len(s.completion_ids) for s in c] for c in shard.chunks] for shard in shards]
+    # rank 1's two samples make one micro-batch of 2, re-cut into two so that every forward has a partner
+    assert lengths == [[[3, 5], [7]], [[4], [6]]]
+    assert shards[0].forward_tokens == shards[1].forward_tokens == [[8, 4], [7, 6]]  # packed: the lengths summed
+    assert shards[0].n_tokens == shards[1].n_tokens == sum(n - 1 for n in (3, 4, 5, 6, 7))
+    padded = RunConfig(model="toy", micro_batch=2, pack_sequences=False)
+    assert grpo.split_batch(samples, padded, 2, 0, None).forward_tokens == [[2 * 4, 1 * 3], [1 * 6, 1 * 5]]
+    with pytest.raises(ValueError, match="a batch of 1 samples does not split over 2 ranks"):
+        grpo.split_batch(samples[:1], packed, 2, 0, None)
+    with pytest.raises(ValueError, match="does not split into 2 micro-batches on each of 2 ranks"):
+        grpo.split_batch(samples[:3], RunConfig(model="toy", micro_batch=1), 2, 0, None)

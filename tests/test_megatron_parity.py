@@ -97,16 +97,20 @@ def test_parity_tp2_dense_architectures(cases: dict[str, dict[str, Any]], tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep_dispatch", ["host_read", "masked"])
-def test_parity_ep2_moe(cases: dict[str, dict[str, Any]], tmp_path: Path, ep_dispatch: str) -> None:
+@pytest.mark.parametrize(("ep_dispatch", "ep_batch"), [("host_read", "replicated"), ("masked", "replicated"),
+                                                       ("host_read", "split"), ("masked", "split")])
+def test_parity_ep2_moe(cases: dict[str, dict[str, Any]], tmp_path: Path, ep_dispatch: str, ep_batch: str) -> None:
     """Two gloo processes, each holding 2 of the tiny MoE's 4 experts (attention, router, dense layer and adapters
     replicated), against HF + PEFT holding all 4, at the TP 1 tolerances; each rank keeping its experts' rows alone
-    (host_read) or every token's, the others' masked (masked)."""
+    (host_read) or every token's, the others' masked (masked); each running the whole batch (replicated) or its
+    share of it, the MoE layers exchanging tokens (split)."""
     import torch
 
-    got = _run_group(cases, ["qwen3_moe"], 1, tmp_path, ep=2, ep_dispatch=ep_dispatch)["qwen3_moe"]
+    got = _run_group(cases, ["qwen3_moe"], 1, tmp_path, ep=2, ep_dispatch=ep_dispatch,
+                     ep_batch=ep_batch)["qwen3_moe"]
     assert (got["ep"], got["local_experts"], got["experts_impl"]) == (2, 2, "grouped_mm")
     assert got["masked_rows"] and set(got["masked_rows"]) == {ep_dispatch == "masked"}
+    assert got["split"] == (ep_batch == "split")
     _check(cases["qwen3_moe"], got, tmp_path / "qwen3_moe-export-tp1-ep2")
     # the other rank is a replica: the same logprobs, gradients and weights after the step, to the bit
     other = torch.load(tmp_path / "tp1-ep2.pt.rank1", weights_only=False)["qwen3_moe"]

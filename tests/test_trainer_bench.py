@@ -113,6 +113,10 @@ def test_trainer_bench_ep_shards_the_megatron_update_over_that_many_ranks(tmp_pa
     masked = bench("tiny-moe", ["megatron"], 1, "cpu", tmp_path, None, ep=2, ep_dispatch="masked")
     assert (masked["train_ep"], masked["ep_dispatch"], two["ep_dispatch"]) == (2, "masked", "host_read")
     assert masked["megatron"]["last_loss"] == pytest.approx(one["megatron"]["last_loss"], abs=1e-5)
+    # each rank running half the batch, the MoE layers exchanging tokens: the same update once more
+    split = bench("tiny-moe", ["megatron"], 1, "cpu", tmp_path, None, ep=2, ep_batch="split")
+    assert (split["ep_batch"], two["ep_batch"]) == ("split", "replicated")
+    assert split["megatron"]["last_loss"] == pytest.approx(one["megatron"]["last_loss"], abs=1e-5)
 
 
 def _s(n: int) -> Sample:
@@ -278,6 +282,8 @@ def test_an_isolated_build_runs_in_a_child_process_and_names_its_failure(tmp_pat
     (["trainer-bench", "--shape", "tiny-moe", "--trainer", "megatron", "--ep", "2", "--megatron-permute",
       "--ep-dispatch", "masked"], "without --megatron-permute"),
     (["trainer-bench", "--shape", "tiny-moe", "--ep-dispatch", "none"], "argument --ep-dispatch: invalid choice"),
+    (["trainer-bench", "--shape", "tiny-moe", "--trainer", "megatron", "--ep-batch", "split"],
+     "--ep-batch split splits the batch over expert-parallel ranks: give --ep 2 or more"),
 ])
 def test_trainer_tools_refuse_bad_arguments_in_one_line(argv: list[str], said: str, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:

@@ -168,7 +168,7 @@ def _trainer_bench(args: argparse.Namespace) -> None:
 
     _preflight("trainer-bench", partial(shape_of, args.shape, args.vocab),
                partial(check_options, args.shape, args.trainer, args.peft_lora, args.megatron_permute, args.ep,
-                       args.ep_dispatch),
+                       args.ep_dispatch, args.ep_batch),
                partial(check_device, args.device))
     if args.out:
         check_writable(Path(args.out))
@@ -176,7 +176,8 @@ def _trainer_bench(args: argparse.Namespace) -> None:
                        Path(args.out) if args.out else None, micro_batch=args.micro_batch,
                        micro_batch_tokens=args.micro_batch_tokens, samples=args.samples, pack=not args.no_pack,
                        varied=args.varied, peft_lora=args.peft_lora, megatron_permute=args.megatron_permute,
-                       vocab=args.vocab, chunked_head=args.chunked_head, ep=args.ep, ep_dispatch=args.ep_dispatch)
+                       vocab=args.vocab, chunked_head=args.chunked_head, ep=args.ep, ep_dispatch=args.ep_dispatch,
+                       ep_batch=args.ep_batch)
 
 
 def _trainer_profile(args: argparse.Namespace) -> None:
@@ -474,6 +475,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--ep-dispatch", choices=["host_read", "masked"], default="host_read",
                    help="at --ep 2 or more, how a rank picks its experts' rows (the run key ep_dispatch): host_read "
                    "reads their ends on the host once a MoE layer, masked keeps every row and masks the others'")
+    s.add_argument("--ep-batch", choices=["replicated", "split"], default="replicated",
+                   help="at --ep 2 or more, whether every rank runs the whole batch or its share of it (the run key "
+                   "ep_batch)")
     s.add_argument("--workdir", required=True, help="the random-init model and the adapters go here")
     s.add_argument("--out", help="JSON result")
     s.set_defaults(fn=_trainer_bench)

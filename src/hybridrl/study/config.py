@@ -212,9 +212,11 @@ def _check_run(run: RunConfig, where: str) -> None:
                           f"{run.train_ep}); drop the key")
     if run.train_ep > 1:
         _check_train_ep(run, where)
-    elif run.ep_dispatch != "host_read":
-        raise ConfigError(f"{where}.ep_dispatch: {run.ep_dispatch} picks the experts' rows of the megatron trainer at "
-                          f"train_ep > 1, and this run has train_ep {run.train_ep}; drop the key")
+    else:
+        for key, default in (("ep_dispatch", "host_read"), ("ep_batch", "replicated")):
+            if getattr(run, key) != default:
+                raise ConfigError(f"{where}.{key}: {getattr(run, key)} changes the megatron trainer at train_ep > 1, "
+                                  f"and this run has train_ep {run.train_ep}; drop the key")
     if run.trainer == "megatron" and run.lora.rank % run.train_tp:
         raise ConfigError(f"{where}.lora.rank: {run.lora.rank} is not divisible by train_tp {run.train_tp}")
 

@@ -77,7 +77,12 @@ class RunConfig(_Frozen):
     train_ep: int = Field(
         1, ge=1, description="expert parallel size of the megatron trainer (MoE models): each of train_ep GPUs holds "
         "num_experts / train_ep of every MoE layer's experts and a replica of everything else, and runs the whole "
-        "batch; the trainer takes train_tp x train_ep GPUs")
+        "batch (or its share: ep_batch); the trainer takes train_tp x train_ep GPUs")
+    ep_batch: Literal["replicated", "split"] = Field(
+        "replicated", description="megatron trainer at train_ep > 1: replicated, every rank runs the whole batch "
+        "and a MoE layer sums its ranks' expert outputs; split, rank k runs samples k, k + train_ep, ... (the "
+        "attention, router and head work divided by train_ep), and a MoE layer gathers every rank's tokens before "
+        "its experts and hands each rank back its own tokens' sums")
     ep_dispatch: Literal["host_read", "masked"] = Field(
         "host_read", description="megatron trainer at train_ep > 1: how each rank picks its experts' rows. host_read "
         "keeps just its own, whose ends it reads from the GPU once a MoE layer (a wait that drains the host's launch "
@@ -226,7 +231,7 @@ class RunSpec(_Frozen):
 # results keep their ids (and a study's later rounds join its earlier ones); a run that sets one gets an id of its own
 _LATE_KEYS = {"rollout_process": False, "release_comms": False, "replicate_seeds": False, "chunked_head": False,
               "train_ep": 1, "max_awake_shortfall_gb": 2.0, "lora.init_b_std": 0.0, "engine_sleep": True,
-              "ep_dispatch": "host_read"}
+              "ep_dispatch": "host_read", "ep_batch": "replicated"}
 
 # a replicate's suffix: after the 8-hex hash, so no readable prefix (`name`) can look like one
 _REPLICATE = re.compile(r"^(?P<config>.+-[0-9a-f]{8})(?:-r(?P<k>[0-9]+))?$")

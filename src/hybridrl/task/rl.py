@@ -199,6 +199,15 @@ class LogprobGaps:
         self.sums = sums if self.sums is None else self.sums + sums
         self.maxima = maxima if self.maxima is None else torch.maximum(self.maxima, maxima)
 
+    def reduce(self, group: object) -> None:
+        """The readings summed (the maxima: their largest) over a group of ranks that each read part of one batch."""
+        import torch.distributed as dist
+
+        if self.sums is None or self.maxima is None:
+            raise RuntimeError("LogprobGaps.reduce: this rank read no micro-batch")
+        dist.all_reduce(self.sums, group=group)
+        dist.all_reduce(self.maxima, op=dist.ReduceOp.MAX, group=group)
+
     def metrics(self, n_tokens: int) -> dict[str, float]:
         """The gate's mean over all n_tokens completion tokens, and the worst token and sample (NaN if none)."""
         r = dict.fromkeys((*self.SUMS, *self.MAXIMA), 0.0)

@@ -206,7 +206,8 @@ def megatron_side(model_dir: Path, adapter_dir: Path, samples: list[Sample], run
             "loss": metrics["train/loss"], "entropy": metrics["train/entropy"],
             "kl": metrics["train/kl"], "weights_after": export.gather_full(policy.adapters),
             "logp_after": after, "logits_after": logits.float().cpu(), "experts_impl": policy.experts_impl,
-            "ep": policy.ep, "local_experts": _local_experts(policy), "masked_rows": _masked_rows(policy)}
+            "ep": policy.ep, "local_experts": _local_experts(policy), "masked_rows": _masked_rows(policy),
+            "split": policy.split}
 
 
 def _masked_rows(policy: Any) -> list[bool]:

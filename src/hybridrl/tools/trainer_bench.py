@@ -185,9 +185,9 @@ class PeakMemory:
 
 def bench_run(shape: Shape, trainer: str, device: str, micro_batch: int, micro_batch_tokens: int | None,
               pack: bool = True, chunked_head: bool = False, ep: int = 1,
-              ep_dispatch: str = "host_read") -> RunConfig:
+              ep_dispatch: str = "host_read", ep_batch: str = "replicated") -> RunConfig:
     return RunConfig(model="bench", trainer=trainer, device=device, seed=0, lr=1e-5, weight_decay=0.0, train_ep=ep,
-                     ep_dispatch=ep_dispatch,
+                     ep_dispatch=ep_dispatch, ep_batch=ep_batch,
                      clip_eps=0.2, kl_coef=0.0, grad_clip=1.0, micro_batch=micro_batch,
                      micro_batch_tokens=micro_batch_tokens, pack_sequences=pack, chunked_head=chunked_head,
                      lora=RunLora(rank=8, alpha=16.0, dropout=0.0, target_modules=shape.lora_targets))
@@ -319,7 +319,7 @@ def check_ep(shape_name: str, trainers: list[str], ep: int) -> None:
 
 
 def check_options(shape_name: str, trainers: list[str], peft_lora: bool, megatron_permute: bool = False,
-                  ep: int = 1, ep_dispatch: str = "host_read") -> None:
+                  ep: int = 1, ep_dispatch: str = "host_read", ep_batch: str = "replicated") -> None:
     """ValueError for options that do not go together; checked before anything is built."""
     if peft_lora and trainers != ["hf"]:
         raise ValueError("--peft-lora changes the hf trainer only: give --trainer hf")
@@ -329,23 +329,25 @@ def check_options(shape_name: str, trainers: list[str], peft_lora: bool, megatro
     if ep_dispatch != "host_read" and (ep == 1 or megatron_permute):
         raise ValueError(f"--ep-dispatch {ep_dispatch} changes how hybridrl's gathers pick an expert-parallel rank's "
                          "rows: give --ep 2 or more, without --megatron-permute")
+    if ep_batch != "replicated" and ep == 1:
+        raise ValueError(f"--ep-batch {ep_batch} splits the batch over expert-parallel ranks: give --ep 2 or more")
 
 
 def main(shape_name: str, trainers: list[str], updates: int, device: str, workdir: Path, out: Path | None,
          micro_batch: int = 8, micro_batch_tokens: int | None = None, samples: int | None = None,
          pack: bool = True, varied: bool = False, peft_lora: bool = False,
          megatron_permute: bool = False, vocab: int | None = None, chunked_head: bool = False,
-         ep: int = 1, ep_dispatch: str = "host_read") -> dict[str, Any]:
+         ep: int = 1, ep_dispatch: str = "host_read", ep_batch: str = "replicated") -> dict[str, Any]:
     """Benchmark the trainers on the shape's fixed batch; prints and returns one JSON object (and writes it).
-    ep: the Megatron trainer's expert parallelism (train_ep), on that many GPUs; ep_dispatch: how its ranks pick
-    their experts' rows (RunConfig.ep_dispatch)."""
+    ep: the Megatron trainer's expert parallelism (train_ep), on that many GPUs; ep_dispatch and ep_batch: how its
+    ranks pick their experts' rows and share the batch (RunConfig's keys of those names)."""
     import torch
 
     from hybridrl.trainers.flops import device_name
 
     if updates < 1:
         raise ValueError("--updates must be at least 1")
-    check_options(shape_name, trainers, peft_lora, megatron_permute, ep, ep_dispatch)
+    check_options(shape_name, trainers, peft_lora, megatron_permute, ep, ep_dispatch, ep_batch)
     shape = shape_of(shape_name, vocab)
     workdir.mkdir(parents=True, exist_ok=True)
     model = shape_model(workdir, shape_name, shape, device)
@@ -357,13 +359,14 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
         "completion_tokens": sum(len(x.completion_ids) for x in batch),
         "updates": updates, "micro_batch": micro_batch, "micro_batch_tokens": micro_batch_tokens,
         "pack_sequences": pack, "peft_lora": peft_lora, "megatron_permute": megatron_permute,
-        "chunked_head": chunked_head, "train_ep": ep, "ep_dispatch": ep_dispatch,
+        "chunked_head": chunked_head, "train_ep": ep, "ep_dispatch": ep_dispatch, "ep_batch": ep_batch,
         "device": device_name(device) or "cpu", "torch": torch.__version__, "lora_targets": list(shape.lora_targets),
         # the same code's update moved by tens of percent between two leases' hosts: say which ran it
         "host": host_info(), "git": git_info(),
     }
     for kind in trainers:
-        run = bench_run(shape, kind, device, micro_batch, micro_batch_tokens, pack, chunked_head, ep, ep_dispatch)
+        run = bench_run(shape, kind, device, micro_batch, micro_batch_tokens, pack, chunked_head, ep, ep_dispatch,
+                        ep_batch)
         report[kind] = bench_trainer(kind, model, run, batch, updates, workdir, peft_lora, megatron_permute)
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -10,8 +10,10 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hybridrl.study.run_config import RunConfig
 from hybridrl.task.rl import LogprobGaps, engine_logprob_tensor, policy_loss, rollout_is_weights
@@ -32,6 +34,8 @@ class Batch:
     mask: torch.Tensor
     packed: Packed | None = None
     completion: torch.Tensor | None = None
+    # a batch split over ranks whose layers exchange tokens (Shard): each rank's forward tokens in this micro-batch
+    split_tokens: list[int] | None = None
 
     @property
     def inputs(self) -> torch.Tensor:
@@ -45,7 +49,7 @@ class Batch:
     def to(self, device: torch.device | str) -> Batch:
         return Batch(self.ids.to(device), self.attention.to(device), self.mask.to(device),
                      None if self.packed is None else self.packed.to(device),
-                     None if self.completion is None else self.completion.to(device))
+                     None if self.completion is None else self.completion.to(device), self.split_tokens)
 
     def completion_at(self) -> torch.Tensor:
         """completion, or the mask's nonzero where the batch was built without it (the device is waited for)."""
@@ -87,6 +91,54 @@ def micro_batches(samples: list[Sample], run: RunConfig) -> list[list[Sample]]:
     return out
 
 
+def forward_tokens(chunk: list[Sample], run: RunConfig) -> int:
+    """The tokens a forward of this micro-batch computes: packed, the samples' lengths summed; padded, its rows times
+    the longest less one (Batch.inputs)."""
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in chunk]
+    return sum(lengths) if run.pack_sequences else len(chunk) * (max(lengths) - 1)
+
+
+@dataclass
+class Shard:
+    """One rank's part of a batch split over a group of ranks (the Megatron trainer's ep_batch split): its
+    micro-batches, every rank's forward tokens in each of them, the whole batch's completion tokens (the loss's
+    denominator) and the group over which the step's sums are taken."""
+
+    chunks: list[list[Sample]]
+    forward_tokens: list[list[int]]  # [micro-batch][rank]
+    n_tokens: int
+    group: Any
+
+
+def split_batch(samples: list[Sample], run: RunConfig, ranks: int, rank: int, group: Any) -> Shard:
+    """Samples k, k + ranks, ... to rank k, in the order given (the trainer's padded order is by length, so the
+    shares' lengths match), each share in micro-batches as micro_batches makes them. A micro-batch's forward is a
+    collective over the group, so where the shares' counts differ, every share is cut into the largest count of
+    runs whose sizes differ by one at most (a token budget then holds approximately)."""
+    if len(samples) < ranks:
+        raise ValueError(f"a batch of {len(samples)} samples does not split over {ranks} ranks")
+    shares = [samples[r::ranks] for r in range(ranks)]
+    chunked = [micro_batches(share, run) for share in shares]
+    count = max(len(c) for c in chunked)
+    if count > min(len(share) for share in shares):
+        raise ValueError(f"a batch of {len(samples)} samples in micro-batches of {run.micro_batch} does not split "
+                         f"into {count} micro-batches on each of {ranks} ranks; give a batch that {ranks} divides")
+    chunked = [c if len(c) == count else _runs(share, count) for c, share in zip(chunked, shares, strict=True)]
+    tokens = [[forward_tokens(c[i], run) for c in chunked] for i in range(count)]
+    return Shard(chunked[rank], tokens, sum(len(s.completion_ids) for s in samples), group)
+
+
+def _runs(samples: list[Sample], count: int) -> list[list[Sample]]:
+    """samples in `count` consecutive runs whose sizes differ by one at most."""
+    size, extra = divmod(len(samples), count)
+    out, lo = [], 0
+    for i in range(count):
+        hi = lo + size + (i < extra)
+        out.append(samples[lo:hi])
+        lo = hi
+    return out
+
+
 # a trainer's forward: (batch, entropy wanted) -> per-token log p(target) [B, T-1] in fp32 and, when wanted, the
 # policy's entropy at each of those positions [B, T-1] (detached; else None). Only the positions in batch.mask are
 # read: a forward may leave the others 0 (the trainers' chunked head computes the completion targets alone)
@@ -105,13 +157,16 @@ class MicroBatch:
     weight: float
 
 
-def prepare(samples: list[Sample], run: RunConfig, device: torch.device, pad_id: int = 0) -> list[MicroBatch]:
+def prepare(samples: list[Sample], run: RunConfig, device: torch.device, pad_id: int = 0,
+            shard: Shard | None = None) -> list[MicroBatch]:
     """Every micro-batch of the update built on the host and copied to the device before any forward: a copy
-    from the host waits for the device, so one made between micro-batches would stall the queue."""
-    n_tokens = max(sum(len(s.completion_ids) for s in samples), 1)
+    from the host waits for the device, so one made between micro-batches would stall the queue. With a shard,
+    its micro-batches, weighted against the whole batch's tokens."""
+    n_tokens = max(shard.n_tokens if shard else sum(len(s.completion_ids) for s in samples), 1)
     out = []
-    for chunk in micro_batches(samples, run):
+    for i, chunk in enumerate(shard.chunks if shard else micro_batches(samples, run)):
         batch = pad_batch(chunk, pad_id)
+        batch.split_tokens = shard.forward_tokens[i] if shard else None
         if run.pack_sequences:
             batch.packed = pack(chunk)
         engine, present = engine_logprob_tensor([s.engine_logprobs for s in chunk], batch.mask)
@@ -122,7 +177,8 @@ def prepare(samples: list[Sample], run: RunConfig, device: torch.device, pad_id:
 
 
 def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device, logprobs: LogprobFn,
-                  adapter_off: Callable[[], contextlib.AbstractContextManager], pad_id: int = 0) -> dict[str, float]:
+                  adapter_off: Callable[[], contextlib.AbstractContextManager], pad_id: int = 0,
+                  shard: Shard | None = None) -> dict[str, float]:
     """Forward and backward over the batch in micro-batches (micro_batches), in the order given; leaves the
     LoRA gradients in .grad (the caller zeroes them first and steps the optimizer after).
 
@@ -138,13 +194,16 @@ def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device, l
     The host never waits for the device between micro-batches (prepare copies everything first; the readings
     add up on the device and are read once at the end), so it queues the next forward while the GPU still runs
     the last backward.
+
+    shard: this rank's part of a batch split over a group (split_batch; `samples` are ignored); its gradients are
+    its share of the whole batch's, and the readings are summed over the group before they are read.
     """
-    n_tokens = sum(len(s.completion_ids) for s in samples)
+    n_tokens = shard.n_tokens if shard else sum(len(s.completion_ids) for s in samples)
     # loss, kl, clipfrac, share of tokens the IS cap or mask changed, entropy: token means over the batch
     totals = torch.zeros(5, dtype=torch.float64, device=device)
     has_entropy = True
     gaps = LogprobGaps()
-    for mb in prepare(samples, run, device, pad_id):
+    for mb in prepare(samples, run, device, pad_id, shard):
         batch = mb.batch
         logp, entropy = logprobs(batch, True)
         old = logp.detach()  # one update per batch: the sampling policy is the current one
@@ -168,6 +227,9 @@ def grpo_backward(samples: list[Sample], run: RunConfig, device: torch.device, l
         totals += torch.stack([loss.detach() * mb.weight, stats["train/kl"] * mb.weight,
                                stats["train/clipfrac"] * mb.weight, changed, ent]).double()
         gaps.add(old, mb.engine, mb.engine_present)
+    if shard is not None:
+        dist.all_reduce(totals, group=shard.group)
+        gaps.reduce(shard.group)
     loss, kl, clipfrac, is_changed, entropy = totals.tolist()  # the one wait for the device
     return {
         "train/loss": loss,

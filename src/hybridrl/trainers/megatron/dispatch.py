@@ -30,6 +30,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
+from hybridrl.trainers.megatron import ep_tokens
+
 
 def _sum_slots(rows: torch.Tensor, slot_row: torch.Tensor, valid: torch.Tensor | None, k: int) -> torch.Tensor:
     """Expert-ordered rows [n, H] -> [T, H]: token t's slots t*k .. t*k+k-1 summed, slot s being row slot_row[s];
@@ -170,60 +172,83 @@ class GatherDispatcher(MoEAllGatherTokenDispatcher):
         return _Combine.apply(hidden_states, tokens, order, valid, self.router_topk)
 
 
-class ReplicatedTokensDispatcher(GatherDispatcher):
-    """Expert parallelism where every EP rank already holds the same tokens (hybridrl's trainer runs the whole batch
-    on every rank; only the experts are split). Nothing moves before the experts: each rank routes all tokens, keeps
-    those of its own experts (GatherDispatcher's gathers), and the partial outputs are summed over the EP group.
+class ExpertParallelDispatcher(GatherDispatcher):
+    """Expert parallelism at expert TP 1, the batch replicated or split over the EP ranks.
 
-    Autograd, with y = sum over ranks r of f_r(x, probs):
+    Replicated (`counts` None: every rank runs the whole batch, only the experts are split): nothing moves before the
+    experts. Each rank routes all tokens, keeps those of its own experts (GatherDispatcher's gathers), and the
+    partial outputs are summed over the EP group. Autograd, with y = sum over ranks r of f_r(x, probs):
       forward  - all-reduce of the partial outputs (its backward hands each rank the same gradient of y);
       backward - the gradients of x and of the routing probs that reach the experts are summed over the group
                  (copy_to_region): each rank's own holds its experts' share only, and the router's backward
                  and the layers below need the whole.
     megatron's all-gather dispatcher would instead gather EP x the tokens (every rank the same ones again) and
-    reduce-scatter them: twice the expert work, and reduce-scatter, which gloo does not have."""
+    reduce-scatter them: twice the expert work, and reduce-scatter, which gloo does not have.
+
+    Split (`counts`: each rank's token count in this forward, set before it by the policy): every rank's tokens,
+    routing and probs are gathered first, and each rank keeps its own tokens' sums of the partial outputs
+    (ep_tokens.py)."""
+
+    counts: list[int] | None = None
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
                             probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden_states, probs = super().dispatch_preprocess(hidden_states, routing_map, probs)
-        if self.ep_size > 1:
+        if self.ep_size > 1 and self.counts is None:
             hidden_states = copy_to_tensor_model_parallel_region(hidden_states, group=self.ep_group)
             probs = copy_to_tensor_model_parallel_region(probs, group=self.ep_group)
         return hidden_states, probs
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.tp_size > 1:
-            raise RuntimeError("ReplicatedTokensDispatcher takes expert TP 1 (the trainer's MoE runs at train_tp 1)")
+            raise RuntimeError("ExpertParallelDispatcher takes expert TP 1 (the trainer's MoE runs at train_tp 1)")
+        if self.ep_size > 1 and self.counts is not None:
+            if hidden_states.shape[0] != self.counts[self.ep_rank]:
+                raise RuntimeError(f"EP rank {self.ep_rank} has {hidden_states.shape[0]} tokens in this MoE layer, "
+                                   f"and its split batch said {self.counts[self.ep_rank]}")
+            group, rank = self.ep_group, self.ep_rank
+            self.routing_map = ep_tokens.gather_rows(self.routing_map.to(torch.uint8), self.counts, group).bool()
+            probs = ep_tokens.GatherRows.apply(probs, self.counts, rank, group)
+            hidden_states = ep_tokens.GatherRows.apply(hidden_states, self.counts, rank, group)
         return hidden_states, probs
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.ep_size == 1:
             return hidden_states
         # summed in the probs' dtype (fp32), as megatron's reduce-scatter does
-        summed = reduce_from_tensor_model_parallel_region(hidden_states.to(self.local_probs.dtype),
-                                                          group=self.ep_group)
+        wide = hidden_states.to(self.local_probs.dtype)
+        summed = (reduce_from_tensor_model_parallel_region(wide, group=self.ep_group) if self.counts is None
+                  else ep_tokens.SumOwnRows.apply(wide, self.counts, self.ep_rank, self.ep_group))
         return summed.to(hidden_states.dtype)
 
 
-class _MaskedReplicated(ReplicatedTokensDispatcher):
+class _MaskedExpertParallel(ExpertParallelDispatcher):
     """The same communication, each rank keeping every token's rows and masking the other ranks' (no host read)."""
 
     masked = True
 
 
-class _MegatronPermuteReplicated(ReplicatedTokensDispatcher):
+class _MegatronPermuteExpertParallel(ExpertParallelDispatcher):
     """The same communication with megatron's own local permutation throughout (megatron_permute)."""
 
     def _gathers_apply(self) -> bool:
         return False
 
 
+def set_split_counts(model: torch.nn.Module, counts: list[int] | None) -> None:
+    """Each EP rank's token count in the forward to come (split batches), or None (every rank the same tokens)."""
+    for m in model.modules():
+        d = getattr(m, "token_dispatcher", None)
+        if isinstance(d, ExpertParallelDispatcher):
+            d.counts = counts
+
+
 def use_gather_dispatch(model: torch.nn.Module, on: bool = True, masked: bool = False) -> int:
     """Give every MoE layer's all-gather dispatcher the gather-only permutation (on) or megatron's own (off);
     returns how many dispatchers. The dispatcher is built inside MoELayer from the config, so its class is
     switched in place: the classes here add no state beyond a layer's indices between its dispatch and its combine.
-    At expert parallelism > 1 the tokens stay replicated either way (ReplicatedTokensDispatcher); masked: each rank
-    keeps every token's rows and masks the others' (_MaskedReplicated, its experts told so)."""
+    At expert parallelism > 1 the dispatcher is ExpertParallelDispatcher either way; masked: each rank keeps every
+    token's rows and masks the others' (_MaskedExpertParallel, its experts told so)."""
     if masked and not on:
         raise ValueError("masked expert-parallel rows are a way of the gathers; megatron's own permutation reads "
                          "its counts on the host")
@@ -232,8 +257,8 @@ def use_gather_dispatch(model: torch.nn.Module, on: bool = True, masked: bool = 
         d = getattr(m, "token_dispatcher", None)
         if isinstance(d, MoEAllGatherTokenDispatcher):
             if d.ep_size > 1:
-                d.__class__ = ((_MaskedReplicated if masked else ReplicatedTokensDispatcher) if on
-                               else _MegatronPermuteReplicated)
+                d.__class__ = ((_MaskedExpertParallel if masked else ExpertParallelDispatcher) if on
+                               else _MegatronPermuteExpertParallel)
                 m.experts.foreign_rows = masked
             else:
                 d.__class__ = GatherDispatcher if on else MoEAllGatherTokenDispatcher

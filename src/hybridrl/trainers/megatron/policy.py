@@ -21,10 +21,10 @@ from hybridrl.trainers.adapter_files import HostStaging, StateWriter, write_adap
 from hybridrl.trainers.base import Sample, lora_b_norm
 from hybridrl.trainers.chunked_head import completion_logprobs
 from hybridrl.trainers.flops import read_flop_shape, update_perf
-from hybridrl.trainers.grpo import Batch, grpo_backward
+from hybridrl.trainers.grpo import Batch, grpo_backward, split_batch
 from hybridrl.trainers.megatron import export
 from hybridrl.trainers.megatron.comms import ReloadableGroups
-from hybridrl.trainers.megatron.dispatch import use_gather_dispatch
+from hybridrl.trainers.megatron.dispatch import set_split_counts, use_gather_dispatch
 from hybridrl.trainers.megatron.experts import experts_impl
 from hybridrl.trainers.megatron.lora import apply_lora, lora_disabled, lora_parameters
 from hybridrl.trainers.megatron.model import PackedRows, build_model, load_hf_weights
@@ -84,10 +84,12 @@ class MegatronPolicy:
         self.device = device
         self.model_dir = str(model_dir)
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
-        # expert parallelism: the experts split over ep ranks, each of which runs the whole batch (ReplicatedTokens-
-        # Dispatcher); the adapters and the optimizer are replicas, kept equal by averaging their gradients
+        # expert parallelism: the experts split over ep ranks, each of which runs the whole batch or (ep_batch split)
+        # its share of it (ExpertParallelDispatcher); the adapters and the optimizer are replicas, kept equal by
+        # summing or averaging their gradients
         self.ep = parallel_state.get_expert_model_parallel_world_size()
         self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+        self.split = self.ep > 1 and run.ep_batch == "split"
         # the one rank that writes files and prints (TP rank 0 of EP rank 0)
         self.writer = parallel_state.get_tensor_model_parallel_rank() == 0 and self.ep_rank == 0
         self.spec = read_spec(model_dir)
@@ -133,6 +135,8 @@ class MegatronPolicy:
         """grpo.LogprobFn: per-token log p(target) [B, T-1] in fp32 and, if asked, the entropy at each position,
         from the packed row when batch.packed is set; the vocabulary may be split over TP ranks. With
         run.chunked_head the head runs at the completion targets alone (chunked_head.py), no logits held."""
+        if self.split:  # each EP rank's tokens in this forward; None: every rank the same batch
+            set_split_counts(self.model, batch.split_tokens)
         p = batch.packed
         if p is None:
             b, t = batch.inputs.shape
@@ -196,20 +200,25 @@ class MegatronPolicy:
         # whole batch either way
         order = samples if self.run.pack_sequences else sorted(
             samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
-        metrics = grpo_backward(order, self.run, self.device, self.logprobs, lambda: lora_disabled(self.model))
-        self._average_replica_grads()
+        group = parallel_state.get_data_parallel_group() if self.ep > 1 else None
+        shard = split_batch(order, self.run, self.ep, self.ep_rank, group) if self.split else None
+        metrics = grpo_backward(order, self.run, self.device, self.logprobs, lambda: lora_disabled(self.model),
+                                shard=shard)
+        self._reduce_replica_grads()
         return metrics
 
-    def _average_replica_grads(self) -> None:
-        """At EP > 1 every EP rank computed the same LoRA gradients from the same batch; their mean over the replicas
-        (one all-reduce of a flat copy) keeps the replicas' optimizer steps identical where GPU kernels round
+    def _reduce_replica_grads(self) -> None:
+        """At EP > 1 the replicas' LoRA gradients become one (an all-reduce of a flat copy). A split batch's ranks
+        each hold their share's part of the gradient: the sum is the batch's. Otherwise every rank computed the
+        same gradient from the same batch, and the mean keeps the replicas' steps identical where GPU kernels round
         differently from rank to rank."""
         if self.ep == 1:
             return
         grads = [p.grad for p in self.params if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
-        flat.div_(self.ep)
+        if not self.split:
+            flat.div_(self.ep)
         offset = 0
         for g in grads:
             g.copy_(flat[offset: offset + g.numel()].view_as(g))

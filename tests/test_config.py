@@ -122,30 +122,19 @@ def test_train_ep_runs_where_the_trainer_has_its_gpus_and_keeps_ids_at_its_defau
     assert (run.train_tp, run.train_ep, run.train_gpus) == (1, 2, 2)
 
 
-def test_ep_dispatch_is_refused_without_expert_parallelism_and_keeps_ids_at_its_default(smoke):
+@pytest.mark.parametrize(("key", "default", "other"), [("ep_dispatch", "host_read", "masked"),
+                                                        ("ep_batch", "replicated", "split")])
+def test_expert_parallel_keys_need_expert_parallelism_and_keep_ids_at_their_default(smoke, key, default, other):
     plain = resolve(copy.deepcopy(smoke)).runs
-    smoke["runs"][0]["ep_dispatch"] = "host_read"
+    smoke["runs"][0][key] = default
     assert list(resolve(copy.deepcopy(smoke)).runs) == list(plain)
-    smoke["runs"][0]["ep_dispatch"] = "masked"
-    with pytest.raises(ConfigError, match=r"runs\[0\]\.ep_dispatch: masked changes the megatron trainer .* train_ep 1"):
+    smoke["runs"][0][key] = other
+    with pytest.raises(ConfigError, match=rf"runs\[0\]\.{key}: {other} changes the megatron trainer .* train_ep 1"):
         resolve(copy.deepcopy(smoke))
     smoke["runs"][0].update(train_ep=2, trainer="megatron", device="cuda", placement="split", tp=2, train_gpus=2)
-    split = resolve(copy.deepcopy(smoke)).runs
-    smoke["runs"][0]["ep_dispatch"] = "host_read"
-    assert set(resolve(smoke).runs) != set(split)  # masked is a run of its own
-
-
-def test_ep_batch_split_needs_expert_parallelism_and_gets_an_id_of_its_own(smoke):
-    plain = resolve(copy.deepcopy(smoke)).runs
-    smoke["runs"][0]["ep_batch"] = "replicated"
-    assert list(resolve(copy.deepcopy(smoke)).runs) == list(plain)
-    smoke["runs"][0]["ep_batch"] = "split"
-    with pytest.raises(ConfigError, match=r"runs\[0\]\.ep_batch: split changes the megatron trainer .* train_ep 1"):
-        resolve(copy.deepcopy(smoke))
-    smoke["runs"][0].update(train_ep=2, trainer="megatron", device="cuda", placement="split", tp=2, train_gpus=2)
-    split = resolve(copy.deepcopy(smoke)).runs
-    smoke["runs"][0]["ep_batch"] = "replicated"
-    assert set(resolve(smoke).runs) != set(split)
+    changed = resolve(copy.deepcopy(smoke)).runs
+    smoke["runs"][0][key] = default
+    assert set(resolve(smoke).runs) != set(changed)  # a run of its own
 
 
 def test_release_comms_at_its_default_keeps_run_ids(smoke):

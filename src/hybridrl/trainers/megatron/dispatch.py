@@ -235,12 +235,10 @@ class _MegatronPermuteExpertParallel(ExpertParallelDispatcher):
         return False
 
 
-def set_split_counts(model: torch.nn.Module, counts: list[int] | None) -> None:
-    """Each EP rank's token count in the forward to come (split batches), or None (every rank the same tokens)."""
-    for m in model.modules():
-        d = getattr(m, "token_dispatcher", None)
-        if isinstance(d, ExpertParallelDispatcher):
-            d.counts = counts
+def expert_parallel_dispatchers(model: torch.nn.Module) -> list[ExpertParallelDispatcher]:
+    """The model's MoE dispatchers at EP > 1 (after use_gather_dispatch), whose `counts` a split batch sets."""
+    return [d for m in model.modules() if isinstance(d := getattr(m, "token_dispatcher", None),
+                                                      ExpertParallelDispatcher)]
 
 
 def use_gather_dispatch(model: torch.nn.Module, on: bool = True, masked: bool = False) -> int:

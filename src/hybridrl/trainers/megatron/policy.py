@@ -24,7 +24,7 @@ from hybridrl.trainers.flops import read_flop_shape, update_perf
 from hybridrl.trainers.grpo import Batch, grpo_backward, split_batch
 from hybridrl.trainers.megatron import export
 from hybridrl.trainers.megatron.comms import ReloadableGroups
-from hybridrl.trainers.megatron.dispatch import set_split_counts, use_gather_dispatch
+from hybridrl.trainers.megatron.dispatch import expert_parallel_dispatchers, use_gather_dispatch
 from hybridrl.trainers.megatron.experts import experts_impl
 from hybridrl.trainers.megatron.lora import apply_lora, lora_disabled, lora_parameters
 from hybridrl.trainers.megatron.model import PackedRows, build_model, load_hf_weights
@@ -115,6 +115,7 @@ class MegatronPolicy:
         dispatchers = use_gather_dispatch(self.model, on=not megatron_permute,
                                           masked=run.ep_dispatch == "masked" and self.ep > 1)
         self.moe_permute = ("megatron" if megatron_permute else "gathers") if dispatchers else None
+        self.split_dispatchers = expert_parallel_dispatchers(self.model) if self.split else []
         self.params = lora_parameters(self.adapters)
         self.optimizer = torch.optim.AdamW(self.params, lr=run.lr, weight_decay=run.weight_decay)
         # built once here: importing peft costs seconds, which should not land in the first step
@@ -135,8 +136,8 @@ class MegatronPolicy:
         """grpo.LogprobFn: per-token log p(target) [B, T-1] in fp32 and, if asked, the entropy at each position,
         from the packed row when batch.packed is set; the vocabulary may be split over TP ranks. With
         run.chunked_head the head runs at the completion targets alone (chunked_head.py), no logits held."""
-        if self.split:  # each EP rank's tokens in this forward; None: every rank the same batch
-            set_split_counts(self.model, batch.split_tokens)
+        for d in self.split_dispatchers:  # each EP rank's tokens in this forward; None: every rank the same batch
+            d.counts = batch.split_tokens
         p = batch.packed
         if p is None:
             b, t = batch.inputs.shape

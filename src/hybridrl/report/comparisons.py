@@ -215,6 +215,11 @@ def _fmt_change(x: float, kind: str) -> str:
     return f"{x:+.0f}%" if kind == "pct" else f"{x:.2f}x"
 
 
+def _fmt_interval(est: stats.Estimate, kind: str) -> str | None:
+    """The estimate's 95% interval as the write-up's table shows it; None where it has none (one run a side)."""
+    return f"[{_fmt_change(est.lo, kind)}, {_fmt_change(est.hi, kind)}]" if math.isfinite(est.lo) else None
+
+
 def headline_tables(df: pd.DataFrame, found: list[headline.Headline] | None = None) -> list[dict[str, Any]]:
     """The write-up's table per placement and vLLM variant: claimed figure next to the measured one.
     found: headline.headlines(df), where the caller has them already."""
@@ -226,8 +231,7 @@ def headline_tables(df: pd.DataFrame, found: list[headline.Headline] | None = No
         conclusions = []
         for r in h.rows:
             kind, est = r.metric.kind, r.est
-            ci = (f"[{_fmt_change(est.lo, kind)}, {_fmt_change(est.hi, kind)}]" if math.isfinite(est.lo)
-                  else f"n/a (n={est.n})")
+            ci = _fmt_interval(est, kind) or f"n/a (n={est.n})"
             table.rows.append([
                 Cell(r.metric.heading, "key"), Cell(r.metric.claimed, "num"),
                 Cell(f"{fmt(r.sglang)} {r.metric.unit}", "num"), Cell(f"{fmt(r.vllm)} {r.metric.unit}", "num"),
@@ -261,8 +265,7 @@ def headline_summary(df: pd.DataFrame) -> Table | None:
     for i, h in enumerate(found):
         for r in h.rows:
             est, kind = r.est, r.metric.kind
-            ci = (f"[{_fmt_change(est.lo, kind)}, {_fmt_change(est.hi, kind)}]" if math.isfinite(est.lo)
-                  else f"(n={est.n})")
+            ci = _fmt_interval(est, kind) or f"(n={est.n})"
             cells.setdefault(r.metric.heading, {})[i] = f"{_fmt_change(est.value, kind)} {ci}"
             metrics[r.metric.heading] = r.metric
     for heading, by_pair in cells.items():

@@ -213,8 +213,8 @@ def _check_run(run: RunConfig, where: str) -> None:
     if run.train_ep > 1:
         _check_train_ep(run, where)
     else:
-        for key, default in (("ep_dispatch", "host_read"), ("ep_batch", "replicated")):
-            if getattr(run, key) != default:
+        for key in ("ep_dispatch", "ep_batch"):
+            if getattr(run, key) != RunConfig.model_fields[key].default:
                 raise ConfigError(f"{where}.{key}: {getattr(run, key)} changes the megatron trainer at train_ep > 1, "
                                   f"and this run has train_ep {run.train_ep}; drop the key")
     if run.trainer == "megatron" and run.lora.rank % run.train_tp:

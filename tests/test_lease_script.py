@@ -156,7 +156,9 @@ def test_a_pack_holds_the_results_without_adapters_models_or_access_lines(tmp_pa
 
 
 def test_an_import_becomes_a_reference_folder_and_a_later_lease_adds_to_it(tmp_path: Path) -> None:
-    first = _pack(_machine(tmp_path / "a", ("sglang-verdict-795e3683", "vllm-verdict-4c49f35f")), tmp_path / "a.tgz")
+    work = _machine(tmp_path / "a", ("sglang-verdict-795e3683", "vllm-verdict-4c49f35f", "sglang-verdict-8e3c1d2a"))
+    (work / "results" / "runs" / "sglang-verdict-8e3c1d2a" / "steps.jsonl").unlink()  # died in its first step
+    first = _pack(work, tmp_path / "a.tgz")
     dest = tmp_path / "results" / "2026-11-28-h100-verdict"
     done = _lease("import", str(first), str(dest))
     assert done.returncode == 0, done.stderr
@@ -164,6 +166,8 @@ def test_an_import_becomes_a_reference_folder_and_a_later_lease_adds_to_it(tmp_p
     records = dest / "runs" / "sglang-verdict-795e3683" / "requests"
     assert [p.name for p in records.iterdir()] == ["step-0001.jsonl.gz"]  # compacted
     assert json.loads(gzip.decompress((records / "step-0001.jsonl.gz").read_bytes())) == {"request": 0, "tokens": 5}
+    died = dest / "runs" / "sglang-verdict-8e3c1d2a"  # kept with its logs, its requests compacted, not aggregated
+    assert [p.name for p in (died / "requests").iterdir()] == ["step-0001.jsonl.gz"] and (died / "logs").is_dir()
     assert json.loads((dest / "models" / "qwen3-0.6b-warm" / "warm_start.json").read_text()) == {"base_accuracy": 0.44}
     assert (dest / "bench" / "sglang-verdict.json").exists() and (dest / "logs" / "snakemake.log").exists()
     assert len((dest / "steps.csv").read_text().splitlines()) == 1 + 2 * 8

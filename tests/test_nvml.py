@@ -50,6 +50,15 @@ def test_memory_is_in_gb_of_a_billion_bytes(driver: types.ModuleType) -> None:
     assert driver.inits == 0  # every session is closed again
 
 
+def test_used_memory_less_some_processes_is_per_gpu_then_the_largest(driver: types.ModuleType) -> None:
+    # GPU 0: 3 GB used, pid 7 holds 2^30 bytes; GPU 1: 5 GB used, pids 7 and 8 hold 1 GB each
+    assert nvml.used_less_gb({7}) == pytest.approx(4.0)  # GPU 1's 5 - 1, above GPU 0's 3 - 1.07
+    assert nvml.used_less_gb({7, 8}) == pytest.approx(3.0)  # GPU 0's 3 - 1.07 is below GPU 1's 5 - 2 = 3
+    assert nvml.used_less_gb({8}, [0]) == 3.0  # pid 8 holds nothing on GPU 0
+    assert nvml.used_less_gb(set()) == nvml.used_gb() == 5.0
+    assert driver.inits == 0
+
+
 def test_gpu_info_for_provenance(driver: types.ModuleType) -> None:
     info = nvml.gpu_info()
     assert info["driver"] == "570.1" and info["cuda_driver"] == "12.8"
@@ -73,6 +82,7 @@ def test_without_a_driver_every_answer_is_none(monkeypatch: pytest.MonkeyPatch) 
     broken.nvmlInit = fail
     monkeypatch.setitem(sys.modules, "pynvml", broken)
     assert nvml.used_gb() is None and nvml.process_used_gb() is None and nvml.gpu_info() is None
+    assert nvml.used_less_gb({1}) is None
     assert nvml.identities() is None
     assert nvml.device_count() == 0 and nvml.compute_pids() == set()
     assert not MemorySampler().active

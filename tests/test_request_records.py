@@ -61,11 +61,16 @@ def test_a_damaged_record_is_named_by_its_file_and_line(tmp_path: Path) -> None:
 
 def test_the_cli_refuses_a_folder_that_is_not_a_run_and_touches_nothing(tmp_path: Path, capsys) -> None:
     run = _run(tmp_path)
-    with pytest.raises(SystemExit, match=r"hybridrl compact: .*elsewhere is not a run directory \(no steps.jsonl\)"):
+    with pytest.raises(SystemExit, match=r"hybridrl compact: .*elsewhere is not a run directory \(no steps.jsonl, "
+                                         r"no requests/\)"):
         cli.main(["compact", str(run), str(tmp_path / "elsewhere")])
     assert (run / "requests" / "step-0001.jsonl").exists()  # checked all before compacting any
     cli.main(["compact", str(run)])
     assert "2 request files gzipped" in capsys.readouterr().out
+    (run / "steps.jsonl").unlink()  # a run that died in its first step: its requests are still compacted
+    (run / "requests" / "step-0003.jsonl").write_text('{"i": 0}\n')
+    cli.main(["compact", str(run)])
+    assert "1 request files gzipped" in capsys.readouterr().out
 
 
 def test_the_committed_results_keep_no_plain_request_records() -> None:

@@ -218,10 +218,11 @@ import() {  # TARBALL NAME [LABEL]: runs, benches and logs into results/referenc
     [ ! -f "$r" ] || { m=$(basename "$(dirname "$r")"); mkdir -p "$tmp/new/models/$m" && cp "$r" "$tmp/new/models/$m/"; }
   done
   cd "$tmp/new"
+  set -- runs/*/requests  # every run's request records, a run's that died in its first step too
+  [ ! -d "$1" ] || "$py" -m hybridrl compact "${@%requests}"
   set -- runs/*/steps.jsonl
   [ -f "$1" ] || set --  # a run that died before its first step keeps its logs and is not aggregated
   if [ $# -gt 0 ]; then
-    "$py" -m hybridrl compact "${@%steps.jsonl}"
     "$py" -m hybridrl aggregate --runs "${@%steps.jsonl}" --csv steps.csv --parquet "$tmp/steps.parquet"
     "$py" -m hybridrl report --table steps.csv --md report.md --html "$tmp/report.html" --plots plots
   fi

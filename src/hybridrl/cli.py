@@ -375,9 +375,9 @@ def _archive(args: argparse.Namespace) -> None:
 def _compact(args: argparse.Namespace) -> None:
     from hybridrl.run.request_records import compact
 
-    for run in args.runs:
-        if not (Path(run) / "steps.jsonl").is_file():
-            raise SystemExit(f"hybridrl compact: {run} is not a run directory (no steps.jsonl)")
+    for run in args.runs:  # a run that died in its first step has its requests and no steps.jsonl yet
+        if not (Path(run) / "steps.jsonl").is_file() and not (Path(run) / "requests").is_dir():
+            raise SystemExit(f"hybridrl compact: {run} is not a run directory (no steps.jsonl, no requests/)")
     for run in args.runs:
         done = compact(Path(run))
         print(f"{run}: {done.files} request files gzipped, {done.before / 1e6:.2f} MB -> {done.after / 1e6:.2f} MB")

@@ -74,6 +74,17 @@ class Devices:
                 out.extend(self._nvml.nvmlDeviceGetComputeRunningProcesses(handle))
         return out
 
+    def used_less_gb(self, pids: set[int]) -> dict[int, float]:
+        """NVML index -> used memory of that GPU less what NVML charges there to `pids`; a GPU that fails to
+        answer is left out."""
+        out = {}
+        for i, handle in self.handles:
+            with contextlib.suppress(Exception):
+                theirs = sum(p.usedGpuMemory for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                             if p.pid in pids and p.usedGpuMemory is not None)
+                out[i] = (self._nvml.nvmlDeviceGetMemoryInfo(handle).used - theirs) / GB
+        return out
+
     def process_gb(self, pid: int) -> float:
         """Memory NVML charges to `pid`, summed over these GPUs."""
         return sum((p.usedGpuMemory / GB for p in self._processes() if p.pid == pid and p.usedGpuMemory is not None),
@@ -133,6 +144,14 @@ def used_gb(indices: list[int] | None = None) -> float | None:
     """Max over the given GPUs of their used memory; None without NVML."""
     with devices(indices) as session:
         values = session.used_gb().values() if session else ()
+        return max(values) if values else None
+
+
+def used_less_gb(pids: set[int], indices: list[int] | None = None) -> float | None:
+    """Max over the given GPUs of their used memory less what NVML charges there to `pids` (in colocate: what the
+    engine holds with the trainer's processes left out); None without NVML."""
+    with devices(indices) as session:
+        values = session.used_less_gb(pids).values() if session else ()
         return max(values) if values else None
 
 

@@ -119,6 +119,8 @@ class Engine(Protocol):
     name: str
     # requests go through the HTTP rollout client: only then is there an old shared-pool client to measure
     has_http_client: bool
+    # the engine runs in the controller's own process (its GPU memory is charged to this process's pid)
+    in_controller: bool
     # told the ports (by kind: engine_http, nccl) of every start, as the server's processes start on them; an
     # engine without ports of its own never calls it
     on_ports: Callable[[dict[str, int]], None] | None

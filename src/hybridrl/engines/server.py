@@ -487,6 +487,7 @@ class HTTPEngine:
 
     name = "engine"
     has_http_client = True
+    in_controller = False
     packages: tuple[str, ...] = ()  # distribution names, any one of which is the engine (for preflight, provenance)
     stream_cls: type[RolloutClient] = RolloutClient
     health_path = "/health"

@@ -66,6 +66,7 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
 class VLLMInProcess:
     name = "vllm-inprocess"
     has_http_client = False
+    in_controller = True
     # no server, so no port of its own to report (vLLM takes its workers' rendezvous port itself, a free one)
     on_ports: Callable[[dict[str, int]], None] | None = None
 

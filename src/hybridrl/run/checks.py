@@ -126,12 +126,20 @@ def awake_memory_gate(earlier: list[dict[str, Any]], record: dict[str, Any], bou
     return {"check/awake_shortfall_gb": short, "check/awake_memory_ok": short <= bound_gb}
 
 
+def asleep_key(record: dict[str, Any]) -> str:
+    """The reading the asleep gate judges: the engine's own (the trainer's processes left out) where the step has
+    it, the whole GPUs' otherwise (no NVML per process, or the trainer in the engine's process)."""
+    return "mem/engine_asleep_own_gb" if record.get("mem/engine_asleep_own_gb") is not None else "mem/engine_asleep_gb"
+
+
 def asleep_memory_gate(earlier: list[dict[str, Any]], record: dict[str, Any], bound_gb: float) -> dict[str, Any]:
-    """Does a sleeping engine give its memory back every time? This step's NVML reading after sleep against the
-    run's first one (`earlier` records, a resumed run's included); None where the engine never slept."""
-    readings = [r.get("mem/engine_asleep_gb") for r in (*earlier, record)]
+    """Does a sleeping engine give its memory back every time? This step's NVML reading after sleep (asleep_key)
+    against the run's first one of the same kind (`earlier` records, a resumed run's included); None where the
+    engine never slept."""
+    key = asleep_key(record)
+    readings = [r.get(key) for r in (*earlier, record)]
     readings = [r for r in readings if r is not None]
-    if record.get("mem/engine_asleep_gb") is None or not readings:
+    if record.get(key) is None or not readings:
         return {"check/asleep_growth_gb": None, "check/asleep_memory_ok": None}
-    growth = record["mem/engine_asleep_gb"] - readings[0]
+    growth = record[key] - readings[0]
     return {"check/asleep_growth_gb": growth, "check/asleep_memory_ok": growth <= bound_gb}

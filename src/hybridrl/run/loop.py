@@ -37,6 +37,7 @@ from hybridrl.run import copy_bandwidth, request_records, run_lock
 from hybridrl.run.checks import (
     Canary,
     adapter_not_judged,
+    asleep_key,
     asleep_memory_gate,
     awake_memory_gate,
     gap_limits,
@@ -249,9 +250,12 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
                                     "weights the trainer holds (a stale or wrong adapter, or corrupted weights)")
                 stop_if_adapter_dropped(run_id, step, engine.name, record)
                 if record["check/asleep_memory_ok"] is False:
+                    whose = (" (the trainer's processes left out)" if asleep_key(record) == "mem/engine_asleep_own_gb"
+                             else "")
                     raise RunFailed(f"{run_id} step {step}: {engine.name} holds "
-                                    f"{record['check/asleep_growth_gb']:.2f} GB more GPU memory asleep than at its "
-                                    f"first sleep (bound: max_asleep_growth_gb {run.max_asleep_growth_gb}): it leaks")
+                                    f"{record['check/asleep_growth_gb']:.2f} GB more GPU memory asleep{whose} than at "
+                                    f"its first sleep (bound: max_asleep_growth_gb {run.max_asleep_growth_gb}): it "
+                                    "leaks")
                 bar.advance(task)
                 console.print(_summary(record))
         return records
@@ -522,6 +526,7 @@ def make_record(ctx: RunContext, step: int, t: Timings, rollout: Rollout, scored
     record.update(mem)
     record.update(checks)
     record.update(ctx.engine.step_metrics())  # engine-side readings, e.g. NVML after sleep/wake
+    record.update(ctx.placement.step_metrics())  # the engine's own memory asleep, the trainer's left out
     restarts_now = ctx.engine.start_parts[ctx.starts_recorded:]
     ctx.starts_recorded += len(restarts_now)
     record.update(start_keys("timing_s/engine_restart", restarts_now, with_total=True))

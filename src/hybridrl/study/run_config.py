@@ -146,8 +146,9 @@ class RunConfig(_Frozen):
         2.0, gt=1, description="the importance weight cap of rollout_is (verl rollout_is_threshold, slime "
         "--tis-clip)")
     max_asleep_growth_gb: float = Field(
-        1.0, ge=0, description="a sleeping engine's GPU memory (NVML, 10^9 bytes) may grow at most this much over "
-        "its first sleep of the run; more fails the run (a leak, as vLLM issues 21336 and 32714 report)")
+        1.0, ge=0, description="a sleeping engine's GPU memory (NVML, 10^9 bytes; its own where NVML can leave the "
+        "trainer's processes out, mem/engine_asleep_own_gb) may grow at most this much over its first sleep of the "
+        "run; more fails the run (a leak, as vLLM issues 21336 and 32714 report)")
     max_awake_shortfall_gb: float = Field(
         2.0, ge=0, description="a woken engine's GPU memory (NVML, 10^9 bytes) may fall at most this much short of "
         "what it held right after it started; more is recorded as check/awake_memory_ok false and reported (the run "

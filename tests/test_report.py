@@ -577,6 +577,14 @@ def test_report_shows_engine_memory_across_sleeps(study: list[Path], tmp_path: P
     assert "| 8 |" in row and "2.10 / 3.10 / 5.60" in row and "grows +0.5 GB a step" in row
     assert "3/8 ok (failed at step 4, 5, 6, 7, 8)" in row
     assert "restart" not in section  # a run whose engine never slept has no row
+    assert "the engine's own asleep GB" not in section  # no run read it: no column
+    df.loc[first, "mem/engine_asleep_own_gb"] = 1.0 + 0.1 * df.loc[first, "step"]
+    df.to_parquet(table, index=False)
+    report_main(table, tmp_path / "r.md", tmp_path / "r.html", tmp_path / "plots", "t")
+    section = (tmp_path / "r.md").read_text().split("## Engine memory across sleep and wake")[1].split("## ")[0]
+    assert "the engine's own asleep GB (trainer left out): first / last" in section
+    row = next(line for line in section.splitlines() if line.startswith("| split |"))
+    assert "| 2.10 / 3.10 / 5.60 | 1.10 / 1.80 |" in row
     # a study where no engine slept has no such section
     plain = gather(study)
     plain.to_parquet(tmp_path / "plain.parquet", index=False)

@@ -27,6 +27,7 @@ DETAIL_METRICS = [c for c in (*TIMING, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, 
 # the trainer-vs-engine gaps, which a rollout from an older adapter (overlap) shows by design: never judged there
 GAP_READINGS = ("check/rollout_logprob_abs_diff", "check/logprob_gap_sample_max", "check/logprob_gap_token_max")
 STALE = "not judged (stale)"
+OWN_ASLEEP = "mem/engine_asleep_own_gb"  # the engine's GPU memory asleep less the trainer's (the asleep gate's)
 
 BOOL_CHECKS = [
     ("check/base_canary_ok", "Base canary unchanged"),
@@ -252,7 +253,10 @@ def memory_trend_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None
     over the steps after warm-up (a one-off rise while caches and allocator pools fill is not a leak)."""
     # runs that read their engine's memory right after it started: its wakes are held to that (awake memory gate)
     woken = "check/awake_memory_ok" in df.columns and df["check/awake_memory_ok"].notna().any()
+    # runs that read the engine's own memory asleep (the trainer's processes left out): the asleep gate judges that
+    own = OWN_ASLEEP in df.columns and pd.to_numeric(df[OWN_ASLEEP], errors="coerce").notna().any()
     table = Table(["run", "sleeps", "asleep GB: first / after warm-up / last",
+                   *(["the engine's own asleep GB (trainer left out): first / last"] if own else []),
                    "asleep: trend after warm-up (GB a step, 95% CI)",
                    "awake GB: at start / first wake / last" if woken else "awake GB, first / last",
                    "asleep memory gate", *(["awake memory gate (start − wake ≤ bound)"] if woken else [])])
@@ -277,9 +281,16 @@ def memory_trend_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None
                 else Cell("not checked", "na"))
         table.rows.append([Cell(labels[run_id]), Cell(str(int(asleep.notna().sum())), "num"),
                            Cell(" / ".join("–" if r is None else fmt(r) for r in readings), "num"),
+                           *([_first_last(run, OWN_ASLEEP)] if own else []),
                            Cell(trend.trend_words(est, "GB"), "num"), Cell(woke, "num"), gate,
                            *([_awake_gate(run)] if woken else [])])
     return table if table.rows else None
+
+
+def _first_last(run: pd.DataFrame, column: str) -> Cell:
+    """A run's first and last reading of a column, '–' where it has none."""
+    values = pd.to_numeric(run.get(column, pd.Series(dtype=float)), errors="coerce").dropna()
+    return Cell(f"{fmt(values.iloc[0])} / {fmt(values.iloc[-1])}" if len(values) else "–", "num")
 
 
 def _awake_gate(run: pd.DataFrame) -> Cell:

@@ -119,6 +119,23 @@ def test_trainer_bench_ep_shards_the_megatron_update_over_that_many_ranks(tmp_pa
     assert split["megatron"]["last_loss"] == pytest.approx(one["megatron"]["last_loss"], abs=1e-5)
 
 
+@pytest.mark.slow
+def test_trainer_bench_profiles_one_more_update_in_every_megatron_worker(tmp_path: Path) -> None:
+    from hybridrl.tools.trainer_bench import main as bench
+
+    out = tmp_path / "bench" / "trainer-tiny-moe.json"
+    report = bench("tiny-moe", ["megatron"], 2, "cpu", tmp_path / "w", out, ep=2, ep_batch="split", profile=True)
+    tables = ["trainer-tiny-moe.profile-rank0.txt", "trainer-tiny-moe.profile-rank1.txt"]
+    assert report["megatron"]["profile"] == tables
+    assert len(report["megatron"]["update_s_all"]) == 2  # the profiled update is none of the timed ones
+    for rank, name in enumerate(tables):
+        text = (out.parent / name).read_text()
+        assert text.startswith(f"megatron update (step 4), rank {rank} of 2, tp 1, ep 2, ")
+        assert "wall " in text and "Self CPU" in text and "the same, by input shapes:" in text
+    plain = bench("tiny-moe", ["megatron"], 1, "cpu", tmp_path / "w", tmp_path / "plain.json")
+    assert plain["megatron"]["profile"] is None and not list(tmp_path.glob("plain.profile*"))
+
+
 def _s(n: int) -> Sample:
     return Sample(prompt_ids=[1] * 2, completion_ids=[1] * (n - 2), engine_logprobs=[0.0] * (n - 2), advantage=0.0)
 
@@ -284,6 +301,8 @@ def test_an_isolated_build_runs_in_a_child_process_and_names_its_failure(tmp_pat
     (["trainer-bench", "--shape", "tiny-moe", "--ep-dispatch", "none"], "argument --ep-dispatch: invalid choice"),
     (["trainer-bench", "--shape", "tiny-moe", "--trainer", "megatron", "--ep-batch", "split"],
      "--ep-batch split splits the batch over expert-parallel ranks: give --ep 2 or more"),
+    (["trainer-bench", "--shape", "tiny", "--profile"],
+     "--profile profiles an update in the megatron trainer's workers: give --trainer megatron"),
 ])
 def test_trainer_tools_refuse_bad_arguments_in_one_line(argv: list[str], said: str, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:

@@ -168,7 +168,7 @@ def _trainer_bench(args: argparse.Namespace) -> None:
 
     _preflight("trainer-bench", partial(shape_of, args.shape, args.vocab),
                partial(check_options, args.shape, args.trainer, args.peft_lora, args.megatron_permute, args.ep,
-                       args.ep_dispatch, args.ep_batch),
+                       args.ep_dispatch, args.ep_batch, args.profile),
                partial(check_device, args.device))
     if args.out:
         check_writable(Path(args.out))
@@ -177,7 +177,7 @@ def _trainer_bench(args: argparse.Namespace) -> None:
                        micro_batch_tokens=args.micro_batch_tokens, samples=args.samples, pack=not args.no_pack,
                        varied=args.varied, peft_lora=args.peft_lora, megatron_permute=args.megatron_permute,
                        vocab=args.vocab, chunked_head=args.chunked_head, ep=args.ep, ep_dispatch=args.ep_dispatch,
-                       ep_batch=args.ep_batch)
+                       ep_batch=args.ep_batch, profile=args.profile)
 
 
 def _trainer_profile(args: argparse.Namespace) -> None:
@@ -478,6 +478,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--ep-batch", choices=["replicated", "split"], default="replicated",
                    help="at --ep 2 or more, whether every rank runs the whole batch or its share of it (the run key "
                    "ep_batch)")
+    s.add_argument("--profile", action="store_true",
+                   help="after the timed updates, one more megatron update under torch.profiler in every worker: "
+                   "its operators' tables beside --out (OUT.profile-rankK.txt), at any --ep")
     s.add_argument("--workdir", required=True, help="the random-init model and the adapters go here")
     s.add_argument("--out", help="JSON result")
     s.set_defaults(fn=_trainer_bench)

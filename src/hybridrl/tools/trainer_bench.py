@@ -205,10 +205,12 @@ def build_trainer(kind: str, model: Path, run: RunConfig, workdir: Path, peft_lo
 
 
 def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample], updates: int,
-                  workdir: Path, peft_lora: bool = False, megatron_permute: bool = False) -> dict[str, Any]:
+                  workdir: Path, peft_lora: bool = False, megatron_permute: bool = False,
+                  profile_to: Path | None = None) -> dict[str, Any]:
     """Warm-up plus `updates` updates of one trainer on `samples`; best and median figures. peft_lora: the HF
     trainer with PEFT's own adapter forward; megatron_permute: the Megatron trainer with megatron's own MoE token
-    permutation (each the change its trainer is compared with in one lease)."""
+    permutation (each the change its trainer is compared with in one lease); profile_to: one more Megatron update
+    after the timed ones, under torch.profiler in every worker (tables to PROFILE_TO-rankK.txt)."""
     load_before = os.getloadavg()  # a host busy with something else slows these launch-bound updates
     t0 = time.perf_counter()
     trainer = build_trainer(kind, model, run, workdir, peft_lora, megatron_permute)
@@ -230,6 +232,9 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
                 compute_s.append(metrics["perf/train_tokens"] / metrics["perf/train_tok_s"])
                 save_s.append(metrics["timing_s/save_adapter"])
                 mfu.append(metrics["perf/mfu"])  # NaN without a known peak (CPU)
+        if profile_to is not None:  # after the timed updates, so that the profiler's cost is in none of them
+            trainer.profile_to = profile_to
+            trainer.step(updates + 2, samples, workdir / kind / f"adapter-{updates + 2}")
     finally:
         trainer.close()
     tokens = metrics["perf/train_tokens"]
@@ -251,6 +256,8 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
         # whether the output head ran chunked (the HF trainer keeps the full logits for a head it does not know)
         "chunked_head": metrics.get("train/chunked_head"),
         "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg(),
+        "profile": None if profile_to is None else sorted(p.name for p in profile_to.parent.glob(
+            f"{profile_to.name}-rank*.txt")),
     }
 
 
@@ -319,7 +326,8 @@ def check_ep(shape_name: str, trainers: list[str], ep: int) -> None:
 
 
 def check_options(shape_name: str, trainers: list[str], peft_lora: bool, megatron_permute: bool = False,
-                  ep: int = 1, ep_dispatch: str = "host_read", ep_batch: str = "replicated") -> None:
+                  ep: int = 1, ep_dispatch: str = "host_read", ep_batch: str = "replicated",
+                  profile: bool = False) -> None:
     """ValueError for options that do not go together; checked before anything is built."""
     if peft_lora and trainers != ["hf"]:
         raise ValueError("--peft-lora changes the hf trainer only: give --trainer hf")
@@ -331,23 +339,28 @@ def check_options(shape_name: str, trainers: list[str], peft_lora: bool, megatro
                          "rows: give --ep 2 or more, without --megatron-permute")
     if ep_batch != "replicated" and ep == 1:
         raise ValueError(f"--ep-batch {ep_batch} splits the batch over expert-parallel ranks: give --ep 2 or more")
+    if profile and trainers != ["megatron"]:
+        raise ValueError("--profile profiles an update in the megatron trainer's workers: give --trainer megatron "
+                         "(trainer-profile profiles the hf trainer)")
 
 
 def main(shape_name: str, trainers: list[str], updates: int, device: str, workdir: Path, out: Path | None,
          micro_batch: int = 8, micro_batch_tokens: int | None = None, samples: int | None = None,
          pack: bool = True, varied: bool = False, peft_lora: bool = False,
          megatron_permute: bool = False, vocab: int | None = None, chunked_head: bool = False,
-         ep: int = 1, ep_dispatch: str = "host_read", ep_batch: str = "replicated") -> dict[str, Any]:
+         ep: int = 1, ep_dispatch: str = "host_read", ep_batch: str = "replicated",
+         profile: bool = False) -> dict[str, Any]:
     """Benchmark the trainers on the shape's fixed batch; prints and returns one JSON object (and writes it).
     ep: the Megatron trainer's expert parallelism (train_ep), on that many GPUs; ep_dispatch and ep_batch: how its
-    ranks pick their experts' rows and share the batch (RunConfig's keys of those names)."""
+    ranks pick their experts' rows and share the batch (RunConfig's keys of those names); profile: one more
+    Megatron update under torch.profiler, its tables beside `out` (OUT.profile-rankK.txt; in workdir without out)."""
     import torch
 
     from hybridrl.trainers.flops import device_name
 
     if updates < 1:
         raise ValueError("--updates must be at least 1")
-    check_options(shape_name, trainers, peft_lora, megatron_permute, ep, ep_dispatch, ep_batch)
+    check_options(shape_name, trainers, peft_lora, megatron_permute, ep, ep_dispatch, ep_batch, profile)
     shape = shape_of(shape_name, vocab)
     workdir.mkdir(parents=True, exist_ok=True)
     model = shape_model(workdir, shape_name, shape, device)
@@ -367,7 +380,8 @@ def main(shape_name: str, trainers: list[str], updates: int, device: str, workdi
     for kind in trainers:
         run = bench_run(shape, kind, device, micro_batch, micro_batch_tokens, pack, chunked_head, ep, ep_dispatch,
                         ep_batch)
-        report[kind] = bench_trainer(kind, model, run, batch, updates, workdir, peft_lora, megatron_permute)
+        at = None if not profile else out.with_suffix(".profile") if out is not None else workdir / "bench.profile"
+        report[kind] = bench_trainer(kind, model, run, batch, updates, workdir, peft_lora, megatron_permute, at)
         if device == "cuda":
             torch.cuda.empty_cache()
     text = json.dumps(report, indent=2)

@@ -25,6 +25,7 @@ from typing import Any
 
 from hybridrl.engines.server import free_port
 from hybridrl.tools.trainer_bench import bench_run, check_megatron_permute, fixed_batch, shape_model, shape_of
+from hybridrl.trainers.op_profile import operator_tables
 
 WARMUP = 2
 
@@ -151,14 +152,12 @@ def main(shape_name: str, trainer: str, device: str, workdir: Path, out: Path, m
             wall = timed()
     finally:
         close()
-    sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
     flags = ((" megatron-permute" if megatron_permute else "") + (" chunked-head" if chunked_head else "")
              + (" with its export" if export else ""))
     head = (f"trainer-profile {shape_name} {trainer} micro_batch {micro_batch} pack {pack} "
             f"lengths {'varied' if varied else 'fixed'} device {device}{flags}: profiled update {wall:.3f} s\n")
-    by_shape = prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=rows)
-    text = (head + prof.key_averages().table(sort_by=sort, row_limit=rows) + "\n\nthe same, by input shapes:\n"
-            + by_shape + "\n" + ("" if waits is None else "\n" + waits_table(waits))
+    text = (head + operator_tables(prof, device == "cuda", rows) + "\n"
+            + ("" if waits is None else "\n" + waits_table(waits))
             + ("\n" + ranges_table(prof.key_averages()) if export else ""))
     from hybridrl.atomic import write_text
 

@@ -93,6 +93,8 @@ class MegatronTrainer:
         self.last_memory: dict[str, float] = {}
         self._seq = 0
         self._closed = False
+        # the next step's update runs under torch.profiler in every worker: tables to PREFIX-rankK.txt
+        self.profile_to: Path | None = None
         self._failed: str | None = None  # first failure; later calls report it instead of timing out
         self.proc = self._launch(env)
         atexit.register(self.close)
@@ -202,8 +204,9 @@ class MegatronTrainer:
                 raise ValueError(f"sample {i}: needs a non-empty prompt and completion with token ids in "
                                  f"[0, {self.vocab_size})")
         out_dir = Path(out_dir)
+        profile, self.profile_to = self.profile_to, None
         res = self._job("step", step=step, out_dir=str(out_dir), offload_after=self.offload_after_step,
-                        samples=[asdict(s) for s in samples])
+                        samples=[asdict(s) for s in samples], profile_to=str(profile) if profile else None)
         # JSON's null is NaN here (no value, e.g. perf/mfu on CPU); flags such as train/keep_base_on_gpu stay bools
         # and string keys such as train/experts_impl strings or None (a dense model)
         metrics = {k: v if isinstance(v, bool | str) or k in STRINGS else math.nan if v is None else float(v)

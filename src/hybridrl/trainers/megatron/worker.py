@@ -177,7 +177,10 @@ def _handle(policy: Any, job: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if op == "step":
         samples = [Sample(**s) for s in job["samples"]]
-        metrics = policy.step(samples)
+        if job.get("profile_to"):  # this update under torch.profiler, its table one a rank
+            metrics = _profiled_step(policy, samples, job["profile_to"], job["step"])
+        else:
+            metrics = policy.step(samples)
         t1 = time.perf_counter()
         metrics["train/lora_norm"] = policy.save(Path(job["out_dir"]))
         metrics["timing_s/save_adapter"] = time.perf_counter() - t1
@@ -203,6 +206,20 @@ def _handle(policy: Any, job: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"unknown job op {op!r}")
     out["elapsed_s"] = time.perf_counter() - t0
     return out
+
+
+def _profiled_step(policy: Any, samples: list[Any], prefix: str, step: int) -> dict[str, Any]:
+    """policy.step under torch.profiler; its operators' tables to PREFIX-rankK.txt."""
+    import torch.distributed as dist
+
+    from hybridrl.atomic import write_text
+    from hybridrl.trainers.op_profile import profiled
+
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    metrics, table = profiled(lambda: policy.step(samples), policy.device.type == "cuda")
+    write_text(Path(f"{prefix}-rank{rank}.txt"), f"megatron update (step {step}), rank {rank} of {ranks}, tp "
+               f"{policy.tp}, ep {policy.ep}, {len(samples)} samples\n{table}\n")
+    return metrics
 
 
 def _shutdown() -> None:

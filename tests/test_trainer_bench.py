@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -134,6 +135,20 @@ def test_trainer_bench_profiles_one_more_update_in_every_megatron_worker(tmp_pat
         assert "wall " in text and "Self CPU" in text and "the same, by input shapes:" in text
     plain = bench("tiny-moe", ["megatron"], 1, "cpu", tmp_path / "w", tmp_path / "plain.json")
     assert plain["megatron"]["profile"] is None and not list(tmp_path.glob("plain.profile*"))
+    assert plain["megatron"]["profile_error"] is None
+
+
+def test_a_profile_that_fails_leaves_the_timed_figures_and_says_why(tmp_path: Path) -> None:
+    from hybridrl.tools.trainer_bench import bench_run, bench_trainer, fixed_batch, shape_model, shape_of
+
+    shape = shape_of("tiny-moe")
+    model = shape_model(tmp_path / "w", "tiny-moe", shape, "cpu")
+    batch = fixed_batch(shape.config["vocab_size"], 4, shape.prompt, shape.completion)
+    (tmp_path / "a-file").write_text("not a folder")  # the workers cannot write their tables under it
+    got = bench_trainer("megatron", model, bench_run(shape, "megatron", "cpu", 4, None), batch, 1, tmp_path / "w",
+                        profile_to=tmp_path / "a-file" / "p")
+    assert len(got["update_s_all"]) == 1 and got["profile"] == []
+    assert re.match(r"megatron worker failed during job \d+ \(step\): .*a-file", got["profile_error"])
 
 
 def _s(n: int) -> Sample:

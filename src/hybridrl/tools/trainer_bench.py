@@ -218,6 +218,7 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
     ranks = len(trainer.gpu_pids()) if kind == "megatron" else 1  # the worker processes (train_tp x train_ep)
     update_s, compute_s, save_s, state_s, mfu = [], [], [], [], []
     metrics: dict[str, Any] = {}
+    profile_error = None
     try:
         with PeakMemory(run.device) as mem:
             for i in _progress(range(updates + 1), f"{kind}: a warm-up, then {updates} timed updates"):
@@ -233,8 +234,13 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
                 save_s.append(metrics["timing_s/save_adapter"])
                 mfu.append(metrics["perf/mfu"])  # NaN without a known peak (CPU)
         if profile_to is not None:  # after the timed updates, so that the profiler's cost is in none of them
+            from hybridrl.trainers.megatron.trainer import MegatronWorkerError
+
             trainer.profile_to = profile_to
-            trainer.step(updates + 2, samples, workdir / kind / f"adapter-{updates + 2}")
+            try:
+                trainer.step(updates + 2, samples, workdir / kind / f"adapter-{updates + 2}")
+            except MegatronWorkerError as exc:  # the timed figures stand without the profile: say why it is missing
+                profile_error = str(exc).splitlines()[0]
     finally:
         trainer.close()
     tokens = metrics["perf/train_tokens"]
@@ -258,6 +264,7 @@ def bench_trainer(kind: str, model: Path, run: RunConfig, samples: list[Sample],
         "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg(),
         "profile": None if profile_to is None else sorted(p.name for p in profile_to.parent.glob(
             f"{profile_to.name}-rank*.txt")),
+        "profile_error": profile_error,
     }
 
 

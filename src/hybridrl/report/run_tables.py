@@ -15,7 +15,17 @@ from hybridrl.engines.client_ceiling import HEADROOM
 from hybridrl.report import conditions, learning, machine, stats, trend
 from hybridrl.report.aggregate import commit_label, ran_ahead, read_provenance
 from hybridrl.report.cells import Cell, Table, bool_cell, fmt, fmt_est, fmt_field, has_data, run_rows
-from hybridrl.run.record import CHECKS, HOST, LEARNING, MEMORY, MISMATCH, ROLLOUT, TIMING, TRAINING
+from hybridrl.run.record import (
+    CHECKS,
+    ENGINE_ASLEEP_OWN,
+    HOST,
+    LEARNING,
+    MEMORY,
+    MISMATCH,
+    ROLLOUT,
+    TIMING,
+    TRAINING,
+)
 
 WARMUP_METRICS = ["timing_s/step", "timing_s/gen", "timing_s/restart", "timing_s/update_weights",
                   "perf/throughput", "perf/ttft_s_p50"]
@@ -27,7 +37,6 @@ DETAIL_METRICS = [c for c in (*TIMING, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, 
 # the trainer-vs-engine gaps, which a rollout from an older adapter (overlap) shows by design: never judged there
 GAP_READINGS = ("check/rollout_logprob_abs_diff", "check/logprob_gap_sample_max", "check/logprob_gap_token_max")
 STALE = "not judged (stale)"
-OWN_ASLEEP = "mem/engine_asleep_own_gb"  # the engine's GPU memory asleep less the trainer's (the asleep gate's)
 
 BOOL_CHECKS = [
     ("check/base_canary_ok", "Base canary unchanged"),
@@ -254,7 +263,7 @@ def memory_trend_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None
     # runs that read their engine's memory right after it started: its wakes are held to that (awake memory gate)
     woken = "check/awake_memory_ok" in df.columns and df["check/awake_memory_ok"].notna().any()
     # runs that read the engine's own memory asleep (the trainer's processes left out): the asleep gate judges that
-    own = OWN_ASLEEP in df.columns and pd.to_numeric(df[OWN_ASLEEP], errors="coerce").notna().any()
+    own = ENGINE_ASLEEP_OWN in df.columns and pd.to_numeric(df[ENGINE_ASLEEP_OWN], errors="coerce").notna().any()
     table = Table(["run", "sleeps", "asleep GB: first / after warm-up / last",
                    *(["the engine's own asleep GB (trainer left out): first / last"] if own else []),
                    "asleep: trend after warm-up (GB a step, 95% CI)",
@@ -267,12 +276,11 @@ def memory_trend_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None
         asleep = pd.to_numeric(run["mem/engine_asleep_gb"], errors="coerce")
         if not asleep.notna().any():
             continue
-        awake = pd.to_numeric(run.get("mem/engine_awake_gb", pd.Series(dtype=float)), errors="coerce").dropna()
         later = stats.after_warmup(run)
         after = asleep[later.index]
         taken, first_after = asleep.dropna(), after.dropna()
         readings = [taken.iloc[0], first_after.iloc[0] if len(first_after) else None, taken.iloc[-1]]
-        woke = f"{fmt(awake.iloc[0])} / {fmt(awake.iloc[-1])}" if len(awake) else "–"
+        woke = _first_last(run, "mem/engine_awake_gb")
         if woken:
             started = pd.to_numeric(run.get("mem/engine_started_gb", pd.Series(dtype=float)), errors="coerce")
             woke = f"{fmt(started.dropna().iloc[0]) if started.notna().any() else '–'} / {woke}"
@@ -281,16 +289,16 @@ def memory_trend_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None
                 else Cell("not checked", "na"))
         table.rows.append([Cell(labels[run_id]), Cell(str(int(asleep.notna().sum())), "num"),
                            Cell(" / ".join("–" if r is None else fmt(r) for r in readings), "num"),
-                           *([_first_last(run, OWN_ASLEEP)] if own else []),
+                           *([Cell(_first_last(run, ENGINE_ASLEEP_OWN), "num")] if own else []),
                            Cell(trend.trend_words(est, "GB"), "num"), Cell(woke, "num"), gate,
                            *([_awake_gate(run)] if woken else [])])
     return table if table.rows else None
 
 
-def _first_last(run: pd.DataFrame, column: str) -> Cell:
-    """A run's first and last reading of a column, '–' where it has none."""
+def _first_last(run: pd.DataFrame, column: str) -> str:
+    """A run's first and last reading of a column, 'first / last'; '–' where it has none."""
     values = pd.to_numeric(run.get(column, pd.Series(dtype=float)), errors="coerce").dropna()
-    return Cell(f"{fmt(values.iloc[0])} / {fmt(values.iloc[-1])}" if len(values) else "–", "num")
+    return f"{fmt(values.iloc[0])} / {fmt(values.iloc[-1])}" if len(values) else "–"
 
 
 def _awake_gate(run: pd.DataFrame) -> Cell:

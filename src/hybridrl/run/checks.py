@@ -10,7 +10,7 @@ from typing import Any
 from hybridrl.atomic import write_text
 from hybridrl.engines.base import Completion, Engine, EngineError, Request, Sampling
 from hybridrl.run.placement import ADAPTER_NAME
-from hybridrl.run.record import IDENTITY_ADAPTER, NO_ADAPTER
+from hybridrl.run.record import ENGINE_ASLEEP_OWN, IDENTITY_ADAPTER, NO_ADAPTER
 from hybridrl.study.run_config import RunConfig
 from hybridrl.task import data as gsm8k
 
@@ -129,7 +129,7 @@ def awake_memory_gate(earlier: list[dict[str, Any]], record: dict[str, Any], bou
 def asleep_key(record: dict[str, Any]) -> str:
     """The reading the asleep gate judges: the engine's own (the trainer's processes left out) where the step has
     it, the whole GPUs' otherwise (no NVML per process, or the trainer in the engine's process)."""
-    return "mem/engine_asleep_own_gb" if record.get("mem/engine_asleep_own_gb") is not None else "mem/engine_asleep_gb"
+    return ENGINE_ASLEEP_OWN if record.get(ENGINE_ASLEEP_OWN) is not None else "mem/engine_asleep_gb"
 
 
 def asleep_memory_gate(earlier: list[dict[str, Any]], record: dict[str, Any], bound_gb: float) -> dict[str, Any]:

@@ -50,7 +50,7 @@ from hybridrl.run.overlap import AheadRollouts, InFlight, overlap_s
 from hybridrl.run.phase_file import PhaseFile
 from hybridrl.run.placement import ADAPTER_NAME, Placement, make_placement
 from hybridrl.run.provenance import RunProvenance, collect
-from hybridrl.run.record import ROLLOUT_READINGS, START_PARTS, new_record
+from hybridrl.run.record import ENGINE_ASLEEP_OWN, ROLLOUT_READINGS, START_PARTS, new_record
 from hybridrl.run.telemetry import MemorySampler, Timings, append_record, read_records, rollout_stats
 from hybridrl.study.run_config import RunConfig, split_replicate
 from hybridrl.task import data as gsm8k
@@ -250,8 +250,7 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
                                     "weights the trainer holds (a stale or wrong adapter, or corrupted weights)")
                 stop_if_adapter_dropped(run_id, step, engine.name, record)
                 if record["check/asleep_memory_ok"] is False:
-                    whose = (" (the trainer's processes left out)" if asleep_key(record) == "mem/engine_asleep_own_gb"
-                             else "")
+                    whose = " (the trainer's processes left out)" if asleep_key(record) == ENGINE_ASLEEP_OWN else ""
                     raise RunFailed(f"{run_id} step {step}: {engine.name} holds "
                                     f"{record['check/asleep_growth_gb']:.2f} GB more GPU memory asleep{whose} than at "
                                     f"its first sleep (bound: max_asleep_growth_gb {run.max_asleep_growth_gb}): it "

@@ -10,6 +10,7 @@ from typing import Any
 from hybridrl import nvml
 from hybridrl.engines.base import Engine
 from hybridrl.run import base_residency
+from hybridrl.run.record import ENGINE_ASLEEP_OWN
 from hybridrl.run.telemetry import MemorySampler, Timings
 from hybridrl.study.run_config import RunConfig
 from hybridrl.trainers.base import Trainer
@@ -30,7 +31,7 @@ class Placement:
         self.readings: dict[str, float | None] = {}  # this step's own readings (step_metrics)
 
     def step_metrics(self) -> dict[str, float | None]:
-        """The placement's readings since the last call (mem/engine_asleep_own_gb), then forget them."""
+        """The placement's readings since the last call (ENGINE_ASLEEP_OWN), then forget them."""
         out, self.readings = self.readings, {}
         return out
 
@@ -99,7 +100,7 @@ class Colocate(Placement):
             return
         with t.phase("sleep", self.sampler):
             self.engine.sleep()
-        self.readings["mem/engine_asleep_own_gb"] = self.asleep_own()
+        self.readings[ENGINE_ASLEEP_OWN] = self.asleep_own()
         self.onload_trainer(t)
 
     def asleep_own(self) -> float | None:

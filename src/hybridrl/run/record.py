@@ -99,14 +99,15 @@ TRAINING = ("perf/train_tokens", "perf/train_tok_s", "perf/update_actor_tok_s", 
             # completion tokens (chunked_head) rather than as the model's full logits
             "perf/mfu", "perf/train_tok_s_per_gpu", "perf/update_flops", "train/keep_base_on_gpu",
             "train/experts_impl", "train/comms_remade", "train/chunked_head")
+# the engine's GPUs asleep less what the trainer's processes (and a controller that is not the engine) hold there:
+# what the asleep gate judges (placement.Colocate.asleep_own)
+ENGINE_ASLEEP_OWN = "mem/engine_asleep_own_gb"
 # mem/used_gb_train is the sampler's update_actor phase; mem/trainer_gb_gen is NVML over the trainer's processes
 MEMORY = ("mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacity_tokens", "mem/trainer_gb_gen",
           # NVML on the engine's GPUs right after its sleep and its wake, and what the controller holds there;
-          # engine_started_gb right after a start (the step in which the engine started), which wakes are held to;
-          # engine_asleep_own_gb the asleep reading less what the trainer's processes (and a controller that is not the
-          # engine) hold there, which the asleep gate judges (placement.Colocate.asleep_own)
+          # engine_started_gb right after a start (the step in which the engine started), which wakes are held to
           "mem/engine_asleep_gb", "mem/engine_awake_gb", "mem/controller_gb", "mem/engine_started_gb",
-          "mem/engine_asleep_own_gb")
+          ENGINE_ASLEEP_OWN)
 # response_length/clip_ratio (verl's name): share of rollouts cut at max_new_tokens; response/stop_ratio: share that
 # ended at EOS (finish reason "stop"); the rest failed or gave no reason
 LEARNING = ("reward/mean", "reward/accuracy", "response_length/mean", "response_length/clip_ratio",

@@ -719,6 +719,10 @@ def test_an_engine_that_stays_awake_is_its_own_arm_and_pairs_only_with_another_a
     pairs = {(h.sglang_run, h.vllm_run): h.release for h in headlines(df)}
     assert pairs == {("sglang-colocate-aaaa1111", "vllm-colocate-bbbb2222"): "full release",
                      ("sglang-colocate-cccc3333", "vllm-colocate-dddd4444"): "stays awake"}
+    # the title names the vLLM side awake too, not only SGLang's (a reader took it for vLLM at level 1)
+    assert sorted(h.title for h in headlines(df)) == [
+        "colocate: SGLang (full release) vs vLLM server",
+        "colocate: SGLang (stays awake) vs vLLM server (stays awake)"]
     assert "stays awake" in config_labels(df)["sglang-colocate-cccc3333"]
     first = df.drop_duplicates("config_id").set_index("config_id")
     assert [arm_label(first.loc[c]) for c in ("sglang-colocate-aaaa1111", "sglang-colocate-cccc3333")] == [

@@ -38,6 +38,7 @@ CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "sglang_retain_cpu_b
 # step's wait for its end)
 DERIVED_STRINGS = ["config_id", "release", "client"]
 COST = ["cost/gpus", "cost/tok_s_per_gpu", "cost/gpu_s_per_step", "cost/gpu_h_per_1k_rollouts"]
+AWAKE = "stays awake"  # the release of a colocated engine that never sleeps (engine_sleep false)
 DERIVED = [*DERIVED_STRINGS, "replicate", *COST, "perf/rollout_s"]
 # The record's keys (hybridrl.run.record), then what each run's provenance adds, then what is derived from both
 KNOWN = [*record.RECORD_KEYS, *PROVENANCE, *SCHEDULER, *SEEN, *CONFIGURED, *DERIVED]
@@ -121,7 +122,7 @@ def release_arm(engine: Any, placement: Any, sglang_release: Any, vllm_sleep_lev
     if placement != "colocate":
         return None
     if _to_bool(engine_sleep) is False:
-        return "stays awake"
+        return AWAKE
     if engine == "sglang":
         if str(sglang_release) == "kv_cache":
             return "kv-only"

@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 
 from hybridrl.report import conditions, stats, wording
-from hybridrl.report.aggregate import placement_name, shared_split
+from hybridrl.report.aggregate import AWAKE, placement_name, shared_split
 
 SGLANG = "sglang"
 VLLM_VARIANTS = {"vllm": "vLLM server", "vllm-inprocess": "vLLM in-process"}
@@ -91,8 +91,10 @@ class Headline:
     @property
     def title(self) -> str:
         arm = f" ({self.release})" if self.release else ""
+        # an awake engine pairs only with another awake one (pairable), so both sides say so
+        vllm_arm = f" ({AWAKE})" if self.release == AWAKE else ""
         placement = placement_name({"placement": self.placement, "overlap": self.key.get("overlap")})
-        return f"{placement}: SGLang{arm} vs {VLLM_VARIANTS[self.vllm_engine]}" + (
+        return f"{placement}: SGLang{arm} vs {VLLM_VARIANTS[self.vllm_engine]}{vllm_arm}" + (
             f" ({self.label})" if self.label else "")
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 
 from hybridrl.report import conditions, stats, wording
-from hybridrl.report.aggregate import overlap_steps, placement_name, shared_split
+from hybridrl.report.aggregate import AWAKE, overlap_steps, placement_name, shared_split
 from hybridrl.report.headline import pairable
 from hybridrl.run.record import COMPARED_STEP
 
@@ -67,7 +67,7 @@ def arm_label(run: pd.Series) -> str:
     engine stayed awake, and whether a split shared one GPU."""
     k = overlap_steps(run)
     stale = f" ({k} step{'s' if k != 1 else ''} stale)" if k > 0 else ""
-    awake = ", engine awake" if str(run.get("release")) == "stays awake" else ""
+    awake = ", engine awake" if str(run.get("release")) == AWAKE else ""
     return placement_name(run) + stale + awake + (", one shared GPU" if shared_split(run) else "")
 
 

@@ -172,15 +172,18 @@ def test_an_import_becomes_a_reference_folder_and_a_later_lease_adds_to_it(tmp_p
     assert (dest / "bench" / "sglang-verdict.json").exists() and (dest / "logs" / "snakemake.log").exists()
     assert len((dest / "steps.csv").read_text().splitlines()) == 1 + 2 * 8
     assert "# hybridrl study" in (dest / "report.md").read_text()
-    later = _pack(_machine(tmp_path / "b", ("sglang-verdict-795e3683-r3",), seed=1), tmp_path / "b.tgz")
+    later_work = _machine(tmp_path / "b", ("sglang-verdict-795e3683-r3",), seed=1)
+    (later_work / "results" / "bench" / "sglang-verdict.json").rename(later_work / "results" / "bench" / "b.json")
+    later = _pack(later_work, tmp_path / "b.tgz")
     added = _lease("import", str(later), str(dest), "lease2")
     assert added.returncode == 0, added.stderr
     assert len((dest / "steps.csv").read_text().splitlines()) == 1 + 3 * 8  # every run in one table
     assert (dest / "logs" / "lease2" / "slurm" / "job.log").read_text() == "lease 1\n"
     assert (dest / "logs" / "slurm" / "job.log").read_text() == "lease 0\n"  # the first lease's, untouched
+    assert sorted(p.name for p in (dest / "bench").iterdir()) == ["b.json", "sglang-verdict.json"]
 
 
-@pytest.mark.parametrize("case", ["exists", "not_tar", "missing", "run_twice", "usage"])
+@pytest.mark.parametrize("case", ["exists", "not_tar", "missing", "run_twice", "bench_twice", "usage"])
 def test_bad_input_is_one_line_and_nothing_is_written(tmp_path: Path, case: str) -> None:
     tarball = _pack(_machine(tmp_path, ("sglang-verdict-795e3683",)), tmp_path / "t.tgz")
     dest = tmp_path / "out" / "study"
@@ -198,10 +201,18 @@ def test_bad_input_is_one_line_and_nothing_is_written(tmp_path: Path, case: str)
         before = (dest / "steps.csv").read_text()
         done, want = _lease("import", str(tarball), str(dest), "lease2"), "holds sglang-verdict-795e3683 already"
         assert (dest / "steps.csv").read_text() == before and not (dest / "logs" / "lease2").exists()
+    elif case == "bench_twice":  # a later lease that measured the same bench again: the first record stays
+        assert _lease("import", str(tarball), str(dest)).returncode == 0
+        (dest / "bench" / "sglang-verdict.json").write_text('{"repeats": 7}\n')
+        later_work = _machine(tmp_path / "b", ("sglang-verdict-795e3683-r2",), seed=1)
+        later = _pack(later_work, tmp_path / "b.tgz")
+        done, want = _lease("import", str(later), str(dest), "lease2"), "holds bench/sglang-verdict.json already"
+        assert (dest / "bench" / "sglang-verdict.json").read_text() == '{"repeats": 7}\n'
+        assert not (dest / "runs" / "sglang-verdict-795e3683-r2").exists() and not (dest / "logs" / "lease2").exists()
     else:
         done, want = _lease("import", str(tarball)), "usage: lease.sh import TARBALL NAME [LABEL]"
     assert done.returncode == 2 and want in done.stderr and len(done.stderr.strip().splitlines()) == 1
-    assert case in ("exists", "run_twice") or not dest.exists()
+    assert case in ("exists", "run_twice", "bench_twice") or not dest.exists()
     assert not dest.with_name("study.partial").exists()
 
 

@@ -209,6 +209,9 @@ import() {  # TARBALL NAME [LABEL]: runs, benches and logs into results/referenc
   trap "rm -rf '$tmp' '$dest.partial'" EXIT
   tar xzf "$tarball" -C "$tmp" 2> /dev/null || die "$tarball is not a poll's gzipped tar"
   for r in "$tmp"/results/runs/*/; do [ ! -e "$dest/runs/$(basename "$r")" ] || die "$dest holds $(basename "$r") already"; done
+  for r in "$tmp"/results/bench/*; do  # a bench of the same name would replace the earlier lease's record
+    [ ! -e "$dest/bench/$(basename "$r")" ] || die "$dest holds bench/$(basename "$r") already: import into a folder of its own"
+  done
   mkdir -p "$tmp/new" && { [ -z "$label" ] || cp -r "$dest/." "$tmp/new/"; }
   cp -r "$tmp"/results/. "$tmp/new/"
   mkdir -p "$tmp/new/logs/$label"

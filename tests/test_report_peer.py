@@ -47,7 +47,7 @@ def test_records_skip_job_records_and_refuse_what_is_not_one(tmp_path: Path) -> 
         ("TRL GRPOTrainer · gradient checkpointing off, vLLM awake", False, 8),  # file names' order
         ("TRL GRPOTrainer · gradient checkpointing off", False, 8),
         ("TRL GRPOTrainer · gradient checkpointing on (its default), vLLM awake", False, 8)]
-    assert got[0].rest() == pytest.approx([s["step_s"] - 3.0 - 2.0 - 0.2 for s in got[0].steps])
+    assert got[0].rest() == [pytest.approx([s["step_s"] - 3.0 - 2.0 - 0.2 for s in got[0].steps])]
     assert peer.records(tmp_path / "none") == []
     (tmp_path / "trl-x-bad.json").write_text(json.dumps({"tool": "trainer-bench"}))
     with pytest.raises(ValueError, match=r"trl-x-bad.json: not a record of `hybridrl peer-trl`"):
@@ -55,6 +55,30 @@ def test_records_skip_job_records_and_refuse_what_is_not_one(tmp_path: Path) -> 
     (tmp_path / "trl-x-bad.json").write_text(json.dumps({"tool": "peer-trl", "steps": [{"step": 1, "step_s": 1}]}))
     with pytest.raises(ValueError, match="trl-x-bad.json: no step after warm-up"):
         peer.records(tmp_path)
+
+
+def test_a_configurations_processes_pool_into_one_record_with_an_interval_over_them(tmp_path: Path) -> None:
+    """Replicates of one TRL configuration (trl-...-rK.json) are one row over processes and steps, not rows of
+    their own; the interval then holds the processes' spread, and the words count them."""
+    _trl(tmp_path, "defaults", 6.0)
+    _trl(tmp_path, "defaults-r2", 7.0)
+    _trl(tmp_path, "gc-off", 4.0, gc=False)
+    got = peer.records(tmp_path)
+    assert [(r.label, r.n) for r in got] == [("TRL GRPOTrainer · its defaults (gradient checkpointing on)", (2, 16)),
+                                             ("TRL GRPOTrainer · gradient checkpointing off", (1, 8))]
+    table = peer.phase_table(_ours(4.0), got, {"ours": "hybridrl"})
+    assert [r[-1].text for r in table.rows] == ["2 runs × 12 steps", "2 runs × 16 steps", "1 run × 8 steps"]
+    pooled = next(p for p in peer.pairs(_ours(4.0), got, {"ours": "hybridrl"}) if p.peer.defaults)
+    alone = peer.pairs(_ours(4.0), peer.records(_only(tmp_path, "defaults")), {"ours": "hybridrl"})[0]
+    assert pooled.est.hi - pooled.est.lo > 2 * (alone.est.hi - alone.est.lo)  # 6 s and 7 s processes
+    assert "(2 runs, 12 steps vs 2 runs, 16 steps)" in pooled.words
+
+
+def _only(bench: Path, name: str) -> Path:
+    one = bench / "only"
+    one.mkdir()
+    (one / f"trl-x-{name}.json").write_text((bench / f"trl-x-{name}.json").read_text())
+    return one
 
 
 def test_the_phase_table_sets_each_configuration_beside_each_record(tmp_path: Path) -> None:

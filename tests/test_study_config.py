@@ -280,6 +280,28 @@ def test_a_replicated_trainer_tools_processes_go_round_by_round(smoke, order: st
     assert [n.removeprefix("trainer-tiny-hf-").replace("-device-cpu", "") for n in names] == want
 
 
+def test_trls_replicates_are_processes_of_their_own_that_go_round_by_round(smoke):
+    smoke["order"] = "balanced"
+    trl = {"kind": "peer_trl", "run": "vllm-split", "micro_batch": 4, "replicates": 2}
+    smoke["measurements"] = [trl, {**trl, "gradient_checkpointing": False}]
+    study = resolve(smoke)
+    names = sorted((n for n in study.ranks if n.startswith("trl-")), key=study.ranks.get)
+    assert names == ["trl-vllm-split-defaults", "trl-vllm-split-gc-off", "trl-vllm-split-gc-off-r2",
+                     "trl-vllm-split-defaults-r2"]
+    smoke["defaults"]["replicates"] = 2
+    for m in smoke["measurements"]:
+        m["after_round"] = 1
+    study = resolve(smoke)
+    first, second = ([rid for rid in study.runs if rid.endswith("-r2") == (k == 2)] for k in (1, 2))
+    ranks = study.ranks  # process 1 between the rounds, process 2 after the second
+    assert max(ranks[r] for r in first) < ranks["trl-vllm-split-defaults"] < min(ranks[r] for r in second)
+    assert max(ranks[r] for r in second) < ranks["trl-vllm-split-defaults-r2"]
+    job = study.measurements["trl-vllm-split-gc-off-r2"]
+    argv = measure_argv(job, Inputs(run_config="c", model="m", data="d"))
+    assert job.replicate == 2 and argv[-2:] == ["--out", "results/bench/trl-vllm-split-gc-off-r2.json"]
+    assert argv[argv.index("--workdir") + 1] == "resources/trl/trl-vllm-split-gc-off-r2"  # none shared
+
+
 def test_a_start_bench_starts_its_runs_engine_both_ways_after_the_run(smoke):
     smoke["measurements"] = [{"kind": "start_bench", "run": "vllm-split", "repeats": 3}]
     study = resolve(smoke)

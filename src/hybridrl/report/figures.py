@@ -532,28 +532,32 @@ def _text(path: str) -> str:
     return (REPO / path).read_text(errors="replace")
 
 
-def _peer_steps(path: str, field: str = "step_s") -> list[float]:
-    """A TRL peer's timed steps after warm-up (its steps 1-2, as a run's), one field of each (peer_trl's JSON)."""
-    steps = [s for s in _json(path).get("steps") or [] if s.get("step", 0) > stats.WARMUP_STEPS]
-    values = [float(s[field]) for s in steps if s.get(field) is not None]
-    if not values:
-        raise ValueError(f"{path} has no {field!r} after step {stats.WARMUP_STEPS}")
-    return values
+def _peer_steps(path: str, field: str = "step_s") -> list[list[float]]:
+    """TRL peer processes' timed steps after warm-up (their steps 1-2, as a run's), one field of each (peer_trl's
+    JSON), process by process: PATH names one record, or several joined by '+' (a configuration's replicates)."""
+    out = []
+    for one in path.split("+"):
+        steps = [s for s in _json(one).get("steps") or [] if s.get("step", 0) > stats.WARMUP_STEPS]
+        values = [float(s[field]) for s in steps if s.get(field) is not None]
+        if not values:
+            raise ValueError(f"{one} has no {field!r} after step {stats.WARMUP_STEPS}")
+        out.append(values)
+    return out
 
 
 def peer_median(path: str, field: str = "step_s") -> str:
-    """A TRL peer's median step (or phase) after warm-up, with a bootstrap 95% interval over its steps (one
-    process: step-to-step noise only): '6.21 [6.02, 6.40]'."""
-    est = stats.hierarchical_median([_peer_steps(path, field)])
+    """A TRL peer's median step (or phase) after warm-up, with a bootstrap 95% interval over its processes and
+    their steps (one process: step-to-step noise only): '6.21 [6.02, 6.40]'."""
+    est = stats.hierarchical_median(_peer_steps(path, field))
     return f"{_fmt(est.value)} [{_fmt(est.lo)}, {_fmt(est.hi)}]"
 
 
 def peer_ratio(study: str, name: str, path: str, column: str = COMPARED_STEP) -> str:
     """hybridrl's configuration against a TRL peer: its steady-state median of `column` (the compared step) over
-    the peer's median step, with the interval resampling hybridrl's runs and steps and the peer's steps (one
-    process, one level): '0.41x [0.38, 0.44]', below 1 where hybridrl's step is shorter."""
+    the peer's median step, with the interval resampling hybridrl's runs and steps and the peer's processes and
+    steps: '0.41x [0.38, 0.44]', below 1 where hybridrl's step is shorter."""
     ours = stats.per_run(_steady(study, name, column), column)
-    return wording.ratio_text(stats.hierarchical_ratio(ours, [_peer_steps(path)]))
+    return wording.ratio_text(stats.hierarchical_ratio(ours, _peer_steps(path)))
 
 
 def setup_table(study: str) -> str:

@@ -31,17 +31,29 @@ class BenchRecordError(ValueError):
 
 @dataclass(frozen=True)
 class PeerRecord:
-    """One TRL configuration's process: its label, which TRL configuration, and its steps after warm-up."""
+    """One TRL configuration: its label, whether it is TRL's defaults, and the steps after warm-up of each of its
+    processes (one a result file; a configuration's replicates, trl-...-rK.json, pool into one record)."""
 
     label: str
     defaults: bool
-    steps: list[dict[str, Any]]
+    processes: tuple[list[dict[str, Any]], ...]
 
-    def values(self, field: str) -> list[float]:
-        return [float(s[field]) for s in self.steps if s.get(field) is not None]
+    @property
+    def steps(self) -> list[dict[str, Any]]:
+        return [s for p in self.processes for s in p]
 
-    def rest(self) -> list[float]:
-        return [float(s["step_s"]) - sum(float(s.get(f) or 0.0) for _, _, f in PHASES[1:]) for s in self.steps]
+    def values(self, field: str) -> list[list[float]]:
+        """One field's values, process by process (the two levels a hierarchical interval resamples)."""
+        return [[float(s[field]) for s in p if s.get(field) is not None] for p in self.processes]
+
+    def rest(self) -> list[list[float]]:
+        return [[float(s["step_s"]) - sum(float(s.get(f) or 0.0) for _, _, f in PHASES[1:]) for s in p]
+                for p in self.processes]
+
+    @property
+    def n(self) -> tuple[int, int]:
+        """(processes, steps), as a configuration's (runs, steps)."""
+        return len(self.processes), len(self.steps)
 
 
 def measurement_files(bench_dir: Path, prefix: str) -> list[Path]:
@@ -59,9 +71,10 @@ def _label(settings: dict[str, Any]) -> tuple[str, bool]:
 
 
 def records(bench_dir: Path) -> list[PeerRecord]:
-    """The study's TRL records, by file name; a file that is not one, or one without a step after warm-up, is an
-    error naming it."""
-    out = []
+    """The study's TRL configurations, in the order of their first file's name, each with every process that ran
+    it (files whose settings give one label); a file that is not a record, or one without a step after warm-up,
+    is an error naming it."""
+    found: dict[str, tuple[bool, list[list[dict[str, Any]]]]] = {}
     for path in measurement_files(bench_dir, "trl-"):
         try:
             data = json.loads(path.read_text())
@@ -73,8 +86,8 @@ def records(bench_dir: Path) -> list[PeerRecord]:
         if not steps:
             raise BenchRecordError(f"{path}: no step after warm-up (steps 1-{stats.WARMUP_STEPS})")
         label, defaults = _label(data.get("settings") or {})
-        out.append(PeerRecord(label, defaults, steps))
-    return out
+        found.setdefault(label, (defaults, []))[1].append(steps)
+    return [PeerRecord(label, defaults, tuple(processes)) for label, (defaults, processes) in found.items()]
 
 
 def _ours(steady: pd.DataFrame, column: str) -> list[pd.Series]:
@@ -88,13 +101,13 @@ def _ours(steady: pd.DataFrame, column: str) -> list[pd.Series]:
 
 
 def _theirs(record: PeerRecord, field: str) -> list[list[float]]:
-    return [record.rest() if field == REST else record.values(field)]
+    return record.rest() if field == REST else record.values(field)
 
 
 def phase_rows(df: pd.DataFrame, peers: list[PeerRecord],
                labels: dict[str, str]) -> list[tuple[str, list[stats.Estimate]]]:
     """Each configuration, then each TRL record: the median [95% CI] of the step, each phase and the rest, over
-    steady-state steps (hybridrl: over runs and steps; TRL: one process, over its steps)."""
+    steady-state steps (hybridrl: over runs and steps; TRL: over its processes and their steps)."""
     rows = []
     for config_id, config in stats.steady_state(df).groupby("config_id", sort=True):
         rows.append((labels.get(str(config_id), str(config_id)),
@@ -116,7 +129,7 @@ def phase_table(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str
 
 
 def _best(peers: list[PeerRecord]) -> PeerRecord:
-    return min(peers, key=lambda p: stats.hierarchical_median([p.values("step_s")]).value)
+    return min(peers, key=lambda p: stats.hierarchical_median(p.values("step_s")).value)
 
 
 @dataclass(frozen=True)
@@ -134,16 +147,17 @@ def short(label: str) -> str:
 
 
 def pairs(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str]) -> list[PeerPair]:
-    """Every configuration against every TRL record, resampling hybridrl's runs and steps and TRL's steps."""
+    """Every configuration against every TRL record, resampling hybridrl's runs and steps and TRL's processes and
+    steps."""
     out = []
     for config_id, config in stats.steady_state(df).groupby("config_id", sort=True):
         ours = stats.per_run(config, COMPARED_STEP)
         name = labels.get(str(config_id), str(config_id))
         n_ours = (len(ours), sum(int(s.notna().sum()) for s in ours))
         for peer in peers:
-            est = stats.hierarchical_ratio(ours, [peer.values("step_s")])
+            est = stats.hierarchical_ratio(ours, peer.values("step_s"))
             words = wording.conclusion("Step time, checks excluded", name, short(peer.label), est, n_ours,
-                                       (1, len(peer.steps)), higher_is_better=False)
+                                       peer.n, higher_is_better=False)
             out.append(PeerPair(name, peer, est, words))
     return out
 

@@ -379,12 +379,16 @@ def job_ranks(order: list[tuple[str, RunConfig, int]], measurements: Mapping[str
     """Each run's and measurement's place in the study's order (1 first): the runs as `interleaved` orders them,
     each measurement after the round its `after_round` names (else after every run), in the file's order. The
     processes of replicated trainer tools placed there together go round by round as runs do (A1 B1 A2 B2, or
-    A1 B1 B2 A2 when balanced), so that no setting has all of its processes first."""
+    A1 B1 B2 A2 when balanced), so that no setting has all of its processes first; a TRL peer's process K goes
+    one round later than its process K - 1, beside the runs it is set against."""
     last = max((k for *_, k in order), default=0)
     keyed = [((k, 0, 0, i), rid) for i, (rid, _, k) in enumerate(order)]
     for i, (name, job) in enumerate(measurements.items()):
         within = -i if balanced and job.replicate % 2 == 0 else i
-        keyed.append(((min(job.spec.after_round or last, last), 1, job.replicate, within), name))
+        after = job.spec.after_round or last
+        if job.kind == "peer_trl":  # TRL's process K after round K's runs: a drift of the host falls on both sides
+            after += job.replicate - 1
+        keyed.append(((min(after, last), 1, job.replicate, within), name))
     return {name: rank for rank, (_, name) in enumerate(sorted(keyed), 1)}
 
 

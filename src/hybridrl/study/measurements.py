@@ -2,8 +2,8 @@
 
 The Snakefile turns each into a job (workflow/rules/measure.smk); its result lands in results/bench/<name>.<ext>,
 named as the committed studies name theirs: <run>.json (engine bench), client-ceiling.json, fault-<run>.json,
-trainer-<shape>-<trainer>-mb<N>[-flag...][-rK].json, profile-....txt, trl-<run>-<defaults|gc-on|gc-off>[-awake].json
-and start-<run>.json.
+trainer-<shape>-<trainer>-mb<N>[-flag...][-rK].json, profile-....txt,
+trl-<run>-<defaults|gc-on|gc-off>[-awake][-rK].json and start-<run>.json.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ BENCH_DIR = "results/bench"
 class MeasureJob:
     """One measurement job: `name` is its result's stem; `run_id` the run it replays or trains (None for the
     trainer tools and the client's ceiling); `gpus` what it needs on CUDA; `device` where it runs; `replicate`
-    which process of a trainer tool's `replicates` it is (1 for every other kind)."""
+    which process of a trainer tool's or TRL peer's `replicates` it is (1 for every other kind)."""
 
     name: str
     spec: EngineBench | ClientCeiling | TrainerBench | FaultRun | PeerTrl | StartBench
@@ -92,7 +92,7 @@ def resolve_measurements(specs: Sequence[Measurement], runs: Mapping[str, RunCon
             run = runs[rid]
             if run.device == "cuda" and run.tp != 1:
                 raise ValueError(f"{at}.run: {spec.run} has tp {run.tp}; TRL's peer mirrors one-GPU runs")
-            new = [MeasureJob(spec.result_name, spec, rid, 1, run.device)]
+            new = [MeasureJob(name, spec, rid, 1, run.device, k) for k, name in enumerate(spec.result_names, 1)]
         elif isinstance(spec, StartBench):
             rid = _run_of(spec, names, at)
             new = [MeasureJob(f"start-{spec.run}", spec, rid, runs[rid].tp, runs[rid].device)]

@@ -203,11 +203,19 @@ class PeerTrl(_Measurement):
     micro_batch: int = Field(32, ge=1, description="completions a forward (TRL's per_device_train_batch_size); it "
                                                    "must divide prompts_per_step x group_size, the rest accumulates "
                                                    "into one optimizer step")
+    replicates: int = Field(1, ge=1, description="processes of their own, each a result file (-rK), which the "
+                                                 "report pools into one configuration (intervals over processes); "
+                                                 "process K goes after round after_round + K - 1")
 
     @property
     def result_name(self) -> str:
         gc = {None: "defaults", True: "gc-on", False: "gc-off"}[self.gradient_checkpointing]
         return self.name or f"trl-{self.run}-{gc}" + ("" if self.vllm_sleep else "-awake")
+
+    @property
+    def result_names(self) -> list[str]:
+        """result_name, then result_name-rK for process K > 1 of `replicates`."""
+        return [self.result_name + (f"-r{k}" if k > 1 else "") for k in range(1, self.replicates + 1)]
 
 
 class StartBench(_Measurement):

@@ -183,3 +183,20 @@ def test_a_bad_trl_record_stops_the_report_with_one_line_naming_it(tmp_path: Pat
         main(["report", "--table", str(study / "steps.csv"), "--md", str(study / "report.md"), "--html",
               str(study / "report.html"), "--plots", str(study / "plots"), "--title", "t"])
     assert (study / "report.md").read_text() == "kept\n"  # nothing already written is lost
+
+
+def test_the_peer_figures_pool_records_joined_by_plus() -> None:
+    """Two leases' processes of TRL's defaults (5.31 s and 4.37 s a step) pooled: a median between theirs, and an
+    interval over both processes that holds each one's median."""
+    from hybridrl.report import figures
+
+    a, b = (f"results/reference/{s}/bench/trl-vllm-inprocess-peer-defaults.json"
+            for s in ("2026-11-28-h200-peer", "2026-11-29-h200-peer"))
+    medians = [float(figures.peer_median(p).split()[0]) for p in (a, b)]
+    pooled = figures.peer_median(f"{a}+{b}")
+    value, lo, hi = (float(x) for x in pooled.replace("[", "").replace("]", "").replace(",", "").split())
+    assert min(medians) < value < max(medians) and lo <= min(medians) and hi >= max(medians)
+    ours = figures.peer_ratio("results/reference/2026-11-29-h200-peer", "sglang-peer-awake-863ba334", f"{a}+{b}")
+    assert ours != figures.peer_ratio("results/reference/2026-11-29-h200-peer", "sglang-peer-awake-863ba334", b)
+    with pytest.raises(ValueError, match="no 'nothing' after step 2"):
+        figures.peer_median(f"{a}+{b}", "nothing")

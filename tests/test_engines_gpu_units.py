@@ -249,6 +249,7 @@ def test_both_vllm_engines_start_with_the_same_flags(model_dir: Path, tmp_path: 
 def test_inprocess_sampling_kwargs():
     kw = sampling_kwargs(Sampling(temperature=0.5, max_new_tokens=9, ignore_eos=True, seed=3))
     assert kw["max_tokens"] == 9 and kw["logprobs"] == 0 and kw["seed"] == 3 and kw["ignore_eos"] is True
+    assert kw["detokenize"] is True  # vLLM's default, unless the run says otherwise (vllm_detokenize)
 
 
 class _LP:
@@ -519,3 +520,41 @@ def test_inprocess_timing_reads_vllms_request_stats_like_the_server():
     stats = SimpleNamespace(queued_ts=10.0, scheduled_ts=10.04, first_token_ts=10.25, last_token_ts=12.1625)
     assert stats_timing(stats, 256) == pytest.approx((0.25, 1.9125 / 255))
     assert all(math.isnan(x) for x in stats_timing(None, 256))  # stats off: unknown
+
+
+@pytest.mark.parametrize("detokenize", [True, False])
+def test_inprocess_asks_vllm_for_text_only_where_the_run_does(model_dir: Path, tmp_path: Path, monkeypatch,
+                                                               detokenize: bool):
+    """The run's vllm_detokenize reaches every request's SamplingParams; the completion is token ids and
+    logprobs either way (the run decodes them in its reward phase)."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    class SamplingParams:
+        def __init__(self, **kw) -> None:
+            self.kw = kw
+
+    vllm, sampling = ModuleType("vllm"), ModuleType("vllm.sampling_params")
+    vllm.SamplingParams = SamplingParams
+    sampling.RequestOutputKind = SimpleNamespace(DELTA="delta", FINAL_ONLY="final")
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sampling)
+    seen: list[dict] = []
+
+    class FakeLLM:
+        async def generate(self, prompt, params, request_id, lora_request=None):
+            seen.append(params.kw)
+            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[4, 5], logprobs=[{4: _LP(-0.5)}, {5: _LP(-1.0)}],
+                                                           finish_reason="length")])
+
+        def shutdown(self) -> None:
+            pass
+
+    eng = VLLMInProcess(model_dir, _run(engine="vllm-inprocess", vllm_detokenize=detokenize), {}, tmp_path)
+    eng.llm = FakeLLM()
+    try:
+        done = eng.generate([Request([1, 2], Sampling(max_new_tokens=2))])
+    finally:
+        eng.stop()
+    assert [kw["detokenize"] for kw in seen] == [detokenize]
+    assert (done[0].token_ids, done[0].logprobs, done[0].finish_reason) == ([4, 5], [-0.5, -1.0], "length")

@@ -729,6 +729,17 @@ def test_an_engine_that_stays_awake_is_its_own_arm_and_pairs_only_with_another_a
         "colocate", "colocate, engine awake"]
 
 
+def test_in_process_vllm_without_text_is_labelled_apart_from_its_twin_with_text() -> None:
+    from hybridrl.report.plots import config_labels
+
+    runs = [headline_run(rid, "vllm-inprocess") for rid in ("vllm-colocate-aaaa1111", "vllm-colocate-bbbb2222")]
+    for run, detok in zip(runs, (None, False), strict=True):  # the first recorded before the key: it made text
+        run["engine_sleep"], run["vllm_detokenize"] = False, detok
+    assert config_labels(headline_study(*runs)) == {
+        "vllm-colocate-aaaa1111": "vllm-inprocess · stays awake",
+        "vllm-colocate-bbbb2222": "vllm-inprocess · stays awake · token ids only"}
+
+
 def test_transition_times_are_compared_only_between_releases_that_move_the_same_bytes() -> None:
     from hybridrl.report.comparisons import NO_VLLM_KV_ONLY, transitions
     from hybridrl.report.plots import run_labels

@@ -314,3 +314,15 @@ def test_a_start_bench_starts_its_runs_engine_both_ways_after_the_run(smoke):
     smoke["measurements"] = [{"kind": "start_bench", "run": "vllm-split", "repeats": 1}]
     with pytest.raises(ConfigError, match="repeats"):
         resolve(smoke)
+
+
+def test_vllm_detokenize_is_in_process_vllms_and_gives_a_run_an_id_of_its_own(smoke):
+    smoke["defaults"]["vllm_detokenize"] = False
+    with pytest.raises(ConfigError, match=r"vllm_detokenize: only in-process vLLM detokenizes in the controller"):
+        resolve(smoke)
+    from hybridrl.study.run_config import RunConfig, run_id
+
+    run = RunConfig.model_validate({"engine": "vllm-inprocess", "placement": "colocate", "model": "m"})
+    off = run.model_copy(update={"vllm_detokenize": False})
+    assert run_id(off) != run_id(run)  # a run without vLLM's text is not a replicate of one with it
+    assert run_id(run) == run_id(run.model_copy(update={"vllm_detokenize": True}))  # the default keeps old ids

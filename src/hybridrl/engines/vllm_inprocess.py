@@ -41,11 +41,12 @@ def stats_timing(stats: Any, tokens: int) -> tuple[float, float]:
                         tokens)
 
 
-def sampling_kwargs(s: Sampling) -> dict[str, Any]:
-    """vLLM SamplingParams for one request, with the sampled token's logprob (the output kind is the caller's)."""
+def sampling_kwargs(s: Sampling, detokenize: bool = True) -> dict[str, Any]:
+    """vLLM SamplingParams for one request, with the sampled token's logprob (the output kind is the caller's);
+    detokenize false: token ids and logprobs only, no text made in this process."""
     kw: dict[str, Any] = {
         "n": 1, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-        "max_tokens": s.max_new_tokens, "ignore_eos": s.ignore_eos, "logprobs": 0,
+        "max_tokens": s.max_new_tokens, "ignore_eos": s.ignore_eos, "logprobs": 0, "detokenize": detokenize,
     }
     if s.seed is not None:
         kw["seed"] = s.seed
@@ -235,7 +236,7 @@ class VLLMInProcess:
             return out
         # a request that is not streamed comes back once, whole: no per-token work in this process
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        params = SamplingParams(**sampling_kwargs(req.sampling), output_kind=kind)
+        params = SamplingParams(**sampling_kwargs(req.sampling, self.run.vllm_detokenize), output_kind=kind)
         out.streamed = req.stream
         async with sem:
             t0 = time.perf_counter()

@@ -26,7 +26,7 @@ from hybridrl.report.placements import pairings as placement_pairings  # noqa: E
 from hybridrl.report.stats import WARMUP_STEPS, run_order, steady_state, unattributed_s, with_ids  # noqa: E402
 from hybridrl.run.record import PHASE_KEYS as PHASES  # noqa: E402
 
-LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp", "release"]
+LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp", "release", "vllm_detokenize"]
 PHASE_COLORS = {
     "timing_s/prepare": "#A6C8E0", "timing_s/gen": "#4C72B0", "timing_s/reward": "#DD8452", "timing_s/sleep": "#937860",
     "timing_s/trainer_onload": "#8C8C3C", "timing_s/update_actor": "#55A868", "timing_s/save_adapter": "#64B5CD",
@@ -58,11 +58,17 @@ def run_labels(df: pd.DataFrame) -> dict[str, str]:
     fields = [f for f in LABEL_FIELDS if f in df.columns]
     first = df.drop_duplicates("run_id").set_index("run_id")
     runs = first[fields].astype(object).fillna("").astype(str)
+    if "vllm_detokenize" in fields:  # named only where in-process vLLM made no text; runs before the key made it
+        off = first["vllm_detokenize"].map(lambda v: v is False or (isinstance(v, int | float) and v == 0))
+        runs["vllm_detokenize"] = off.map({True: "token ids only", False: ""})
     if "placement" in fields:  # a split whose rollouts run ahead is its own arm
         named = pd.Series([placement_name(row) for _, row in first.iterrows()], index=first.index, dtype=object)
         runs["placement"] = named.where(runs["placement"] != "", "")
     varying = [f for f in fields if runs[f].nunique() > 1] or ["engine", "placement"]
     labels = {rid: " · ".join(v for v in runs.loc[rid, varying] if v) for rid in runs.index}
+    if not all(labels.values()):  # a field only some runs name (token ids only): the rest read as their engine
+        varying = [f for f in ("engine", "release") if f in fields and f not in varying] + varying
+        labels = {rid: " · ".join(v for v in runs.loc[rid, varying] if v) for rid in runs.index}
     if len(set(labels.values())) < len(labels):  # same config, different seed or parameter
         labels = {rid: f"{lab} ({str(rid).rsplit('-', 1)[-1]})" for rid, lab in labels.items()}
     return labels

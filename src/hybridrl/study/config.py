@@ -203,6 +203,9 @@ def _check_run(run: RunConfig, where: str) -> None:
     if run.overlap and run.placement != "split":
         raise ConfigError(f"{where}.overlap: rollout and training overlap only on separate GPUs (placement: split), "
                           f"not with {run.placement}")
+    if not run.vllm_detokenize and run.engine != "vllm-inprocess":
+        raise ConfigError(f"{where}.vllm_detokenize: only in-process vLLM detokenizes in the controller's process "
+                          f"(engine {run.engine} does it in its own); drop the key")
     if run.rollout_process and run.engine == "vllm-inprocess":
         raise ConfigError(f"{where}.rollout_process: vllm-inprocess has no rollout client to move (it generates in "
                           "the controller's own process); use engine vllm or sglang, or drop the key")

@@ -138,6 +138,7 @@ def test_foreign_rows_are_zero_and_change_nothing_of_the_local_experts(groups: P
         grouped.foreign_rows = True
         extra = torch.full((6, HIDDEN), 1e30)  # another rank's rows: large, and never to be multiplied
         g = torch.cat([alone["grad_out"], torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(3))])
+        _poison(n + 6, 2 * FFN, HIDDEN)  # the kernel's unwritten rows then hold NaN, as freed memory may
         both = _run(grouped, torch.cat([x, extra]), counts, torch.cat([probs, torch.rand(6)]), g)
     finally:
         monkeypatch.undo()
@@ -149,6 +150,15 @@ def test_foreign_rows_are_zero_and_change_nothing_of_the_local_experts(groups: P
     _close(grouped.fc1_weight.grad, w1, torch.float32)
     _close(grouped.fc2_weight.grad, w2, torch.float32)
     assert torch.isfinite(grouped.fc1_weight.grad).all() and torch.isfinite(both["dprobs"]).all()
+    assert torch.equal(both["dprobs"][n:], torch.zeros(6)) and torch.equal(both["dx"][n:], torch.zeros(6, HIDDEN))
+
+
+def _poison(rows: int, *widths: int) -> None:
+    """Free memory of the sizes the next activations take, filled with NaN: the allocator hands it out again, so a
+    kernel's unwritten rows read as NaN instead of whatever was there (CI saw one in dprobs)."""
+    for width in widths:
+        junk = [torch.full((rows, width), float("nan")) for _ in range(8)]
+        del junk
 
 
 def test_misaligned_shapes_fall_back_to_the_loop(groups: ProcessGroupCollection) -> None:

@@ -12,8 +12,9 @@ Like SequentialMLP with explicit expert communication, the module itself does no
 dispatcher gathers the tokens before and reduce-scatters the partial outputs after.
 
 With `foreign_rows` (an expert-parallel dispatcher that keeps every token's rows, dispatch.py's masked) the rows
-after the last local expert's belong to other ranks: the grouped kernel leaves them unwritten, so they are masked
-to zero after each projection, which also keeps whatever they hold out of the gradients.
+after the last local expert's belong to other ranks: the grouped kernel leaves them unwritten, in its output and in
+its input's gradient, so they are masked to zero before and after each projection, which keeps whatever they hold
+out of the outputs and of every gradient.
 
 Where the grouped kernel cannot run (no such op in this torch, a dtype or device it does not take, or strides
 that are not 16-byte multiples) the same weights go through an exact per-expert loop.
@@ -106,8 +107,10 @@ class GroupedExperts(MegatronModule):
                 x = x.clone()
             mm = grouped_mm.grouped_mm_fn()
             own = (torch.arange(x.shape[0], device=x.device) < offs[-1]).unsqueeze(-1) if self.foreign_rows else None
-            h = self._own(own, _ContiguousGrad.apply(mm(x, self.fc1_weight.transpose(1, 2), offs=offs)))
-            h = self._activate(h, permuted_probs)
+            # each kernel leaves the rows past offs[-1] unwritten going forward and, for its input's gradient, going
+            # back: masking its input as well as its output keeps whatever those rows hold out of both directions
+            h = _ContiguousGrad.apply(mm(self._own(own, x), self.fc1_weight.transpose(1, 2), offs=offs))
+            h = self._own(own, self._activate(self._own(own, h), permuted_probs))
             out = self._own(own, _ContiguousGrad.apply(mm(h, self.fc2_weight.transpose(1, 2), offs=offs)))
             return out, None
         counts = tokens_per_expert.to("cpu", torch.int64)

@@ -121,13 +121,13 @@ def release_arm(engine: Any, placement: Any, sglang_release: Any, vllm_sleep_lev
     engine, placement = (None if _missing(v) else str(v) for v in (engine, placement))
     if placement != "colocate":
         return None
-    if _to_bool(engine_sleep) is False:
+    if to_bool(engine_sleep) is False:
         return AWAKE
     if engine == "sglang":
         if str(sglang_release) == "kv_cache":
             return "kv-only"
         if str(sglang_release) == "all":
-            return "full release" if _to_bool(retain_cpu_backup) is True else "full release, re-pinned"
+            return "full release" if to_bool(retain_cpu_backup) is True else "full release, re-pinned"
         return None
     if engine in ("vllm", "vllm-inprocess") and not _missing(vllm_sleep_level):
         return f"level {int(vllm_sleep_level)}"
@@ -145,8 +145,8 @@ def rollout_client(engine: Any, stream_fraction: Any, shared_pool: Any, rollout_
     streamed = "every request streamed" if share >= 1 else "none streamed" if share <= 0 else f"{share:g} streamed"
     if str(engine) == "vllm-inprocess":  # no HTTP client: nothing to pool
         return streamed
-    pool = "one shared pool" if _to_bool(shared_pool) is True else "a connection per slot"
-    worker = ", in a worker process" if _to_bool(rollout_process) is True else ""
+    pool = "one shared pool" if to_bool(shared_pool) is True else "a connection per slot"
+    worker = ", in a worker process" if to_bool(rollout_process) is True else ""
     return f"{streamed}, {pool}{worker}"
 
 
@@ -259,7 +259,8 @@ def _missing(value: Any) -> bool:
     return not isinstance(value, list | dict | tuple) and bool(pd.isna(value))
 
 
-def _to_bool(value: Any) -> Any:
+def to_bool(value: Any) -> Any:
+    """A recorded flag as True or False, whether it was read as a bool, a number or a string; pd.NA where missing."""
     if _missing(value):
         return pd.NA
     if isinstance(value, str):
@@ -297,7 +298,7 @@ def normalise(df: pd.DataFrame) -> pd.DataFrame:
     for col in NUMBERS:
         df[col] = pd.to_numeric(df[col], errors="coerce")
     for col in BOOLS:
-        df[col] = df[col].map(_to_bool).astype("boolean")
+        df[col] = df[col].map(to_bool).astype("boolean")
     extras = sorted(c for c in df.columns if c not in KNOWN)
     for col in extras:
         df[col] = _tidy_extra(df[col])

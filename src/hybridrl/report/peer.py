@@ -70,21 +70,27 @@ def _label(settings: dict[str, Any]) -> tuple[str, bool]:
     return f"TRL GRPOTrainer · gradient checkpointing {gc_words}" + (", vLLM awake" if awake else ""), False
 
 
+def timed_steps(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One TRL record and its steps after warm-up; a file that is not a record, or one without such a step, is an
+    error naming it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BenchRecordError(f"{path}: not a readable TRL record ({exc})") from None
+    if not isinstance(data, dict) or data.get("tool") != "peer-trl":
+        raise BenchRecordError(f"{path}: not a record of `hybridrl peer-trl` (no tool: peer-trl)")
+    steps = [s for s in data.get("steps") or [] if s.get("step", 0) > stats.WARMUP_STEPS]
+    if not steps:
+        raise BenchRecordError(f"{path}: no step after warm-up (steps 1-{stats.WARMUP_STEPS})")
+    return data, steps
+
+
 def records(bench_dir: Path) -> list[PeerRecord]:
     """The study's TRL configurations, in the order of their first file's name, each with every process that ran
-    it (files whose settings give one label); a file that is not a record, or one without a step after warm-up,
-    is an error naming it."""
+    it (files whose settings give one label); a file that is not a record is an error naming it (timed_steps)."""
     found: dict[str, tuple[bool, list[list[dict[str, Any]]]]] = {}
     for path in measurement_files(bench_dir, "trl-"):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise BenchRecordError(f"{path}: not a readable TRL record ({exc})") from None
-        if not isinstance(data, dict) or data.get("tool") != "peer-trl":
-            raise BenchRecordError(f"{path}: not a record of `hybridrl peer-trl` (no tool: peer-trl)")
-        steps = [s for s in data.get("steps") or [] if s.get("step", 0) > stats.WARMUP_STEPS]
-        if not steps:
-            raise BenchRecordError(f"{path}: no step after warm-up (steps 1-{stats.WARMUP_STEPS})")
+        data, steps = timed_steps(path)
         label, defaults = _label(data.get("settings") or {})
         found.setdefault(label, (defaults, []))[1].append(steps)
     return [PeerRecord(label, defaults, tuple(processes)) for label, (defaults, processes) in found.items()]

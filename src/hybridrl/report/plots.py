@@ -18,7 +18,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from hybridrl.report.aggregate import atomic_path, placement_name  # noqa: E402
+from hybridrl.report.aggregate import atomic_path, placement_name, to_bool  # noqa: E402
 from hybridrl.report.learning import evals, replicate_curve, replicated, with_wall_clock  # noqa: E402
 from hybridrl.report.placements import METRICS as PLACEMENT_METRICS  # noqa: E402
 from hybridrl.report.placements import groups as placement_groups  # noqa: E402
@@ -59,16 +59,14 @@ def run_labels(df: pd.DataFrame) -> dict[str, str]:
     first = df.drop_duplicates("run_id").set_index("run_id")
     runs = first[fields].astype(object).fillna("").astype(str)
     if "vllm_detokenize" in fields:  # named only where in-process vLLM made no text; runs before the key made it
-        off = first["vllm_detokenize"].map(lambda v: v is False or (isinstance(v, int | float) and v == 0))
-        runs["vllm_detokenize"] = off.map({True: "token ids only", False: ""})
+        runs["vllm_detokenize"] = ["token ids only" if to_bool(v) is False else "" for v in first["vllm_detokenize"]]
     if "placement" in fields:  # a split whose rollouts run ahead is its own arm
         named = pd.Series([placement_name(row) for _, row in first.iterrows()], index=first.index, dtype=object)
         runs["placement"] = named.where(runs["placement"] != "", "")
     varying = [f for f in fields if runs[f].nunique() > 1] or ["engine", "placement"]
+    if (runs[varying] == "").all(axis=1).any():  # a field only some runs name (token ids only): the rest read as
+        varying = [f for f in ("engine", "release") if f in fields and f not in varying] + varying  # their engine
     labels = {rid: " · ".join(v for v in runs.loc[rid, varying] if v) for rid in runs.index}
-    if not all(labels.values()):  # a field only some runs name (token ids only): the rest read as their engine
-        varying = [f for f in ("engine", "release") if f in fields and f not in varying] + varying
-        labels = {rid: " · ".join(v for v in runs.loc[rid, varying] if v) for rid in runs.index}
     if len(set(labels.values())) < len(labels):  # same config, different seed or parameter
         labels = {rid: f"{lab} ({str(rid).rsplit('-', 1)[-1]})" for rid, lab in labels.items()}
     return labels

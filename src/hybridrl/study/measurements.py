@@ -47,13 +47,18 @@ class MeasureJob:
         return f"{BENCH_DIR}/{self.name}.{'txt' if self.kind == 'trainer_profile' else 'json'}"
 
 
+def replicate_names(base: str, replicates: int) -> list[str]:
+    """One result stem a process: base, then base-rK for process K > 1."""
+    return [base + (f"-r{k}" if k > 1 else "") for k in range(1, replicates + 1)]
+
+
 def trainer_tool_names(spec: TrainerBench) -> list[str]:
     """trainer-SHAPE-TRAINER-mbN[-FLAG...] (profile-... for a profile), -rK for process K > 1 of `replicates`;
     KEY=VALUE flags as KEY-VALUE (no '=' in a file name)."""
     prefix = "trainer" if spec.kind == "trainer_bench" else "profile"
     base = "-".join([f"{prefix}-{spec.shape}-{spec.trainer}-mb{spec.micro_batch}",
                      *(f.replace("=", "-") for f in spec.flags)])
-    return [base + (f"-r{k}" if k > 1 else "") for k in range(1, spec.replicates + 1)]
+    return replicate_names(base, spec.replicates)
 
 
 def trainer_tool_gpus(spec: TrainerBench, where: str = "measurement") -> int:
@@ -92,7 +97,8 @@ def resolve_measurements(specs: Sequence[Measurement], runs: Mapping[str, RunCon
             run = runs[rid]
             if run.device == "cuda" and run.tp != 1:
                 raise ValueError(f"{at}.run: {spec.run} has tp {run.tp}; TRL's peer mirrors one-GPU runs")
-            new = [MeasureJob(name, spec, rid, 1, run.device, k) for k, name in enumerate(spec.result_names, 1)]
+            new = [MeasureJob(name, spec, rid, 1, run.device, k)
+                   for k, name in enumerate(replicate_names(spec.result_name, spec.replicates), 1)]
         elif isinstance(spec, StartBench):
             rid = _run_of(spec, names, at)
             new = [MeasureJob(f"start-{spec.run}", spec, rid, runs[rid].tp, runs[rid].device)]

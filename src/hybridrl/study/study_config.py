@@ -212,11 +212,6 @@ class PeerTrl(_Measurement):
         gc = {None: "defaults", True: "gc-on", False: "gc-off"}[self.gradient_checkpointing]
         return self.name or f"trl-{self.run}-{gc}" + ("" if self.vllm_sleep else "-awake")
 
-    @property
-    def result_names(self) -> list[str]:
-        """result_name, then result_name-rK for process K > 1 of `replicates`."""
-        return [self.result_name + (f"-r{k}" if k > 1 else "") for k in range(1, self.replicates + 1)]
-
 
 class StartBench(_Measurement):
     """A run's engine started through hybridrl against the same engine started bare by its own command line

@@ -535,11 +535,10 @@ def _text(path: str) -> str:
 def _peer_steps(path: str, field: str = "step_s") -> list[list[float]]:
     """TRL peer processes' timed steps after warm-up (their steps 1-2, as a run's), one field of each (peer_trl's
     JSON), process by process: PATH names one record, or several joined by '+' (a configuration's replicates)."""
-    from hybridrl.report.peer import timed_steps
-
     out = []
     for one in path.split("+"):
-        values = [float(s[field]) for s in timed_steps(REPO / one)[1] if s.get(field) is not None]
+        steps = [s for s in _json(one).get("steps") or [] if s.get("step", 0) > stats.WARMUP_STEPS]
+        values = [float(s[field]) for s in steps if s.get(field) is not None]
         if not values:
             raise ValueError(f"{one} has no {field!r} after step {stats.WARMUP_STEPS}")
         out.append(values)

@@ -119,6 +119,7 @@ def _machine(tmp: Path, runs: tuple[str, ...], seed: int = 0) -> Path:
     work = tmp / "work"
     for i, rid in enumerate(runs):
         run = write_run(work / "results", rid, rid.split("-")[0], "colocate", seed=seed + i)
+        (run / "config.json").write_text(json.dumps({"run_id": rid}) + "\n")
         (run / "requests").mkdir()
         (run / "requests" / "step-0001.jsonl").write_text(json.dumps({"request": 0, "tokens": 5}) + "\n")
         (run / "adapters" / "step-1").mkdir(parents=True)
@@ -174,6 +175,11 @@ def test_an_import_becomes_a_reference_folder_and_a_later_lease_adds_to_it(tmp_p
     assert "# hybridrl study" in (dest / "report.md").read_text()
     later_work = _machine(tmp_path / "b", ("sglang-verdict-795e3683-r3",), seed=1)
     (later_work / "results" / "bench" / "sglang-verdict.json").rename(later_work / "results" / "bench" / "b.json")
+    held = dest / "runs" / "sglang-verdict-795e3683"  # a measurement's input there: its run's config only, the same
+    (later_work / "results" / "runs" / held.name).mkdir()
+    (later_work / "results" / "runs" / held.name / "config.json").write_text(
+        json.dumps({"run_id": held.name, "run": {"a_key_added_since": True}})
+    )
     later = _pack(later_work, tmp_path / "b.tgz")
     added = _lease("import", str(later), str(dest), "lease2")
     assert added.returncode == 0, added.stderr
@@ -181,9 +187,10 @@ def test_an_import_becomes_a_reference_folder_and_a_later_lease_adds_to_it(tmp_p
     assert (dest / "logs" / "lease2" / "slurm" / "job.log").read_text() == "lease 1\n"
     assert (dest / "logs" / "slurm" / "job.log").read_text() == "lease 0\n"  # the first lease's, untouched
     assert sorted(p.name for p in (dest / "bench").iterdir()) == ["b.json", "sglang-verdict.json"]
+    assert (held / "steps.jsonl").exists() and (held / "requests").is_dir()  # the first lease's run, untouched
 
 
-@pytest.mark.parametrize("case", ["exists", "not_tar", "missing", "run_twice", "bench_twice", "usage"])
+@pytest.mark.parametrize("case", ["exists", "not_tar", "missing", "run_twice", "config_differs", "bench_twice", "usage"])
 def test_bad_input_is_one_line_and_nothing_is_written(tmp_path: Path, case: str) -> None:
     tarball = _pack(_machine(tmp_path, ("sglang-verdict-795e3683",)), tmp_path / "t.tgz")
     dest = tmp_path / "out" / "study"
@@ -201,6 +208,15 @@ def test_bad_input_is_one_line_and_nothing_is_written(tmp_path: Path, case: str)
         before = (dest / "steps.csv").read_text()
         done, want = _lease("import", str(tarball), str(dest), "lease2"), "holds sglang-verdict-795e3683 already"
         assert (dest / "steps.csv").read_text() == before and not (dest / "logs" / "lease2").exists()
+    elif case == "config_differs":  # a run's config alone, but of another run id than the held run's
+        assert _lease("import", str(tarball), str(dest)).returncode == 0
+        later_work = _machine(tmp_path / "b", ("sglang-verdict-795e3683-r2",), seed=1)
+        (later_work / "results" / "bench" / "sglang-verdict.json").unlink()
+        (later_work / "results" / "runs" / "sglang-verdict-795e3683").mkdir()
+        (later_work / "results" / "runs" / "sglang-verdict-795e3683" / "config.json").write_text('{"run_id": "x"}\n')
+        later = _pack(later_work, tmp_path / "b.tgz")
+        done, want = _lease("import", str(later), str(dest), "lease2"), "holds sglang-verdict-795e3683 already"
+        assert not (dest / "runs" / "sglang-verdict-795e3683-r2").exists() and not (dest / "logs" / "lease2").exists()
     elif case == "bench_twice":  # a later lease that measured the same bench again: the first record stays
         assert _lease("import", str(tarball), str(dest)).returncode == 0
         (dest / "bench" / "sglang-verdict.json").write_text('{"repeats": 7}\n')
@@ -212,7 +228,7 @@ def test_bad_input_is_one_line_and_nothing_is_written(tmp_path: Path, case: str)
     else:
         done, want = _lease("import", str(tarball)), "usage: lease.sh import TARBALL NAME [LABEL]"
     assert done.returncode == 2 and want in done.stderr and len(done.stderr.strip().splitlines()) == 1
-    assert case in ("exists", "run_twice", "bench_twice") or not dest.exists()
+    assert case in ("exists", "run_twice", "config_differs", "bench_twice") or not dest.exists()
     assert not dest.with_name("study.partial").exists()
 
 

@@ -208,7 +208,17 @@ import() {  # TARBALL NAME [LABEL]: runs, benches and logs into results/referenc
   tmp=$(mktemp -d)
   trap "rm -rf '$tmp' '$dest.partial'" EXIT
   tar xzf "$tarball" -C "$tmp" 2> /dev/null || die "$tarball is not a poll's gzipped tar"
-  for r in "$tmp"/results/runs/*/; do [ ! -e "$dest/runs/$(basename "$r")" ] || die "$dest holds $(basename "$r") already"; done
+  for r in "$tmp"/results/runs/*/; do
+    m=$(basename "$r")
+    [ -e "$dest/runs/$m" ] || continue
+    # a run's config alone (a measurement's input, the run an earlier lease's) adds nothing when its run id, the
+    # hash of what the run does, is the held run's; a key added since at its default leaves that id as it was
+    if [ "$(ls "$r")" = config.json ] && grep -q "\"run_id\": *\"$m\"" "$r/config.json"; then
+      rm -rf "$r"
+    else
+      die "$dest holds $m already"
+    fi
+  done
   for r in "$tmp"/results/bench/*; do  # a bench of the same name would replace the earlier lease's record
     [ ! -e "$dest/bench/$(basename "$r")" ] || die "$dest holds bench/$(basename "$r") already: import into a folder of its own"
   done

@@ -27,13 +27,19 @@ def _ours(step: float, runs: int = 2) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _trl(bench: Path, name: str, step: float, gc: bool | None = None, sleep: bool = True) -> None:
+def _job(card: str | None) -> str:
+    """A SLURM job record as `cluster record-job` writes it, on one GPU (or, without a card, naming none)."""
+    return json.dumps({"jobs": [{"gpus": [{"index": 0, "uuid": card}] if card else []}]})
+
+
+def _trl(bench: Path, name: str, step: float, gc: bool | None = None, sleep: bool = True,
+         card: str | None = None) -> None:
     settings = ({} if gc is None else {"gradient_checkpointing": gc}) | {"vllm_enable_sleep_mode": sleep}
     steps = [{"step": i, "step_s": step + 0.03 * (i % 3), "generate_s": step / 2, "train_s": step / 3,
               "sync_weights_s": 0.2} for i in range(1, 11)]
     bench.mkdir(exist_ok=True)
     (bench / f"trl-x-{name}.json").write_text(json.dumps({"tool": "peer-trl", "settings": settings, "steps": steps}))
-    (bench / f"trl-x-{name}.slurm.json").write_text(json.dumps({"job_id": "7"}))  # the job record is no result
+    (bench / f"trl-x-{name}.slurm.json").write_text(_job(card))  # the job record is no result
 
 
 def test_records_skip_job_records_and_refuse_what_is_not_one(tmp_path: Path) -> None:
@@ -200,3 +206,38 @@ def test_the_peer_figures_pool_records_joined_by_plus() -> None:
     assert ours != figures.peer_ratio("results/reference/2026-11-29-h200-peer", "sglang-peer-awake-863ba334", b)
     with pytest.raises(ValueError, match="no 'nothing' after step 2"):
         figures.peer_median(f"{a}+{b}", "nothing")
+
+
+def test_each_pair_is_compared_on_the_cards_both_sides_ran_on(tmp_path: Path) -> None:
+    """Two leases, one card each: a configuration run in the second lease only is set against TRL's processes of
+    that lease, not against both; TRL's best is the best there; a TRL record with no process on a configuration's
+    cards is not paired with it; without job records every run and process is compared."""
+    bench, runs = tmp_path / "bench", tmp_path / "runs"
+    _trl(bench, "defaults", 6.0, card="GPU-a")
+    _trl(bench, "defaults-r2", 3.4, card="GPU-b")  # the second lease's card ran everything faster
+    _trl(bench, "gc-off", 2.0, gc=False, card="GPU-a")  # TRL's best in the first lease only
+    _trl(bench, "gc-off-r2", 3.0, gc=False, card="GPU-b")
+    _trl(bench, "gc-off-awake", 2.8, gc=False, sleep=False, card="GPU-a")  # the first lease only
+    df = pd.concat([_ours(4.0), _ours(2.4, runs=1).assign(run_id="fast-r0", config_id="fast")], ignore_index=True)
+    for run, card in (("ours-r0", "GPU-a"), ("ours-r1", "GPU-b"), ("fast-r0", "GPU-b")):
+        (runs / run).mkdir(parents=True)
+        (runs / run / "slurm.json").write_text(_job(card))
+    labels = {"ours": "hybridrl", "fast": "fast"}
+    found = peer.pairs(df, peer.records(bench), labels, runs)
+    fast = {short_label(p.peer.label): p for p in found if p.name == "fast"}
+    assert sorted(fast) == ["gradient checkpointing off", "its defaults"]  # no process of gc-off-awake on GPU-b
+    assert fast["its defaults"].est.value == pytest.approx(2.42 / 3.43, abs=0.02)  # not over the pooled 6 s and 3.4 s
+    assert "(1 run, 6 steps vs 1 run, 8 steps)" in fast["its defaults"].words
+    assert len([p for p in found if p.name == "hybridrl"]) == 3  # on both cards, every record has a process
+    table = peer.ratio_table(found, [DEFAULTS, BEST])
+    best = [(r[0].text, r[1].text) for r in table.rows if r[4].text == BEST.name]
+    assert best == [("fast", "TRL GRPOTrainer · gradient checkpointing off"),  # 3.0 s on GPU-b, against 3.4 s
+                    ("hybridrl", "TRL GRPOTrainer · gradient checkpointing off")]  # 2.0 s and 3.0 s pooled, against 2.8 s
+    pooled = {short_label(p.peer.label): p for p in peer.pairs(df, peer.records(bench), labels) if p.name == "fast"}
+    assert len(pooled) == 3 and "vs 2 runs, 16 steps" in pooled["its defaults"].words
+    (runs / "fast-r0" / "slurm.json").unlink()  # a run without its job record: no card to match, all compared
+    assert len([p for p in peer.pairs(df, peer.records(bench), labels, runs) if p.name == "fast"]) == 3
+
+
+def short_label(label: str) -> str:
+    return peer.short(label).removeprefix("TRL · ").split(" (")[0]

@@ -31,12 +31,14 @@ class BenchRecordError(ValueError):
 
 @dataclass(frozen=True)
 class PeerRecord:
-    """One TRL configuration: its label, whether it is TRL's defaults, and the steps after warm-up of each of its
-    processes (one a result file; a configuration's replicates, trl-...-rK.json, pool into one record)."""
+    """One TRL configuration: its label, whether it is TRL's defaults, the steps after warm-up of each of its
+    processes (one a result file; a configuration's replicates, trl-...-rK.json, pool into one record), and the
+    card each process ran on (job_card; None where its job record does not say)."""
 
     label: str
     defaults: bool
     processes: tuple[list[dict[str, Any]], ...]
+    cards: tuple[str | None, ...] = ()
 
     @property
     def steps(self) -> list[dict[str, Any]]:
@@ -54,6 +56,17 @@ class PeerRecord:
     def n(self) -> tuple[int, int]:
         """(processes, steps), as a configuration's (runs, steps)."""
         return len(self.processes), len(self.steps)
+
+
+def job_card(slurm_record: Path) -> str | None:
+    """The GPUs a SLURM job ran on, by uuid (`cluster record-job` writes them), as one key: a lease's card. None
+    where there is no such record or it names no GPU (a run not started by SLURM)."""
+    try:
+        jobs = json.loads(Path(slurm_record).read_text()).get("jobs") or []
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    uuids = sorted({str(g["uuid"]) for j in jobs for g in j.get("gpus") or [] if g.get("uuid")})
+    return "+".join(uuids) or None
 
 
 def measurement_files(bench_dir: Path, prefix: str) -> list[Path]:
@@ -88,12 +101,21 @@ def timed_steps(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 def records(bench_dir: Path) -> list[PeerRecord]:
     """The study's TRL configurations, in the order of their first file's name, each with every process that ran
     it (files whose settings give one label); a file that is not a record is an error naming it (timed_steps)."""
-    found: dict[str, tuple[bool, list[list[dict[str, Any]]]]] = {}
+    found: dict[str, tuple[bool, list[list[dict[str, Any]]], list[str | None]]] = {}
     for path in measurement_files(bench_dir, "trl-"):
         data, steps = timed_steps(path)
         label, defaults = _label(data.get("settings") or {})
-        found.setdefault(label, (defaults, []))[1].append(steps)
-    return [PeerRecord(label, defaults, tuple(processes)) for label, (defaults, processes) in found.items()]
+        _, processes, cards = found.setdefault(label, (defaults, [], []))
+        processes.append(steps)
+        cards.append(job_card(path.with_suffix(".slurm.json")))
+    return [PeerRecord(label, defaults, tuple(processes), tuple(cards))
+            for label, (defaults, processes, cards) in found.items()]
+
+
+def _on_cards(peer: PeerRecord, keep: set[str]) -> PeerRecord:
+    kept = [i for i, c in enumerate(peer.cards) if c in keep]
+    return PeerRecord(peer.label, peer.defaults, tuple(peer.processes[i] for i in kept),
+                      tuple(peer.cards[i] for i in kept))
 
 
 def _ours(steady: pd.DataFrame, column: str) -> list[pd.Series]:
@@ -134,37 +156,54 @@ def phase_table(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str
     return table
 
 
-def _best(peers: list[PeerRecord]) -> PeerRecord:
-    return min(peers, key=lambda p: stats.hierarchical_median(p.values("step_s")).value)
-
-
 @dataclass(frozen=True)
 class PeerPair:
-    """hybridrl's configuration against one TRL record: its compared step over TRL's step, and that in words."""
+    """hybridrl's configuration against one TRL record: its compared step over TRL's step, and that in words, on
+    the cards both ran on (pairs); `peer_step` is TRL's median step there, which picks TRL's best (ratio_table)."""
 
     name: str
     peer: PeerRecord
     est: stats.Estimate
     words: str
+    peer_step: float = math.nan
 
 
 def short(label: str) -> str:
     return label.replace("TRL GRPOTrainer · ", "TRL · ")
 
 
-def pairs(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str]) -> list[PeerPair]:
+def _shared_cards(run_cards: list[str | None], peer: PeerRecord) -> set[str] | None:
+    """The cards both sides ran on, where every run and every process names its card; None where one does not
+    (a study run without SLURM's job records: every run and process is compared, as before cards were read)."""
+    if not run_cards or None in run_cards or len(peer.cards) != len(peer.processes) or None in peer.cards:
+        return None
+    return set(run_cards) & set(peer.cards)  # type: ignore[arg-type]
+
+
+def pairs(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str],
+          runs_dir: Path | None = None) -> list[PeerPair]:
     """Every configuration against every TRL record, resampling hybridrl's runs and steps and TRL's processes and
-    steps."""
+    steps. The targets ask for the same card in the same lease: where the runs' job records (runs_dir/<run>/
+    slurm.json) and TRL's name their cards, each side keeps the runs or processes on the cards both ran on, and a
+    pair with none in common is left out."""
     out = []
     for config_id, config in stats.steady_state(df).groupby("config_id", sort=True):
-        ours = stats.per_run(config, COMPARED_STEP)
+        run_ids = sorted(str(r) for r in config["run_id"].unique())
+        cards = [job_card(runs_dir / r / "slurm.json") if runs_dir else None for r in run_ids]
         name = labels.get(str(config_id), str(config_id))
-        n_ours = (len(ours), sum(int(s.notna().sum()) for s in ours))
         for peer in peers:
-            est = stats.hierarchical_ratio(ours, peer.values("step_s"))
+            shared = _shared_cards(cards, peer)
+            if shared is not None and not shared:
+                continue
+            mine = run_ids if shared is None else [r for r, c in zip(run_ids, cards) if c in shared]
+            theirs = peer if shared is None else _on_cards(peer, shared)
+            ours = stats.per_run(config[config["run_id"].astype(str).isin(mine).to_numpy()], COMPARED_STEP)
+            n_ours = (len(ours), sum(int(s.notna().sum()) for s in ours))
+            est = stats.hierarchical_ratio(ours, theirs.values("step_s"))
             words = wording.conclusion("Step time, checks excluded", name, short(peer.label), est, n_ours,
-                                       peer.n, higher_is_better=False)
-            out.append(PeerPair(name, peer, est, words))
+                                       theirs.n, higher_is_better=False)
+            out.append(PeerPair(name, peer, est, words,
+                                stats.hierarchical_median(theirs.values("step_s")).value))
     return out
 
 
@@ -176,10 +215,12 @@ def ratio_table(found: list[PeerPair], wanted: list[targets.Target] | None = Non
         return None
     table = Table(["configuration", "against", "hybridrl / TRL, step", "in words", "target", "bound", "verdict"])
     peer_targets = targets.of_metric(targets.PEER_RATIO, wanted)
-    best = _best(list({id(p.peer): p.peer for p in found}.values()))
+    # TRL's best for a configuration: the record with the shortest median step over the processes its pair kept
+    best = {name: min((p for p in found if p.name == name), key=lambda p: p.peer_step).peer
+            for name in {p.name for p in found}}
     for pair in found:
         met = [t for t in peer_targets if (t.against == "trl-defaults" and pair.peer.defaults)
-               or (t.against == "trl-best" and pair.peer is best)]
+               or (t.against == "trl-best" and pair.peer is best[pair.name])]
         for target in met or [None]:
             table.rows.append([Cell(pair.name), Cell(pair.peer.label), Cell(wording.ratio_text(pair.est), "num"),
                                Cell(pair.words), *targets.cells(target, targets.judge(target, pair.est) if target

@@ -50,7 +50,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
     places = comparisons.placement_tables(df, groups)
     bench = runs_dir.parent / "bench"  # the study's measurements beside its runs
     peers = peer.records(bench)
-    peer_pairs = peer.pairs(df, peers, by_config)
+    peer_pairs = peer.pairs(df, peers, by_config, runs_dir)
     peer_ratios = peer.ratio_table(peer_pairs)
     paths = comparisons.client_paths_table(df, by_config)
     # only intervals that exist can exclude 1 by chance: an n/a interval counts for nothing

@@ -26,7 +26,7 @@ def _study_rows(study: Path, wanted: list[targets.Target]) -> list[list[str]]:
     out = [[study.name, *(c.text for c in row)] for row in (table.rows if table else [])]
     # the targets on benchmark records: hybridrl against TRL, an engine's start against its command line, the
     # trainer's update
-    tables = {"ratios": peer.ratio_table(peer.pairs(df, peer.records(bench), labels), wanted)
+    tables = {"ratios": peer.ratio_table(peer.pairs(df, peer.records(bench), labels, study / "runs"), wanted)
               if df is not None else None,
               "starts": start_bench.table(bench, wanted), "updates": trainer_bench.table(bench, wanted)}
     for key, bench_table in tables.items():

@@ -190,7 +190,8 @@ def test_an_import_becomes_a_reference_folder_and_a_later_lease_adds_to_it(tmp_p
     assert (held / "steps.jsonl").exists() and (held / "requests").is_dir()  # the first lease's run, untouched
 
 
-@pytest.mark.parametrize("case", ["exists", "not_tar", "missing", "run_twice", "config_differs", "bench_twice", "usage"])
+@pytest.mark.parametrize("case", ["exists", "not_tar", "missing", "run_twice", "config_differs", "bench_twice",
+                                  "usage"])
 def test_bad_input_is_one_line_and_nothing_is_written(tmp_path: Path, case: str) -> None:
     tarball = _pack(_machine(tmp_path, ("sglang-verdict-795e3683",)), tmp_path / "t.tgz")
     dest = tmp_path / "out" / "study"

@@ -195,7 +195,7 @@ def pairs(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str],
             shared = _shared_cards(cards, peer)
             if shared is not None and not shared:
                 continue
-            mine = run_ids if shared is None else [r for r, c in zip(run_ids, cards) if c in shared]
+            mine = run_ids if shared is None else [r for r, c in zip(run_ids, cards, strict=True) if c in shared]
             theirs = peer if shared is None else _on_cards(peer, shared)
             ours = stats.per_run(config[config["run_id"].astype(str).isin(mine).to_numpy()], COMPARED_STEP)
             n_ours = (len(ours), sum(int(s.notna().sum()) for s in ours))

@@ -211,7 +211,8 @@ def test_the_peer_figures_pool_records_joined_by_plus() -> None:
 def test_each_pair_is_compared_on_the_cards_both_sides_ran_on(tmp_path: Path) -> None:
     """Two leases, one card each: a configuration run in the second lease only is set against TRL's processes of
     that lease, not against both; TRL's best is the best there; a TRL record with no process on a configuration's
-    cards is not paired with it; without job records every run and process is compared."""
+    cards is not paired with it; the phase table has a row for each card; without job records every run and process
+    is compared, and pooled."""
     bench, runs = tmp_path / "bench", tmp_path / "runs"
     _trl(bench, "defaults", 6.0, card="GPU-a")
     _trl(bench, "defaults-r2", 3.4, card="GPU-b")  # the second lease's card ran everything faster
@@ -235,7 +236,12 @@ def test_each_pair_is_compared_on_the_cards_both_sides_ran_on(tmp_path: Path) ->
                     ("hybridrl", "TRL GRPOTrainer · gradient checkpointing off")]  # 2.0 and 3.0 s pooled, not 2.8
     pooled = {short_label(p.peer.label): p for p in peer.pairs(df, peer.records(bench), labels) if p.name == "fast"}
     assert len(pooled) == 3 and "vs 2 runs, 16 steps" in pooled["its defaults"].words
+    rows = [r[0].text for r in peer.phase_table(df, peer.records(bench), labels, runs).rows]
+    assert rows[:3] == ["fast · GPU-b", "hybridrl · GPU-b", "hybridrl · GPU-a"]  # the earliest run's card first
+    assert len(rows) == 3 + 2 + 1 + 2 and rows[-1] == "TRL GRPOTrainer · gradient checkpointing off · GPU-a"
+    assert len(peer.phase_table(df, peer.records(bench), labels).rows) == 2 + 3  # without job records: pooled
     (runs / "fast-r0" / "slurm.json").unlink()  # a run without its job record: no card to match, all compared
+    assert len(peer.phase_table(df, peer.records(bench), labels, runs).rows) == 2 + 3
     assert len([p for p in peer.pairs(df, peer.records(bench), labels, runs) if p.name == "fast"]) == 3
 
 

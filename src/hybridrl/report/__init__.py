@@ -32,7 +32,8 @@ def report_main(table: Path, out_md: Path, out_html: Path, plots_dir: Path, titl
     df = read_table(table)
     plots = make_all(df, Path(plots_dir))
     runs = Path(runs_dir) if runs_dir is not None else table.parent / "runs"
-    drawn = peer.plot(df, peer.records(runs.parent / "bench"), config_labels(df), Path(plots_dir) / "peer.png")
+    drawn = peer.plot(df, peer.records(runs.parent / "bench"), config_labels(df), Path(plots_dir) / "peer.png",
+                      runs)
     render(df, Path(out_md), Path(out_html), plots | ({"peer": drawn} if drawn else {}), title, runs)
 
 

@@ -605,7 +605,7 @@ def peer_table(study: str, which: str = "phases") -> str:
     if which not in ("phases", "ratios"):
         raise ValueError(f"peer_table: {which!r} is neither phases nor ratios")
     df, peers = _table(study), peer.records(REPO / study / "bench")
-    table = (peer.phase_table(df, peers, config_labels(df)) if which == "phases"
+    table = (peer.phase_table(df, peers, config_labels(df), REPO / study / "runs") if which == "phases"
              else peer.ratio_table(peer.pairs(df, peers, config_labels(df), REPO / study / "runs")))
     if table is None:
         raise ValueError(f"{study}: no TRL record (bench/trl-*.json)")

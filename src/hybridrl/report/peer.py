@@ -12,6 +12,7 @@ from typing import Any
 
 import pandas as pd
 
+from hybridrl.report import cards as card_records
 from hybridrl.report import stats, targets, wording
 from hybridrl.report.cells import Cell, Table, fmt_est, fmt_n
 from hybridrl.run.record import COMPARED_STEP
@@ -33,7 +34,7 @@ class BenchRecordError(ValueError):
 class PeerRecord:
     """One TRL configuration: its label, whether it is TRL's defaults, the steps after warm-up of each of its
     processes (one a result file; a configuration's replicates, trl-...-rK.json, pool into one record), and the
-    card each process ran on (job_card; None where its job record does not say)."""
+    card each process ran on (cards.job_card; None where its job record does not say)."""
 
     label: str
     defaults: bool
@@ -56,17 +57,6 @@ class PeerRecord:
     def n(self) -> tuple[int, int]:
         """(processes, steps), as a configuration's (runs, steps)."""
         return len(self.processes), len(self.steps)
-
-
-def job_card(slurm_record: Path) -> str | None:
-    """The GPUs a SLURM job ran on, by uuid (`cluster record-job` writes them), as one key: a lease's card. None
-    where there is no such record or it names no GPU (a run not started by SLURM)."""
-    try:
-        jobs = json.loads(Path(slurm_record).read_text()).get("jobs") or []
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return None
-    uuids = sorted({str(g["uuid"]) for j in jobs for g in j.get("gpus") or [] if g.get("uuid")})
-    return "+".join(uuids) or None
 
 
 def measurement_files(bench_dir: Path, prefix: str) -> list[Path]:
@@ -107,7 +97,7 @@ def records(bench_dir: Path) -> list[PeerRecord]:
         label, defaults = _label(data.get("settings") or {})
         _, processes, cards = found.setdefault(label, (defaults, [], []))
         processes.append(steps)
-        cards.append(job_card(path.with_suffix(".slurm.json")))
+        cards.append(card_records.job_card(path.with_suffix(".slurm.json")))
     return [PeerRecord(label, defaults, tuple(processes), tuple(cards))
             for label, (defaults, processes, cards) in found.items()]
 
@@ -132,26 +122,49 @@ def _theirs(record: PeerRecord, field: str) -> list[list[float]]:
     return record.rest() if field == REST else record.values(field)
 
 
-def phase_rows(df: pd.DataFrame, peers: list[PeerRecord],
-               labels: dict[str, str]) -> list[tuple[str, list[stats.Estimate]]]:
+def _split(df: pd.DataFrame, peers: list[PeerRecord], runs_dir: Path | None) -> tuple[dict[str, str | None], list]:
+    """Each run's card, and the study's cards in order where it ran on more than one and every run and TRL process
+    names its card; else [None], one pooled group."""
+    cards = card_records.run_cards(df, runs_dir)
+    known = None not in cards.values() and all(None not in p.cards and len(p.cards) == len(p.processes) for p in peers)
+    order = card_records.in_order(df, cards) if known else []
+    order += [c for p in peers for c in p.cards if known and c not in order]
+    return cards, (order if len(order) > 1 else [None])
+
+
+def phase_rows(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str],
+               runs_dir: Path | None = None) -> list[tuple[str, list[stats.Estimate]]]:
     """Each configuration, then each TRL record: the median [95% CI] of the step, each phase and the rest, over
-    steady-state steps (hybridrl: over runs and steps; TRL: over its processes and their steps)."""
+    steady-state steps (hybridrl: over runs and steps; TRL: over its processes and their steps). Where the study ran
+    on several cards (leases), a row for each card a configuration or record ran on, its label naming the card:
+    steps differ more between leases than between arms."""
+    steady = stats.steady_state(df)
+    cards, groups = _split(steady, peers, runs_dir)
     rows = []
-    for config_id, config in stats.steady_state(df).groupby("config_id", sort=True):
-        rows.append((labels.get(str(config_id), str(config_id)),
-                     [stats.hierarchical_median(_ours(config, c)) for c in [*(c for _, c, _ in PHASES), REST]]))
+    for config_id, config in steady.groupby("config_id", sort=True):
+        name = labels.get(str(config_id), str(config_id))
+        for card in groups:
+            part = config if card is None else config[config["run_id"].astype(str).map(cards).eq(card).to_numpy()]
+            if not part.empty:
+                rows.append((card_records.on_card(name, card),
+                             [stats.hierarchical_median(_ours(part, c)) for c in [*(c for _, c, _ in PHASES), REST]]))
     for peer in peers:
-        rows.append((peer.label,
-                     [stats.hierarchical_median(_theirs(peer, f)) for f in [*(f for _, _, f in PHASES), REST]]))
+        for card in groups:
+            theirs = peer if card is None else _on_cards(peer, {card})
+            if theirs.processes:
+                rows.append((card_records.on_card(peer.label, card), [stats.hierarchical_median(_theirs(theirs, f))
+                                                    for f in [*(f for _, _, f in PHASES), REST]]))
     return rows
 
 
-def phase_table(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str]) -> Table | None:
-    """One row for each configuration and each TRL record (phase_rows); None without records."""
+def phase_table(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str],
+                runs_dir: Path | None = None) -> Table | None:
+    """One row for each configuration and each TRL record, on each card where there are several (phase_rows); None
+    without records."""
     if not peers:
         return None
     table = Table(["configuration", *(h for h, _, _ in PHASES), REST, "runs × steps"])
-    for label, ests in phase_rows(df, peers, labels):
+    for label, ests in phase_rows(df, peers, labels, runs_dir):
         table.rows.append([Cell(label), *(Cell(fmt_est(e), "num") for e in ests), Cell(fmt_n(ests[0]))])
     return table
 
@@ -189,7 +202,8 @@ def pairs(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str],
     out = []
     for config_id, config in stats.steady_state(df).groupby("config_id", sort=True):
         run_ids = sorted(str(r) for r in config["run_id"].unique())
-        cards = [job_card(runs_dir / r / "slurm.json") if runs_dir else None for r in run_ids]
+        found = card_records.run_cards(config, runs_dir)
+        cards = [found[r] for r in run_ids]
         name = labels.get(str(config_id), str(config_id))
         for peer in peers:
             shared = _shared_cards(cards, peer)
@@ -234,7 +248,8 @@ def verdict_lines(found: list[PeerPair]) -> list[tuple[str, str]]:
     return [(f"{p.name} vs {short(p.peer.label)}", p.words) for p in found]
 
 
-def plot(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str], out: Path) -> Path | None:
+def plot(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str], out: Path,
+         runs_dir: Path | None = None) -> Path | None:
     """Stacked bars of the phases' medians (phase_rows), one bar a configuration and a TRL record, the step's
     interval as a whisker; None (and no file) without records."""
     from hybridrl.report import plots
@@ -242,6 +257,7 @@ def plot(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str], out:
     if not peers:
         Path(out).unlink(missing_ok=True)
         return None
-    rows = [(short(label), [e.value for e in ests[1:]], ests[0]) for label, ests in phase_rows(df, peers, labels)]
+    rows = [(short(label), [e.value for e in ests[1:]], ests[0])
+            for label, ests in phase_rows(df, peers, labels, runs_dir)]
     return plots.stacked_bars(rows, [h for h, _, _ in PHASES[1:]] + [REST], "seconds a step (median)", PLOT_TITLE,
                               out)

@@ -76,7 +76,7 @@ def context(df: pd.DataFrame, title: str, plots: dict[str, Path], runs_dir: Path
         "setup": setup_time.setup_table(df, labels),
         "start_bench": start_bench.table(bench),
         "trainer_bench": trainer_bench.table(bench),
-        "peer": peer.phase_table(df, peers, by_config),
+        "peer": peer.phase_table(df, peers, by_config, runs_dir),
         "peer_ratios": peer_ratios,
         "correctness": run_tables.correctness_table(df, labels),
         "accuracy": run_tables.accuracy_table(df, labels),

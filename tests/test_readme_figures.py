@@ -211,6 +211,9 @@ def test_run_names_one_replicate_where_a_configuration_has_several() -> None:
     assert first == "0.063" and second != ""
     with pytest.raises(ValueError, match="no run 'vllm-inprocess-writeup-67c3b8ec-r9'"):
         figures.evaluate(f"at {study} run=vllm-inprocess-writeup-67c3b8ec-r9 check/adapter_logprob_shift 1 3")
+    one = figures.evaluate(f"verdict {study} run=vllm-inprocess-writeup-67c3b8ec run=vllm-inprocess-writeup-67c3b8ec-r2"
+                           " timing_s/step_compared time")
+    assert "vllm-inprocess-writeup-67c3b8ec / vllm-inprocess-writeup-67c3b8ec-r2" in one and "run=" not in one
 
 
 def test_replayed_counts_the_requests_every_replicate_answered_at_the_same_length() -> None:

@@ -151,7 +151,8 @@ def verdict(study: str, a: str, b: str, column: str, mode: str = "rate") -> str:
     est = stats.hierarchical_ratio(stats.per_run(sa, column), stats.per_run(sb, column))
     higher, better, worse = MODES[mode]
     n = [(stats.n_runs(d), int(pd.to_numeric(d[column], errors="coerce").notna().sum())) for d in (sa, sb)]
-    return wording.conclusion(what, a, b, est, n[0], n[1], higher, better, worse)
+    shown = [x.removeprefix(RUN) for x in (a, b)]  # one run picked by its id reads as that id
+    return wording.conclusion(what, *shown, est, n[0], n[1], higher, better, worse)
 
 
 def finding(study: str, a: str, b: str, column: str, mode: str, label_a: str, label_b: str, what: str) -> str:

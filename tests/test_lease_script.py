@@ -364,3 +364,29 @@ def test_a_poll_returns_once_every_target_is_done_and_the_queue_is_empty(tmp_pat
     else:
         assert "== snakemake running" in done.stdout and "caches:" not in done.stdout
     assert (out / "latest.tar.gz").exists()
+
+
+@pytest.mark.parametrize("case", ["done", "queued"])
+def test_a_second_start_is_refused_while_a_study_command_runs_and_stop_ends_it_once_done(tmp_path: Path,
+                                                                                        case: str) -> None:
+    """On a warm machine a second `start` would empty the first command's folder: it is refused while that Snakemake
+    runs, and `stop` ends it only once every target is done and nothing is queued."""
+    work = _machine(tmp_path, ("sglang-verdict-795e3683",))
+    (work / "results" / "runs" / "sglang-verdict-795e3683" / "done.json").write_text("{}")
+    (work / "command.txt").write_text("+ snakemake results/runs/sglang-verdict-795e3683/done.json --profile slurm\n")
+    env = _live_snakemake(tmp_path, work, "" if case == "done" else "17\n")
+    pid = int(env.pop("_pid"))
+    try:
+        again = _lease("start", "config/gpu-peer.yaml", **env)
+        assert again.returncode == 2 and f"a study command still runs in {work} (pid {pid})" in again.stderr
+        assert (work / "results" / "runs" / "sglang-verdict-795e3683" / "done.json").exists()  # nothing emptied
+        stopped = _lease("stop", **env, HYBRIDRL_STOP_WAIT_S="2")  # here the killed sleeper lingers as a zombie
+        if case == "done":
+            assert stopped.returncode == 0 and f"stopped the study command (pid {pid})" in stopped.stdout
+            subprocess.run(["sleep", "0.2"], check=True)
+            assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
+        else:
+            assert stopped.returncode == 2 and "still has targets to make or jobs queued" in stopped.stderr
+            assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0
+    finally:
+        subprocess.run(["kill", "-9", str(pid)], capture_output=True)

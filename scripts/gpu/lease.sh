@@ -14,6 +14,8 @@
 #        lease.sh transfer DIR [install]  one overlay part; `install` on the last lets the jobs start
 #        lease.sh poll OUT [ROUNDS]       a minute apart: the results so far to OUT/latest.tar.gz; then a status
 #                                         (and, once Snakemake has exited, the first pieces of the engines' caches)
+#        lease.sh stop                    the study command, once every target is done, so that another start may
+#                                         run on the same warm machine (start refuses while one runs)
 #        lease.sh caches-back OUT [N]     the next N pieces of the engines' caches to OUT (default 4)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -92,6 +94,9 @@ lean() {  # off: results/reference leaves the index for an ignored folder, so th
 start() {
   local config=${1:?usage: lease.sh start CONFIG [SNAKEMAKE_ARG...]} kit=$repo/.gpu/start
   shift
+  # a second command on a warm machine would empty the first one's folder under it
+  ! running || die "a study command still runs in $work (pid $(cat "$work/snakemake.pid")): nothing started; once" \
+    "every target is done, \`lease.sh stop\` ends it"
   [ -f "$repo/$config" ] || die "no study config $config"
   [ -d "$kit/slurm/debs" ] || die "no $kit: carry .gpu/start (lease.sh prepare makes it) with this call"
   # once a machine: a second install over /tmp/ctl hung on the first lease (pip's own online check, no network)
@@ -119,6 +124,19 @@ start() {
   echo "+ snakemake $* --profile slurm --configfile $config" | tee "$work/command.txt"
   setsid nohup python3 -m snakemake "$@" --profile slurm --configfile "$config" > snakemake.log 2>&1 < /dev/null &
   echo $! > "$work/snakemake.pid"
+}
+
+stop() {  # the study command, once every target is done: its Snakemake may notice its last job's end minutes late
+  local pid i
+  running || { echo "lease: no study command runs in $work"; return 0; }
+  # shellcheck disable=SC1091
+  . "$work/env.sh"  # squeue
+  targets_done || die "$work's study still has targets to make or jobs queued: nothing stopped"
+  pid=$(cat "$work/snakemake.pid")
+  kill -TERM "$pid"
+  for ((i = 0; i < ${HYBRIDRL_STOP_WAIT_S:-30}; i++)); do kill -0 "$pid" 2> /dev/null || break; sleep 1; done
+  ! kill -0 "$pid" 2> /dev/null || kill -KILL "$pid"
+  echo "lease: stopped the study command (pid $pid); its results stay in $work until the next start"
 }
 
 transfer() {  # DIR [install]: one part into /tmp/gpu-env; install puts every overlay under /tmp/envs, compiled
@@ -247,7 +265,7 @@ import() {  # TARBALL NAME [LABEL]: runs, benches and logs into results/referenc
 
 cmd=${1:-}; shift || true
 case "$cmd" in
-  prepare|lean|start|transfer|poll|pack|import) "$cmd" "$@" ;;
+  prepare|lean|start|stop|transfer|poll|pack|import) "$cmd" "$@" ;;
   caches-back) pack_caches "$@" ;;
   join-caches) join_caches "$@" ;;
   *) sed -n '2,/^set -e/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;

@@ -122,13 +122,18 @@ def _theirs(record: PeerRecord, field: str) -> list[list[float]]:
     return record.rest() if field == REST else record.values(field)
 
 
-def _split(df: pd.DataFrame, peers: list[PeerRecord], runs_dir: Path | None) -> tuple[dict[str, str | None], list]:
-    """Each run's card, and the study's cards in order where it ran on more than one and every run and TRL process
-    names its card; else [None], one pooled group."""
+def _split(df: pd.DataFrame, peers: list[PeerRecord],
+           runs_dir: Path | None) -> tuple[dict[str, str | None], list[str | None]]:
+    """Each run's card, and the study's cards in order (the runs' first, then any only TRL ran on) where there are
+    several and every run and TRL process names its card; else [None], one pooled group."""
     cards = card_records.run_cards(df, runs_dir)
-    known = None not in cards.values() and all(None not in p.cards and len(p.cards) == len(p.processes) for p in peers)
-    order = card_records.in_order(df, cards) if known else []
-    order += [c for p in peers for c in p.cards if known and c not in order]
+    known = None not in cards.values() and all(len(p.cards) == len(p.processes) and None not in p.cards for p in peers)
+    if not known:
+        return cards, [None]
+    order: list[str | None] = list(card_records.in_order(df, cards))
+    for card in (c for p in peers for c in p.cards):
+        if card not in order:
+            order.append(card)
     return cards, (order if len(order) > 1 else [None])
 
 

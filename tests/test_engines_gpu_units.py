@@ -87,6 +87,17 @@ def test_sglang_listens_for_its_nccl_rendezvous_on_the_port_its_start_claimed(mo
     assert "--nccl-port" in eng.describe()["command"]  # the provenance's command line names it too
 
 
+def test_sglang_without_text_starts_with_its_tokenizer_skipped(model_dir: Path, tmp_path: Path):
+    """sglang_detokenize false: --skip-tokenizer-init, so no detokenizer turns tokens into text the run never reads
+    (its requests carry token ids, its answers are read for output_ids and logprobs only)."""
+    assert "--skip-tokenizer-init" not in SGLangServer(model_dir, _run(), {}, tmp_path).command(1, None)
+    ids_only = SGLangServer(model_dir, _run(sglang_detokenize=False), {}, tmp_path).command(1, None)
+    assert "--skip-tokenizer-init" in ids_only
+    answer = {"output_ids": [5, 6], "meta_info": {"completion_tokens": 2, "finish_reason": {"type": "length"},
+                                                  "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None]]}}
+    assert parse_chunk(answer, 0) == ([5, 6], [-0.5, -0.25], "length")  # the answer's shape without text
+
+
 def test_release_all_always_keeps_a_cpu_backup(model_dir: Path, tmp_path: Path):
     eng = SGLangServer(model_dir, _run(sglang_release="all"), {}, tmp_path)
     assert "--enable-weights-cpu-backup" in eng.command(1, None)

@@ -740,6 +740,19 @@ def test_in_process_vllm_without_text_is_labelled_apart_from_its_twin_with_text(
         "vllm-colocate-bbbb2222": "vllm-inprocess · stays awake · token ids only"}
 
 
+def test_sglang_without_text_reads_as_token_ids_only_as_vllm_does() -> None:
+    from hybridrl.report.plots import config_labels
+
+    runs = [headline_run("sglang-colocate-aaaa1111", "sglang"), headline_run("sglang-colocate-bbbb2222", "sglang"),
+            headline_run("vllm-colocate-cccc3333", "vllm-inprocess")]
+    for run, sglang_text, vllm_text in zip(runs, (True, False, None), (None, None, False), strict=True):
+        run["engine_sleep"], run["sglang_detokenize"], run["vllm_detokenize"] = False, sglang_text, vllm_text
+    assert config_labels(headline_study(*runs)) == {
+        "sglang-colocate-aaaa1111": "sglang",  # all awake: only what differs is named
+        "sglang-colocate-bbbb2222": "sglang · token ids only",
+        "vllm-colocate-cccc3333": "vllm-inprocess · token ids only"}
+
+
 def test_transition_times_are_compared_only_between_releases_that_move_the_same_bytes() -> None:
     from hybridrl.report.comparisons import NO_VLLM_KV_ONLY, transitions
     from hybridrl.report.plots import run_labels

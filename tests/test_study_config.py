@@ -326,3 +326,15 @@ def test_vllm_detokenize_is_in_process_vllms_and_gives_a_run_an_id_of_its_own(sm
     off = run.model_copy(update={"vllm_detokenize": False})
     assert run_id(off) != run_id(run)  # a run without vLLM's text is not a replicate of one with it
     assert run_id(run) == run_id(run.model_copy(update={"vllm_detokenize": True}))  # the default keeps old ids
+
+
+def test_sglang_detokenize_is_sglangs_and_gives_a_run_an_id_of_its_own(smoke):
+    smoke["defaults"]["sglang_detokenize"] = False  # the smoke study's runs are not all SGLang's
+    with pytest.raises(ConfigError, match=r"sglang_detokenize: SGLang's flag \(--skip-tokenizer-init\), not engine"):
+        resolve(smoke)
+    from hybridrl.study.run_config import RunConfig, run_id
+
+    run = RunConfig.model_validate({"engine": "sglang", "placement": "colocate", "model": "m"})
+    off = run.model_copy(update={"sglang_detokenize": False})
+    assert run_id(off) != run_id(run)
+    assert run_id(run) == run_id(run.model_copy(update={"sglang_detokenize": True}))  # the default keeps old ids

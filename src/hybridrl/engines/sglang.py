@@ -161,6 +161,8 @@ class SGLangServer(HTTPEngine):
             cmd.append("--enable-weights-cpu-backup")
         if run.engine_timing:  # per-request timestamps in each answer's meta_info (answer_timing)
             cmd.append("--enable-metrics")
+        if not run.sglang_detokenize:  # token ids in and out: the run never reads SGLang's text
+            cmd.append("--skip-tokenizer-init")
         if adapter:
             cmd += ["--lora-paths", f"{adapter[0]}={adapter[1]}"]
         return cmd + list(run.engine_args)

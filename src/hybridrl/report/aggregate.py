@@ -31,7 +31,7 @@ CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "sglang_retain_cpu_b
               "train_ep",
               "train_gpus",
               "prompts_per_step", "group_size", "warmup_steps", "stream_fraction", "shared_pool", "overlap",
-              "rollout_process", "vllm_detokenize"]
+              "rollout_process", "vllm_detokenize", "sglang_detokenize"]
 # Made here from the columns above: which configuration a replicate belongs to, what a colocated engine
 # releases on sleep (the arm), which rollout client it went through, cost per GPU, and the engine's own time on
 # the rollout (tokens over throughput: in overlap the rollout runs beside training, and timing_s/gen is only the

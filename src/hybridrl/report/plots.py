@@ -26,7 +26,8 @@ from hybridrl.report.placements import pairings as placement_pairings  # noqa: E
 from hybridrl.report.stats import WARMUP_STEPS, run_order, steady_state, unattributed_s, with_ids  # noqa: E402
 from hybridrl.run.record import PHASE_KEYS as PHASES  # noqa: E402
 
-LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp", "release", "vllm_detokenize"]
+LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp", "release", "text"]
+TEXT_KEYS = ("vllm_detokenize", "sglang_detokenize")  # an engine asked for token ids only: one label for both
 PHASE_COLORS = {
     "timing_s/prepare": "#A6C8E0", "timing_s/gen": "#4C72B0", "timing_s/reward": "#DD8452", "timing_s/sleep": "#937860",
     "timing_s/trainer_onload": "#8C8C3C", "timing_s/update_actor": "#55A868", "timing_s/save_adapter": "#64B5CD",
@@ -55,11 +56,13 @@ MIN_TEXT_PX = 10.0
 
 def run_labels(df: pd.DataFrame) -> dict[str, str]:
     """Short legend labels: the config fields that differ between runs, plus the id's hash if needed."""
-    fields = [f for f in LABEL_FIELDS if f in df.columns]
     first = df.drop_duplicates("run_id").set_index("run_id")
+    keys = [k for k in TEXT_KEYS if k in first.columns]
+    if keys:  # named only where an engine made no text; runs before the keys made it
+        first = first.assign(text=["token ids only" if any(to_bool(row[k]) is False for k in keys) else ""
+                                   for _, row in first.iterrows()])
+    fields = [f for f in LABEL_FIELDS if f in first.columns]
     runs = first[fields].astype(object).fillna("").astype(str)
-    if "vllm_detokenize" in fields:  # named only where in-process vLLM made no text; runs before the key made it
-        runs["vllm_detokenize"] = ["token ids only" if to_bool(v) is False else "" for v in first["vllm_detokenize"]]
     if "placement" in fields:  # a split whose rollouts run ahead is its own arm
         named = pd.Series([placement_name(row) for _, row in first.iterrows()], index=first.index, dtype=object)
         runs["placement"] = named.where(runs["placement"] != "", "")

@@ -206,6 +206,9 @@ def _check_run(run: RunConfig, where: str) -> None:
     if not run.vllm_detokenize and run.engine != "vllm-inprocess":
         raise ConfigError(f"{where}.vllm_detokenize: only in-process vLLM detokenizes in the controller's process "
                           f"(engine {run.engine} does it in its own); drop the key")
+    if not run.sglang_detokenize and run.engine != "sglang":
+        raise ConfigError(f"{where}.sglang_detokenize: SGLang's flag (--skip-tokenizer-init), not engine "
+                          f"{run.engine}'s; for in-process vLLM it is vllm_detokenize")
     if run.rollout_process and run.engine == "vllm-inprocess":
         raise ConfigError(f"{where}.rollout_process: vllm-inprocess has no rollout client to move (it generates in "
                           "the controller's own process); use engine vllm or sglang, or drop the key")

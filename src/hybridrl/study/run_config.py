@@ -219,6 +219,11 @@ class RunConfig(_Frozen):
         "controller's process as it comes (vLLM's default). false asks for token ids and logprobs only "
         "(SamplingParams detokenize false): the run decodes each whole completion once in its reward phase, so "
         "the thread that collects the outputs does no per-token text work")
+    sglang_detokenize: bool = Field(
+        True, description="SGLang: its tokenizer and detokenizer processes turn each new token into text as it comes "
+        "(SGLang's default), though the run asks for token ids and reads only those. false starts it with "
+        "--skip-tokenizer-init: token ids and logprobs only, no detokenizer work beside the scheduler; the "
+        "counterpart of vllm_detokenize false")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of each GPU the engine may use")
     ballast_gb: float = Field(0.0, ge=0, description="trainer none: GPU memory held in place of training")
     ballast_s: float = Field(0.0, ge=0, description="trainer none: seconds the ballast is held each step")
@@ -237,7 +242,8 @@ class RunSpec(_Frozen):
 # results keep their ids (and a study's later rounds join its earlier ones); a run that sets one gets an id of its own
 _LATE_KEYS = {"rollout_process": False, "release_comms": False, "replicate_seeds": False, "chunked_head": False,
               "train_ep": 1, "max_awake_shortfall_gb": 2.0, "lora.init_b_std": 0.0, "engine_sleep": True,
-              "ep_dispatch": "host_read", "ep_batch": "replicated", "vllm_detokenize": True}
+              "ep_dispatch": "host_read", "ep_batch": "replicated", "vllm_detokenize": True,
+              "sglang_detokenize": True}
 
 # a replicate's suffix: after the 8-hex hash, so no readable prefix (`name`) can look like one
 _REPLICATE = re.compile(r"^(?P<config>.+-[0-9a-f]{8})(?:-r(?P<k>[0-9]+))?$")

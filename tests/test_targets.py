@@ -47,10 +47,13 @@ def test_gpu_count_is_what_each_run_held_not_the_machines() -> None:
                                                     (3.8, 4.2, "not settled: its interval reaches past the bound"),
                                                     (float("nan"), float("nan"), "not settled: no interval")])
 def test_the_verdict_comes_from_the_whole_interval(lo: float, hi: float, verdict: str) -> None:
-    assert targets.judge(STEP, stats.Estimate(value=(lo + hi) / 2, lo=lo, hi=hi, n=2)) == verdict
+    assert targets.judge(STEP, stats.Estimate(value=(lo + hi) / 2, lo=lo, hi=hi, n=2, n_runs=2)) == verdict
     floor = STEP.model_copy(update={"at_most": None, "at_least": 4.0})
     flipped = {"met": "missed", "missed": "met"}.get(verdict, verdict)
-    assert targets.judge(floor, stats.Estimate(value=(lo + hi) / 2, lo=lo, hi=hi, n=2)) == flipped
+    assert targets.judge(floor, stats.Estimate(value=(lo + hi) / 2, lo=lo, hi=hi, n=2, n_runs=2)) == flipped
+    # one run on a side: the interval holds step-to-step noise only, and a verdict says so
+    one = targets.judge(STEP, stats.Estimate(value=(lo + hi) / 2, lo=lo, hi=hi, n=8, n_runs=1))
+    assert one == (verdict + targets.ONE_RUN if verdict in ("met", "missed") else verdict)
 
 
 def test_the_table_has_a_row_for_each_configuration_a_target_applies_to() -> None:

@@ -48,7 +48,7 @@ def table(bench_dir: Path, wanted: list[targets.Target] | None = None) -> Table 
             est, ratio = None, "–"
         medians = [fmt(statistics.median(later[p])) if later[p] else "–" for p in PATHS]
         for target in bound or [None]:
-            verdict = targets.judge(target, est) if target and est else ""
+            verdict = targets.judge(target, est, over_runs=False) if target and est else ""  # starts: replicates
             out.rows.append([Cell(name), *(Cell(fmt(starts[p][0]), "num") for p in PATHS),
                              *(Cell(m, "num") for m in medians), Cell(ratio, "num"), *targets.cells(target, verdict)])
     return out

@@ -121,17 +121,20 @@ def applies(where: Where, config: pd.DataFrame) -> bool:
     return where.gen_tokens is None or _median(config, "perf/gen_tokens") == where.gen_tokens
 
 
-def judge(target: Target, est: stats.Estimate) -> str:
+ONE_RUN = ", one run a side: step-to-step noise only"  # an interval that holds no run-to-run spread
+
+
+def judge(target: Target, est: stats.Estimate, over_runs: bool = True) -> str:
     """met, missed or not settled, from the interval: a median on the right side is not enough on its own, and
-    a configuration without an interval (one step) settles nothing."""
+    a configuration without an interval (one step) settles nothing. Where the interval resamples runs (or
+    processes) and their steps (over_runs), a verdict from one run on a side says so: its interval holds
+    step-to-step noise only. An engine's starts are each a replicate of their own (over_runs False)."""
     if not (pd.notna(est.lo) and pd.notna(est.hi)):
         return "not settled: no interval"
     bound = target.bound
     inside = (lambda x: x <= bound) if target.at_most is not None else (lambda x: x >= bound)
-    if inside(est.lo) and inside(est.hi):
-        return "met"
-    if not inside(est.lo) and not inside(est.hi):
-        return "missed"
+    if inside(est.lo) == inside(est.hi):
+        return ("met" if inside(est.lo) else "missed") + (ONE_RUN if over_runs and est.n_runs < 2 else "")
     return "not settled: its interval reaches past the bound"
 
 

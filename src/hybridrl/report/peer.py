@@ -54,6 +54,11 @@ class PeerRecord:
                 for p in self.processes]
 
     @property
+    def carded(self) -> bool:
+        """Every process's job record names its card."""
+        return len(self.cards) == len(self.processes) and None not in self.cards
+
+    @property
     def n(self) -> tuple[int, int]:
         """(processes, steps), as a configuration's (runs, steps)."""
         return len(self.processes), len(self.steps)
@@ -108,6 +113,11 @@ def _on_cards(peer: PeerRecord, keep: set[str]) -> PeerRecord:
                       tuple(peer.cards[i] for i in kept))
 
 
+def _runs_on(config: pd.DataFrame, cards: dict[str, str | None], keep: set[str]) -> pd.DataFrame:
+    """The configuration's steps from the runs on the kept cards."""
+    return config[config["run_id"].astype(str).map(cards).isin(keep).to_numpy()]
+
+
 def _ours(steady: pd.DataFrame, column: str) -> list[pd.Series]:
     if column != REST:
         return stats.per_run(steady, column)
@@ -127,7 +137,7 @@ def _split(df: pd.DataFrame, peers: list[PeerRecord],
     """Each run's card, and the study's cards in order (the runs' first, then any only TRL ran on) where there are
     several and every run and TRL process names its card; else [None], one pooled group."""
     cards = card_records.run_cards(df, runs_dir)
-    known = None not in cards.values() and all(len(p.cards) == len(p.processes) and None not in p.cards for p in peers)
+    known = None not in cards.values() and all(p.carded for p in peers)
     if not known:
         return cards, [None]
     order: list[str | None] = list(card_records.in_order(df, cards))
@@ -149,7 +159,7 @@ def phase_rows(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str]
     for config_id, config in steady.groupby("config_id", sort=True):
         name = labels.get(str(config_id), str(config_id))
         for card in groups:
-            part = config if card is None else config[config["run_id"].astype(str).map(cards).eq(card).to_numpy()]
+            part = config if card is None else _runs_on(config, cards, {card})
             if not part.empty:
                 rows.append((card_records.on_card(name, card),
                              [stats.hierarchical_median(_ours(part, c)) for c in [*(c for _, c, _ in PHASES), REST]]))
@@ -190,12 +200,12 @@ def short(label: str) -> str:
     return label.replace("TRL GRPOTrainer · ", "TRL · ")
 
 
-def _shared_cards(run_cards: list[str | None], peer: PeerRecord) -> set[str] | None:
+def _shared_cards(run_cards: dict[str, str | None], peer: PeerRecord) -> set[str] | None:
     """The cards both sides ran on, where every run and every process names its card; None where one does not
     (a study run without SLURM's job records: every run and process is compared, as before cards were read)."""
-    if not run_cards or None in run_cards or len(peer.cards) != len(peer.processes) or None in peer.cards:
+    if not run_cards or None in run_cards.values() or not peer.carded:
         return None
-    return set(run_cards) & set(peer.cards)  # type: ignore[arg-type]
+    return set(run_cards.values()) & set(peer.cards)  # type: ignore[arg-type]
 
 
 def pairs(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str],
@@ -206,17 +216,14 @@ def pairs(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str],
     pair with none in common is left out."""
     out = []
     for config_id, config in stats.steady_state(df).groupby("config_id", sort=True):
-        run_ids = sorted(str(r) for r in config["run_id"].unique())
-        found = card_records.run_cards(config, runs_dir)
-        cards = [found[r] for r in run_ids]
+        cards = card_records.run_cards(config, runs_dir)
         name = labels.get(str(config_id), str(config_id))
         for peer in peers:
             shared = _shared_cards(cards, peer)
             if shared is not None and not shared:
                 continue
-            mine = run_ids if shared is None else [r for r, c in zip(run_ids, cards, strict=True) if c in shared]
             theirs = peer if shared is None else _on_cards(peer, shared)
-            ours = stats.per_run(config[config["run_id"].astype(str).isin(mine).to_numpy()], COMPARED_STEP)
+            ours = stats.per_run(config if shared is None else _runs_on(config, cards, shared), COMPARED_STEP)
             n_ours = (len(ours), sum(int(s.notna().sum()) for s in ours))
             est = stats.hierarchical_ratio(ours, theirs.values("step_s"))
             words = wording.conclusion("Step time, checks excluded", name, short(peer.label), est, n_ours,

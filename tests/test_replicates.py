@@ -9,7 +9,15 @@ import pytest
 import yaml
 
 from hybridrl.report import wording
-from hybridrl.report.stats import LEASE, Estimate, _drawn_runs, hierarchical_median, hierarchical_ratio, per_run
+from hybridrl.report.stats import (
+    LEASE,
+    Estimate,
+    _drawn_runs,
+    blocked_ratio,
+    hierarchical_median,
+    hierarchical_ratio,
+    per_run,
+)
 from hybridrl.study.config import load_study
 from hybridrl.study.run_config import RunConfig, run_id, split_replicate
 
@@ -127,6 +135,27 @@ def test_hierarchical_ratio_and_its_counts() -> None:
     assert est.excludes(1.0) and est.contains(2.0)
     assert (est.n_runs, est.n_steps) == (2, 16)  # the smaller side
     assert np.isnan(hierarchical_ratio([[1.0]], [[2.0]]).lo)
+
+
+def test_a_blocked_ratio_compares_side_by_side_runs_card_by_card() -> None:
+    """Two cards, the second running both sides twice as fast: the ratio card by card stays 0.7 with a narrow
+    interval, where pooling both cards resamples the cards' difference into it; one card is hierarchical_ratio's;
+    a card where one side did not run is left out."""
+    rng = np.random.default_rng(1)
+    steps = lambda mean: list(mean * (1 + 0.01 * rng.standard_normal(8)))  # noqa: E731
+    slow = ([steps(4.2), steps(4.2)], [steps(6.0), steps(6.0)])
+    fast = ([steps(2.1), steps(2.1)], [steps(3.0), steps(3.0)])
+    blocked = blocked_ratio([slow, fast])
+    assert blocked.value == pytest.approx(0.7, abs=0.01)
+    assert 0.68 < blocked.lo < blocked.hi < 0.72 and (blocked.n, blocked.n_runs) == (32, 4)
+    pooled = hierarchical_ratio(slow[0] + fast[0], slow[1] + fast[1])
+    assert pooled.hi - pooled.lo > 10 * (blocked.hi - blocked.lo)
+    assert blocked_ratio([slow]) == hierarchical_ratio(*slow)
+    assert blocked_ratio([slow, ([], fast[1])]) == hierarchical_ratio(*slow)
+    assert np.isnan(blocked_ratio([([], fast[1])]).value)
+    # a card whose ratio differs from the other's widens the interval: the cards are resampled
+    apart = blocked_ratio([slow, (fast[0], [steps(2.4), steps(2.4)])])
+    assert apart.lo < 0.72 and apart.hi > 0.85
 
 
 def test_conclusions_follow_the_wording_rules() -> None:

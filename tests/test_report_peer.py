@@ -211,8 +211,8 @@ def test_the_peer_figures_pool_records_joined_by_plus() -> None:
 def test_each_pair_is_compared_on_the_cards_both_sides_ran_on(tmp_path: Path) -> None:
     """Two leases, one card each: a configuration run in the second lease only is set against TRL's processes of
     that lease, not against both; TRL's best is the best there; a TRL record with no process on a configuration's
-    cards is not paired with it; the phase table has a row for each card; without job records every run and process
-    is compared, and pooled."""
+    cards is not paired with it; over two cards the ratio is taken card by card; the phase table has a row for each
+    card; without job records every run and process is compared, and pooled."""
     bench, runs = tmp_path / "bench", tmp_path / "runs"
     _trl(bench, "defaults", 6.0, card="GPU-a")
     _trl(bench, "defaults-r2", 3.4, card="GPU-b")  # the second lease's card ran everything faster
@@ -230,6 +230,10 @@ def test_each_pair_is_compared_on_the_cards_both_sides_ran_on(tmp_path: Path) ->
     assert fast["its defaults"].est.value == pytest.approx(2.42 / 3.43, abs=0.02)  # not over the pooled 6 s and 3.4 s
     assert "(1 run, 6 steps vs 1 run, 8 steps)" in fast["its defaults"].words
     assert len([p for p in found if p.name == "hybridrl"]) == 3  # on both cards, every record has a process
+    ours = {short_label(p.peer.label): p for p in found if p.name == "hybridrl"}
+    # card by card, then their geometric mean: each card's ratio of medians, not the pooled 4.02 s over 3.43 and 6.03
+    assert ours["its defaults"].est.value == pytest.approx((4.02 / 6.03 * 4.02 / 3.43) ** 0.5, abs=0.01)
+    assert "(2 runs, 12 steps vs 2 runs, 16 steps)" in ours["its defaults"].words
     table = peer.ratio_table(found, [DEFAULTS, BEST])
     best = [(r[0].text, r[1].text) for r in table.rows if r[4].text == BEST.name]
     assert best == [("fast", "TRL GRPOTrainer · gradient checkpointing off"),  # 3.0 s on GPU-b, against 3.4 s

@@ -187,7 +187,8 @@ def phase_table(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str
 @dataclass(frozen=True)
 class PeerPair:
     """hybridrl's configuration against one TRL record: its compared step over TRL's step, and that in words, on
-    the cards both ran on (pairs); `peer_step` is TRL's median step there, which picks TRL's best (ratio_table)."""
+    the cards both ran on (pairs); `peer_step` is TRL's step there (_typical_step), which picks TRL's best
+    (ratio_table)."""
 
     name: str
     peer: PeerRecord
@@ -212,8 +213,9 @@ def pairs(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str],
           runs_dir: Path | None = None) -> list[PeerPair]:
     """Every configuration against every TRL record, resampling hybridrl's runs and steps and TRL's processes and
     steps. The targets ask for the same card in the same lease: where the runs' job records (runs_dir/<run>/
-    slurm.json) and TRL's name their cards, each side keeps the runs or processes on the cards both ran on, and a
-    pair with none in common is left out."""
+    slurm.json) and TRL's name their cards, each side keeps the runs or processes on the cards both ran on, a pair
+    with none in common is left out, and the ratio is taken card by card (stats.blocked_ratio), so that a card
+    that ran both sides faster is no difference between them."""
     out = []
     for config_id, config in stats.steady_state(df).groupby("config_id", sort=True):
         cards = card_records.run_cards(config, runs_dir)
@@ -223,14 +225,30 @@ def pairs(df: pd.DataFrame, peers: list[PeerRecord], labels: dict[str, str],
             if shared is not None and not shared:
                 continue
             theirs = peer if shared is None else _on_cards(peer, shared)
-            ours = stats.per_run(config if shared is None else _runs_on(config, cards, shared), COMPARED_STEP)
-            n_ours = (len(ours), sum(int(s.notna().sum()) for s in ours))
-            est = stats.hierarchical_ratio(ours, theirs.values("step_s"))
+            blocks = _blocks(config, cards, peer, shared)
+            ours = [run for runs, _ in blocks for run in runs]
+            n_ours = (len(ours), sum(int(run.notna().sum()) for run in ours))
+            est = stats.blocked_ratio(blocks)
             words = wording.conclusion("Step time, checks excluded", name, short(peer.label), est, n_ours,
                                        theirs.n, higher_is_better=False)
-            out.append(PeerPair(name, peer, est, words,
-                                stats.hierarchical_median(theirs.values("step_s")).value))
+            out.append(PeerPair(name, peer, est, words, _typical_step([b for _, b in blocks])))
     return out
+
+
+def _blocks(config: pd.DataFrame, cards: dict[str, str | None], peer: PeerRecord,
+            shared: set[str] | None) -> list[tuple[list[pd.Series], list[list[float]]]]:
+    """(hybridrl's runs, TRL's processes) card by card, or all of each as one block where cards are not known."""
+    if shared is None:
+        return [(stats.per_run(config, COMPARED_STEP), peer.values("step_s"))]
+    return [(stats.per_run(_runs_on(config, cards, {c}), COMPARED_STEP), _on_cards(peer, {c}).values("step_s"))
+            for c in sorted(shared)]
+
+
+def _typical_step(blocks: list[list[list[float]]]) -> float:
+    """A TRL record's step over the cards of a pair: the geometric mean of its median step on each card (the
+    scale blocked_ratio divides by), which picks TRL's best."""
+    medians = [stats.hierarchical_median(b).value for b in blocks]
+    return math.exp(sum(math.log(m) for m in medians) / len(medians))
 
 
 def ratio_table(found: list[PeerPair], wanted: list[targets.Target] | None = None) -> Table | None:

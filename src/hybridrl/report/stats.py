@@ -7,7 +7,8 @@ then the interval holds step-to-step noise only: every Estimate says how many ru
 
 Where a configuration's runs come from several leases (machines: their boot ids, as per_run labels each run), the
 lease is a level above them: leases are resampled first, then runs within each drawn lease, then steps, so that a
-difference between leases widens the interval instead of passing for run-to-run noise.
+difference between leases widens the interval instead of passing for run-to-run noise. Where two configurations
+ran side by side in each of several leases, blocked_ratio compares them lease by lease instead.
 """
 
 from __future__ import annotations
@@ -166,6 +167,33 @@ def hierarchical_ratio(a: Sequence[Iterable[float]], b: Sequence[Iterable[float]
     ratios = ma[mb != 0] / mb[mb != 0]
     lo, hi = _interval(ratios, level)
     return Estimate(value, lo, hi, n, n_runs)
+
+
+def blocked_ratio(blocks: Sequence[tuple[Sequence[Iterable[float]], Sequence[Iterable[float]]]],
+                  n_boot: int = N_BOOT, seed: int = SEED, level: float = 0.95) -> Estimate:
+    """The ratio of two configurations measured side by side in several blocks (cards, each a lease's): each
+    block's ratio of medians, combined as their geometric mean, so that a block that ran both sides faster moves
+    neither the ratio nor its interval. The interval resamples blocks with replacement, and within each drawn
+    block each side as hierarchical_ratio does. With one block it is hierarchical_ratio's.
+
+    n and n_runs are the smaller side's totals over the blocks."""
+    kept = [(Runs(a), Runs(b)) for a, b in blocks]
+    usable = [i for i, (a, b) in enumerate(kept) if a and b and np.median(np.concatenate(b)) != 0]
+    if len(usable) < 2:
+        return hierarchical_ratio(*blocks[usable[0]], n_boot=n_boot, seed=seed, level=level) if usable else \
+            Estimate(float("nan"), float("nan"), float("nan"), 0, 0)
+    pairs = [kept[i] for i in usable]
+    n = int(min(sum(len(r) for a, _ in pairs for r in a), sum(len(r) for _, b in pairs for r in b)))
+    n_runs = int(min(sum(len(a) for a, _ in pairs), sum(len(b) for _, b in pairs)))
+    logs = np.array([np.log(np.median(np.concatenate(a)) / np.median(np.concatenate(b))) for a, b in pairs])
+    rng = np.random.default_rng(seed)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        drawn = np.column_stack([np.log(_boot_medians(a, rng, n_boot) / _boot_medians(b, rng, n_boot))
+                                 for a, b in pairs])
+    picks = rng.integers(0, len(pairs), size=(n_boot, len(pairs)))
+    boot = np.exp(drawn[np.arange(n_boot)[:, None], picks].mean(axis=1))
+    lo, hi = _interval(boot[np.isfinite(boot)], level)
+    return Estimate(float(np.exp(logs.mean())), lo, hi, n, n_runs)
 
 
 def bootstrap_median(values: Iterable[float], n_boot: int = N_BOOT, seed: int = SEED,

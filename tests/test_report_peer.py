@@ -251,3 +251,26 @@ def test_each_pair_is_compared_on_the_cards_both_sides_ran_on(tmp_path: Path) ->
 
 def short_label(label: str) -> str:
     return peer.short(label).removeprefix("TRL · ").split(" (")[0]
+
+
+def test_the_pair_figure_quotes_the_ratio_tables_row_for_the_defaults_and_the_best() -> None:
+    """peer_pair gives the ratio the report's table judges each target on (card by card), and names TRL's best;
+    a configuration without a pair, or an unknown choice, is refused with the cause."""
+    from hybridrl.report import figures
+    from hybridrl.report.plots import config_labels
+
+    study = "results/reference/2026-11-29-h200-peer"
+    ratios = figures.peer_table(study, "ratios")
+    config = "vllm-inprocess-peer-awake-ids-e8e76953"
+    label = config_labels(figures._table(study))[config]
+    for against, bound in (("defaults", "≤ 0.667 |"), ("best", "≤ 1 |")):
+        row = next(r for r in ratios.splitlines() if r.startswith(f"| {label} |") and bound in r)
+        assert f"| {figures.peer_pair(study, config, against)} |" in row
+        assert figures.peer_pair(study, config, against, "label") in row
+    assert figures.peer_pair(study, "vllm-inprocess-peer-awake-ids", "best") == figures.peer_pair(study, config, "best")
+    with pytest.raises(ValueError, match="'nothing' matches 0 configurations"):
+        figures.peer_pair(study, "nothing", "best")
+    with pytest.raises(ValueError, match="no TRL record paired with 'vllm-inprocess-peer'"):
+        figures.peer_pair("results/reference/2026-11-29-h200-vllmstart", "vllm-inprocess-peer", "best")
+    with pytest.raises(ValueError, match="against is defaults or best"):
+        figures.peer_pair(study, config, "worst")

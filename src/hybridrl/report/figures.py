@@ -561,6 +561,29 @@ def peer_ratio(study: str, name: str, path: str, column: str = COMPARED_STEP) ->
     return wording.ratio_text(stats.hierarchical_ratio(ours, _peer_steps(path)))
 
 
+def peer_pair(study: str, config: str, against: str, what: str = "ratio") -> str:
+    """A configuration (the start of its id) against TRL's defaults or TRL's best, paired as the report's ratio table
+    pairs them (the cards both ran on, card by card): `ratio`, '0.78x [0.66, 0.85]'; `label`, the TRL record's."""
+    from hybridrl.report import peer
+    from hybridrl.report.plots import config_labels
+
+    if against not in ("defaults", "best") or what not in ("ratio", "label"):
+        raise ValueError(f"peer_pair: against is defaults or best ({against!r}), what ratio or label ({what!r})")
+    df = _table(study)
+    labels = config_labels(df)
+    name = labels[str(_config(df, config)["config_id"].iloc[0])]
+    found = [p for p in peer.pairs(df, peer.records(REPO / study / "bench"), labels, REPO / study / "runs")
+             if p.name == name]
+    if not found:
+        raise ValueError(f"{study}: no TRL record paired with {config!r}")
+    record = peer.best_records(found)[name] if against == "best" else next((p.peer for p in found if p.peer.defaults),
+                                                                              None)
+    pair = next((p for p in found if p.peer is record), None)
+    if pair is None:
+        raise ValueError(f"{study}: {config!r} has no pair with TRL's defaults")
+    return peer.short(pair.peer.label).removeprefix("TRL · ") if what == "label" else wording.ratio_text(pair.est)
+
+
 def setup_table(study: str) -> str:
     """The report's set-up against measured time, run by run (report.setup_time), as a markdown table."""
     from hybridrl.report import setup_time
@@ -702,7 +725,7 @@ FIGURES: dict[str, Callable[..., str]] = {
     "profile_waits": profile_waits,
     "profile_range": profile_range,
     "series": series, "logged": logged, "paired": paired,
-    "at": at, "setup_table": setup_table, "peer_median": peer_median, "peer_ratio": peer_ratio,
+    "at": at, "setup_table": setup_table, "peer_median": peer_median, "peer_ratio": peer_ratio, "peer_pair": peer_pair,
     "run_medians": run_medians, "slope": slope, "share": share,
     "unattributed": unattributed, "replayed": replayed, "alike": alike, "floors": floors,
     "writeup_table": writeup_table, "writeup_summary": writeup_summary, "peer_table": peer_table,

@@ -251,6 +251,12 @@ def _typical_step(blocks: list[list[list[float]]]) -> float:
     return math.exp(sum(math.log(m) for m in medians) / len(medians))
 
 
+def best_records(found: list[PeerPair]) -> dict[str, PeerRecord]:
+    """TRL's best for each configuration: the record with the shortest step over the cards its pair kept."""
+    return {name: min((p for p in found if p.name == name), key=lambda p: p.peer_step).peer
+            for name in {p.name for p in found}}
+
+
 def ratio_table(found: list[PeerPair], wanted: list[targets.Target] | None = None) -> Table | None:
     """hybridrl's compared step over each TRL record's step, one row a pair (pairs), in words from its interval,
     with each peer target (peer/step_ratio) that applies to the pair: met, missed or not settled. None without
@@ -259,9 +265,7 @@ def ratio_table(found: list[PeerPair], wanted: list[targets.Target] | None = Non
         return None
     table = Table(["configuration", "against", "hybridrl / TRL, step", "in words", "target", "bound", "verdict"])
     peer_targets = targets.of_metric(targets.PEER_RATIO, wanted)
-    # TRL's best for a configuration: the record with the shortest median step over the processes its pair kept
-    best = {name: min((p for p in found if p.name == name), key=lambda p: p.peer_step).peer
-            for name in {p.name for p in found}}
+    best = best_records(found)
     for pair in found:
         met = [t for t in peer_targets if (t.against == "trl-defaults" and pair.peer.defaults)
                or (t.against == "trl-best" and pair.peer is best[pair.name])]

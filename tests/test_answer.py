@@ -95,6 +95,14 @@ def test_shaped_reward():
     assert data.shaped_reward("#### 10k", "#### 10", 0.1) == 0.0  # refused, not 10
 
 
+@pytest.mark.parametrize("completion", ["#### 18", "nothing", "#### 17", "#### 1e9", "#### 10k", "so 18 eggs",
+                                        "#### -18", "", "3 then 18 then 4"])
+@pytest.mark.parametrize("reference", ["#### 18", "no answer", "9 * 2 = 18\n#### 18"])
+def test_scores_are_the_reward_and_the_shaped_reward_from_one_scan(completion, reference):
+    assert data.scores(completion, reference, 0.1) == (data.reward(completion, reference),
+                                                        data.shaped_reward(completion, reference, 0.1))
+
+
 @pytest.mark.parametrize(
     ("value", "text"),
     [(Fraction(-7), "-7"), (Fraction(12345, 10), "1234.5"), (Fraction(1, 20), "0.05"), (Fraction(-2, 3), "-2/3"),

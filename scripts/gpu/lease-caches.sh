@@ -5,6 +5,10 @@
 # most minutes saved first: FlashInfer's nvcc builds (its all-reduce fusion at TP 2 took ~200 s of a first start),
 # SGLang's in a workspace of its own (hybridrl.engines.jit_cache), vLLM's torch.compile, Triton's kernels
 caches=(.cache/flashinfer-sglang .cache/flashinfer .cache/vllm .triton/cache)
+# other places where a kernel build may be kept, not carried: their sizes are printed when the caches are packed,
+# because each lease's first SGLang start still spends tens of seconds capturing its first CUDA graph with the
+# caches above in place, and later starts on the same machine do not (the driver's PTX JIT cache is one candidate)
+uncarried=(.nv/ComputeCache .cache/torch .cache/sglang .cache/torch_extensions)
 cache_piece=$((15 * 1024 * 1024))  # what one file back from a call may hold (16 MiB), less a margin
 cache_out=${HYBRIDRL_LEASE_CACHES_OUT:-/tmp/lease-caches-out}  # the pieces of this machine's caches, to send back
 
@@ -16,6 +20,9 @@ pack_caches() {  # OUT [N]: the engines' caches packed once into numbered 15 MiB
     for d in "${caches[@]}"; do
       [ -d "$HOME/$d" ] || continue
       dirs+=("$d") && echo "lease: cache $d: $(du -sk "$HOME/$d" | cut -f1) KiB"
+    done
+    for d in "${uncarried[@]}"; do
+      if [ -d "$HOME/$d" ]; then echo "lease: not carried: $d: $(du -sk "$HOME/$d" | cut -f1) KiB"; fi
     done
     if [ ${#dirs[@]} -gt 0 ]; then
       tar czf "$cache_out/all.tgz" -C "$HOME" "${dirs[@]}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,8 +248,10 @@ def _blocks(config: pd.DataFrame, cards: dict[str, str | None], peer: PeerRecord
 def _typical_step(blocks: list[list[list[float]]]) -> float:
     """A TRL record's step over the cards of a pair: the geometric mean of its median step on each card (the
     scale blocked_ratio divides by), which picks TRL's best."""
-    medians = [stats.hierarchical_median(b).value for b in blocks]
-    return math.exp(sum(math.log(m) for m in medians) / len(medians))
+    steps = [[v for process in b for v in process if math.isfinite(v)] for b in blocks]
+    if not all(steps):
+        return math.nan
+    return math.exp(sum(math.log(statistics.median(s)) for s in steps) / len(steps))
 
 
 def best_records(found: list[PeerPair]) -> dict[str, PeerRecord]:

@@ -179,9 +179,10 @@ def blocked_ratio(blocks: Sequence[tuple[Sequence[Iterable[float]], Sequence[Ite
     n and n_runs are the smaller side's totals over the blocks."""
     kept = [(Runs(a), Runs(b)) for a, b in blocks]
     usable = [i for i, (a, b) in enumerate(kept) if a and b and np.median(np.concatenate(b)) != 0]
-    if len(usable) < 2:
-        return hierarchical_ratio(*blocks[usable[0]], n_boot=n_boot, seed=seed, level=level) if usable else \
-            Estimate(float("nan"), float("nan"), float("nan"), 0, 0)
+    if not usable:
+        return Estimate(float("nan"), float("nan"), float("nan"), 0, 0)
+    if len(usable) == 1:
+        return hierarchical_ratio(*blocks[usable[0]], n_boot=n_boot, seed=seed, level=level)
     pairs = [kept[i] for i in usable]
     n = int(min(sum(len(r) for a, _ in pairs for r in a), sum(len(r) for _, b in pairs for r in b)))
     n_runs = int(min(sum(len(a) for a, _ in pairs), sum(len(b) for _, b in pairs)))

@@ -1044,3 +1044,22 @@ def test_records_without_a_check_phase_compare_the_whole_step_and_the_report_say
     assert "- Step time compared: the wall-clock step less the instrument's own checks" in md
     assert f"**{note}.**" in md
 
+
+
+def test_runs_that_lay_out_their_update_differently_are_labelled_by_that_layout() -> None:
+    from hybridrl.report.aggregate import update_layout
+    from hybridrl.report.plots import config_labels
+
+    ids = ("sglang-moestep-aaaa1111", "sglang-moestep-bbbb2222", "sglang-moestep-cccc3333")
+    runs = [headline_run(rid, "sglang") for rid in ids]
+    layouts = [(2, "replicated", "host_read", False), (2, "split", "masked", False), (2, "split", "masked", "auto")]
+    for run, (ep, batch, dispatch, keep) in zip(runs, layouts, strict=True):
+        run["train_ep"], run["ep_batch"], run["ep_dispatch"], run["keep_base_on_gpu"] = ep, batch, dispatch, keep
+    df = headline_study(*runs)
+    assert config_labels(df) == {ids[0]: "EP 2", ids[1]: "EP 2, split batch, masked rows",
+                                 ids[2]: "EP 2, split batch, masked rows, base kept where it fits"}
+    assert df["keep_base_on_gpu"].dropna().unique().tolist() == ["False", "auto"]  # a word, not a number
+    # nothing to name at the defaults, or for runs recorded before the keys
+    assert update_layout(1, "replicated", "host_read", False) is None
+    assert update_layout(None, None, None, None) is None
+    assert update_layout(1, None, None, True) == "base kept"

@@ -31,18 +31,22 @@ CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "sglang_retain_cpu_b
               "train_ep",
               "train_gpus",
               "prompts_per_step", "group_size", "warmup_steps", "stream_fraction", "shared_pool", "overlap",
-              "rollout_process", "vllm_detokenize", "sglang_detokenize"]
+              "rollout_process", "vllm_detokenize", "sglang_detokenize", "ep_batch", "ep_dispatch",
+              "keep_base_on_gpu"]
 # Made here from the columns above: which configuration a replicate belongs to, what a colocated engine
-# releases on sleep (the arm), which rollout client it went through, cost per GPU, and the engine's own time on
+# releases on sleep (the arm), which rollout client it went through, how its trainer's update was laid out, cost
+# per GPU, and the engine's own time on
 # the rollout (tokens over throughput: in overlap the rollout runs beside training, and timing_s/gen is only the
 # step's wait for its end)
-DERIVED_STRINGS = ["config_id", "release", "client"]
+DERIVED_STRINGS = ["config_id", "release", "client", "update_layout"]
 COST = ["cost/gpus", "cost/tok_s_per_gpu", "cost/gpu_s_per_step", "cost/gpu_h_per_1k_rollouts"]
 AWAKE = "stays awake"  # the release of a colocated engine that never sleeps (engine_sleep false)
 DERIVED = [*DERIVED_STRINGS, "replicate", *COST, "perf/rollout_s"]
 # The record's keys (hybridrl.run.record), then what each run's provenance adds, then what is derived from both
 KNOWN = [*record.RECORD_KEYS, *PROVENANCE, *SCHEDULER, *SEEN, *CONFIGURED, *DERIVED]
-STRINGS = [*record.STRINGS, *PROVENANCE, *SCHEDULER, *DERIVED_STRINGS]
+# the configured choices that are words (keep_base_on_gpu: true, false or auto)
+CONFIGURED_STRINGS = ["ep_batch", "ep_dispatch", "keep_base_on_gpu"]
+STRINGS = [*record.STRINGS, *PROVENANCE, *SCHEDULER, *CONFIGURED_STRINGS, *DERIVED_STRINGS]
 BOOLS = list(record.BOOLS)
 NUMBERS = [c for c in KNOWN if c not in STRINGS and c not in BOOLS]
 # Two rows compare as the same configuration when these match; config_id keeps seeds and parameters apart
@@ -150,6 +154,22 @@ def rollout_client(engine: Any, stream_fraction: Any, shared_pool: Any, rollout_
     return f"{streamed}, {pool}{worker}"
 
 
+def update_layout(train_ep: Any, ep_batch: Any, ep_dispatch: Any, keep_base_on_gpu: Any) -> str | None:
+    """How the trainer's update was laid out, where a study may vary it: Megatron's expert parallelism with its
+    batch and dispatch (run_config.py), and a colocated trainer's frozen base kept on the GPU. None where nothing of
+    it differs from the defaults, or the run recorded none of it (runs before the keys)."""
+    parts = []
+    if not _missing(train_ep) and int(train_ep) > 1:
+        parts.append(f"EP {int(train_ep)}" + (", split batch" if str(ep_batch) == "split" else "")
+                     + (", masked rows" if str(ep_dispatch) == "masked" else ""))
+    keep = None if _missing(keep_base_on_gpu) else str(keep_base_on_gpu)
+    if keep == "auto":
+        parts.append("base kept where it fits")
+    elif to_bool(keep_base_on_gpu) is True:
+        parts.append("base kept")
+    return ", ".join(parts) or None
+
+
 def run_gpus(row: pd.Series) -> float:
     """GPUs a run held: colocate and restart share the engine's TP GPUs with the trainer (Megatron may span
     more); split adds the trainer's own GPUs (engines/gpus.py: split_engine_devices), as far as the run saw that
@@ -207,6 +227,8 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     df["release"] = [release_arm(*r) for r in df[arm].itertuples(index=False)]
     df["client"] = [rollout_client(*r) for r in
                     df[["engine", "stream_fraction", "shared_pool", "rollout_process"]].itertuples(index=False)]
+    df["update_layout"] = [update_layout(*r) for r in
+                           df[["train_ep", "ep_batch", "ep_dispatch", "keep_base_on_gpu"]].itertuples(index=False)]
     gpus = df.apply(run_gpus, axis=1) if len(df) else pd.Series(dtype=float)
     df[record.COMPARED_STEP] = compared_step(df)
     step = df[record.COMPARED_STEP]  # what a step costs leaves out the instrument's checks, as its time does

@@ -26,7 +26,7 @@ from hybridrl.report.placements import pairings as placement_pairings  # noqa: E
 from hybridrl.report.stats import WARMUP_STEPS, run_order, steady_state, unattributed_s, with_ids  # noqa: E402
 from hybridrl.run.record import PHASE_KEYS as PHASES  # noqa: E402
 
-LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp", "release", "text"]
+LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp", "release", "update_layout", "text"]
 TEXT_KEYS = ("vllm_detokenize", "sglang_detokenize")  # an engine asked for token ids only: one label for both
 PHASE_COLORS = {
     "timing_s/prepare": "#A6C8E0", "timing_s/gen": "#4C72B0", "timing_s/reward": "#DD8452", "timing_s/sleep": "#937860",

@@ -480,25 +480,44 @@ def test_changed_base_canary_fails_loudly(assets, tmp_path):
                  engine=ScriptedEngine(corrupt_base_after=2))
 
 
-def test_trainer_gpu_memory_is_read_for_the_trainers_own_processes(assets, tmp_path, monkeypatch):
+def test_trainer_gpu_memory_is_read_for_the_trainers_own_processes_beside_the_rollout(assets, tmp_path, monkeypatch):
     import os
+    import threading
 
     import hybridrl.run.loop as loop
 
-    # NVML is absent on CPU machines: stand in for its per-process reading, charging 0.5 GB to this process only
-    monkeypatch.setattr(loop, "process_used_gb", lambda pid: 0.5 if pid == os.getpid() else 7.0)
+    # NVML is absent on CPU machines: stand in for its reading, charging 0.5 GB to this process only
+    threads = []
+
+    def reading(pids):
+        threads.append(threading.current_thread().name)
+        return 0.5 if pids == [os.getpid()] else 7.0
+
+    monkeypatch.setattr(loop, "processes_used_gb", reading)
     records = run_loop(_run(steps=1), "r5", assets / "model", assets / "data", tmp_path, {}, progress=False,
                        engine=ScriptedEngine())
     assert records[0]["mem/trainer_gb_gen"] == 0.5  # the HF trainer lives in the controller
+    # read on a thread of its own while the engine generates, not on the step's path
+    assert threads and all(name.startswith("hybridrl-reading") for name in threads)
 
     class TwoRanks:
         def gpu_pids(self):
             return [11, 12]
 
-    monkeypatch.setattr(loop, "process_used_gb", lambda pid: {11: 0.75, 12: 0.5}[pid])
-    assert loop.trainer_gpu_gb(TwoRanks()) == 1.25
-    monkeypatch.setattr(loop, "process_used_gb", lambda pid: None)
+    monkeypatch.setattr(loop, "processes_used_gb", lambda pids: {(11, 12): 1.25}.get(tuple(pids)))
+    assert loop.trainer_gpu_gb(TwoRanks()) == 1.25  # both ranks in one reading
+    monkeypatch.setattr(loop, "processes_used_gb", lambda pids: None)
     assert loop.trainer_gpu_gb(TwoRanks()) is None and loop.trainer_gpu_gb(None) is None
+
+
+def test_a_background_readings_error_is_raised_where_its_result_is_taken() -> None:
+    import hybridrl.run.loop as loop
+
+    def broken() -> float:
+        raise RuntimeError("NVML went away")
+
+    with pytest.raises(RuntimeError, match="NVML went away"):
+        loop.in_background(broken).result(timeout=10)
 
 
 def test_split_flushes_the_prefix_cache_after_each_adapter_load(assets, tmp_path):

@@ -46,6 +46,8 @@ def test_memory_is_in_gb_of_a_billion_bytes(driver: types.ModuleType) -> None:
     assert nvml.process_used_gb(7) == pytest.approx(2**30 / 1e9 + 1.0)
     assert nvml.process_used_gb(7, [1]) == 1.0
     assert nvml.device_count() == 2
+    assert nvml.processes_used_gb([7, 8]) == pytest.approx(2**30 / 1e9 + 2.0)  # both, over both GPUs
+    assert nvml.processes_used_gb([8], [0]) == 0.0 and nvml.processes_used_gb([]) is None
     assert nvml.compute_pids() == {7, 8}  # every GPU's processes, as nvidia-smi lists them
     assert driver.inits == 0  # every session is closed again
 
@@ -100,3 +102,12 @@ def test_no_other_module_asks_nvml() -> None:
     assert askers == ["nvml.py"]
     # nor through the driver's command-line tool
     assert not [str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if '"nvidia-smi"' in p.read_text()]
+
+
+def test_a_trainer_of_several_ranks_is_read_in_one_query_a_gpu(driver: types.ModuleType) -> None:
+    queried = []
+    query = driver.nvmlDeviceGetComputeRunningProcesses
+    driver.nvmlDeviceGetComputeRunningProcesses = lambda h: queried.append(h) or query(h)
+    assert nvml.processes_used_gb([7, 8]) == pytest.approx(2**30 / 1e9 + 2.0)
+    assert sorted(queried) == [0, 1]  # not once a rank: each query takes tens of milliseconds
+    assert driver.inits == 0

@@ -85,9 +85,9 @@ class Devices:
                 out[i] = (self._nvml.nvmlDeviceGetMemoryInfo(handle).used - theirs) / GB
         return out
 
-    def process_gb(self, pid: int) -> float:
-        """Memory NVML charges to `pid`, summed over these GPUs."""
-        return sum((p.usedGpuMemory / GB for p in self._processes() if p.pid == pid and p.usedGpuMemory is not None),
+    def processes_gb(self, pids: set[int]) -> float:
+        """Memory NVML charges to `pids`, summed over these GPUs and processes."""
+        return sum((p.usedGpuMemory / GB for p in self._processes() if p.pid in pids and p.usedGpuMemory is not None),
                    0.0)
 
     def compute_pids(self) -> set[int]:
@@ -160,8 +160,17 @@ def process_used_gb(pid: int | None = None, indices: list[int] | None = None) ->
 
     In colocate this is what the trainer (and its CUDA context) leaves on the GPU once offloaded.
     """
+    return processes_used_gb([os.getpid() if pid is None else pid], indices)
+
+
+def processes_used_gb(pids: list[int], indices: list[int] | None = None) -> float | None:
+    """Memory (summed over the given GPUs and processes) that NVML charges to `pids`, from one query a GPU: each
+    query takes tens of milliseconds, so a trainer of several ranks is read in one pass, not once a rank. None
+    without NVML or without pids."""
+    if not pids:
+        return None
     with devices(indices) as session:
-        return session.process_gb(os.getpid() if pid is None else pid) if session else None
+        return session.processes_gb(set(pids)) if session else None
 
 
 def _text(value: Any) -> str:

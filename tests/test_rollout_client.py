@@ -54,6 +54,64 @@ def test_client_reads_streamed_and_whole_answers_alike(fmt, per_event, shared_po
             assert c.events == 0 and c.ttft_s != c.ttft_s and c.itl_s == []
 
 
+def _connections(client) -> list:
+    """The open connections of the client's kept one-connection clients (httpcore's pool, one a slot)."""
+    return [conn for c in client._kept._clients for conn in c._transport._pool.connections]
+
+
+def test_the_client_keeps_its_connections_from_one_rollout_to_the_next():
+    requests = fake_requests(8, 5, 0.25)
+    with FakeEngine("sglang", procs=2) as server:
+        client = client_class("sglang")(server, timeout_s=30, max_concurrency=4)
+        first = client.generate(requests)
+        kept = _connections(client)
+        second = client.generate(requests)
+        assert len(kept) == 4 and _connections(client) == kept  # the same four, not four new ones
+        server.restart()  # the server closed them: each is replaced, and no request fails
+        third = client.generate(requests)
+        assert len(_connections(client)) == 4 and not set(map(id, _connections(client))) & set(map(id, kept))
+        client.close()
+        assert _connections(client) == []
+        fourth = client.generate(requests)  # closing only drops them: the next rollout opens new ones
+    for out in (first, second, third, fourth):
+        assert [c.error for c in out] == [None] * 8 and all(len(c.token_ids) == 5 for c in out)
+
+
+def test_a_rollout_beside_a_running_one_gets_connections_of_its_own():
+    import threading
+
+    requests = fake_requests(6, 4, 0.5)
+    with FakeEngine("vllm", event_interval_s=0.01) as server:
+        client = client_class("vllm")(server, timeout_s=30, max_concurrency=3)
+        results = {}
+        threads = [threading.Thread(target=lambda k=k: results.__setitem__(k, client.generate(requests)))
+                   for k in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=60)
+        client.close()
+    assert sorted(results) == [0, 1]
+    for out in results.values():
+        assert [c.error for c in out] == [None] * 6 and all(len(c.token_ids) == 4 for c in out)
+
+
+def test_an_interrupted_rollout_drops_its_connections_and_the_next_one_opens_new_ones():
+    requests = fake_requests(6, 3, 0.0)
+    with FakeEngine("sglang") as server:
+        client = client_class("sglang")(server, timeout_s=30, max_concurrency=3)
+        client.generate(requests)
+
+        def interrupt() -> None:
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            client.collect(requests, interrupt)
+        assert _connections(client) == []
+        out = client.generate(requests)
+    assert [c.error for c in out] == [None] * 6
+
+
 def test_whole_and_streamed_answers_give_the_same_tokens():
     """The same fake answer read both ways: a non-streamed parse must not drop or repeat tokens."""
     chunks = stream_chunks("sglang", 5, 2)

@@ -158,15 +158,28 @@ class FakeEngine:
         self._sock.bind(("127.0.0.1", 0))
         self._sock.listen(1024)
         self.port = self._sock.getsockname()[1]
+        self._spawn()
+        return self
+
+    def _spawn(self) -> None:
         # plain child processes that inherit the socket: no fork of a controller that may run threads
         cmd = [sys.executable, "-c", "import sys; from hybridrl.engines.client_ceiling import serve; "
                "serve(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))",
                str(self._sock.fileno()), self.fmt, str(self.tokens_per_event), str(self.event_interval_s)]
         self._procs = [subprocess.Popen(cmd, pass_fds=(self._sock.fileno(),), stdin=subprocess.DEVNULL)
                        for _ in range(self.procs)]
-        return self
+
+    def restart(self) -> None:
+        """New processes on the same address: the connections the old ones held are closed, as when an engine
+        restarts on its port."""
+        self._stop_procs()
+        self._spawn()
 
     def __exit__(self, *exc: object) -> None:
+        self._stop_procs()
+        self._sock.close()
+
+    def _stop_procs(self) -> None:
         for p in self._procs:
             p.terminate()
         for p in self._procs:
@@ -174,7 +187,6 @@ class FakeEngine:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 p.kill()
-        self._sock.close()
 
     @property
     def base_url(self) -> str:

@@ -45,9 +45,15 @@ class ClientSpec:
                    client.shared_pool)
 
 
+_CLIENTS: dict[ClientSpec, object] = {}  # in the worker: one client a spec, so its connections are kept
+
+
 def _collect(spec: ClientSpec, requests: list[Request]) -> list[Completion]:
-    """In the worker: the requests through a client of the spec's class."""
-    client = spec.cls(Address(spec.base_url), spec.timeout_s, spec.max_concurrency, shared_pool=spec.shared_pool)
+    """In the worker: the requests through the spec's client, made on its first batch."""
+    client = _CLIENTS.get(spec)
+    if client is None:
+        client = _CLIENTS[spec] = spec.cls(Address(spec.base_url), spec.timeout_s, spec.max_concurrency,
+                                           shared_pool=spec.shared_pool)
     return client.collect(requests)
 
 

@@ -25,6 +25,7 @@ from hybridrl.atomic import naming
 from hybridrl.engines.base import Completion, EngineError, Request, SleepVariant, context_length
 from hybridrl.engines.client_process import ClientProcess
 from hybridrl.engines.gpus import nvml_indices, started_readings
+from hybridrl.engines.kept_clients import KeptClients
 from hybridrl.engines.startup import header, split_start
 from hybridrl.study.run_config import RunConfig
 
@@ -300,9 +301,10 @@ class RolloutClient:
     def __init__(self, server: ServerProcess, timeout_s: float, max_concurrency: int,
                  shared_pool: bool = False) -> None:
         self.server, self.timeout_s, self.max_concurrency = server, timeout_s, max_concurrency
-        # the earlier client (one pool for every connection), kept so that the benchmarks can measure what the
-        # older committed results were recorded through
+        # the earlier client (one pool for every connection, made anew each rollout), kept so that the benchmarks
+        # can measure what the older committed results were recorded through
         self.shared_pool = shared_pool
+        self._kept = KeptClients(lambda: self._client(1))  # one connection a slot, kept from rollout to rollout
 
     def body(self, req: Request) -> dict[str, Any]:
         raise NotImplementedError
@@ -364,8 +366,14 @@ class RolloutClient:
             out.error = f"{type(exc).__name__}: {exc}"
         return out
 
-    async def _all(self, requests: list[Request], tick) -> list[Completion]:
-        """`max_concurrency` workers, each with its own one-connection client, take the requests in order.
+    def _client(self, connections: int) -> httpx.AsyncClient:
+        # verify=False: plain HTTP on 127.0.0.1, and loading the CA bundle costs ~40 ms per client
+        return httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=10.0), verify=False,
+                                 limits=httpx.Limits(max_connections=connections))
+
+    async def _all(self, requests: list[Request], tick, kept: list[httpx.AsyncClient] | None) -> list[Completion]:
+        """`max_concurrency` workers, each with its own one-connection client (`kept`'s, else made for this
+        call), take the requests in order.
 
         Not one shared pool (`shared_pool`, the old way): httpcore scans every pooled connection for each
         request it places, so with 128 connections that scan alone took about 10 ms of CPU per request.
@@ -374,27 +382,34 @@ class RolloutClient:
         todo = iter(range(len(requests)))
         slots = max(1, min(self.max_concurrency, len(requests)))
 
-        def client(connections: int) -> httpx.AsyncClient:
-            # verify=False: plain HTTP on 127.0.0.1, and loading the CA bundle costs ~40 ms per client
-            return httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=10.0), verify=False,
-                                     limits=httpx.Limits(max_connections=connections))
+        async def worker(c: httpx.AsyncClient) -> None:
+            for i in todo:
+                results[i] = await self._one(c, requests[i])
+                tick()
 
-        async def worker(shared: httpx.AsyncClient | None) -> None:
-            async with contextlib.nullcontext(shared) if shared else client(1) as c:
-                for i in todo:
-                    results[i] = await self._one(c, requests[i])
-                    tick()
+        async def own(shared: httpx.AsyncClient | None) -> None:
+            async with contextlib.nullcontext(shared) if shared else self._client(1) as c:
+                await worker(c)
 
-        if self.shared_pool:
-            async with client(slots) as shared:
-                await asyncio.gather(*(worker(shared) for _ in range(slots)))
+        if kept is not None:
+            await asyncio.gather(*(worker(c) for c in kept[:slots]))
+        elif self.shared_pool:
+            async with self._client(slots) as shared:
+                await asyncio.gather(*(own(shared) for _ in range(slots)))
         else:
-            await asyncio.gather(*(worker(None) for _ in range(slots)))
+            await asyncio.gather(*(own(None) for _ in range(slots)))
         return results
 
     def collect(self, requests: list[Request], tick: Callable[[], None] = lambda: None) -> list[Completion]:
         """Every request's completion (failures as errors in it), in order; `tick` after each one."""
-        return run_bounded(self._all(requests, tick))
+        if self.shared_pool:
+            return run_bounded(self._all(requests, tick, None))
+        slots = max(1, min(self.max_concurrency, len(requests)))
+        return self._kept.run(lambda kept: self._all(requests, tick, kept), slots, run_bounded)
+
+    def close(self) -> None:
+        """Close the kept connections (the engine stops)."""
+        self._kept.close()
 
     def check_alive(self) -> None:
         """EngineError, with the server log's tail, where the server died (its answers may have been cut)."""
@@ -566,6 +581,8 @@ class HTTPEngine:
             self.on_ports(dict(self.ports))
         elapsed = self.server.wait_healthy(self.run.startup_timeout_s, health_path=self.health_path)
         healthy = datetime.now()
+        if self.stream is not None:  # the last start's connections went to a server that is gone
+            self.stream.close()
         self.stream = self.stream_cls(self.server, self.run.request_timeout_s, self.run.max_concurrency,
                                       shared_pool=self.run.shared_pool)
         # the first request pays one-off kernel compilation (and rollout_process's worker its start); count it as
@@ -597,6 +614,8 @@ class HTTPEngine:
     def stop(self) -> None:
         if self._client_process is not None:
             self._client_process.close()
+        if self.stream is not None:
+            self.stream.close()
         if self.server:
             self.server.stop()
         self.server = None

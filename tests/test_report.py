@@ -827,6 +827,11 @@ def test_rollout_client_names_the_path_and_older_runs_have_none() -> None:
     # rollout_process: the client in a worker process is a path of its own; off (or not recorded): a thread
     assert rollout_client("vllm", 0.125, False, True) == "0.125 streamed, a connection per slot, in a worker process"
     assert rollout_client("vllm", 0.125, False, "False") == rollout_client("vllm", 0.125, False, float("nan"))
+    # keep_connections: connections kept from one rollout to the next are a path of their own; the old shared pool
+    # is made anew each rollout whatever the key says
+    assert rollout_client("sglang", 0.125, False, False, True) == "0.125 streamed, a connection per slot, kept"
+    assert rollout_client("sglang", 0.125, False, False, "False") == "0.125 streamed, a connection per slot"
+    assert rollout_client("sglang", 1.0, True, False, True) == "every request streamed, one shared pool"
 
 
 def test_a_run_through_the_worker_process_is_a_configuration_of_its_own_in_the_table(tmp_path) -> None:

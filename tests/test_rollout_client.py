@@ -62,7 +62,10 @@ def _connections(client) -> list:
 def test_the_client_keeps_its_connections_from_one_rollout_to_the_next():
     requests = fake_requests(8, 5, 0.25)
     with FakeEngine("sglang", procs=2) as server:
-        client = client_class("sglang")(server, timeout_s=30, max_concurrency=4)
+        fresh = client_class("sglang")(server, timeout_s=30, max_concurrency=4)
+        fresh.generate(requests)
+        assert _connections(fresh) == []  # without keep_connections each rollout makes its own, as recorded before
+        client = client_class("sglang")(server, timeout_s=30, max_concurrency=4, keep_connections=True)
         first = client.generate(requests)
         kept = _connections(client)
         second = client.generate(requests)
@@ -82,7 +85,7 @@ def test_a_rollout_beside_a_running_one_gets_connections_of_its_own():
 
     requests = fake_requests(6, 4, 0.5)
     with FakeEngine("vllm", event_interval_s=0.01) as server:
-        client = client_class("vllm")(server, timeout_s=30, max_concurrency=3)
+        client = client_class("vllm")(server, timeout_s=30, max_concurrency=3, keep_connections=True)
         results = {}
         threads = [threading.Thread(target=lambda k=k: results.__setitem__(k, client.generate(requests)))
                    for k in range(2)]
@@ -99,7 +102,7 @@ def test_a_rollout_beside_a_running_one_gets_connections_of_its_own():
 def test_an_interrupted_rollout_drops_its_connections_and_the_next_one_opens_new_ones():
     requests = fake_requests(6, 3, 0.0)
     with FakeEngine("sglang") as server:
-        client = client_class("sglang")(server, timeout_s=30, max_concurrency=3)
+        client = client_class("sglang")(server, timeout_s=30, max_concurrency=3, keep_connections=True)
         client.generate(requests)
 
         def interrupt() -> None:

@@ -221,13 +221,14 @@ def _check(completions: list[Completion], tokens: int) -> None:
 
 def measure(fmt: str, requests: int = 128, tokens: int = 256, concurrency: int = 128, stream_fraction: float = 1.0,
             tokens_per_event: int = 1, event_interval_s: float = 0.0, seconds: float = 3.0, procs: int = 1,
-            max_batches: int = 50, shared_pool: bool = False) -> dict[str, Any]:
+            max_batches: int = 50, shared_pool: bool = False, keep_connections: bool = False) -> dict[str, Any]:
     """Batches of the same request set against the fake engine until `seconds` pass; the best batch's figures.
     `shared_pool`: the earlier client (one connection pool for all requests), which older results went through."""
     reqs = fake_requests(requests, tokens, stream_fraction)
     batches = []
     with FakeEngine(fmt, tokens_per_event, event_interval_s, procs) as server:
-        client = client_class(fmt)(server, timeout_s=120.0, max_concurrency=concurrency, shared_pool=shared_pool)
+        client = client_class(fmt)(server, timeout_s=120.0, max_concurrency=concurrency, shared_pool=shared_pool,
+                                   keep_connections=keep_connections)
         t_end = time.perf_counter() + seconds
         while not batches or (time.perf_counter() < t_end and len(batches) < max_batches):
             cpu0, t0 = time.process_time(), time.perf_counter()
@@ -237,8 +238,11 @@ def measure(fmt: str, requests: int = 128, tokens: int = 256, concurrency: int =
             events = sum(c.events for c in completions)
             batches.append({"wall_s": wall, "tok_s": requests * tokens / wall, "events_s": events / wall,
                             "controller_cpu_pct": 100.0 * (time.process_time() - cpu0) / wall})
+        client.close()
     best = max(batches, key=lambda b: b["tok_s"])
-    return {"format": fmt, "client": "old (one shared pool)" if shared_pool else "new (a connection per slot)",
+    kind = ("old (one shared pool)" if shared_pool else
+            "new (a connection per slot, kept)" if keep_connections else "new (a connection per slot)")
+    return {"format": fmt, "client": kind,
             "requests": requests, "tokens": tokens, "concurrency": concurrency,
             "stream_fraction": stream_fraction, "streamed_requests": sum(r.stream for r in reqs),
             "tokens_per_event": tokens_per_event, "event_interval_s": event_interval_s, "server_procs": procs,
@@ -248,14 +252,14 @@ def measure(fmt: str, requests: int = 128, tokens: int = 256, concurrency: int =
 
 
 def run_ceiling(engine: str, requests: int, tokens: int, concurrency: int, stream_fraction: float,
-                seconds: float, shared_pool: bool = False) -> float | None:
+                seconds: float, shared_pool: bool = False, keep_connections: bool = False) -> float | None:
     """A run's own ceiling, before its engine starts: its request shape and stream share, one token per event
     (SGLang's granularity, the client's worst case). None for in-process vLLM, which has no HTTP client."""
     fmt = {"sglang": "sglang", "vllm": "vllm"}.get(engine)
     if fmt is None or seconds <= 0:
         return None
     return measure(fmt, requests, tokens, concurrency, stream_fraction, seconds=seconds,
-                   shared_pool=shared_pool)["ceiling_tok_s"]
+                   shared_pool=shared_pool, keep_connections=keep_connections)["ceiling_tok_s"]
 
 
 def client_headroom_ok(throughput: float | None, ceiling: float | None) -> bool | None:

@@ -38,11 +38,12 @@ class ClientSpec:
     timeout_s: float
     max_concurrency: int
     shared_pool: bool = False
+    keep_connections: bool = False
 
     @classmethod
     def of(cls, client: object) -> ClientSpec:
         return cls(type(client), client.server.base_url, client.timeout_s, client.max_concurrency,
-                   client.shared_pool)
+                   client.shared_pool, client.keep_connections)
 
 
 _CLIENTS: dict[ClientSpec, object] = {}  # in the worker: one client a spec, so its connections are kept
@@ -53,7 +54,7 @@ def _collect(spec: ClientSpec, requests: list[Request]) -> list[Completion]:
     client = _CLIENTS.get(spec)
     if client is None:
         client = _CLIENTS[spec] = spec.cls(Address(spec.base_url), spec.timeout_s, spec.max_concurrency,
-                                           shared_pool=spec.shared_pool)
+                                           shared_pool=spec.shared_pool, keep_connections=spec.keep_connections)
     return client.collect(requests)
 
 

@@ -299,11 +299,12 @@ class RolloutClient:
     url_path = "/v1/completions"
 
     def __init__(self, server: ServerProcess, timeout_s: float, max_concurrency: int,
-                 shared_pool: bool = False) -> None:
+                 shared_pool: bool = False, keep_connections: bool = False) -> None:
         self.server, self.timeout_s, self.max_concurrency = server, timeout_s, max_concurrency
         # the earlier client (one pool for every connection, made anew each rollout), kept so that the benchmarks
         # can measure what the older committed results were recorded through
         self.shared_pool = shared_pool
+        self.keep_connections = keep_connections
         self._kept = KeptClients(lambda: self._client(1))  # one connection a slot, kept from rollout to rollout
 
     def body(self, req: Request) -> dict[str, Any]:
@@ -402,7 +403,7 @@ class RolloutClient:
 
     def collect(self, requests: list[Request], tick: Callable[[], None] = lambda: None) -> list[Completion]:
         """Every request's completion (failures as errors in it), in order; `tick` after each one."""
-        if self.shared_pool:
+        if self.shared_pool or not self.keep_connections:
             return run_bounded(self._all(requests, tick, None))
         slots = max(1, min(self.max_concurrency, len(requests)))
         return self._kept.run(lambda kept: self._all(requests, tick, kept), slots, run_bounded)
@@ -584,7 +585,7 @@ class HTTPEngine:
         if self.stream is not None:  # the last start's connections went to a server that is gone
             self.stream.close()
         self.stream = self.stream_cls(self.server, self.run.request_timeout_s, self.run.max_concurrency,
-                                      shared_pool=self.run.shared_pool)
+                                      shared_pool=self.run.shared_pool, keep_connections=self.run.keep_connections)
         # the first request pays one-off kernel compilation (and rollout_process's worker its start); count it as
         # start-up, not as rollout
         t0 = time.perf_counter()

@@ -31,7 +31,7 @@ CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "sglang_retain_cpu_b
               "train_ep",
               "train_gpus",
               "prompts_per_step", "group_size", "warmup_steps", "stream_fraction", "shared_pool", "overlap",
-              "rollout_process", "vllm_detokenize", "sglang_detokenize", "ep_batch", "ep_dispatch",
+              "rollout_process", "keep_connections", "vllm_detokenize", "sglang_detokenize", "ep_batch", "ep_dispatch",
               "keep_base_on_gpu"]
 # Made here from the columns above: which configuration a replicate belongs to, what a colocated engine
 # releases on sleep (the arm), which rollout client it went through, how its trainer's update was laid out, cost
@@ -138,10 +138,12 @@ def release_arm(engine: Any, placement: Any, sglang_release: Any, vllm_sleep_lev
     return None
 
 
-def rollout_client(engine: Any, stream_fraction: Any, shared_pool: Any, rollout_process: Any = None) -> str | None:
+def rollout_client(engine: Any, stream_fraction: Any, shared_pool: Any, rollout_process: Any = None,
+                   keep_connections: Any = None) -> str | None:
     """Which rollout path a run took: the share of requests streamed token by token and, for an HTTP
-    engine, whether they share one connection pool (the old client) or get a connection per concurrency slot, and
-    whether the client ran in a worker process (rollout_process; runs before it, and with it off, in a thread).
+    engine, whether they share one connection pool (the old client) or get a connection per concurrency slot,
+    kept from one rollout to the next or not (keep_connections), and whether the client ran in a worker process
+    (rollout_process; runs before it, and with it off, in a thread).
     None for runs recorded before the choice existed; those streamed every request through one shared pool."""
     if _missing(stream_fraction):
         return None
@@ -150,8 +152,9 @@ def rollout_client(engine: Any, stream_fraction: Any, shared_pool: Any, rollout_
     if str(engine) == "vllm-inprocess":  # no HTTP client: nothing to pool
         return streamed
     pool = "one shared pool" if to_bool(shared_pool) is True else "a connection per slot"
+    kept = ", kept" if to_bool(keep_connections) is True and to_bool(shared_pool) is not True else ""
     worker = ", in a worker process" if to_bool(rollout_process) is True else ""
-    return f"{streamed}, {pool}{worker}"
+    return f"{streamed}, {pool}{kept}{worker}"
 
 
 def update_layout(train_ep: Any, ep_batch: Any, ep_dispatch: Any, keep_base_on_gpu: Any) -> str | None:
@@ -226,7 +229,8 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     arm = ["engine", "placement", "sglang_release", "vllm_sleep_level", "sglang_retain_cpu_backup", "engine_sleep"]
     df["release"] = [release_arm(*r) for r in df[arm].itertuples(index=False)]
     df["client"] = [rollout_client(*r) for r in
-                    df[["engine", "stream_fraction", "shared_pool", "rollout_process"]].itertuples(index=False)]
+                    df[["engine", "stream_fraction", "shared_pool", "rollout_process", "keep_connections"]]
+                    .itertuples(index=False)]
     df["update_layout"] = [update_layout(*r) for r in
                            df[["train_ep", "ep_batch", "ep_dispatch", "keep_base_on_gpu"]].itertuples(index=False)]
     gpus = df.apply(run_gpus, axis=1) if len(df) else pd.Series(dtype=float)

@@ -214,7 +214,8 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
         # before the engine starts, so that nothing else loads the host while the client and the link are measured
         bandwidth = copy_bandwidth.measure(run.device)
         ceiling = run_ceiling(engine.name, run.prompts_per_step * run.group_size, run.max_new_tokens,
-                              run.max_concurrency, run.stream_fraction, run.client_ceiling_s, run.shared_pool)
+                              run.max_concurrency, run.stream_fraction, run.client_ceiling_s, run.shared_pool,
+                              run.keep_connections)
         set_up["timing_s/host_measure"] = time.perf_counter() - measured_at
         placement = make_placement(run.placement, engine, trainer, sampler, run)
         startup_s = placement.start_engine(adapter)

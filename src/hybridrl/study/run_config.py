@@ -189,6 +189,10 @@ class RunConfig(_Frozen):
     shared_pool: bool = Field(
         False, description="the rollout client before 2026-11-23, one connection pool for every request (with "
         "stream_fraction 1: the old path), to compare with results recorded through it")
+    keep_connections: bool = Field(
+        False, description="server engines: the rollout client keeps its event loop and its connection a slot from "
+        "one rollout to the next, so a step's requests leave on open connections (engines/kept_clients.py); false: "
+        "each rollout makes its clients and connects anew, as every result before 2026-11-29 was recorded")
     rollout_process: bool = Field(
         False, description="server engines: the rollout client runs in a process of its own, so that its parsing "
         "never waits for, or holds up, the trainer's Python thread on the controller's interpreter lock (overlap "
@@ -243,7 +247,7 @@ class RunSpec(_Frozen):
 _LATE_KEYS = {"rollout_process": False, "release_comms": False, "replicate_seeds": False, "chunked_head": False,
               "train_ep": 1, "max_awake_shortfall_gb": 2.0, "lora.init_b_std": 0.0, "engine_sleep": True,
               "ep_dispatch": "host_read", "ep_batch": "replicated", "vllm_detokenize": True,
-              "sglang_detokenize": True}
+              "sglang_detokenize": True, "keep_connections": False}
 
 # a replicate's suffix: after the 8-hex hash, so no readable prefix (`name`) can look like one
 _REPLICATE = re.compile(r"^(?P<config>.+-[0-9a-f]{8})(?:-r(?P<k>[0-9]+))?$")

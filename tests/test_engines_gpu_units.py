@@ -292,8 +292,7 @@ def _record_posts(monkeypatch, module) -> list:
 
     from hybridrl.engines import server
 
-    monkeypatch.setattr(module, "post_json", fake_post)
-    monkeypatch.setattr(server, "post_json", fake_post)  # the shared adapter swap lives in HTTPEngine
+    monkeypatch.setattr(server, "post_json", fake_post)  # every control call goes through HTTPEngine._post
     return calls
 
 
@@ -346,7 +345,9 @@ def test_vllm_flush_retries_until_the_reset_succeeds_and_fails_loudly(model_dir:
     def fake_post(url, path, payload=None, **kw):
         return _Resp(answers.pop(0) if answers else {"success": False})
 
-    monkeypatch.setattr(vllm_mod, "post_json", fake_post)
+    from hybridrl.engines import server
+
+    monkeypatch.setattr(server, "post_json", fake_post)
     monkeypatch.setattr(vllm_mod.time, "sleep", lambda s: None)
     eng = vllm_mod.VLLMServer(model_dir, _run(engine="vllm"), {}, tmp_path)
     monkeypatch.setattr(eng, "_url", lambda: "http://127.0.0.1:1")

@@ -195,6 +195,26 @@ def test_engine_generate_raw_bypasses_the_rollout_client(tmp_path):
     assert [(len(c.token_ids), c.streamed, c.error) for c in out] == [(6, False, None)] * 3
 
 
+def test_control_calls_go_over_one_kept_connection_with_keep_connections(tmp_path):
+    from hybridrl.engines.vllm import VLLMServer
+    from hybridrl.study.run_config import RunConfig
+
+    eng = VLLMServer(tmp_path, RunConfig(model="m", device="cpu", keep_connections=True), {}, tmp_path)
+    with FakeEngine("vllm") as server:
+        eng.server = server
+        assert eng._post("/health", method="GET").text == "ok"
+        kept = list(eng._control._transport._pool.connections)
+        assert eng._post("/health", method="GET").text == "ok"
+        assert len(kept) == 1 and list(eng._control._transport._pool.connections) == kept  # the same one
+        eng.server = None  # the fake is not a ServerProcess: stop only what the engine opened
+        eng.stop()
+        assert eng._control is None
+    plain = VLLMServer(tmp_path, RunConfig(model="m", device="cpu"), {}, tmp_path)
+    with FakeEngine("vllm") as server:
+        plain.server = server
+        assert plain._post("/health", method="GET").text == "ok" and plain._control is None  # a client a call
+
+
 def test_ceiling_benchmark_parses_every_event():
     r = measure("sglang", requests=8, tokens=16, concurrency=8, stream_fraction=1.0, seconds=0.0)
     assert r["batches"] == 1 and r["streamed_requests"] == 8

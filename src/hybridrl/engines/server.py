@@ -436,10 +436,14 @@ def raw_stream_lines(url: str, body: dict[str, Any], keep: int = 3, timeout_s: f
 
 
 def post_json(base_url: str, path: str, payload: dict | None = None, timeout_s: float = 120.0,
-              method: str = "POST") -> httpx.Response:
-    """One control call with a timeout; a non-2xx answer raises EngineError naming the route."""
+              method: str = "POST", client: httpx.Client | None = None) -> httpx.Response:
+    """One control call with a timeout, through `client` (a kept connection) or a client made for it; a non-2xx
+    answer raises EngineError naming the route."""
     try:
-        r = httpx.request(method, base_url + path, json=payload, timeout=timeout_s)
+        if client is not None:
+            r = client.request(method, base_url + path, json=payload, timeout=timeout_s)
+        else:  # httpx's own client, which loads the CA bundle each call, as every earlier result paid
+            r = httpx.request(method, base_url + path, json=payload, timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise EngineError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
     if r.status_code >= 300:
@@ -518,6 +522,7 @@ class HTTPEngine:
         self.extra_env = dict(env_spec.get("env", {}))
         self.server: ServerProcess | None = None
         self.stream: RolloutClient | None = None
+        self._control: httpx.Client | None = None  # the control calls' kept connection (keep_connections)
         self._loaded: set[str] = set()
         self._metrics: dict[str, float | None] = {}
         self._version: str | None = None
@@ -559,9 +564,9 @@ class HTTPEngine:
     def _swap_adapter(self, name: str, path: Path, unload_route: str, load_route: str) -> httpx.Response:
         """Load an adapter under `name`, unloading what that name held first; returns the load's answer."""
         if name in self._loaded:
-            post_json(self._url(), unload_route, {"lora_name": name})
+            self._post(unload_route, {"lora_name": name})
             self._loaded.discard(name)
-        answer = post_json(self._url(), load_route, {"lora_name": name, "lora_path": str(path)})
+        answer = self._post(load_route, {"lora_name": name, "lora_path": str(path)})
         self._loaded.add(name)
         return answer
 
@@ -617,6 +622,9 @@ class HTTPEngine:
             self._client_process.close()
         if self.stream is not None:
             self.stream.close()
+        if self._control is not None:
+            self._control.close()
+            self._control = None
         if self.server:
             self.server.stop()
         self.server = None
@@ -676,3 +684,11 @@ class HTTPEngine:
         if not self.server:
             raise EngineError(f"{self.name}: not started")
         return self.server.base_url
+
+    def _post(self, path: str, payload: dict | None = None, timeout_s: float = 120.0,
+              method: str = "POST") -> httpx.Response:
+        """A control call to this engine's server (post_json), over the kept connection with keep_connections."""
+        if self._control is None and self.run.keep_connections:
+            # plain HTTP on 127.0.0.1: no CA bundle to load
+            self._control = httpx.Client(verify=False)
+        return post_json(self._url(), path, payload, timeout_s=timeout_s, method=method, client=self._control)

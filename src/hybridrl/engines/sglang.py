@@ -17,7 +17,7 @@ from typing import Any
 
 from hybridrl.engines.base import EngineError, Request, Sampling, SleepVariant, stamp_timing
 from hybridrl.engines.gpus import asleep_readings, awake_readings, split_engine_devices
-from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, max_model_len, model_dtype, post_json
+from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, max_model_len, model_dtype
 from hybridrl.study.run_config import RunConfig
 
 BASE_NAME = "base"
@@ -203,10 +203,10 @@ class SGLangServer(HTTPEngine):
         self._metrics.update(awake_readings(self.gpus()))
 
     def _release(self, tags: list[str]) -> None:
-        post_json(self._url(), "/release_memory_occupation", {"tags": tags})
+        self._post("/release_memory_occupation", {"tags": tags})
 
     def _resume(self, tags: list[str]) -> None:
-        post_json(self._url(), "/resume_memory_occupation", {"tags": tags})
+        self._post("/resume_memory_occupation", {"tags": tags})
 
     def sleep_variants(self) -> list[SleepVariant]:
         policies = [release_tags("kv_cache")]
@@ -224,13 +224,13 @@ class SGLangServer(HTTPEngine):
         return {**super().probe_info(request), "server_info": server}
 
     def flush_cache(self) -> None:
-        post_json(self._url(), "/flush_cache")
+        self._post("/flush_cache")
 
     def server_info(self) -> dict[str, Any]:
         try:
-            return post_json(self._url(), "/server_info", method="GET", timeout_s=30).json()
+            return self._post("/server_info", method="GET", timeout_s=30).json()
         except EngineError:  # older releases only have the deprecated name
-            return post_json(self._url(), "/get_server_info", method="GET", timeout_s=30).json()
+            return self._post("/get_server_info", method="GET", timeout_s=30).json()
 
     def kv_capacity_tokens(self) -> int | None:
         return kv_capacity_from_info(self.server_info())

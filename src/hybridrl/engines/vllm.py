@@ -10,7 +10,7 @@ from typing import Any
 
 from hybridrl.engines.base import EngineError, Request, SleepVariant
 from hybridrl.engines.gpus import asleep_readings, awake_readings, split_engine_devices
-from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, max_model_len, model_dtype, post_json
+from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, max_model_len, model_dtype
 from hybridrl.study.run_config import RunConfig
 
 BASE_NAME = "base"
@@ -159,27 +159,27 @@ class VLLMServer(HTTPEngine):
 
     # -- sleep mode (GPU) ------------------------------------------------------------------------
     def sleep(self) -> None:
-        post_json(self._url(), f"/sleep?level={self.run.vllm_sleep_level}")
+        self._post(f"/sleep?level={self.run.vllm_sleep_level}")
         self._metrics.update(asleep_readings(self.gpus()))
 
     def wake(self) -> None:
         # level 1 only: the config refuses level 2, whose weight reload fails with LoRA (config._check_run)
-        post_json(self._url(), "/wake_up")
+        self._post("/wake_up")
         self._metrics.update(awake_readings(self.gpus()))
 
     def sleep_variants(self) -> list[SleepVariant]:
         # level 1 only: level 2 cannot wake with LoRA enabled in vLLM 0.26 (see config._check_run)
-        return [SleepVariant({"level": 1}, lambda: post_json(self._url(), "/sleep?level=1"),
-                             lambda: post_json(self._url(), "/wake_up"))]
+        return [SleepVariant({"level": 1}, lambda: self._post("/sleep?level=1"),
+                             lambda: self._post("/wake_up"))]
 
     def flush_cache(self) -> None:
         # newer vLLM answers 200 with {"success": false} while blocks are still held: a silent no-op that
         # would leave the old adapter's prefixes in the cache
-        reset_until_done(lambda: reset_succeeded(post_json(self._url(), "/reset_prefix_cache")),
+        reset_until_done(lambda: reset_succeeded(self._post("/reset_prefix_cache")),
                          "vllm: /reset_prefix_cache answered success=false")
 
     def kv_capacity_tokens(self) -> int | None:
-        text = post_json(self._url(), "/metrics", method="GET", timeout_s=30).text
+        text = self._post("/metrics", method="GET", timeout_s=30).text
         match = _CACHE_INFO.search(text)
         if not match:
             return None

@@ -191,8 +191,10 @@ class RunConfig(_Frozen):
         "stream_fraction 1: the old path), to compare with results recorded through it")
     keep_connections: bool = Field(
         False, description="server engines: the rollout client keeps its event loop and its connection a slot from "
-        "one rollout to the next, so a step's requests leave on open connections (engines/kept_clients.py); false: "
-        "each rollout makes its clients and connects anew, as every result before 2026-11-29 was recorded")
+        "one rollout to the next, so a step's requests leave on open connections (engines/kept_clients.py), and the "
+        "control calls (sleep, wake, adapter, cache flush) share one kept connection; false: each rollout makes its "
+        "clients and connects anew, and each control call makes a client that loads the CA bundle, as every result "
+        "before 2026-11-29 was recorded")
     rollout_process: bool = Field(
         False, description="server engines: the rollout client runs in a process of its own, so that its parsing "
         "never waits for, or holds up, the trainer's Python thread on the controller's interpreter lock (overlap "

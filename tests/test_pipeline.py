@@ -171,6 +171,9 @@ def test_overlapped_split_rolled_out_ahead_on_the_real_engine(smoke_run):
     assert {row["adapter_step"] for row in audit} == {1}
     # step 3 is its steady step (the last, 4, drains): the report compares it with the others
     assert "| 1 × 1 / 1 × 1 |" in ratio_row(workdir)
+    # its client ran in a worker process that kept its connections to the engine: no request failed across the steps
+    assert set(ahead["client"]) == {"0.125 streamed, a connection per slot, kept, in a worker process"}
+    assert (ahead["errors/requests_failed"] == 0).all()
 
 
 def test_archive_verifies_and_rerun_is_a_no_op(smoke_run):

@@ -35,7 +35,8 @@ class KeptClients:
             fresh: Callable[[Coroutine[Any, Any, T]], T]) -> T:
         """main(clients) on the kept loop with `slots` kept clients; where another thread holds the loop,
         fresh(main(None)), whose coroutine makes clients of its own. An interrupted or failed run closes the
-        loop and its clients (the next run makes new ones), after `fresh`'s rules for the tasks still running."""
+        loop and its clients (the next run makes new ones), its requests still in flight given the rollout's grace
+        to end (cancel_others)."""
         if not self._lock.acquire(blocking=False):
             return fresh(main(None))
         try:
@@ -43,7 +44,7 @@ class KeptClients:
                 self._loop, self._clients = asyncio.new_event_loop(), []
             asyncio.set_event_loop(self._loop)
             try:
-                while len(self._clients) < slots:  # made on the loop that will use them
+                while len(self._clients) < slots:  # made while their loop is the current one
                     self._clients.append(self._make())
                 return self._loop.run_until_complete(main(self._clients[:slots]))
             except BaseException:

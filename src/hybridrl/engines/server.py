@@ -12,12 +12,11 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
@@ -25,7 +24,7 @@ from hybridrl.atomic import naming
 from hybridrl.engines.base import Completion, EngineError, Request, SleepVariant, context_length
 from hybridrl.engines.client_process import ClientProcess
 from hybridrl.engines.gpus import nvml_indices, started_readings
-from hybridrl.engines.kept_clients import KeptClients
+from hybridrl.engines.rollout_loop import KeptClients, run_bounded
 from hybridrl.engines.startup import header, split_start
 from hybridrl.study.run_config import RunConfig
 
@@ -248,43 +247,6 @@ async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
         yield pending.removesuffix("\r")
 
 
-T = TypeVar("T")
-
-# how long the requests still in flight get to end once a rollout is interrupted (SIGTERM raises SystemExit in it)
-CANCEL_GRACE_S = 5.0
-
-
-async def cancel_others(timeout_s: float = CANCEL_GRACE_S) -> int:
-    """Cancel every other task of the running loop and wait up to timeout_s for them to end; how many did not."""
-    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for task in others:
-        task.cancel()
-    if not others:
-        return 0
-    _, left = await asyncio.wait(others, timeout=timeout_s)
-    return len(left)
-
-
-def run_bounded(main: Coroutine[Any, Any, T], grace_s: float = CANCEL_GRACE_S) -> T:
-    """asyncio.run, but an interrupted run gives its pending tasks `grace_s` to take their cancellation, then
-    closes the loop anyway. asyncio.run waits for them without bound: a train process that SLURM's scancel
-    interrupted mid-rollout spun in that wait at 76% of a core for 15 minutes after its job had ended (on the CI's
-    SLURM test cluster), its vLLM server already dead."""
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    try:
-        return loop.run_until_complete(main)
-    finally:
-        left = loop.run_until_complete(cancel_others(grace_s))
-        if left:
-            print(f"rollout interrupted: {left} request task(s) did not stop within {grace_s:.0f} s; left behind",
-                  file=sys.stderr, flush=True)
-        closing = loop.create_task(loop.shutdown_asyncgens())  # a stream's reader closes with the same bound
-        loop.run_until_complete(asyncio.wait([closing], timeout=grace_s))
-        asyncio.set_event_loop(None)
-        loop.close()
-
-
 class RolloutClient:
     """Sends many generate requests concurrently from one asyncio client.
 
@@ -406,7 +368,7 @@ class RolloutClient:
         if self.shared_pool or not self.keep_connections:
             return run_bounded(self._all(requests, tick, None))
         slots = max(1, min(self.max_concurrency, len(requests)))
-        return self._kept.run(lambda kept: self._all(requests, tick, kept), slots, run_bounded)
+        return self._kept.run(lambda kept: self._all(requests, tick, kept), slots)
 
     def close(self) -> None:
         """Close the kept connections (the engine stops)."""

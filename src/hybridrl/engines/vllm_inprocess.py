@@ -24,7 +24,7 @@ from typing import Any
 from hybridrl.engines.base import Completion, EngineError, Request, Sampling, SleepVariant, stamp_timing
 from hybridrl.engines.gpus import asleep_readings, awake_readings, nvml_indices, split_engine_devices, started_readings
 from hybridrl.engines.output_tee import OutputTee
-from hybridrl.engines.server import CANCEL_GRACE_S, cancel_others
+from hybridrl.engines.rollout_loop import CANCEL_GRACE_S, cancel_others
 from hybridrl.engines.startup import header, split_start
 from hybridrl.engines.vllm import engine_flags, multicast_off_env, reset_until_done
 from hybridrl.study.run_config import RunConfig

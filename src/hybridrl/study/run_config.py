@@ -191,7 +191,7 @@ class RunConfig(_Frozen):
         "stream_fraction 1: the old path), to compare with results recorded through it")
     keep_connections: bool = Field(
         False, description="server engines: the rollout client keeps its event loop and its connection a slot from "
-        "one rollout to the next, so a step's requests leave on open connections (engines/kept_clients.py), and the "
+        "one rollout to the next, so a step's requests leave on open connections (engines/rollout_loop.py), and the "
         "control calls (sleep, wake, adapter, cache flush) share one kept connection; false: each rollout makes its "
         "clients and connects anew, and each control call makes a client that loads the CA bundle, as every result "
         "before 2026-11-29 was recorded")

@@ -576,10 +576,13 @@ def peer_pair(study: str, config: str, against: str, what: str = "ratio") -> str
              if p.name == name]
     if not found:
         raise ValueError(f"{study}: no TRL record paired with {config!r}")
-    best = peer.best_records(found)[name]
-    pair = next((p for p in found if (p.peer is best if against == "best" else p.peer.defaults)), None)
-    if pair is None:
-        raise ValueError(f"{study}: {config!r} has no pair with TRL's defaults")
+    if against == "best":
+        best = peer.best_records(found)[name]
+        pair = next(p for p in found if p.peer is best)
+    else:
+        pair = next((p for p in found if p.peer.defaults), None)
+        if pair is None:
+            raise ValueError(f"{study}: {config!r} has no pair with TRL's defaults")
     return peer.short(pair.peer.label).removeprefix("TRL · ") if what == "label" else wording.ratio_text(pair.est)
 
 

@@ -753,6 +753,17 @@ def test_sglang_without_text_reads_as_token_ids_only_as_vllm_does() -> None:
         "vllm-colocate-cccc3333": "vllm-inprocess · token ids only"}
 
 
+def test_an_arm_that_keeps_its_connections_is_labelled_apart_from_its_twin() -> None:
+    from hybridrl.report.plots import config_labels
+
+    runs = [headline_run(rid, "sglang") for rid in ("sglang-colocate-aaaa1111", "sglang-colocate-bbbb2222")]
+    for run, kept in zip(runs, (None, True), strict=True):  # the first recorded before the key: it reconnected
+        run["engine_sleep"], run["sglang_detokenize"], run["keep_connections"] = False, False, kept
+    assert config_labels(headline_study(*runs)) == {
+        "sglang-colocate-aaaa1111": "sglang · stays awake",  # both make no text: only what differs is named
+        "sglang-colocate-bbbb2222": "sglang · stays awake · connections kept"}
+
+
 def test_transition_times_are_compared_only_between_releases_that_move_the_same_bytes() -> None:
     from hybridrl.report.comparisons import NO_VLLM_KV_ONLY, transitions
     from hybridrl.report.plots import run_labels

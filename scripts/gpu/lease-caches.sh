@@ -3,11 +3,12 @@
 # 16 MiB at most, so they go back in numbered pieces over as many calls as they need.
 
 # most minutes saved first: FlashInfer's nvcc builds (its all-reduce fusion at TP 2 took ~200 s of a first start),
-# SGLang's in a workspace of its own (hybridrl.engines.jit_cache), vLLM's torch.compile, Triton's kernels
-caches=(.cache/flashinfer-sglang .cache/flashinfer .cache/vllm .triton/cache)
+# SGLang's in a workspace of its own (hybridrl.engines.jit_cache), sgl-kernel's nvcc builds through TVM-FFI (its
+# rope, KV store, QK norm and activation: ~40 s of each machine's first SGLang start, in its first CUDA graph),
+# vLLM's torch.compile, Triton's kernels
+caches=(.cache/flashinfer-sglang .cache/flashinfer .cache/tvm-ffi .cache/vllm .triton/cache)
 # other places where a kernel build may be kept, not carried: their sizes are printed when the caches are packed,
-# because each lease's first SGLang start still spends tens of seconds capturing its first CUDA graph with the
-# caches above in place, and later starts on the same machine do not (the driver's PTX JIT cache is one candidate)
+# so that a first start that still builds something shows where
 uncarried=(.nv/ComputeCache .cache/torch .cache/sglang .cache/torch_extensions)
 cache_piece=$((15 * 1024 * 1024))  # what one file back from a call may hold (16 MiB), less a margin
 cache_out=${HYBRIDRL_LEASE_CACHES_OUT:-/tmp/lease-caches-out}  # the pieces of this machine's caches, to send back

@@ -264,6 +264,18 @@ def test_a_key_added_later_keeps_recorded_ids_at_its_default_and_changes_them_wh
         assert len(changed) == 3 and all(rid.startswith("sglang-colocate-") for rid in changed), key  # 3 replicates
 
 
+@pytest.mark.parametrize(("change", "cause"), [
+    ({"engine": "vllm-inprocess"}, r"vllm-inprocess has no connections to keep"),
+    ({"engine": "vllm", "shared_pool": True}, r"the old client's one shared pool \(shared_pool\) is made anew"),
+])
+def test_keep_connections_is_refused_where_there_is_nothing_to_keep(smoke, change, cause):
+    smoke["runs"][0].update(keep_connections=True, **change)
+    with pytest.raises(ConfigError, match=r"runs\[0\].keep_connections: " + cause):
+        resolve(smoke)
+    smoke["runs"][0].update(keep_connections=False)
+    resolve(smoke)  # the same run without the key is fine
+
+
 def test_rollout_process_is_refused_for_the_engine_without_a_client(smoke):
     smoke["runs"][0].update(engine="vllm-inprocess", rollout_process=True)
     with pytest.raises(ConfigError, match=r"runs\[0\].rollout_process: vllm-inprocess has no rollout client"):

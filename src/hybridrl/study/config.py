@@ -212,6 +212,12 @@ def _check_run(run: RunConfig, where: str) -> None:
     if run.rollout_process and run.engine == "vllm-inprocess":
         raise ConfigError(f"{where}.rollout_process: vllm-inprocess has no rollout client to move (it generates in "
                           "the controller's own process); use engine vllm or sglang, or drop the key")
+    if run.keep_connections and run.engine == "vllm-inprocess":
+        raise ConfigError(f"{where}.keep_connections: vllm-inprocess has no connections to keep (it generates in the "
+                          "controller's own process); use engine vllm or sglang, or drop the key")
+    if run.keep_connections and run.shared_pool:
+        raise ConfigError(f"{where}.keep_connections: the old client's one shared pool (shared_pool) is made anew "
+                          "for each rollout, so nothing would be kept; drop one of the two keys")
     if run.release_comms and (run.trainer != "megatron" or run.train_tp * run.train_ep < 2):
         raise ConfigError(f"{where}.release_comms: only the megatron trainer on 2 or more GPUs (train_tp x train_ep) "
                           f"has process groups to release (trainer {run.trainer}, train_tp {run.train_tp}, train_ep "

@@ -1097,3 +1097,22 @@ def test_a_second_process_on_a_run_waits_for_the_first_to_end(tmp_path):
     again = run_lock.hold(tmp_path, "r-free", said)  # free now: taken at once, nothing said
     assert said.file.getvalue().count("another process") == 1
     again.close()
+
+
+class CollectingEngine(ScriptedEngine):
+    """A scripted engine whose second rollout coincides with a full collection of the controller's garbage."""
+
+    def generate(self, requests, progress=False, shared_pool=False):
+        if len(requests) > 1 and self.rollouts == 1:
+            gc.collect()
+        return super().generate(requests, progress, shared_pool)
+
+
+def test_a_full_collection_in_the_rollout_is_recorded_in_that_step(assets, tmp_path):
+    records = run_loop(_run(steps=3, max_new_tokens=24), "r17", assets / "model", assets / "data", tmp_path, {},
+                       progress=False, engine=CollectingEngine())
+    second = records[1]
+    assert second["host/gc_full_collections"] >= 1 and second["host/gc_pause_s_gen"] > 0
+    assert second["host/gc_pause_s"] >= second["host/gc_pause_s_gen"]
+    assert all(r["host/gc_pause_s"] >= r["host/gc_pause_s_gen"] >= 0 for r in records)
+    assert not any(type(getattr(cb, "__self__", None)).__name__ == "GcPauses" for cb in gc.callbacks)  # closed

@@ -46,6 +46,7 @@ from hybridrl.run.checks import (
     model_family,
 )
 from hybridrl.run.cores import CoreSplit, engine_env_spec, job_cores, split_cores
+from hybridrl.run.gc_pauses import GcPauses
 from hybridrl.run.initial_adapter import write_initial_adapter
 from hybridrl.run.overlap import AheadRollouts, InFlight, overlap_s
 from hybridrl.run.phase_file import PhaseFile
@@ -119,6 +120,7 @@ class RunContext:
     ahead: AheadRollouts = field(init=False)  # overlap: the next step's rollout in flight, told to phase.json
     test_problems: list[dict[str, Any]] | None = None  # the fixed eval slice (eval_every > 0)
     starts_recorded: int = 0  # how many of the engine's starts (Engine.start_parts) a record has taken in
+    gc_pauses: GcPauses = field(default_factory=GcPauses)  # the controller's collections (started by run_loop)
 
     def __post_init__(self) -> None:
         self.ahead = AheadRollouts(self.phase.ahead)
@@ -227,6 +229,7 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
         ctx = RunContext(run, run_id, problems, tokenizer, engine, trainer, placement, canary, sampler, paths,
                          PhaseFile(paths.phase), test_problems=test_problems, engine_adapter_step=first_step - 1,
                          starts_recorded=len(engine.start_parts))
+        ctx.gc_pauses.start()
         first_start = start_keys("timing_s/engine_start", engine.start_parts[-1:])
         records = list(done)
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -264,6 +267,7 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
         engine.stop()  # a rollout still in flight ends with its engine
         if ctx is not None:
             ctx.ahead.close()
+            ctx.gc_pauses.close()
         if trainer:
             trainer.close()
         sampler.close()
@@ -298,11 +302,12 @@ class Trained:
 
 def one_step(ctx: RunContext, step: int) -> dict[str, Any]:
     """One step, as the list of its parts; returns its record."""
-    t = Timings(on_phase=lambda name: ctx.phase.enter(step, name))
+    t = Timings(on_phase=lambda name: enter_phase(ctx, step, name))
     recovery = EngineRecovery(ctx.run, ctx.engine, t, ctx.sampler,
                               on_start=lambda: ctx.canary.engine_started(ctx.engine))
     t0 = time.perf_counter()
     ctx.sampler.take()  # memory of this step only
+    ctx.gc_pauses.take()  # and its collections
     rollout = generate(ctx, step, t, recovery)
     scored = score(ctx, step, rollout, t)
     # a fresh engine must still sleep (colocate) before training: the transition is done again on it
@@ -333,6 +338,12 @@ def engine_adapter(ctx: RunContext) -> Path | None:
     """The adapter the engine holds, for starting it again: the step's of ctx.engine_adapter_step."""
     drawn = ctx.run.lora.init_b_std > 0  # step 0's adapter is the drawn one (initial_adapter)
     return ctx.paths.adapter(ctx.engine_adapter_step) if ctx.engine_adapter_step or drawn else None
+
+
+def enter_phase(ctx: RunContext, step: int, name: str) -> None:
+    """A phase starts: phase.json says so, and the controller's collections are counted in it."""
+    ctx.phase.enter(step, name)
+    ctx.gc_pauses.set_phase(name)
 
 
 def start_next_rollout(ctx: RunContext, step: int, t: Timings) -> InFlight | None:
@@ -523,6 +534,7 @@ def make_record(ctx: RunContext, step: int, t: Timings, rollout: Rollout, scored
     record["errors/engine_restarts"] = restarts
     record["mem/trainer_gb_gen"] = rollout.trainer_gb
     mem = ctx.sampler.take()
+    record.update(ctx.gc_pauses.take())
     if mem:
         mem["mem/used_gb_train"] = mem.get("mem/used_gb_update_actor")
     record.update(mem)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridrl.engines.startup import PARTS, UNEXPLAINED
+from hybridrl.run.gc_pauses import KEYS as GC_PAUSES
 
 IDENTITY = ("run_id", "engine", "placement", "trainer", "model", "tp", "seed", "step")
 # The phases of a step, in the order they happen. Each is timed as timing_s/<phase>, and together they make up
@@ -60,7 +61,11 @@ HOST = (*(f"host/cpu_busy_pct_{p}" for p in HOST_LOAD_PHASES),
         *(f"host/controller_cpu_pct_{p}" for p in CONTROLLER_CPU_PHASES),
         *(f"host/{k}_{p}" for p in CONTROLLER_CPU_PHASES for k in ("run_cpu_pct", "busiest_thread_cpu_pct",
                                                                     "busiest_thread")),
-        "host/foreign_gpu_procs")
+        "host/foreign_gpu_procs",
+        # the controller's garbage-collector pauses (hybridrl.run.gc_pauses): in seconds over the step and within its
+        # gen phase (every Python thread of the controller waits them out, the rollout client's too), and how many
+        # of the step's collections were full ones (generation 2)
+        *GC_PAUSES)
 # The GPUs during the phases that load them (NVML, sampled at 10 Hz, over the run's GPUs): median SM clock (the
 # slowest GPU's), mean power (W) and highest temperature (C) of the hungriest GPU, share of reads in which a GPU
 # reported a power or thermal slowdown. A clock held down during one run's rollout and not another's is a

@@ -257,7 +257,8 @@ def test_a_key_added_later_keeps_recorded_ids_at_its_default_and_changes_them_wh
     recorded = {p.name for p in (config.REPO / "results/reference/2026-11-26-2xh200-placement/runs").iterdir()}
     ids = set(load_study(study).runs)
     assert recorded and recorded <= ids
-    for key, value in (("rollout_process", True), ("replicate_seeds", True), ("chunked_head", True)):
+    for key, value in (("rollout_process", True), ("replicate_seeds", True), ("chunked_head", True),
+                       ("keep_connections", True), ("gc_freeze", True)):
         raw = yaml.safe_load(study.read_text())
         raw["runs"][0][key] = value
         changed = set(resolve(raw).runs) - ids

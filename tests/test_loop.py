@@ -1116,3 +1116,27 @@ def test_a_full_collection_in_the_rollout_is_recorded_in_that_step(assets, tmp_p
     assert second["host/gc_pause_s"] >= second["host/gc_pause_s_gen"]
     assert all(r["host/gc_pause_s"] >= r["host/gc_pause_s_gen"] >= 0 for r in records)
     assert not any(type(getattr(cb, "__self__", None)).__name__ == "GcPauses" for cb in gc.callbacks)  # closed
+
+
+class FreezeWatchingEngine(ScriptedEngine):
+    """A scripted engine that notes how many objects the controller's collector holds frozen at each rollout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen: list[int] = []
+
+    def generate(self, requests, progress=False, shared_pool=False):
+        if len(requests) > 1:
+            self.frozen.append(gc.get_freeze_count())
+        return super().generate(requests, progress, shared_pool)
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_gc_freeze_freezes_the_heap_set_up_left_for_the_steps_and_thaws_it_after(assets, tmp_path, freeze):
+    before = gc.get_freeze_count()
+    engine = FreezeWatchingEngine()
+    run_loop(_run(steps=2, max_new_tokens=24, gc_freeze=freeze), "r18", assets / "model", assets / "data", tmp_path,
+             {}, progress=False, engine=engine)
+    assert len(engine.frozen) == 2
+    assert all(n > before for n in engine.frozen) == freeze and all(n == before for n in engine.frozen) != freeze
+    assert gc.get_freeze_count() == before

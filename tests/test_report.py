@@ -764,6 +764,17 @@ def test_an_arm_that_keeps_its_connections_is_labelled_apart_from_its_twin() -> 
         "sglang-colocate-bbbb2222": "sglang · stays awake · connections kept"}
 
 
+def test_an_arm_that_freezes_the_controllers_heap_is_labelled_apart_from_its_twin() -> None:
+    from hybridrl.report.plots import config_labels
+
+    runs = [headline_run(rid, "sglang") for rid in ("sglang-colocate-aaaa1111", "sglang-colocate-bbbb2222")]
+    for run, frozen in zip(runs, (None, True), strict=True):  # the first recorded before the key
+        run["engine_sleep"], run["keep_connections"], run["gc_freeze"] = False, True, frozen
+    assert config_labels(headline_study(*runs)) == {
+        "sglang-colocate-aaaa1111": "sglang · stays awake",
+        "sglang-colocate-bbbb2222": "sglang · stays awake · heap frozen"}
+
+
 def test_transition_times_are_compared_only_between_releases_that_move_the_same_bytes() -> None:
     from hybridrl.report.comparisons import NO_VLLM_KV_ONLY, transitions
     from hybridrl.report.plots import run_labels

@@ -26,7 +26,8 @@ from hybridrl.report.placements import pairings as placement_pairings  # noqa: E
 from hybridrl.report.stats import WARMUP_STEPS, run_order, steady_state, unattributed_s, with_ids  # noqa: E402
 from hybridrl.run.record import PHASE_KEYS as PHASES  # noqa: E402
 
-LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp", "release", "update_layout", "text", "connections"]
+LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp", "release", "update_layout", "text", "connections",
+                "heap"]
 TEXT_KEYS = ("vllm_detokenize", "sglang_detokenize")  # an engine asked for token ids only: one label for both
 PHASE_COLORS = {
     "timing_s/prepare": "#A6C8E0", "timing_s/gen": "#4C72B0", "timing_s/reward": "#DD8452", "timing_s/sleep": "#937860",
@@ -64,6 +65,8 @@ def run_labels(df: pd.DataFrame) -> dict[str, str]:
     if "keep_connections" in first.columns:  # named only where kept: the arm beside its twin that reconnects
         first = first.assign(connections=["connections kept" if to_bool(v) is True else ""
                                           for v in first["keep_connections"]])
+    if "gc_freeze" in first.columns:  # named only where frozen, as the connections are
+        first = first.assign(heap=["heap frozen" if to_bool(v) is True else "" for v in first["gc_freeze"]])
     fields = [f for f in LABEL_FIELDS if f in first.columns]
     runs = first[fields].astype(object).fillna("").astype(str)
     if "placement" in fields:  # a split whose rollouts run ahead is its own arm

@@ -16,6 +16,7 @@ An engine found dead in any of them is started again (timing_s/recover, errors/e
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import signal
@@ -230,6 +231,8 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
                          PhaseFile(paths.phase), test_problems=test_problems, engine_adapter_step=first_step - 1,
                          starts_recorded=len(engine.start_parts))
         ctx.gc_pauses.start()
+        if run.gc_freeze:
+            freeze_heap()
         first_start = start_keys("timing_s/engine_start", engine.start_parts[-1:])
         records = list(done)
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -268,6 +271,8 @@ def run_loop(run: RunConfig, run_id: str, model_dir: Path, data_dir: Path, out_d
         if ctx is not None:
             ctx.ahead.close()
             ctx.gc_pauses.close()
+            if run.gc_freeze:
+                gc.unfreeze()  # the process may go on (a test, a sweep): its heap collects as before
         if trainer:
             trainer.close()
         sampler.close()
@@ -338,6 +343,13 @@ def engine_adapter(ctx: RunContext) -> Path | None:
     """The adapter the engine holds, for starting it again: the step's of ctx.engine_adapter_step."""
     drawn = ctx.run.lora.init_b_std > 0  # step 0's adapter is the drawn one (initial_adapter)
     return ctx.paths.adapter(ctx.engine_adapter_step) if ctx.engine_adapter_step or drawn else None
+
+
+def freeze_heap() -> None:
+    """gc_freeze: what set-up left alive moves to the permanent generation, which later collections skip; its
+    garbage is collected first, or it would be kept for good."""
+    gc.collect()
+    gc.freeze()
 
 
 def enter_phase(ctx: RunContext, step: int, name: str) -> None:

@@ -195,6 +195,11 @@ class RunConfig(_Frozen):
         "control calls (sleep, wake, adapter, cache flush) share one kept connection; false: each rollout makes its "
         "clients and connects anew, and each control call makes a client that loads the CA bundle, as every result "
         "before 2026-11-29 was recorded")
+    gc_freeze: bool = Field(
+        False, description="the controller collects its garbage once and freezes its heap after the run's set-up "
+        "(the trainer's build and the engine's first start), so that later collections, which stop every Python "
+        "thread of the controller (the rollout client's too), skip the objects set-up made; in-process vLLM's engine "
+        "freezes the heap of the process it runs in at its start, the controller's")
     rollout_process: bool = Field(
         False, description="server engines: the rollout client runs in a process of its own, so that its parsing "
         "never waits for, or holds up, the trainer's Python thread on the controller's interpreter lock (overlap "
@@ -249,7 +254,7 @@ class RunSpec(_Frozen):
 _LATE_KEYS = {"rollout_process": False, "release_comms": False, "replicate_seeds": False, "chunked_head": False,
               "train_ep": 1, "max_awake_shortfall_gb": 2.0, "lora.init_b_std": 0.0, "engine_sleep": True,
               "ep_dispatch": "host_read", "ep_batch": "replicated", "vllm_detokenize": True,
-              "sglang_detokenize": True, "keep_connections": False}
+              "sglang_detokenize": True, "keep_connections": False, "gc_freeze": False}
 
 # a replicate's suffix: after the 8-hex hash, so no readable prefix (`name`) can look like one
 _REPLICATE = re.compile(r"^(?P<config>.+-[0-9a-f]{8})(?:-r(?P<k>[0-9]+))?$")

@@ -198,8 +198,8 @@ class RunConfig(_Frozen):
     gc_freeze: bool = Field(
         False, description="the controller collects its garbage once and freezes its heap after the run's set-up "
         "(the trainer's build and the engine's first start), so that later collections, which stop every Python "
-        "thread of the controller (the rollout client's too), skip the objects set-up made; in-process vLLM's engine "
-        "freezes the heap of the process it runs in at its start, the controller's")
+        "thread of the controller (the rollout client's too), skip the objects set-up made, as vLLM's engine core "
+        "and API server do in their own processes after their start; no engine freezes the controller's")
     rollout_process: bool = Field(
         False, description="server engines: the rollout client runs in a process of its own, so that its parsing "
         "never waits for, or holds up, the trainer's Python thread on the controller's interpreter lock (overlap "

@@ -1023,17 +1023,17 @@ def test_a_run_without_a_trainer_rolls_out_the_base_model_and_nothing_is_stale()
     assert _rolled_out(3, [], ["4"], done, 2, 1.0, None, trains=True).staleness == 0
 
 
-class NamesSeen(ScriptedEngine):
-    """Records the adapter each rollout's requests named."""
+class RolloutWatcher(ScriptedEngine):
+    """Notes what `look` finds at each rollout (a call of more than one request: the canary probes are single)."""
 
-    def __init__(self) -> None:
+    def __init__(self, look) -> None:
         super().__init__()
-        self.named: list[set] = []
+        self.look, self.seen = look, []
 
     def generate(self, requests, progress=False, shared_pool=False):
         if len(requests) > 1:
-            self.named.append({r.adapter for r in requests})
-        return super().generate(requests, progress)
+            self.seen.append(self.look(requests))
+        return super().generate(requests, progress, shared_pool)
 
 
 def test_a_drawn_first_adapter_is_rolled_out_from_step_1_and_judged_every_step(assets, tmp_path):
@@ -1045,11 +1045,11 @@ def test_a_drawn_first_adapter_is_rolled_out_from_step_1_and_judged_every_step(a
     kept = [json.loads(x) for x in (plain / "steps.jsonl").read_text().splitlines()]
     assert [r["check/adapter_not_judged"] for r in kept] == ["identity adapter"] * 2
     drawn = run.model_copy(update={"lora": run.lora.model_copy(update={"init_b_std": 1e-2})})
-    engine, out = NamesSeen(), tmp_path / "drawn"
+    engine, out = RolloutWatcher(lambda requests: {r.adapter for r in requests}), tmp_path / "drawn"
     run_loop(drawn, "r-drawn", assets / "model", assets / "data", out, {}, progress=False, engine=engine)
     first = out / "adapters" / "step-0000"
     assert engine.started_with[0] == (ADAPTER_NAME, first)  # the engine starts with it, as on a resume
-    assert engine.named == [{ADAPTER_NAME}] * 2  # step 1 rolls out the drawn adapter, not the base model
+    assert engine.seen == [{ADAPTER_NAME}] * 2  # step 1 rolls out the drawn adapter, not the base model
     kept = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     assert [r["check/adapter_applied"] for r in kept] == [True, True]
     assert all(r["train/lora_norm"] > 0 and r["check/adapter_not_judged"] is None for r in kept)
@@ -1118,25 +1118,12 @@ def test_a_full_collection_in_the_rollout_is_recorded_in_that_step(assets, tmp_p
     assert not any(type(getattr(cb, "__self__", None)).__name__ == "GcPauses" for cb in gc.callbacks)  # closed
 
 
-class FreezeWatchingEngine(ScriptedEngine):
-    """A scripted engine that notes how many objects the controller's collector holds frozen at each rollout."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.frozen: list[int] = []
-
-    def generate(self, requests, progress=False, shared_pool=False):
-        if len(requests) > 1:
-            self.frozen.append(gc.get_freeze_count())
-        return super().generate(requests, progress, shared_pool)
-
-
 @pytest.mark.parametrize("freeze", [False, True])
 def test_gc_freeze_freezes_the_heap_set_up_left_for_the_steps_and_thaws_it_after(assets, tmp_path, freeze):
     before = gc.get_freeze_count()
-    engine = FreezeWatchingEngine()
+    engine = RolloutWatcher(lambda requests: gc.get_freeze_count())  # objects the collector holds frozen
     run_loop(_run(steps=2, max_new_tokens=24, gc_freeze=freeze), "r18", assets / "model", assets / "data", tmp_path,
              {}, progress=False, engine=engine)
-    assert len(engine.frozen) == 2
-    assert all(n > before for n in engine.frozen) == freeze and all(n == before for n in engine.frozen) != freeze
+    assert len(engine.seen) == 2
+    assert all(n > before for n in engine.seen) == freeze and all(n == before for n in engine.seen) != freeze
     assert gc.get_freeze_count() == before

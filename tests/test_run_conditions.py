@@ -245,6 +245,29 @@ def test_the_report_shows_the_machine_under_each_run_and_flags_slowdowns(tmp_pat
     assert "The machine under each run" not in md.read_text()  # records from before these keys: no section
 
 
+def test_the_machine_table_shows_the_collector_pauses_only_where_the_study_recorded_them() -> None:
+    from test_report import headline_run, headline_study
+
+    from hybridrl.report import stats
+    from hybridrl.report.plots import run_labels
+    from hybridrl.report.run_tables import machine_table
+
+    machine_keys = {"gpu/sm_clock_mhz_gen": 1980.0}
+    a = headline_run("sglang-colocate-aaaa1111", "sglang").assign(**machine_keys)
+    older = headline_study(a)
+    assert "full collections" not in machine_table(older, run_labels(older)).headers  # records from before the keys
+    steps = len(a)
+    a = a.assign(**{"host/gc_pause_s_gen": [0.01] * (steps - 1) + [0.4], "host/gc_full_collections": [1] * steps})
+    study = headline_study(a)
+    table = machine_table(study, run_labels(study))
+    header = table.headers
+    row = [cell.text for cell in table.rows[0]]
+    assert "collector pause in rollout (s, longest step)" in header and "full collections" in header
+    assert row[header.index("collector pause in rollout (s, longest step)")] == "0.400"  # the longest steady step
+    steady = len(stats.steady_state(study))  # warm-up steps are left out
+    assert 0 < steady < steps and row[header.index("full collections")] == str(steady)
+
+
 def test_the_machine_plot_is_drawn_only_where_a_run_recorded_its_machine(tmp_path: Path) -> None:
     from test_report import headline_run, headline_study
 

@@ -27,6 +27,19 @@ COLUMNS = (
     ("host/busiest_thread_cpu_pct_gen", "busiest thread (% of a core)", "median"),
 )
 MEASURED = tuple(c for c, _, _ in COLUMNS[1:])  # a run is shown where one of these was recorded
+# shown where the study recorded them (newer records): the controller's garbage-collector pauses in rollout, which
+# stop its rollout client too (hybridrl.run.gc_pauses)
+RECORDED_ONLY = (
+    ("host/gc_pause_s_gen", "collector pause in rollout (s, longest step)", "max"),
+    ("host/gc_full_collections", "full collections", "sum"),
+)
+
+
+def columns(df: pd.DataFrame) -> tuple[tuple[str, str, str], ...]:
+    """COLUMNS, and those of RECORDED_ONLY that some step of the study recorded."""
+    recorded = tuple(c for c in RECORDED_ONLY
+                     if c[0] in df.columns and pd.to_numeric(df[c[0]], errors="coerce").notna().any())
+    return COLUMNS + recorded
 
 
 @dataclass(frozen=True)
@@ -45,11 +58,11 @@ def per_run(df: pd.DataFrame) -> list[RunMachine]:
     """One entry per run that recorded its machine, in the order runs are shown; empty for older records."""
     if not any(c in df.columns for c in MEASURED):
         return []
-    steady = stats.steady_state(df)
+    steady, shown = stats.steady_state(df), columns(df)
     out = []
     for run_id in stats.run_order(df):
         run = steady[steady["run_id"] == run_id]
-        values = {c: _summary(run[c], how) if c in run.columns else None for c, _, how in COLUMNS}
+        values = {c: _summary(run[c], how) if c in run.columns else None for c, _, how in shown}
         if all(values[c] is None for c in MEASURED):
             continue
         names = run["host/busiest_thread_gen"].dropna() if "host/busiest_thread_gen" in run.columns else []

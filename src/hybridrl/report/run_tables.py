@@ -199,20 +199,22 @@ def client_table(df: pd.DataFrame, labels: dict[str, str]) -> Table:
 
 def machine_table(df: pd.DataFrame, labels: dict[str, str]) -> Table | None:
     """Per run, over its steady steps: the GPUs' clock, power, temperature and slowdowns, the run's CPU and its
-    busiest thread in rollout; None where no run recorded them (older records)."""
+    busiest thread in rollout, and the controller's collector pauses where recorded; None where no run recorded
+    them (older records)."""
     runs = machine.per_run(df)
     if not runs:
         return None
-    table = Table(["run", *(h for _, h, _ in machine.COLUMNS), "busiest thread"])
+    shown = machine.columns(df)
+    table = Table(["run", *(h for _, h, _ in shown), "busiest thread"])
     for run in runs:
         cells = [Cell(labels[run.run_id])]
-        for column, _, _ in machine.COLUMNS:
+        for column, _, _ in shown:
             value = run.values[column]
             if value is None:
                 cells.append(Cell("–", "na"))
             elif column.startswith("gpu/slowdown_frac"):
                 cells.append(Cell(f"{value:.0%}", "fail" if value > 0 else "num"))
-            elif column.startswith("gpu/temp_c"):
+            elif column.startswith("gpu/temp_c") or column == "host/gc_full_collections":
                 cells.append(Cell(f"{value:.0f}", "num"))
             else:
                 cells.append(Cell(fmt(value), "num"))

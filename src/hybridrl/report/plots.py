@@ -29,6 +29,8 @@ from hybridrl.run.record import PHASE_KEYS as PHASES  # noqa: E402
 LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp", "release", "update_layout", "text", "connections",
                 "heap"]
 TEXT_KEYS = ("vllm_detokenize", "sglang_detokenize")  # an engine asked for token ids only: one label for both
+# label field -> (run key, its name where the run set it true)
+SWITCH_LABELS = {"connections": ("keep_connections", "connections kept"), "heap": ("gc_freeze", "heap frozen")}
 PHASE_COLORS = {
     "timing_s/prepare": "#A6C8E0", "timing_s/gen": "#4C72B0", "timing_s/reward": "#DD8452", "timing_s/sleep": "#937860",
     "timing_s/trainer_onload": "#8C8C3C", "timing_s/update_actor": "#55A868", "timing_s/save_adapter": "#64B5CD",
@@ -62,11 +64,9 @@ def run_labels(df: pd.DataFrame) -> dict[str, str]:
     if keys:  # named only where an engine made no text; runs before the keys made it
         first = first.assign(text=["token ids only" if any(to_bool(row[k]) is False for k in keys) else ""
                                    for _, row in first.iterrows()])
-    if "keep_connections" in first.columns:  # named only where kept: the arm beside its twin that reconnects
-        first = first.assign(connections=["connections kept" if to_bool(v) is True else ""
-                                          for v in first["keep_connections"]])
-    if "gc_freeze" in first.columns:  # named only where frozen, as the connections are
-        first = first.assign(heap=["heap frozen" if to_bool(v) is True else "" for v in first["gc_freeze"]])
+    for field_, (key, name) in SWITCH_LABELS.items():  # named only where on: the arm beside its twin without it
+        if key in first.columns:
+            first = first.assign(**{field_: [name if to_bool(v) is True else "" for v in first[key]]})
     fields = [f for f in LABEL_FIELDS if f in first.columns]
     runs = first[fields].astype(object).fillna("").astype(str)
     if "placement" in fields:  # a split whose rollouts run ahead is its own arm

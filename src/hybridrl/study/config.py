@@ -209,12 +209,11 @@ def _check_run(run: RunConfig, where: str) -> None:
     if not run.sglang_detokenize and run.engine != "sglang":
         raise ConfigError(f"{where}.sglang_detokenize: SGLang's flag (--skip-tokenizer-init), not engine "
                           f"{run.engine}'s; for in-process vLLM it is vllm_detokenize")
-    if run.rollout_process and run.engine == "vllm-inprocess":
-        raise ConfigError(f"{where}.rollout_process: vllm-inprocess has no rollout client to move (it generates in "
-                          "the controller's own process); use engine vllm or sglang, or drop the key")
-    if run.keep_connections and run.engine == "vllm-inprocess":
-        raise ConfigError(f"{where}.keep_connections: vllm-inprocess has no connections to keep (it generates in the "
-                          "controller's own process); use engine vllm or sglang, or drop the key")
+    client_keys = (("rollout_process", "no rollout client to move"), ("keep_connections", "no connections to keep"))
+    for key, lacks in client_keys:  # the rollout client's keys: server engines only
+        if getattr(run, key) and run.engine == "vllm-inprocess":
+            raise ConfigError(f"{where}.{key}: vllm-inprocess has {lacks} (it generates in the controller's own "
+                              "process); use engine vllm or sglang, or drop the key")
     if run.keep_connections and run.shared_pool:
         raise ConfigError(f"{where}.keep_connections: the old client's one shared pool (shared_pool) is made anew "
                           "for each rollout, so nothing would be kept; drop one of the two keys")

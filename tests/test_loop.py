@@ -113,6 +113,9 @@ class ScriptedEngine:
     def gpus(self):
         return None
 
+    def sleep_stages(self):
+        return None
+
     def sleep_variants(self):
         return [SleepVariant({"level": 1}, self.sleep, self.wake)]
 

@@ -167,6 +167,11 @@ class Engine(Protocol):
     def step_metrics(self) -> dict[str, float | None]:
         """Engine-side readings since the last call (NVML right after sleep and wake), then forget them."""
 
+    def sleep_stages(self) -> tuple[Callable[[], None], Callable[[], None]] | None:
+        """The sleep as two calls, the one that frees the KV cache and the one that moves the weights out, so that
+        something can run beside the second (onload_beside_release); None where the engine's sleep moves no weights
+        or cannot be split."""
+
     def sleep_variants(self) -> list[SleepVariant]:
         """Every way this engine can sleep, for the benchmark to time and check one by one."""
 

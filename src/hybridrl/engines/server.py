@@ -633,6 +633,9 @@ class HTTPEngine:
         """NVML indices of the engine's GPUs (None: every GPU)."""
         return nvml_indices(self.environment())
 
+    def sleep_stages(self) -> tuple[Callable[[], None], Callable[[], None]] | None:
+        return None
+
     def sleep_variants(self) -> list[SleepVariant]:
         raise NotImplementedError
 

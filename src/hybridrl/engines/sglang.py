@@ -12,6 +12,7 @@ Sleep is `/release_memory_occupation` with explicit tags (torch_memory_saver, `-
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,18 @@ class SGLangServer(HTTPEngine):
     def wake(self) -> None:
         self._resume(self.tags)
         self._metrics.update(awake_readings(self.gpus()))
+
+    def sleep_stages(self) -> tuple[Callable[[], None], Callable[[], None]] | None:
+        """The KV cache and CUDA graphs' memory first (freed, nothing copied), then the weights (copied to their
+        pinned CPU backup); None where the weights stay (sglang_release kv_cache)."""
+        if "weights" not in self.tags:
+            return None
+
+        def weights() -> None:
+            self._release(["weights"])
+            self._metrics.update(asleep_readings(self.gpus()))
+
+        return (lambda: self._release([t for t in self.tags if t != "weights"])), weights
 
     def _release(self, tags: list[str]) -> None:
         self._post("/release_memory_occupation", {"tags": tags})

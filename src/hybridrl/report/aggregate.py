@@ -32,7 +32,7 @@ CONFIGURED = ["gpu_memory_utilization", "vllm_sleep_level", "sglang_retain_cpu_b
               "train_gpus",
               "prompts_per_step", "group_size", "warmup_steps", "stream_fraction", "shared_pool", "overlap",
               "rollout_process", "keep_connections", "gc_freeze", "vllm_detokenize", "sglang_detokenize", "ep_batch",
-              "ep_dispatch", "keep_base_on_gpu"]
+              "ep_dispatch", "keep_base_on_gpu", "onload_beside_release"]
 # Made here from the columns above: which configuration a replicate belongs to, what a colocated engine
 # releases on sleep (the arm), which rollout client it went through, how its trainer's update was laid out, cost
 # per GPU, and the engine's own time on

@@ -33,6 +33,7 @@ PHASES = (
     ("timing_s/trainer_onload", "trainer onload"),
     ("timing_s/trainer_offload", "trainer offload"),
     ("timing_s/sleep", "engine sleep"),
+    ("timing_s/release_onload", "engine weights out beside trainer onload"),
     ("timing_s/wake", "engine wake"),
     ("timing_s/update_weights", "adapter sync"),
 )
@@ -187,22 +188,45 @@ def phase_floor(inputs: RunInputs, column: str, row: pd.Series) -> Floor:
                      f"at {inputs.spec.hbm_bytes_per_s / 1e12:.3g} TB/s, TP {tp}, from {source}{moe}{shape}")
     weights = inputs.shape.weight_params * floor_model.BF16
     lora_state = _lora_bytes(inputs, 3 * floor_model.FP32, train_tp)  # fp32 weights and AdamW's two moments
-    if column == "timing_s/trainer_onload":  # each of the trainer's GPUs loads its own share over its own link
-        ranks = _trainer_gpus(inputs.config)
-        base = 0 if _base_kept(inputs, row) else weights / ranks
-        what = "LoRA state" if not base else "base weights + LoRA state" + (f" a GPU (of {ranks})" if ranks > 1 else "")
-        return _copy(inputs, None if lora_state is None else base + lora_state, "h2d", what)
+    if column == "timing_s/trainer_onload":
+        return _onload_floor(inputs, row, weights, lora_state)
     if column == "timing_s/trainer_offload":  # the frozen base's pinned copy is reused: only LoRA state moves
         return _copy(inputs, lora_state, "d2h", "LoRA state")
+    if column == "timing_s/sleep" and _onload_beside(row):  # the weights left in release_onload: KV cache only
+        return _copy(inputs, 0, "d2h", "the KV cache's release (the weights leave beside the onload)")
     if column in ("timing_s/sleep", "timing_s/wake"):
-        moves = _engine_moves_weights(inputs.config)
-        nbytes = None if moves is None else (weights / tp if moves else 0)
-        what = "engine weights a GPU" if moves else ("the KV-only release" if moves is False
-                                                      else "vLLM level 2 drops its weights")
-        return _copy(inputs, nbytes, "d2h" if column == "timing_s/sleep" else "h2d", what)
+        return _engine_floor(inputs, weights, tp, "d2h" if column == "timing_s/sleep" else "h2d")
+    if column == "timing_s/release_onload":  # opposite ways over the link at once: the longer of the two
+        floors = [_engine_floor(inputs, weights, tp, "d2h"), _onload_floor(inputs, row, weights, lora_state)]
+        if any(f.seconds is None for f in floors):
+            return next(f for f in floors if f.seconds is None)
+        return Floor(max(f.seconds or 0.0 for f in floors), f"the longer of {floors[0].basis} and {floors[1].basis}")
     if column == "timing_s/update_weights":
         return _copy(inputs, _lora_bytes(inputs, floor_model.BF16, tp), "h2d", "adapter (bf16) a GPU")
     raise ValueError(f"no floor for {column!r}")
+
+
+def _onload_floor(inputs: RunInputs, row: pd.Series, weights: float, lora_state: float | None) -> Floor:
+    """The trainer's onload: each of its GPUs loads its own share over its own link, the base where it was offloaded."""
+    ranks = _trainer_gpus(inputs.config)
+    base = 0 if _base_kept(inputs, row) else weights / ranks
+    what = "LoRA state" if not base else "base weights + LoRA state" + (f" a GPU (of {ranks})" if ranks > 1 else "")
+    return _copy(inputs, None if lora_state is None else base + lora_state, "h2d", what)
+
+
+def _engine_floor(inputs: RunInputs, weights: float, tp: int, way: str) -> Floor:
+    """The engine's sleep (d2h) or wake (h2d): its weights a GPU where its release moves them."""
+    moves = _engine_moves_weights(inputs.config)
+    nbytes = None if moves is None else (weights / tp if moves else 0)
+    what = "engine weights a GPU" if moves else ("the KV-only release" if moves is False
+                                                  else "vLLM level 2 drops its weights")
+    return _copy(inputs, nbytes, way, what)
+
+
+def _onload_beside(row: pd.Series) -> bool:
+    """Whether this step ran the trainer's onload beside the release of the engine's weights."""
+    done = row.get("placement/onload_beside_release")
+    return done is not None and not pd.isna(done) and str(done).lower() in ("true", "1", "1.0")
 
 
 def floor_table(df: pd.DataFrame, runs_dir: Path, labels: dict[str, str]) -> Table | None:

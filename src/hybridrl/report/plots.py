@@ -27,12 +27,14 @@ from hybridrl.report.stats import WARMUP_STEPS, run_order, steady_state, unattri
 from hybridrl.run.record import PHASE_KEYS as PHASES  # noqa: E402
 
 LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp", "release", "update_layout", "text", "connections",
-                "heap"]
+                "heap", "onload"]
 TEXT_KEYS = ("vllm_detokenize", "sglang_detokenize")  # an engine asked for token ids only: one label for both
 # label field -> (run key, its name where the run set it true)
-SWITCH_LABELS = {"connections": ("keep_connections", "connections kept"), "heap": ("gc_freeze", "heap frozen")}
+SWITCH_LABELS = {"connections": ("keep_connections", "connections kept"), "heap": ("gc_freeze", "heap frozen"),
+                 "onload": ("onload_beside_release", "onload beside the release")}
 PHASE_COLORS = {
     "timing_s/prepare": "#A6C8E0", "timing_s/gen": "#4C72B0", "timing_s/reward": "#DD8452", "timing_s/sleep": "#937860",
+    "timing_s/release_onload": "#6B6B2E",
     "timing_s/trainer_onload": "#8C8C3C", "timing_s/update_actor": "#55A868", "timing_s/save_adapter": "#64B5CD",
     "timing_s/trainer_offload": "#CCB974", "timing_s/await_rollout": "#2F4B7C", "timing_s/wake": "#DA8BC3",
     "timing_s/restart": "#8172B3",

@@ -3,7 +3,8 @@
     part        timed as (timing_s/*, hybridrl.run.record.PHASES)
     rollout     prepare, gen                         the step's requests; the engine generates them
     reward      reward                               rewards, group advantages, the per-request audit file
-    transition  sleep | restart, trainer_onload      the placement makes room for training
+    transition  sleep | restart, trainer_onload      the placement makes room for training (release_onload: the
+                | release_onload                     engine's weights leaving beside the trainer's onload)
     train       update_actor, save_adapter           one GRPO step; a PEFT adapter on disk
     transition  trainer_offload, wake | restart,     the engine gets its memory back and the new adapter
                 update_weights
@@ -374,7 +375,8 @@ def concurrency(t: Timings, t0: float, rollout: Rollout, ahead: InFlight | None,
     step_s, end = t.s["step"], t0 + t.s["step"]
     ahead_span = (ahead.started, min(ahead.ended or end, end)) if ahead else None
     engine_busy = t.s.get("gen", 0.0) + (ahead_span[1] - ahead_span[0] if ahead_span else 0.0)
-    trainer_busy = sum(t.s.get(p, 0.0) for p in ("trainer_onload", "update_actor", "save_adapter", "trainer_offload"))
+    trainer_busy = sum(t.s.get(p, 0.0) for p in ("release_onload", "trainer_onload", "update_actor", "save_adapter",
+                                                  "trainer_offload"))
     return {"timing_s/overlap": overlap_s(train_span, ahead_span),
             "timing_s/engine_idle": max(0.0, step_s - engine_busy),
             "timing_s/trainer_idle": max(0.0, step_s - trainer_busy),

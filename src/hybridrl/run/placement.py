@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hybridrl import nvml
 from hybridrl.engines.base import Engine
 from hybridrl.run import base_residency
+from hybridrl.run.onload_beside_release import OnloadBeside, run_beside
 from hybridrl.run.record import ENGINE_ASLEEP_OWN
 from hybridrl.run.telemetry import MemorySampler, Timings
 from hybridrl.study.run_config import RunConfig
@@ -28,9 +30,9 @@ class Placement:
                  run: RunConfig | None = None) -> None:
         self.engine, self.trainer, self.sampler, self.run = engine, trainer, sampler, run
         self.base_residency: dict[str, Any] | None = None  # keep_base_on_gpu auto: the decision and its figures
-        self.readings: dict[str, float | None] = {}  # this step's own readings (step_metrics)
+        self.readings: dict[str, Any] = {}  # this step's own readings (step_metrics)
 
-    def step_metrics(self) -> dict[str, float | None]:
+    def step_metrics(self) -> dict[str, Any]:
         """The placement's readings since the last call (ENGINE_ASLEEP_OWN), then forget them."""
         out, self.readings = self.readings, {}
         return out
@@ -87,6 +89,8 @@ class Colocate(Placement):
         super().__init__(engine, trainer, sampler, run)
         self.engine_sleeps = run is None or run.engine_sleep
         self.trainer_on_gpu = False  # engine_sleep false: onloaded at the first update, kept from then on
+        # onload_beside_release: the trainer comes back while the engine's weights leave, where memory allows
+        self.beside = OnloadBeside() if run is not None and run.onload_beside_release and trainer else None
 
     def start_engine(self, adapter: Path | None) -> float:
         self.trainer_on_gpu = False  # a start (the first, or one after the engine died) offloads the trainer
@@ -98,10 +102,35 @@ class Colocate(Placement):
                 self.onload_trainer(t)
                 self.trainer_on_gpu = True
             return
+        stages = self.engine.sleep_stages() if self.beside is not None else None
+        if stages is not None:
+            self.release_beside_onload(t, *stages)
+            return
         with t.phase("sleep", self.sampler):
             self.engine.sleep()
         self.readings[ENGINE_ASLEEP_OWN] = self.asleep_own()
         self.onload_trainer(t)
+
+    def release_beside_onload(self, t: Timings, release_cache: Callable[[], None],
+                              release_weights: Callable[[], None]) -> None:
+        """The sleep in its two calls, and the trainer's onload beside the second where every GPU has room for it
+        (OnloadBeside); else one after the other, as a plain sleep, and the onload measured for the next step."""
+        assert self.beside is not None and self.trainer is not None
+        with t.phase("sleep", self.sampler):
+            release_cache()
+        if self.beside.decide(self.sampler.memory_gb()):
+            with t.phase("release_onload", self.sampler):
+                seconds = run_beside(release_weights, self.trainer.onload)
+            self.readings[ENGINE_ASLEEP_OWN] = self.asleep_own()
+            self.readings.update(self.beside.record(True, seconds))
+            return
+        with t.phase("sleep", self.sampler):
+            release_weights()
+        self.readings[ENGINE_ASLEEP_OWN] = self.asleep_own()
+        before = self.sampler.memory_gb()
+        self.onload_trainer(t)
+        self.beside.measured(before, self.sampler.memory_gb())
+        self.readings.update(self.beside.record(False))
 
     def asleep_own(self) -> float | None:
         """What the asleep engine itself still holds: NVML on its GPUs less what the trainer's processes hold there

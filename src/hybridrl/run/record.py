@@ -11,18 +11,21 @@ from typing import Any
 
 from hybridrl.engines.startup import PARTS, UNEXPLAINED
 from hybridrl.run.gc_pauses import KEYS as GC_PAUSES
+from hybridrl.run.onload_beside_release import KEYS as ONLOAD_BESIDE
 
 IDENTITY = ("run_id", "engine", "placement", "trainer", "model", "tp", "seed", "step")
 # The phases of a step, in the order they happen. Each is timed as timing_s/<phase>, and together they make up
 # timing_s/step (a test holds every step but one to 2%, CPU scheduling aside): prepare builds and tokenizes the
 # requests, reads the trainer's GPU memory and the run's threads' CPU time around gen; reward includes the
-# per-request audit file; restart is the engine's stop before training plus its start after; save_adapter is timed by
-# the trainer inside its step; await_rollout is the wait, after training, for a rollout running ahead (overlap) to
-# end before the new adapter is loaded; save_state is the wait, at the step's end, for the optimizer state the
-# trainer writes while the engine takes its adapter (a recorded step can be resumed); recover is starting an engine
-# found dead again (errors/engine_restarts counts those).
-PHASES = ("prepare", "gen", "reward", "sleep", "trainer_onload", "update_actor", "save_adapter", "trainer_offload",
-          "await_rollout", "wake", "restart", "update_weights", "check", "save_state", "recover")
+# per-request audit file; release_onload is the engine's release of its weights with the trainer's onload beside it
+# (onload_beside_release: the two at once, so neither sleep nor trainer_onload holds them); restart is the engine's
+# stop before training plus its start after; save_adapter is timed by the trainer inside its step; await_rollout is
+# the wait, after training, for a rollout running ahead (overlap) to end before the new adapter is loaded;
+# save_state is the wait, at the step's end, for the optimizer state the trainer writes while the engine takes its
+# adapter (a recorded step can be resumed); recover is starting an engine found dead again (errors/engine_restarts
+# counts those).
+PHASES = ("prepare", "gen", "reward", "sleep", "release_onload", "trainer_onload", "update_actor", "save_adapter",
+          "trainer_offload", "await_rollout", "wake", "restart", "update_weights", "check", "save_state", "recover")
 PHASE_KEYS = tuple(f"timing_s/{p}" for p in PHASES)
 # The instrument's own phases: the canary probes (base unchanged, adapter applied, KV capacity), which cost engines
 # differently and which no production step runs. The step that studies compare leaves them out; timing_s/step
@@ -107,6 +110,10 @@ TRAINING = ("perf/train_tokens", "perf/train_tok_s", "perf/update_actor_tok_s", 
 # the engine's GPUs asleep less what the trainer's processes (and a controller that is not the engine) hold there:
 # what the asleep gate judges (placement.Colocate.asleep_own)
 ENGINE_ASLEEP_OWN = "mem/engine_asleep_own_gb"
+# onload_beside_release (run/onload_beside_release.py): whether the step ran the trainer's onload beside the release
+# of the engine's weights (null where the run does not ask), the most its last onload done alone took on a GPU (GB),
+# and the two sides' own seconds within release_onload
+PLACEMENT = ONLOAD_BESIDE
 # mem/used_gb_train is the sampler's update_actor phase; mem/trainer_gb_gen is NVML over the trainer's processes
 MEMORY = ("mem/used_gb_gen", "mem/used_gb_train", "mem/peak_gb", "mem/kv_capacity_tokens", "mem/trainer_gb_gen",
           # NVML on the engine's GPUs right after its sleep and its wake, and what the controller holds there;
@@ -136,8 +143,8 @@ MISMATCH = ("mismatch/kl_k3", "mismatch/is_weight_mean", "mismatch/ess", "mismat
 STRINGS = ("run_id", "engine", "placement", "trainer", "model", "check/logprob_gap_tier", "check/adapter_not_judged",
            "train/experts_impl",
            *(f"host/busiest_thread_{p}" for p in CONTROLLER_CPU_PHASES))
-RECORD_KEYS = (*IDENTITY, *TIMING, *CONCURRENCY, *ROLLOUT, *TRAINING, *MEMORY, *LEARNING, *HOST, *GPU, *CHECKS,
-               *MISMATCH, *RUN_START, *ENGINE_START_SPLIT, *ENGINE_RESTART, *EVAL, "time_unix")
+RECORD_KEYS = (*IDENTITY, *TIMING, *CONCURRENCY, *ROLLOUT, *TRAINING, *MEMORY, *PLACEMENT, *LEARNING, *HOST, *GPU,
+               *CHECKS, *MISMATCH, *RUN_START, *ENGINE_START_SPLIT, *ENGINE_RESTART, *EVAL, "time_unix")
 
 
 def new_record() -> dict[str, Any]:

@@ -217,6 +217,8 @@ def _check_run(run: RunConfig, where: str) -> None:
     if run.keep_connections and run.shared_pool:
         raise ConfigError(f"{where}.keep_connections: the old client's one shared pool (shared_pool) is made anew "
                           "for each rollout, so nothing would be kept; drop one of the two keys")
+    if run.onload_beside_release:
+        _check_onload_beside_release(run, where)
     if run.release_comms and (run.trainer != "megatron" or run.train_tp * run.train_ep < 2):
         raise ConfigError(f"{where}.release_comms: only the megatron trainer on 2 or more GPUs (train_tp x train_ep) "
                           f"has process groups to release (trainer {run.trainer}, train_tp {run.train_tp}, train_ep "
@@ -230,6 +232,25 @@ def _check_run(run: RunConfig, where: str) -> None:
                                   f"and this run has train_ep {run.train_ep}; drop the key")
     if run.trainer == "megatron" and run.lora.rank % run.train_tp:
         raise ConfigError(f"{where}.lora.rank: {run.lora.rank} is not divisible by train_tp {run.train_tp}")
+
+
+def _check_onload_beside_release(run: RunConfig, where: str) -> None:
+    """onload_beside_release: only where an engine releases its weights in a call of their own and a trainer comes
+    back onto the GPU at every step."""
+    key = f"{where}.onload_beside_release"
+    if run.placement != "colocate" or not run.engine_sleep:
+        raise ConfigError(f"{key}: only a colocated engine that sleeps releases anything (placement {run.placement}, "
+                          f"engine_sleep {run.engine_sleep}); drop the key")
+    if run.engine != "sglang" or run.sglang_release != "all":
+        raise ConfigError(f"{key}: only SGLang releasing its weights (sglang_release: all) can release them in a "
+                          f"call after its KV cache's (engine {run.engine}"
+                          + (f", sglang_release {run.sglang_release}" if run.engine == "sglang" else "")
+                          + "); drop the key")
+    if run.trainer == "none":
+        raise ConfigError(f"{key}: trainer none has no onload to run beside the release; drop the key")
+    if run.keep_base_on_gpu is True:
+        raise ConfigError(f"{key}: keep_base_on_gpu true keeps the frozen base on the GPU, so the onload moves the "
+                          "LoRA state alone and nothing worth overlapping; use keep_base_on_gpu false or auto")
 
 
 def _check_train_ep(run: RunConfig, where: str) -> None:

@@ -123,6 +123,14 @@ class RunConfig(_Frozen):
         "memory, measured once the rest of the trainer is offloaded and before the engine starts, holds the "
         "engine's share (gpu_memory_utilization of the GPU) and a margin (run/base_residency.py); the decision is "
         "in provenance.json and train/keep_base_on_gpu")
+    onload_beside_release: bool = Field(
+        False, description="colocate with SGLang releasing its weights too (sglang_release all): the engine's sleep "
+        "is two calls, its KV cache first, then its weights, and the trainer's onload runs beside the second, so "
+        "that the weights leaving and the trainer's base coming back cross the host link at once, in opposite "
+        "directions; done in a step where every GPU's free memory after the first call holds what the trainer's "
+        "last onload took there and a margin, else one after the other (run/onload_beside_release.py; each step "
+        "records which as placement/onload_beside_release). For a base that does not stay on the GPU "
+        "(keep_base_on_gpu false, or auto where it does not fit)")
     release_comms: bool = Field(
         False, description="megatron trainer on 2 or more GPUs (train_tp x train_ep): destroy its process groups "
         "(their NCCL communicators and buffers) at each offload and make them again at the next onload; the groups' "
@@ -254,7 +262,8 @@ class RunSpec(_Frozen):
 _LATE_KEYS = {"rollout_process": False, "release_comms": False, "replicate_seeds": False, "chunked_head": False,
               "train_ep": 1, "max_awake_shortfall_gb": 2.0, "lora.init_b_std": 0.0, "engine_sleep": True,
               "ep_dispatch": "host_read", "ep_batch": "replicated", "vllm_detokenize": True,
-              "sglang_detokenize": True, "keep_connections": False, "gc_freeze": False}
+              "sglang_detokenize": True, "keep_connections": False, "gc_freeze": False,
+              "onload_beside_release": False}
 
 # a replicate's suffix: after the 8-hex hash, so no readable prefix (`name`) can look like one
 _REPLICATE = re.compile(r"^(?P<config>.+-[0-9a-f]{8})(?:-r(?P<k>[0-9]+))?$")

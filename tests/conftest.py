@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -31,3 +32,13 @@ def groups() -> Iterator[Any]:
         parallel_state.destroy_model_parallel()
         if started:
             dist.destroy_process_group()
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """A model folder with only the config.json that a server engine's command line reads (context length, dtype),
+    for the engines' tests without a GPU."""
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"max_position_embeddings": 8192, "dtype": "bfloat16"}))
+    return d

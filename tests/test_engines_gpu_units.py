@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from pathlib import Path
 
@@ -30,14 +29,6 @@ def _run(**over) -> RunConfig:
            "vllm_sleep_level": 1, "engine_args": [], "startup_timeout_s": 60, "request_timeout_s": 60,
            "lora": {"rank": 8, "target_modules": ["q_proj", "v_proj"]}}
     return RunConfig.model_validate({**run, **over})
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"max_position_embeddings": 8192, "dtype": "bfloat16"}))
-    return d
 
 
 # -- SGLang: release tags ------------------------------------------------------------------------

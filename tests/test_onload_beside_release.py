@@ -5,7 +5,6 @@ two release calls, the config's refusals and the floor of the phase."""
 from __future__ import annotations
 
 import copy
-import json
 import threading
 import time
 from pathlib import Path
@@ -183,14 +182,6 @@ def test_without_the_key_the_engine_sleeps_in_one_call(monkeypatch) -> None:
 
 
 # -- SGLang's two calls ------------------------------------------------------------------------------------------
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"max_position_embeddings": 8192, "dtype": "bfloat16"}))
-    return d
-
-
 def test_sglang_releases_its_kv_cache_first_then_its_weights(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
     posted: list[tuple[str, Any]] = []
     monkeypatch.setattr(sglang, "asleep_readings", lambda gpus: {"mem/engine_asleep_gb": 3.0})

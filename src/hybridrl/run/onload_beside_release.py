@@ -36,11 +36,14 @@ class OnloadBeside:
         self.need_gb: dict[int, float] | None = None  # by NVML index: what the last onload done alone took there
 
     def decide(self, memory_gb: Mapping[int, tuple[float, float]]) -> bool:
-        """True where every GPU's free memory (total - used, from `memory_gb`: index -> (used, total)) holds its
-        need and the margin. False before any onload was measured, and with no reading (no NVML): the safe side."""
-        if not self.need_gb or not memory_gb:
+        """True where every GPU of `memory_gb` (index -> (used, total)) has free memory for the most the last onload
+        took on any GPU (the trainer's ranks are alike, and a rank still freeing memory as it was read would show
+        less) and the margin. False before any onload was measured, with no reading (no NVML), and where a GPU
+        measured then is missing now: the safe side."""
+        if not self.need_gb or not memory_gb or any(i not in memory_gb for i in self.need_gb):
             return False
-        return all(total - used >= self.need_gb.get(i, 0.0) + self.margin_gb for i, (used, total) in memory_gb.items())
+        need = max(self.need_gb.values()) + self.margin_gb
+        return all(total - used >= need for used, total in memory_gb.values())
 
     def measured(self, before: Mapping[int, tuple[float, float]], after: Mapping[int, tuple[float, float]]) -> None:
         """An onload done alone, from NVML before and after it: what it took on each GPU."""
@@ -56,8 +59,8 @@ class OnloadBeside:
 
 def run_beside(release: Callable[[], None], onload: Callable[[], None]) -> tuple[float, float]:
     """`release` on a thread of its own and `onload` on this one, at once; each one's seconds. Both are waited for
-    before anything is raised, the release's error first (an engine that died is started again by the loop, which
-    offloads the trainer before it)."""
+    before anything is raised: the release's error first (the onload's, if it failed too, as its cause), since a
+    dead engine is what the loop can recover from."""
 
     def timed(fn: Callable[[], None]) -> float:
         t0 = time.perf_counter()
@@ -68,9 +71,9 @@ def run_beside(release: Callable[[], None], onload: Callable[[], None]) -> tuple
         released = pool.submit(timed, release)
         try:
             onload_s = timed(onload)
-        except BaseException:
-            error = released.exception()  # waits for it; a failed release is the cause to name
+        except BaseException as exc:
+            error = released.exception()  # waits for it
             if error is not None:
-                raise error from None
+                raise error from exc
             raise
         return released.result(), onload_s

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hybridrl import nvml
-from hybridrl.engines.base import Engine
+from hybridrl.engines.base import Engine, EngineError, SleepStages
 from hybridrl.run import base_residency
 from hybridrl.run.onload_beside_release import OnloadBeside, run_beside
 from hybridrl.run.record import ENGINE_ASLEEP_OWN
@@ -104,28 +103,35 @@ class Colocate(Placement):
             return
         stages = self.engine.sleep_stages() if self.beside is not None else None
         if stages is not None:
-            self.release_beside_onload(t, *stages)
+            self.release_beside_onload(t, stages)
             return
         with t.phase("sleep", self.sampler):
             self.engine.sleep()
         self.readings[ENGINE_ASLEEP_OWN] = self.asleep_own()
         self.onload_trainer(t)
 
-    def release_beside_onload(self, t: Timings, release_cache: Callable[[], None],
-                              release_weights: Callable[[], None]) -> None:
-        """The sleep in its two calls, and the trainer's onload beside the second where every GPU has room for it
-        (OnloadBeside); else one after the other, as a plain sleep, and the onload measured for the next step."""
+    def release_beside_onload(self, t: Timings, stages: SleepStages) -> None:
+        """The sleep in its parts, and the trainer's onload beside the weights' release where every GPU has room
+        for it (OnloadBeside); else one after the other, as a plain sleep, and the onload measured for the next step.
+        Beside it, the engine's whole asleep reading is not taken (NVML cannot tell it from the base arriving): its
+        own reading, the trainer's processes left out, is taken once both are done."""
         assert self.beside is not None and self.trainer is not None
         with t.phase("sleep", self.sampler):
-            release_cache()
+            stages.release_cache()
         if self.beside.decide(self.sampler.memory_gb()):
             with t.phase("release_onload", self.sampler):
-                seconds = run_beside(release_weights, self.trainer.onload)
+                try:
+                    seconds = run_beside(stages.release_weights, self.trainer.onload)
+                except EngineError:
+                    # the loop starts the engine again next, and it sizes its memory from what it finds free
+                    self.trainer.offload()
+                    raise
             self.readings[ENGINE_ASLEEP_OWN] = self.asleep_own()
             self.readings.update(self.beside.record(True, seconds))
             return
         with t.phase("sleep", self.sampler):
-            release_weights()
+            stages.release_weights()
+            stages.read_asleep()
         self.readings[ENGINE_ASLEEP_OWN] = self.asleep_own()
         before = self.sampler.memory_gb()
         self.onload_trainer(t)

@@ -59,9 +59,13 @@ fi
 if ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
     echo "setup: installing chromium (the report's browser test)"
-    { DEBIAN_FRONTEND=noninteractive apt-get update -qq \
-        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
-      || echo "setup: chromium did not install; the report's browser test will skip" >&2
+    for try in 1 2 3; do  # the package mirror, like PyPI, drops a download now and then
+      { DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+          && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } && break
+      echo "setup: chromium did not install (try $try of 3)" >&2
+      sleep $((try * 15))
+    done
+    command -v chromium >/dev/null || echo "setup: no chromium; the report's browser test will skip" >&2
   else
     echo "setup: no chromium; as root, apt-get install chromium, or the report's browser test skips" >&2
   fi

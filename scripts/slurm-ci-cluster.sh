@@ -27,8 +27,14 @@ install() {
   [ "$(id -u)" = 0 ] || { echo "slurm-ci-cluster: run as root (apt-get and the daemons need it)" >&2; exit 1; }
   log "installing slurm-wlm and munge"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null
+  local try
+  for try in 1 2 3; do  # the package mirror drops a download now and then: try again before failing CI
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null && return
+    log "apt-get failed (try $try of 3)"
+    sleep $((try * 15))
+  done
+  echo "slurm-ci-cluster: slurm-wlm and munge did not install (apt-get failed three times)" >&2
+  exit 1
 }
 
 write_conf() {

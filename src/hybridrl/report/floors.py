@@ -21,9 +21,10 @@ import yaml
 
 from hybridrl import gpu_specs
 from hybridrl.report import floor_model, stats
-from hybridrl.report.aggregate import read_provenance
+from hybridrl.report.aggregate import read_provenance, to_bool
 from hybridrl.report.cells import Cell, Table, fmt
 from hybridrl.run import request_records
+from hybridrl.run.onload_beside_release import DONE as ONLOAD_BESIDE
 
 CONFIGS = Path(__file__).resolve().parents[3] / "config"
 # (column, phase as the table names it)
@@ -192,15 +193,16 @@ def phase_floor(inputs: RunInputs, column: str, row: pd.Series) -> Floor:
         return _onload_floor(inputs, row, weights, lora_state)
     if column == "timing_s/trainer_offload":  # the frozen base's pinned copy is reused: only LoRA state moves
         return _copy(inputs, lora_state, "d2h", "LoRA state")
-    if column == "timing_s/sleep" and _onload_beside(row):  # the weights left in release_onload: KV cache only
+    if column == "timing_s/sleep" and to_bool(row.get(ONLOAD_BESIDE)) is True:  # the weights left in release_onload
         return _copy(inputs, 0, "d2h", "the KV cache's release (the weights leave beside the onload)")
     if column in ("timing_s/sleep", "timing_s/wake"):
         return _engine_floor(inputs, weights, tp, "d2h" if column == "timing_s/sleep" else "h2d")
     if column == "timing_s/release_onload":  # opposite ways over the link at once: the longer of the two
         floors = [_engine_floor(inputs, weights, tp, "d2h"), _onload_floor(inputs, row, weights, lora_state)]
-        if any(f.seconds is None for f in floors):
-            return next(f for f in floors if f.seconds is None)
-        return Floor(max(f.seconds or 0.0 for f in floors), f"the longer of {floors[0].basis} and {floors[1].basis}")
+        seconds = [f.seconds for f in floors]
+        if None in seconds:
+            return floors[seconds.index(None)]
+        return Floor(max(seconds), f"the longer of {floors[0].basis} and {floors[1].basis}")
     if column == "timing_s/update_weights":
         return _copy(inputs, _lora_bytes(inputs, floor_model.BF16, tp), "h2d", "adapter (bf16) a GPU")
     raise ValueError(f"no floor for {column!r}")
@@ -221,12 +223,6 @@ def _engine_floor(inputs: RunInputs, weights: float, tp: int, way: str) -> Floor
     what = "engine weights a GPU" if moves else ("the KV-only release" if moves is False
                                                   else "vLLM level 2 drops its weights")
     return _copy(inputs, nbytes, way, what)
-
-
-def _onload_beside(row: pd.Series) -> bool:
-    """Whether this step ran the trainer's onload beside the release of the engine's weights."""
-    done = row.get("placement/onload_beside_release")
-    return done is not None and not pd.isna(done) and str(done).lower() in ("true", "1", "1.0")
 
 
 def floor_table(df: pd.DataFrame, runs_dir: Path, labels: dict[str, str]) -> Table | None:

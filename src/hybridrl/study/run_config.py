@@ -127,10 +127,10 @@ class RunConfig(_Frozen):
         False, description="colocate with SGLang releasing its weights too (sglang_release all): the engine's sleep "
         "is two calls, its KV cache first, then its weights, and the trainer's onload runs beside the second, so "
         "that the weights leaving and the trainer's base coming back cross the host link at once, in opposite "
-        "directions; done in a step where every GPU's free memory after the first call holds what the trainer's "
-        "last onload took there and a margin, else one after the other (run/onload_beside_release.py; each step "
-        "records which as placement/onload_beside_release). For a base that does not stay on the GPU "
-        "(keep_base_on_gpu false, or auto where it does not fit)")
+        "directions; done in a step where every GPU's free memory after the first call holds the most the trainer's "
+        "last onload done alone took on a GPU and a margin, else one after the other "
+        "(run/onload_beside_release.py; each step records which as placement/onload_beside_release). For a base "
+        "that does not stay on the GPU (keep_base_on_gpu false, or auto where it does not fit)")
     release_comms: bool = Field(
         False, description="megatron trainer on 2 or more GPUs (train_tp x train_ep): destroy its process groups "
         "(their NCCL communicators and buffers) at each offload and make them again at the next onload; the groups' "

@@ -322,6 +322,37 @@ def test_dead_engine_is_restarted_and_counted(assets, tmp_path):
     assert records[1]["errors/engine_restarts"] == 1 and engine.starts == 2
 
 
+class DiesPartWay(ScriptedEngine):
+    """Answers the first requests of a rollout and fails the rest; with `dies`, it is killed part way (their
+    connections dropped), else the failures are its own and it lives on."""
+
+    def __init__(self, dies: bool) -> None:
+        super().__init__()
+        self.dies, self.broke = dies, False
+
+    def generate(self, requests, progress=False, shared_pool=False):
+        out = super().generate(requests, progress, shared_pool)
+        if len(requests) > 1 and self.rollouts == 2 and not self.broke:  # the second step's rollout, once
+            self.broke, self.up = True, not self.dies
+            out = out[:2] + [Completion(error="ReadError: ") for _ in out[2:]]
+        return out
+
+
+def test_an_engine_killed_part_way_through_a_rollout_is_restarted_and_the_rollout_done_again(assets, tmp_path):
+    engine = DiesPartWay(dies=True)
+    records = run_loop(_run(steps=2), "r16", assets / "model", assets / "data", tmp_path, {}, progress=False,
+                       engine=engine)
+    assert [r["errors/engine_restarts"] for r in records] == [0, 1] and engine.starts == 2
+    assert records[1]["errors/requests_failed"] == 0 and records[1]["timing_s/recover"] is not None
+
+
+def test_failed_requests_of_a_live_engine_stay_in_the_step(assets, tmp_path):
+    records = run_loop(_run(steps=2), "r17", assets / "model", assets / "data", tmp_path, {}, progress=False,
+                       engine=DiesPartWay(dies=False))
+    assert [r["errors/engine_restarts"] for r in records] == [0, 0]
+    assert records[1]["errors/requests_failed"] > 0
+
+
 def test_engine_dead_at_the_adapter_load_is_restarted_with_the_new_adapter(assets, tmp_path):
     class DiesAtFirstLoad(ScriptedEngine):
         def load_adapter(self, name, path):

